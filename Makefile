@@ -1,0 +1,26 @@
+# Set-up is part of every target: a fresh machine needs only python3.11 and make.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export RAY_USAGE_STATS_ENABLED ?= 0
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install test demo clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+demo: install
+	$(PY) -m miles.controller --multi-lora-n-adapters 4 --save runs/demo --multi-lora-api-port 8068
+
+clean:
+	rm -rf runs .cache .pytest_cache

@@ -1,0 +1,270 @@
+"""The types that cross a process or component boundary, defined once.
+
+Controller snapshots travel from the controller actor to the driver, samples and
+rollout batches from the rollout manager to the train actors, and engine
+request/response shapes over HTTP between the producer and the inference servers.
+Everything here is a plain dataclass (picklable by Ray) or a pydantic model (validated
+at the HTTP edge); nothing is a string-keyed dict.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from miles.utils.adapter_config import AdapterRunConfig
+
+
+# --------------------------------------------------------------------------------------
+# Adapter lifecycle
+# --------------------------------------------------------------------------------------
+
+
+class AdapterState(str, enum.Enum):
+    """Lifecycle of one adapter; PENDING, ACTIVE, RETIRING and CLEANUP hold a slot."""
+
+    PENDING = "PENDING"
+    """Registered and given a slot; its weights are not on the engines yet."""
+    ACTIVE = "ACTIVE"
+    """Weights pushed at least once; sampled and trained."""
+    RETIRING = "RETIRING"
+    """Asked to stop (DELETE or `num_step` reached); still sampleable until retired."""
+    CLEANUP = "CLEANUP"
+    """No longer sampled; waiting for the trainer's final save and slot release."""
+    COMPLETED = "COMPLETED"
+    """Done; holds no slot. Kept for status queries (bounded retention)."""
+
+    @property
+    def holds_slot(self) -> bool:
+        return self is not AdapterState.COMPLETED
+
+    @property
+    def sampleable(self) -> bool:
+        return self in (AdapterState.ACTIVE, AdapterState.RETIRING)
+
+
+def engine_lora_name(slot: int) -> str:
+    """The engine-side name of a slot's LoRA (`lora_path` in SGLang requests)."""
+    return f"__miles_slot_{slot}"
+
+
+def adapter_rid(adapter: str, unique: str) -> str:
+    """Request id of one generation request; aborting an adapter is a prefix abort."""
+    return f"{adapter}::{unique}"
+
+
+def adapter_rid_prefix(adapter: str) -> str:
+    return f"{adapter}::"
+
+
+@dataclass(frozen=True)
+class AdapterRun:
+    """Read-only view of one live adapter, as carried by a snapshot."""
+
+    name: str
+    config: AdapterRunConfig
+    """The resolved config: every default filled in from the process config."""
+    slot: int
+    """Row of the LoRA page table this adapter owns."""
+    version: int
+    """Slot version of the weights the engines serve (bumped per push, never reset)."""
+    step: int
+    """Optimizer steps taken (including steps restored from a checkpoint)."""
+    accumulated_groups: int
+    """Prompt groups trained since the last optimizer step."""
+    registration_id: str
+    """uuid4 hex issued at registration; a re-registration gets a new one."""
+
+
+@dataclass(frozen=True)
+class MultiLoRASnapshot:
+    """Point-in-time copy of the registry that the driver loop acts on."""
+
+    pending: dict[str, AdapterRun] = field(default_factory=dict)
+    active: dict[str, AdapterRun] = field(default_factory=dict)
+    retiring: dict[str, AdapterRun] = field(default_factory=dict)
+    cleanup: frozenset[str] = frozenset()
+    completed: frozenset[str] = frozenset()
+
+    @property
+    def sampleable(self) -> dict[str, AdapterRun]:
+        """ACTIVE and RETIRING adapters: the ones the producer generates for."""
+        return {**self.active, **self.retiring}
+
+    @property
+    def live(self) -> dict[str, AdapterRun]:
+        """Adapters that own a slot and have a view (PENDING, ACTIVE, RETIRING)."""
+        return {**self.pending, **self.active, **self.retiring}
+
+    @property
+    def all_adapters_cleaned_up(self) -> bool:
+        """True when no adapter holds a slot any more."""
+        return not (self.pending or self.active or self.retiring or self.cleanup)
+
+
+# --------------------------------------------------------------------------------------
+# Rollout data
+# --------------------------------------------------------------------------------------
+
+
+class SampleStatus(str, enum.Enum):
+    COMPLETED = "completed"
+    """Stopped on EOS or a stop string."""
+    TRUNCATED = "truncated"
+    """Hit `max_new_tokens`."""
+    ABORTED = "aborted"
+    """Aborted by the engine; a group holding one is dropped whole."""
+
+
+@dataclass
+class Sample:
+    """One prompt and one generated response, with everything training needs."""
+
+    adapter: str
+    slot: int
+    group_index: int
+    """Index of the prompt within the adapter's dataset stream (unique per group)."""
+    index: int
+    """Position of this response within its prompt group."""
+    prompt: str
+    label: str | None
+    metadata: dict[str, Any]
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response: str = ""
+    rollout_logprobs: list[float] = field(default_factory=list)
+    """Engine logprob of each response token (for TIS); same length as response_ids."""
+    reward: float = 0.0
+    status: SampleStatus = SampleStatus.COMPLETED
+
+
+@dataclass
+class PromptGroup:
+    """The `n_samples_per_prompt` responses to one prompt, stamped at submission."""
+
+    adapter: str
+    slot: int
+    version: int
+    """Slot version when the group was submitted (staleness is measured from it)."""
+    registration_id: str
+    samples: list[Sample]
+
+    @property
+    def aborted(self) -> bool:
+        return any(s.status is SampleStatus.ABORTED for s in self.samples)
+
+
+@dataclass
+class RolloutBatch:
+    """One train batch: whole prompt groups of one or more adapters."""
+
+    rollout_id: int
+    samples: list[Sample]
+    """Ordered by (slot, group_index, index); groups are contiguous."""
+    prompt_group_sizes: list[int]
+    """Sizes of the consecutive prompt groups in `samples` (sum == len(samples))."""
+    groups_per_adapter: dict[str, int]
+    step_names: list[str]
+    """Adapters whose accumulated groups reach `rollout_batch_size` with this batch."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------
+# Weight push
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoraPush:
+    """One adapter's LoRA weights on their way from train rank 0 to every engine.
+
+    `tensors_ref` is a Ray ObjectRef to a `dict[str, torch.Tensor]` keyed by PEFT
+    parameter names (rank-sliced); it is put in the object store once per push.
+    """
+
+    adapter: str
+    slot: int
+    version: int
+    """The slot version this push will become (current + 1)."""
+    peft_config: dict[str, Any]
+    """Contents of `adapter_config.json`."""
+    tensors_ref: Any
+
+
+# --------------------------------------------------------------------------------------
+# Engine HTTP API (the subset of SGLang's that every engine serves)
+# --------------------------------------------------------------------------------------
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(default=128, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    """-1 or 0 means no top-k filtering."""
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+class GenerateRequest(BaseModel):
+    """`POST /generate`. A batch when `text` / `input_ids` is a list of prompts."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] = Field(default_factory=SamplingParams)
+    lora_path: str | list[str | None] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool = False
+
+
+class FinishReason(BaseModel):
+    type: Literal["stop", "length", "abort"]
+    matched: str | int | None = None
+    message: str | None = None
+
+
+class GenerateMetaInfo(BaseModel):
+    id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    """SGLang's shape: (logprob, token_id, token_text or None) per generated token."""
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str = ""
+    prefix: bool = False
+    abort_all: bool = False
+
+
+class LoadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_path: str
+    upsert: bool = False
+
+
+class UnloadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
