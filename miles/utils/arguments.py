@@ -97,6 +97,7 @@ class MilesConfig:
     kl_coef: float = _flag(0.0, "KL penalty to the base model (slot switched off).")
 
     # ---- drivers ----
+    prompt_data: str | None = _flag(None, "train_async: dataset of the single policy (jsonl, json or parquet).")
     num_rollout: int = _flag(100, "train_async: rollouts to train on.")
     start_rollout_id: int = _flag(0, "train_async: first rollout id.")
     update_weights_interval: int = _flag(1, "train_async: push weights every N rollouts.")

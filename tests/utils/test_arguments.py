@@ -1,0 +1,91 @@
+"""The CLI parses once into a frozen, validated config; bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from miles.utils.arguments import ConfigError, MilesConfig, build_parser, parse_args
+
+
+def test_defaults_are_derived_once():
+    cfg = parse_args([])
+    assert cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt
+    assert cfg.multi_lora_max_adapter_global_batch_size == 4 * cfg.global_batch_size
+    assert cfg.eps_clip_high == cfg.eps_clip
+    assert cfg.multi_lora_api_host == "127.0.0.1"
+    assert cfg.multi_lora_api_port == 8068
+    assert cfg.multi_lora_idle_poll_s == 5.0
+
+
+def test_config_is_frozen():
+    cfg = parse_args([])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 1.0  # type: ignore[misc]
+
+
+def test_every_field_is_a_flag_with_miles_spelling():
+    parser = build_parser()
+    flags = {opt for action in parser._actions for opt in action.option_strings}
+    for f in dataclasses.fields(MilesConfig):
+        assert "--" + f.name.replace("_", "-") in flags
+
+
+def test_adapter_flags_both_forms(tmp_path):
+    cfg = parse_args([
+        "--multi-lora-n-adapters", "4",
+        "--multi-lora-adapter", "a", "x/a.yaml",
+        "--multi-lora-adapter", "b", "x/b.yaml",
+        "--multi-lora-adapters", "y/c.yaml", "y/d.yaml",
+    ])
+    assert cfg.initial_adapters == [("a", "x/a.yaml"), ("b", "x/b.yaml"), ("c", "y/c.yaml"), ("d", "y/d.yaml")]
+
+
+def test_config_file_values_and_command_line_wins(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 0.001\nlora-rank: 4\nmulti_lora_n_adapters: 2\nuse_tis: true\n")
+    cfg = parse_args(["--config", str(path), "--lr", "0.5"])
+    assert cfg.lr == 0.5
+    assert cfg.lora_rank == 4
+    assert cfg.multi_lora_n_adapters == 2
+    assert cfg.use_tis is True
+
+
+def test_config_file_unknown_key_is_rejected(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learning_rate: 0.1\n")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--config", str(path)])
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("values, fragment", [
+    ({"lora_rank": 0}, "--lora-rank must be > 0"),
+    ({"sglang_router_ip": "127.0.0.1"}, "--sglang-router-port"),
+    ({"multi_lora_adapter": [("a", "a.yaml")]}, "--multi-lora-n-adapters"),
+    ({"multi_lora_n_adapters": 1, "multi_lora_adapters": ["a.yaml", "b.yaml"]}, "only 1 slots"),
+    ({"multi_lora_n_adapters": 2, "multi_lora_adapters": ["x/a.yaml", "y/a.yaml"]}, "unique"),
+    ({"save_interval": 0}, "--save-interval"),
+])
+def test_invalid_combinations_say_what_to_change(values, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        MilesConfig(**values)
+
+
+def test_invalid_flag_exits_2_with_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.utils.arguments", "--lora-rank", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["miles: error: --lora-rank must be > 0, got 0"]
+
+
+def test_api_token_from_environment(monkeypatch):
+    monkeypatch.setenv("MILES_API_TOKEN", "s3cret")
+    assert parse_args([]).multi_lora_api_token == "s3cret"
+    assert parse_args(["--multi-lora-api-token", "flag"]).multi_lora_api_token == "flag"
