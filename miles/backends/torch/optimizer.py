@@ -1,0 +1,158 @@
+"""AdamW with one independent optimizer per row of slot-dimensioned parameters.
+
+Every LoRA parameter of the page table has the slot as its first dimension
+(`A: [n_slots, r_max, in]`, `B: [n_slots, out, r_max]`). `SlotAdamW` keeps one moment
+tensor of the same shape per parameter, one step counter and one set of
+hyper-parameters per slot. Stepping slot `s` reads and writes only row `s` of the
+weights, moments and gradients, so an adapter's update never depends on its
+co-tenants. Only the first `rank` components along each parameter's rank dimension are
+ever updated; the padding stays exactly zero.
+
+    opt = SlotAdamW([(layer.lora_A, 1), (layer.lora_B, 2)], n_slots=4)
+    opt.configure_slot(2, rank=8, lr=1e-4, weight_decay=0.0)
+    grad_norm = opt.clip_slot_grad(2, max_norm=1.0)
+    opt.step_slot(2, lr=1e-4)
+    opt.zero_slot_grad(2)
+
+The update is torch's AdamW (decoupled weight decay, bias-corrected moments).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SlotHyperParams:
+    rank: int
+    lr: float
+    weight_decay: float
+
+
+class SlotAdamW:
+    """Per-slot AdamW over parameters whose dimension 0 is the slot."""
+
+    def __init__(
+        self,
+        params: list[tuple[torch.nn.Parameter, int]],
+        *,
+        n_slots: int,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
+        """`params` are (parameter, rank dimension) pairs; dim 0 must be the slot."""
+        for param, rank_dim in params:
+            if param.shape[0] != n_slots:
+                raise ValueError(f"parameter of shape {tuple(param.shape)} does not have {n_slots} slots in dim 0")
+            if not 0 < rank_dim < param.dim():
+                raise ValueError(f"rank dimension {rank_dim} is not a non-slot dimension of {tuple(param.shape)}")
+        self.params = params
+        self.n_slots = n_slots
+        self.betas = betas
+        self.eps = eps
+        self.exp_avg = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p, _ in params]
+        self.exp_avg_sq = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p, _ in params]
+        self.steps = [0] * n_slots
+        self.hparams: dict[int, SlotHyperParams] = {}
+
+    def configure_slot(self, slot: int, *, rank: int, lr: float, weight_decay: float) -> None:
+        """Give a slot its adapter's rank and hyper-parameters (moments untouched)."""
+        self._check_slot(slot)
+        self.hparams[slot] = SlotHyperParams(rank=rank, lr=lr, weight_decay=weight_decay)
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget a slot: zero its moments, step counter and retained gradients."""
+        self._check_slot(slot)
+        with torch.no_grad():
+            for (param, _), m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
+                m[slot].zero_()
+                v[slot].zero_()
+                if param.grad is not None:
+                    param.grad[slot].zero_()
+        self.steps[slot] = 0
+        self.hparams.pop(slot, None)
+
+    def slot_grads(self, slot: int) -> list[Tensor]:
+        """Views of row `slot` of every gradient (allocated as zeros when missing)."""
+        out = []
+        for param, _ in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            out.append(param.grad[slot])
+        return out
+
+    def mask_slot_grad(self, slot: int) -> None:
+        """Zero the gradient outside the slot's rank so padding never moves."""
+        rank = self._hparams(slot).rank
+        for (param, rank_dim), grad in zip(self.params, self.slot_grads(slot)):
+            grad.narrow(rank_dim - 1, rank, param.shape[rank_dim] - rank).zero_()
+
+    def scale_slot_grad(self, slot: int, factor: float) -> None:
+        for grad in self.slot_grads(slot):
+            grad.mul_(factor)
+
+    def clip_slot_grad(self, slot: int, max_norm: float) -> float:
+        """Clip row `slot` of the gradients by their joint L2 norm; returns the pre-clip norm.
+
+        Same rule as `torch.nn.utils.clip_grad_norm_`; `max_norm <= 0` only measures.
+        """
+        grads = self.slot_grads(slot)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for grad in grads:
+                grad.mul_(coef.to(grad.dtype))
+        return float(norm)
+
+    @torch.no_grad()
+    def step_slot(self, slot: int, lr: float) -> None:
+        """One AdamW step of row `slot` with learning rate `lr`."""
+        hp = self._hparams(slot)
+        beta1, beta2 = self.betas
+        self.steps[slot] += 1
+        step = self.steps[slot]
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+        self.mask_slot_grad(slot)
+        for (param, _), m_all, v_all, grad in zip(self.params, self.exp_avg, self.exp_avg_sq, self.slot_grads(slot)):
+            weight, m, v = param.data[slot], m_all[slot], v_all[slot]
+            weight.mul_(1 - lr * hp.weight_decay)
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            weight.addcdiv_(m, denom, value=-lr / bias_correction1)
+
+    def zero_slot_grad(self, slot: int) -> None:
+        for grad in self.slot_grads(slot):
+            grad.zero_()
+
+    def slot_state(self, slot: int) -> tuple[list[Tensor], list[Tensor], int]:
+        """Copies of row `slot` of the moments, and the slot's step counter."""
+        return (
+            [m[slot].clone() for m in self.exp_avg],
+            [v[slot].clone() for v in self.exp_avg_sq],
+            self.steps[slot],
+        )
+
+    @torch.no_grad()
+    def load_slot_state(self, slot: int, exp_avg: list[Tensor], exp_avg_sq: list[Tensor], step: int) -> None:
+        if len(exp_avg) != len(self.params) or len(exp_avg_sq) != len(self.params):
+            raise ValueError(f"optimizer state holds {len(exp_avg)} moments, the model has {len(self.params)} LoRA parameters")
+        for m_all, v_all, m, v in zip(self.exp_avg, self.exp_avg_sq, exp_avg, exp_avg_sq):
+            m_all[slot].copy_(m)
+            v_all[slot].copy_(v)
+        self.steps[slot] = step
+
+    def _hparams(self, slot: int) -> SlotHyperParams:
+        self._check_slot(slot)
+        if slot not in self.hparams:
+            raise KeyError(f"slot {slot} has no adapter configured: call configure_slot first")
+        return self.hparams[slot]
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise IndexError(f"slot {slot} is outside the page table (0..{self.n_slots - 1})")

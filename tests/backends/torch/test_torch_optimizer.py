@@ -1,0 +1,116 @@
+"""Per-slot AdamW equals torch's AdamW on one row and leaves the other rows alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.backends.torch.lr_schedule import LRSchedule
+from miles.backends.torch.optimizer import SlotAdamW
+
+
+def _params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.nn.Parameter(torch.randn(3, 4, 5, generator=g))  # [slots, rank, in]
+    b = torch.nn.Parameter(torch.randn(3, 6, 4, generator=g))  # [slots, out, rank]
+    return a, b
+
+
+def test_slot_step_matches_torch_adamw_and_touches_only_its_row():
+    a, b = _params()
+    # The adapter in slot 1 has rank 4 = full width, so the comparison covers every element.
+    ref_a = torch.nn.Parameter(a.detach()[1].clone())
+    ref_b = torch.nn.Parameter(b.detach()[1].clone())
+    ref = torch.optim.AdamW([ref_a, ref_b], lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, foreach=False)
+    opt = SlotAdamW([(a, 1), (b, 2)], n_slots=3, betas=(0.9, 0.99), eps=1e-8)
+    opt.configure_slot(1, rank=4, lr=0.01, weight_decay=0.1)
+    before = [a.detach().clone(), b.detach().clone()]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ga, gb = torch.randn(3, 4, 5, generator=g), torch.randn(3, 6, 4, generator=g)
+        a.grad, b.grad = ga.clone(), gb.clone()
+        ref_a.grad, ref_b.grad = ga[1].clone(), gb[1].clone()
+        ref.step()
+        opt.step_slot(1, lr=0.01)
+        # Other slots' gradients survive a step of slot 1 (they accumulate until their own step).
+        assert torch.equal(a.grad[0], ga[0]) and torch.equal(b.grad[2], gb[2])
+    assert torch.allclose(a.detach()[1], ref_a.detach(), atol=1e-7, rtol=0)
+    assert torch.allclose(b.detach()[1], ref_b.detach(), atol=1e-7, rtol=0)
+    for now, was in zip([a, b], before):
+        assert torch.equal(now.detach()[0], was[0]) and torch.equal(now.detach()[2], was[2])
+    assert opt.steps == [0, 3, 0]
+
+
+def test_padding_beyond_rank_stays_exactly_zero():
+    a, b = _params()
+    with torch.no_grad():
+        a[2, 2:].zero_()
+        b[2, :, 2:].zero_()
+    opt = SlotAdamW([(a, 1), (b, 2)], n_slots=3)
+    opt.configure_slot(2, rank=2, lr=0.1, weight_decay=0.5)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    opt.step_slot(2, lr=0.1)
+    assert torch.count_nonzero(a.detach()[2, 2:]) == 0 and torch.count_nonzero(b.detach()[2, :, 2:]) == 0
+    assert torch.count_nonzero(opt.exp_avg[0][2, 2:]) == 0 and torch.count_nonzero(opt.exp_avg_sq[1][2, :, 2:]) == 0
+    assert torch.count_nonzero(a.detach()[2, :2] - _params()[0].detach()[2, :2]) == 10
+
+
+def test_clip_uses_the_slot_norm_only():
+    a, b = _params()
+    opt = SlotAdamW([(a, 1), (b, 2)], n_slots=3)
+    a.grad = torch.zeros_like(a)
+    b.grad = torch.zeros_like(b)
+    a.grad[0, 0, 0] = 3.0
+    b.grad[0, 0, 0] = 4.0
+    b.grad[1] = 100.0  # another slot's huge gradient must not shrink slot 0's
+    assert opt.clip_slot_grad(0, max_norm=1.0) == pytest.approx(5.0)
+    assert a.grad[0, 0, 0].item() == pytest.approx(3.0 / (5.0 + 1e-6))
+    assert b.grad[0, 0, 0].item() == pytest.approx(4.0 / (5.0 + 1e-6))
+    assert torch.all(b.grad[1] == 100.0)
+    assert opt.clip_slot_grad(2, max_norm=1.0) == 0.0
+
+
+def test_reset_slot_zeroes_moments_steps_and_retained_grads():
+    a, b = _params()
+    opt = SlotAdamW([(a, 1), (b, 2)], n_slots=3)
+    for slot in (0, 1):
+        opt.configure_slot(slot, rank=4, lr=0.01, weight_decay=0.0)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    opt.step_slot(0, lr=0.01)
+    opt.step_slot(1, lr=0.01)
+    moments_1 = opt.slot_state(1)
+    opt.reset_slot(0)
+    assert opt.steps == [0, 1, 0]
+    assert all(torch.count_nonzero(m[0]) == 0 for m in opt.exp_avg + opt.exp_avg_sq)
+    assert torch.count_nonzero(a.grad[0]) == 0 and torch.count_nonzero(b.grad[0]) == 0
+    assert all(torch.equal(x, y) for x, y in zip(moments_1[0], opt.slot_state(1)[0]))
+    with pytest.raises(KeyError, match="configure_slot"):
+        opt.step_slot(0, lr=0.01)
+
+
+def test_schedules_follow_the_adapter_sample_clock():
+    def lrs(schedule, steps):
+        out = []
+        for _ in range(steps):
+            schedule.add_samples(8)
+            out.append(schedule.begin_step())
+        return out
+
+    constant = LRSchedule(lr=1.0, samples_per_step=8, warmup_steps=2)
+    assert lrs(constant, 4) == [0.5, 1.0, 1.0, 1.0]
+    linear = LRSchedule(lr=1.0, samples_per_step=8, style="linear", total_steps=4, min_lr=0.2)
+    assert lrs(linear, 4) == pytest.approx([1.0, 0.8, 0.6, 0.4])
+    cosine = LRSchedule(lr=1.0, samples_per_step=8, style="cosine", warmup_steps=1, total_steps=3)
+    # warmup step, then fractions 0 and 1/2 of the two decay steps
+    assert lrs(cosine, 3) == pytest.approx([1.0, 1.0, 0.5])
+    # Samples of a batch still accumulating do not move the lr of the current step.
+    half = LRSchedule(lr=1.0, samples_per_step=8, style="linear", total_steps=2)
+    half.add_samples(4)
+    half.add_samples(4)
+    assert half.begin_step() == 1.0
+    half.add_samples(8)
+    assert half.begin_step() == pytest.approx(0.5)
+    restored = LRSchedule.from_state_dict(half.state_dict())
+    assert restored == half
+    with pytest.raises(ValueError, match="lr_decay_style"):
+        LRSchedule(lr=1.0, samples_per_step=8, style="step")
