@@ -1,0 +1,246 @@
+"""The control-plane HTTP API (DESIGN §3): FastAPI on uvicorn, in the controller's loop.
+
+Routes: `GET /health`, `GET /adapter_runs`, `GET /adapter_runs/state?names=..`,
+`GET /adapter_runs/{name}`, `POST /adapter_runs`, `DELETE /adapter_runs/{name}`,
+`GET /metrics` (Prometheus); OpenAPI at `/docs`. Errors map by exception type:
+validation → 400, unknown adapter → 404, no free slot → 409, malformed body → 422,
+missing or wrong bearer token → 401.
+
+    curl -s localhost:8068/adapter_runs -H "Authorization: Bearer $MILES_API_TOKEN" \\
+         -d '{"name": "math", "config": {"data": "data/math.jsonl"}}'
+
+Handlers are `async def`, so they run on the same event loop as the controller actor's
+methods and never touch the registry concurrently. Subclasses may override
+`create_app()` and `add_routes(app)`; select one with `--multi-lora-http-server-path`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+import yaml
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import ValidationError
+
+from miles.controller.backend import MultiLoRABackend
+from miles.controller.registry import AdapterNotFoundError, AdapterValidationError, NoFreeSlotError
+from miles.utils.types import AdapterState, RegisterAdapterRequest
+
+if TYPE_CHECKING:
+    from miles.utils.arguments import MilesConfig
+
+logger = logging.getLogger(__name__)
+
+UNAUTHENTICATED_PATHS = frozenset({"/health"})
+
+
+@dataclass(frozen=True)
+class HTTPServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8068
+    """0 picks a free port; `start()` returns the bound one."""
+    token: str | None = None
+    allowed_roots: tuple[Path, ...] = ()
+    """Paths in requests must resolve inside one of these (default: cwd and --save)."""
+
+    @classmethod
+    def from_config(cls, cfg: MilesConfig) -> HTTPServerConfig:
+        roots = [Path(r) for r in cfg.multi_lora_allowed_roots]
+        if not roots:
+            roots = [Path.cwd()] + ([Path(cfg.save)] if cfg.save else [])
+        return cls(
+            host=cfg.multi_lora_api_host, port=cfg.multi_lora_api_port,
+            token=cfg.multi_lora_api_token or os.environ.get("MILES_API_TOKEN") or None,
+            allowed_roots=tuple(r.expanduser().resolve() for r in roots),
+        )
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its signal handlers: the owning process decides how to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class _BackendCollector:
+    """Adapter counts and registration totals, read from the backend at scrape time."""
+
+    def __init__(self, backend: MultiLoRABackend) -> None:
+        self.backend = backend
+
+    def collect(self) -> Iterator[Any]:
+        adapters = GaugeMetricFamily("miles_controller_adapters", "Adapters per lifecycle state", labels=["state"])
+        counts = {state: 0 for state in AdapterState}
+        for status in self.backend.statuses():
+            counts[status.state] += 1
+        for state, count in counts.items():
+            adapters.add_metric([state.value], count)
+        yield adapters
+        yield CounterMetricFamily("miles_controller_registrations", "Adapters registered",
+                                  value=self.backend.registrations_total)
+        yield CounterMetricFamily("miles_controller_deregistrations", "Adapters deregistered (moved to RETIRING by DELETE)",
+                                  value=self.backend.deregistrations_total)
+
+
+class MultiLoRAHTTPServer:
+    def __init__(self, backend: MultiLoRABackend, config: HTTPServerConfig | None = None) -> None:
+        self.backend = backend
+        self.config = config or HTTPServerConfig(allowed_roots=(Path.cwd().resolve(),))
+        self.metrics = CollectorRegistry(auto_describe=True)
+        self.metrics.register(_BackendCollector(backend))
+        self.requests_total = Counter("miles_controller_requests", "HTTP requests by route and status",
+                                      ["route", "method", "status"], registry=self.metrics)
+        self.app = self.create_app()
+        self._server: _EmbeddedUvicorn | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.port: int | None = None
+
+    # ---- app -------------------------------------------------------------------------
+
+    def create_app(self) -> FastAPI:
+        app = FastAPI(title="Miles Multi-LoRA Controller", version="1.0")
+        self._add_error_handlers(app)
+        self.add_routes(app)
+        # Added last, so outermost: requests refused by the token check are counted too.
+        app.middleware("http")(self._check_token)
+        app.middleware("http")(self._count_request)
+        return app
+
+    def _add_error_handlers(self, app: FastAPI) -> None:
+        def handler(status: int):
+            async def respond(request: Request, exc: Exception) -> JSONResponse:
+                return JSONResponse(status_code=status, content={"detail": str(exc)})
+            return respond
+
+        app.add_exception_handler(AdapterValidationError, handler(400))
+        app.add_exception_handler(AdapterNotFoundError, handler(404))
+        app.add_exception_handler(NoFreeSlotError, handler(409))
+
+    async def _check_token(self, request: Request, call_next: Any) -> Response:
+        token = self.config.token
+        if token and request.url.path not in UNAUTHENTICATED_PATHS:
+            given = request.headers.get("authorization", "")
+            scheme, _, value = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+                return JSONResponse(
+                    status_code=401, headers={"WWW-Authenticate": "Bearer"},
+                    content={"detail": "Missing or invalid token: send 'Authorization: Bearer <token>'"},
+                )
+        return await call_next(request)
+
+    async def _count_request(self, request: Request, call_next: Any) -> Response:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        # Unmatched paths share one label, so scanning random URLs cannot grow the metrics.
+        label = getattr(route, "path", "unmatched")
+        self.requests_total.labels(label, request.method, str(response.status_code)).inc()
+        return response
+
+    def add_routes(self, app: FastAPI) -> None:
+        backend = self.backend
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "healthy"}
+
+        @app.get("/adapter_runs")
+        async def list_adapters() -> dict[str, Any]:
+            return {"adapters": [s.model_dump(mode="json") for s in backend.statuses()]}
+
+        @app.get("/adapter_runs/state")
+        async def adapter_states(names: list[str] = Query(default=[])) -> dict[str, Any]:
+            states = backend.states(names)
+            return {"states": {n: (s.value if s is not None else None) for n, s in states.items()}}
+
+        @app.get("/adapter_runs/{name}")
+        async def adapter_status(name: str) -> dict[str, Any]:
+            return backend.adapter_status(name).model_dump(mode="json")
+
+        @app.post("/adapter_runs", openapi_extra=_register_openapi())
+        async def register(request: Request) -> dict[str, Any]:
+            body = await self._parse_register_body(request)
+            slot = backend.register(body.name, config=body.config, yaml_path=body.yaml_path,
+                                    allowed_roots=list(self.config.allowed_roots))
+            return {"name": body.name, "slot": slot}
+
+        @app.delete("/adapter_runs/{name}")
+        async def deregister(name: str) -> dict[str, str]:
+            backend.deregister(name)
+            return {"status": "ok", "name": name}
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.metrics), media_type=CONTENT_TYPE_LATEST)
+
+    async def _parse_register_body(self, request: Request) -> RegisterAdapterRequest:
+        """JSON, or YAML when the content type says so; both parsed safely, never unpickled."""
+        raw = await request.body()
+        content_type = request.headers.get("content-type", "")
+        try:
+            data = yaml.safe_load(raw) if "yaml" in content_type else json.loads(raw or b"null")
+        except (ValueError, yaml.YAMLError) as exc:
+            raise RequestValidationError([{"type": "value_error", "loc": ("body",), "msg": f"Malformed body: {exc}", "input": None}]) from None
+        try:
+            return RegisterAdapterRequest.model_validate(data)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors(include_url=False, include_context=False)) from None
+
+    # ---- serving -----------------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Bind and serve on the running event loop; returns the bound port."""
+        sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.config.host, self.config.port))
+        except OSError as exc:
+            sock.close()
+            raise RuntimeError(
+                f"Control plane cannot bind {self.config.host}:{self.config.port} ({exc}); "
+                "pick another --multi-lora-api-port (0 = any free port)"
+            ) from exc
+        self.port = sock.getsockname()[1]
+        uv_config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        self._server = _EmbeddedUvicorn(uv_config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="control-plane-http")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("Control plane HTTP server stopped before it started")
+            await asyncio.sleep(0.01)
+        logger.info("Control plane listening on %s (OpenAPI at /docs)", self.url)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        await self._task
+        self._server = self._task = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        return f"http://{host}:{self.port}"
+
+
+def _register_openapi() -> dict[str, Any]:
+    schema = RegisterAdapterRequest.model_json_schema()
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema},
+                                                          "application/yaml": {"schema": schema}}}}

@@ -1,0 +1,306 @@
+"""The adapter lifecycle state machine (DESIGN §2): plain Python, no Ray, no HTTP.
+
+`AdapterRegistry` owns the slots of the LoRA page table, the adapters' states and their
+batch accounting. The controller actor and the HTTP server only delegate to it, so every
+rule here is testable alone:
+
+    registry = AdapterRegistry(n_slots=4)
+    slot = registry.register("math", resolved_config)     # PENDING, lowest free slot
+    registry.record_weight_update(["math"])               # ACTIVE, slot version + 1
+    registry.record_batch_adapters(0, {"math": 8}, ["math"])
+    registry.mark_batch_trained(0)                        # step 1
+    registry.deregister("math"); registry.retire_adapters(); registry.free_slot("math")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles.utils.adapter_config import AdapterConfigError, AdapterRunConfig, validate_adapter_name
+from miles.utils.types import AdapterRun, AdapterState, AdapterStatus, MultiLoRASnapshot
+
+logger = logging.getLogger(__name__)
+
+COMPLETED_RETENTION = 1024
+BATCH_RECORD_RETENTION = 16
+
+
+class AdapterRegistryError(Exception):
+    """Base of every error the registry raises."""
+
+
+class AdapterValidationError(AdapterRegistryError, ValueError):
+    """A registration that cannot be accepted as given (HTTP 400); the message says why."""
+
+
+class AdapterConflictError(AdapterValidationError):
+    """The name is taken: already registered, or its previous run is still cleaning up."""
+
+
+class AdapterNotFoundError(AdapterRegistryError, LookupError):
+    """No adapter of that name is known (HTTP 404)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "adapter not registered"
+
+
+class NoFreeSlotError(AdapterRegistryError):
+    """Every slot is held; retry after an adapter completes (HTTP 409)."""
+
+
+@dataclass
+class _Record:
+    name: str
+    config: AdapterRunConfig
+    slot: int
+    registration_id: str
+    state: AdapterState = AdapterState.PENDING
+    step: int = 0
+    start_step: int = 0
+    """Step the adapter (re)started at; `num_step` counts from here."""
+    accumulated_groups: int = 0
+
+
+@dataclass(frozen=True)
+class _BatchRecord:
+    groups: dict[str, int]
+    step_names: frozenset[str]
+    registrations: dict[str, str]
+    """registration_id of each adapter when recorded; a re-registered name is skipped."""
+
+
+@dataclass
+class AdapterRegistry:
+    n_slots: int
+    completed_retention: int = COMPLETED_RETENTION
+    batch_retention: int = BATCH_RECORD_RETENTION
+    _live: dict[str, _Record] = field(default_factory=dict, init=False)
+    _completed: OrderedDict[str, _Record] = field(default_factory=OrderedDict, init=False)
+    _free_slots: set[int] = field(init=False)
+    _slot_versions: list[int] = field(init=False)
+    _batches: OrderedDict[int, _BatchRecord] = field(default_factory=OrderedDict, init=False)
+
+    def __post_init__(self) -> None:
+        if self.n_slots <= 0:
+            raise ValueError(f"n_slots must be > 0 (--multi-lora-n-adapters), got {self.n_slots}")
+        self._free_slots = set(range(self.n_slots))
+        self._slot_versions = [0] * self.n_slots
+
+    # ---- registration ------------------------------------------------------------
+
+    def register(self, name: str, config: AdapterRunConfig) -> int:
+        """Give a new adapter the lowest free slot in PENDING; returns the slot."""
+        try:
+            validate_adapter_name(name)
+        except AdapterConfigError as exc:
+            raise AdapterValidationError(str(exc)) from None
+        self._check_name_free(name)
+        self._check_save_free(name, config)
+        if not self._free_slots:
+            raise NoFreeSlotError(
+                f"No free slot for adapter '{name}': all {self.n_slots} slots are in use; "
+                "retry after an adapter completes or raise --multi-lora-n-adapters"
+            )
+        slot = min(self._free_slots)
+        self._free_slots.remove(slot)
+        self._completed.pop(name, None)
+        self._live[name] = _Record(name=name, config=config, slot=slot, registration_id=uuid.uuid4().hex)
+        logger.info("Adapter '%s' registered in slot %d", name, slot)
+        return slot
+
+    def _check_name_free(self, name: str) -> None:
+        record = self._live.get(name)
+        if record is None:
+            return
+        if record.state in (AdapterState.PENDING, AdapterState.ACTIVE):
+            raise AdapterConflictError(f"Adapter '{name}' is already registered ({record.state.value}); pick another name")
+        raise AdapterConflictError(f"Adapter '{name}' is still cleaning up ({record.state.value}); retry shortly")
+
+    def _check_save_free(self, name: str, config: AdapterRunConfig) -> None:
+        if config.save is None:
+            return
+        save = Path(config.save).resolve()
+        for other in self._live.values():
+            if other.config.save is not None and Path(other.config.save).resolve() == save:
+                raise AdapterValidationError(
+                    f"Adapter '{name}': save directory {save} is already used by live adapter "
+                    f"'{other.name}'; set a different 'save'"
+                )
+
+    def deregister(self, name: str) -> AdapterState:
+        """PENDING/ACTIVE → RETIRING; a no-op in other states. Returns the state after."""
+        record = self._record(name)
+        if record.state in (AdapterState.PENDING, AdapterState.ACTIVE):
+            record.state = AdapterState.RETIRING
+            logger.info("Adapter '%s' deregistered: RETIRING", name)
+        return record.state
+
+    def retire_adapters(self) -> list[str]:
+        """RETIRING → CLEANUP for every retiring adapter; returns their names (sorted)."""
+        names = sorted(n for n, r in self._live.items() if r.state is AdapterState.RETIRING)
+        for name in names:
+            self._live[name].state = AdapterState.CLEANUP
+        return names
+
+    def free_slot(self, name: str) -> int:
+        """CLEANUP → COMPLETED; returns the freed slot, or -1 if not in CLEANUP."""
+        record = self._live.get(name)
+        if record is None or record.state is not AdapterState.CLEANUP:
+            return -1
+        del self._live[name]
+        record.state = AdapterState.COMPLETED
+        self._free_slots.add(record.slot)
+        self._completed[name] = record
+        while len(self._completed) > self.completed_retention:
+            self._completed.popitem(last=False)
+        logger.info("Adapter '%s' completed at step %d; slot %d freed", name, record.step, record.slot)
+        return record.slot
+
+    # ---- weights and batches -----------------------------------------------------
+
+    def record_weight_update(self, names: list[str]) -> dict[str, int]:
+        """After a successful push: bump each slot's version, PENDING → ACTIVE.
+
+        Returns the new version of each adapter; names without a slot are skipped.
+        """
+        versions: dict[str, int] = {}
+        for name in names:
+            record = self._live.get(name)
+            if record is None:
+                logger.warning("Weight update recorded for adapter '%s', which holds no slot; ignored", name)
+                continue
+            self._slot_versions[record.slot] += 1
+            versions[name] = self._slot_versions[record.slot]
+            if record.state is AdapterState.PENDING:
+                record.state = AdapterState.ACTIVE
+        return versions
+
+    def record_batch_adapters(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
+        """Remember what a batch holds; nothing advances until `mark_batch_trained`."""
+        extra = set(step_names) - set(groups)
+        if extra:
+            raise ValueError(f"rollout {rollout_id}: step_names {sorted(extra)} are not in the batch's groups")
+        if any(n < 0 for n in groups.values()):
+            raise ValueError(f"rollout {rollout_id}: group counts must be >= 0, got {groups}")
+        registrations = {n: self._live[n].registration_id for n in groups if n in self._live}
+        self._batches.pop(rollout_id, None)
+        self._batches[rollout_id] = _BatchRecord(dict(groups), frozenset(step_names), registrations)
+        while len(self._batches) > self.batch_retention:
+            self._batches.popitem(last=False)
+
+    def mark_batch_trained(self, rollout_id: int) -> list[str]:
+        """Commit a trained batch: add its groups, step the adapters that completed a
+        batch, retire ACTIVE adapters that reached `num_step`. Returns the stepped names."""
+        batch = self._batches.pop(rollout_id, None)
+        if batch is None:
+            logger.warning("mark_batch_trained(%d): no batch recorded for this rollout; nothing to commit", rollout_id)
+            return []
+        stepped = []
+        for name, n_groups in sorted(batch.groups.items()):
+            record = self._live.get(name)
+            if record is None or record.registration_id != batch.registrations.get(name):
+                continue
+            if record.state not in (AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP):
+                continue
+            record.accumulated_groups += n_groups
+            if name in batch.step_names:
+                self._step(record)
+                stepped.append(name)
+        return stepped
+
+    def _step(self, record: _Record) -> None:
+        if record.accumulated_groups != record.config.rollout_batch_size:
+            logger.warning("Adapter '%s' stepped with %d accumulated groups, expected rollout_batch_size=%s",
+                           record.name, record.accumulated_groups, record.config.rollout_batch_size)
+        record.step += 1
+        record.accumulated_groups = 0
+        num_step = record.config.num_step
+        if record.state is AdapterState.ACTIVE and num_step is not None and record.step - record.start_step >= num_step:
+            record.state = AdapterState.RETIRING
+            logger.info("Adapter '%s' reached num_step=%d (step %d): RETIRING", record.name, num_step, record.step)
+
+    def resolve_num_step(self, name: str, dataset_rows: int) -> int:
+        """Fix `num_step` from the dataset size when the config left it unset."""
+        record = self._record(name)
+        if record.config.num_step is None:
+            assert record.config.rollout_batch_size is not None
+            num_step = max(1, (record.config.num_epoch or 1) * dataset_rows // record.config.rollout_batch_size)
+            record.config = dataclasses.replace(record.config, num_step=num_step)
+        assert record.config.num_step is not None
+        return record.config.num_step
+
+    def set_step(self, name: str, step: int) -> None:
+        """Resume: the adapter continues at `step`; `num_step` counts from here."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        record = self._record(name)
+        record.step = step
+        record.start_step = step
+
+    # ---- reads ------------------------------------------------------------------
+
+    def _record(self, name: str) -> _Record:
+        record = self._live.get(name)
+        if record is not None:
+            return record
+        record = self._completed.get(name)
+        if record is None:
+            raise AdapterNotFoundError(f"Adapter '{name}' not registered")
+        self._completed.move_to_end(name)  # reading a completed record keeps it longer
+        return record
+
+    def state(self, name: str) -> AdapterState | None:
+        try:
+            return self._record(name).state
+        except AdapterNotFoundError:
+            return None
+
+    def step(self, name: str) -> int:
+        return self._record(name).step
+
+    def status(self, name: str) -> AdapterStatus:
+        return self._status(self._record(name))
+
+    def statuses(self) -> list[AdapterStatus]:
+        """Every known adapter, live ones first (by slot), then completed ones."""
+        live = sorted(self._live.values(), key=lambda r: r.slot)
+        return [self._status(r) for r in [*live, *self._completed.values()]]
+
+    def _status(self, record: _Record) -> AdapterStatus:
+        completed = record.state is AdapterState.COMPLETED
+        return AdapterStatus(
+            name=record.name, state=record.state, slot=record.slot,
+            version=None if completed else self._slot_versions[record.slot],
+            step=record.step, accumulated_groups=record.accumulated_groups,
+            registration_id=record.registration_id, **record.config.to_dict(),
+        )
+
+    def snapshot(self) -> MultiLoRASnapshot:
+        views: dict[AdapterState, dict[str, AdapterRun]] = {s: {} for s in AdapterState}
+        for record in self._live.values():
+            views[record.state][record.name] = AdapterRun(
+                name=record.name, config=record.config, slot=record.slot,
+                version=self._slot_versions[record.slot], step=record.step,
+                accumulated_groups=record.accumulated_groups, registration_id=record.registration_id,
+            )
+        return MultiLoRASnapshot(
+            pending=views[AdapterState.PENDING], active=views[AdapterState.ACTIVE],
+            retiring=views[AdapterState.RETIRING], cleanup=frozenset(views[AdapterState.CLEANUP]),
+            completed=frozenset(self._completed),
+        )
+
+    @property
+    def free_slots(self) -> list[int]:
+        return sorted(self._free_slots)
+
+    @property
+    def slot_versions(self) -> list[int]:
+        return list(self._slot_versions)
+
+    def live_slots(self) -> dict[str, int]:
+        return {name: record.slot for name, record in self._live.items()}
