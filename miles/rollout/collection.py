@@ -1,0 +1,259 @@
+"""Turning buffered prompt groups into one train batch with exact per-adapter accounting.
+
+`BatchCollector.collect(rollout_id)` is the body of `RolloutManager.generate`
+(DESIGN §8). It acts on one controller snapshot (adapter state only changes between
+generate calls), then:
+
+1. drops the buffers of adapters no longer sampleable or re-registered;
+2. pops round robin across adapters (the cursor persists across batches), one
+   multiple of `min_groups_per_dp_split` per turn, never beyond an adapter's remaining
+   groups for its current step, after dropping stale and foreign groups;
+3. stops at `global_batch_size` samples, or when a non-empty batch made no progress for
+   `max_coalesce_wait_s`, or when no adapter can contribute any more; with nothing
+   after `max_empty_wait_s` it raises `EmptyBatchTimeoutError`;
+4. orders samples by (slot, group, index) and calls
+   `controller.record_batch_adapters(rollout_id, groups, step_names)`.
+
+Plain Python: the controller is anything whose methods have an awaitable `.remote()`
+(a Ray actor handle, or a test fake) and the clock is injectable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from miles.rollout.buffers import AdapterBuffers
+from miles.utils.adapter_config import min_groups_per_dp_split
+from miles.utils.arguments import MilesConfig
+from miles.utils.types import AdapterRun, PromptGroup, RolloutBatch
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.01
+
+
+class EmptyBatchTimeoutError(RuntimeError):
+    """No group could be collected within `--multi-lora-max-empty-wait-s`."""
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+class ProducerHealth(Protocol):
+    def raise_if_failed(self) -> None:
+        """Raise (chained from the cause) if the producer has died."""
+
+
+@dataclass(frozen=True)
+class CollectionConfig:
+    global_batch_size: int
+    """Target samples per train batch."""
+    dp_size: int
+    """Trainer data-parallel size (what `min_groups_per_dp_split` divides by)."""
+    max_weight_staleness: int | None
+    max_coalesce_wait_s: float
+    max_empty_wait_s: float
+
+    @classmethod
+    def from_config(cls, cfg: MilesConfig) -> CollectionConfig:
+        return cls(
+            global_batch_size=cfg.global_batch_size,
+            dp_size=cfg.actor_num_workers,
+            max_weight_staleness=cfg.max_weight_staleness,
+            max_coalesce_wait_s=cfg.multi_lora_max_coalesce_wait_s,
+            max_empty_wait_s=cfg.multi_lora_max_empty_wait_s,
+        )
+
+
+def remaining_groups(run: AdapterRun) -> int:
+    """Groups still needed to complete the adapter's current step."""
+    return run.config.rollout_batch_size - run.accumulated_groups
+
+
+@dataclass
+class _Batch:
+    """Groups taken so far for the batch being collected."""
+
+    groups: list[PromptGroup]
+    per_adapter: Counter[str]
+    n_samples: int = 0
+
+    def add(self, taken: list[PromptGroup]) -> None:
+        for group in taken:
+            self.groups.append(group)
+            self.per_adapter[group.adapter] += 1
+            self.n_samples += len(group.samples)
+
+
+class BatchCollector:
+    """Pops train batches from the adapter buffers; owns the round-robin cursor."""
+
+    def __init__(
+        self,
+        config: CollectionConfig,
+        buffers: AdapterBuffers,
+        controller: Any,
+        producer: ProducerHealth,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config
+        self.buffers = buffers
+        self.controller = controller
+        self.producer = producer
+        self.clock = clock or MonotonicClock()
+        self._rotation: deque[str] = deque()
+        self._registrations: dict[str, str] = {}
+        self._stale_drops: Counter[str] = Counter()
+        self._foreign_drops: Counter[str] = Counter()
+
+    async def collect(self, rollout_id: int) -> RolloutBatch:
+        started = self.clock.now()
+        self.producer.raise_if_failed()
+        snapshot = await self.controller.snapshot.remote()
+        adapters = snapshot.sampleable
+        self._sync_adapters(adapters)
+        batch = await self._fill(adapters, started)
+        step_names = sorted(
+            name for name, count in batch.per_adapter.items() if count == remaining_groups(adapters[name])
+        )
+        result = self._assemble(rollout_id, batch, step_names, adapters)
+        await self.controller.record_batch_adapters.remote(rollout_id, dict(batch.per_adapter), step_names)
+        result.metrics.update(self._metrics(batch, adapters, self.clock.now() - started))
+        return result
+
+    def _sync_adapters(self, adapters: dict[str, AdapterRun]) -> None:
+        """Forget retired adapters and re-registered names; keep the cursor's order."""
+        for name in self.buffers.names():
+            if name not in adapters:
+                dropped = self.buffers.discard(name)
+                logger.info("Adapter %r is no longer sampleable; dropped %d buffered groups", name, dropped)
+        for name in list(self._registrations):
+            if name not in adapters:
+                del self._registrations[name]
+        for name, run in adapters.items():
+            previous = self._registrations.get(name)
+            if previous is not None and previous != run.registration_id:
+                dropped = self.buffers.discard(name)
+                logger.warning("Adapter %r was re-registered; dropped %d groups of its previous registration",
+                               name, dropped)
+            self._registrations[name] = run.registration_id
+        self._rotation = deque(name for name in self._rotation if name in adapters)
+        self._rotation.extend(sorted(set(adapters) - set(self._rotation)))
+
+    async def _fill(self, adapters: dict[str, AdapterRun], started: float) -> _Batch:
+        batch = _Batch(groups=[], per_adapter=Counter())
+        target = self.config.global_batch_size
+        last_progress = started
+        while batch.n_samples < target:
+            self.producer.raise_if_failed()
+            taken = self._take_turn(adapters, batch)
+            if taken:
+                batch.add(taken)
+                last_progress = self.clock.now()
+                continue
+            if batch.groups and self._exhausted(adapters, batch):
+                break
+            waited = self.clock.now() - last_progress
+            if batch.groups and waited >= self.config.max_coalesce_wait_s:
+                break
+            if not batch.groups and waited >= self.config.max_empty_wait_s:
+                raise EmptyBatchTimeoutError(
+                    f"No poppable groups collected before empty timeout ({self.config.max_empty_wait_s}s): "
+                    f"every sampleable adapter is below min_groups_per_dp_split or still generating. "
+                    f"queue={self.buffers.queue_lengths()} sampleable={sorted(adapters)}"
+                )
+            await self.clock.sleep(POLL_INTERVAL_S)
+        return batch
+
+    def _unit(self, run: AdapterRun) -> int:
+        return min_groups_per_dp_split(run.config.n_samples_per_prompt, self.config.dp_size)
+
+    def _take_turn(self, adapters: dict[str, AdapterRun], batch: _Batch) -> list[PromptGroup]:
+        """One round-robin turn: the first adapter (from the cursor) that can give a unit."""
+        for _ in range(len(self._rotation)):
+            name = self._rotation[0]
+            self._rotation.rotate(-1)
+            run = adapters[name]
+            self._drop_unusable(run)
+            unit = self._unit(run)
+            buffer = self.buffers.get(name)
+            if len(buffer) < unit or remaining_groups(run) - batch.per_adapter[name] < unit:
+                continue
+            unit_samples = unit * run.config.n_samples_per_prompt
+            # A unit bigger than the whole target still ships alone, or it never could.
+            if batch.groups and batch.n_samples + unit_samples > self.config.global_batch_size:
+                continue
+            return buffer.pop(unit)
+        return []
+
+    def _exhausted(self, adapters: dict[str, AdapterRun], batch: _Batch) -> bool:
+        """True when no adapter could add a unit however long we waited."""
+        room = self.config.global_batch_size - batch.n_samples
+        for name, run in adapters.items():
+            unit = self._unit(run)
+            if remaining_groups(run) - batch.per_adapter[name] >= unit and unit * run.config.n_samples_per_prompt <= room:
+                return False
+        return True
+
+    def _drop_unusable(self, run: AdapterRun) -> None:
+        buffer = self.buffers.get(run.name)
+        foreign = buffer.drop_where(lambda g: g.registration_id != run.registration_id)
+        if foreign:
+            self._foreign_drops[run.name] += len(foreign)
+            logger.warning("Dropped %d groups of a previous registration of %r", len(foreign), run.name)
+        max_staleness = self.config.max_weight_staleness
+        if max_staleness is not None:
+            stale = buffer.drop_where(lambda g: run.version - g.version > max_staleness)
+            self._stale_drops[run.name] += len(stale)
+
+    def _assemble(self, rollout_id: int, batch: _Batch, step_names: list[str],
+                  adapters: dict[str, AdapterRun]) -> RolloutBatch:
+        groups = sorted(batch.groups, key=lambda g: (g.slot, g.samples[0].group_index))
+        samples = [s for g in groups for s in sorted(g.samples, key=lambda s: s.index)]
+        return RolloutBatch(
+            rollout_id=rollout_id,
+            samples=samples,
+            prompt_group_sizes=[len(g.samples) for g in groups],
+            groups_per_adapter=dict(batch.per_adapter),
+            step_names=step_names,
+        )
+
+    def _metrics(self, batch: _Batch, adapters: dict[str, AdapterRun], wait_s: float) -> dict[str, float]:
+        queues = self.buffers.queue_lengths()
+        metrics: dict[str, float] = {
+            "perf/rollout/batch_wait_time": wait_s,
+            "perf/rollout/batch_n_adapters": float(len(batch.per_adapter)),
+            "perf/rollout/batch_n_groups": float(len(batch.groups)),
+            "perf/rollout/batch_n_samples": float(batch.n_samples),
+            "perf/rollout/queue_length": float(sum(queues.values())),
+            "perf/rollout/stale_dropped": float(sum(self._stale_drops.values())),
+        }
+        for name in adapters:
+            metrics[f"{name}/perf/queue_length"] = float(queues.get(name, 0))
+            metrics[f"{name}/perf/stale_dropped"] = float(self._stale_drops.get(name, 0))
+            metrics[f"{name}/perf/foreign_dropped"] = float(self._foreign_drops.get(name, 0))
+        for name in batch.per_adapter:
+            samples = [s for g in batch.groups if g.adapter == name for s in g.samples]
+            metrics[f"{name}/raw_reward_mean"] = statistics.fmean(s.reward for s in samples)
+            metrics[f"{name}/response_len_mean"] = statistics.fmean(len(s.response_ids) for s in samples)
+            metrics[f"{name}/perf/batch_groups"] = float(batch.per_adapter[name])
+        self._stale_drops.clear()
+        self._foreign_drops.clear()
+        return metrics

@@ -1,0 +1,94 @@
+"""Hand-written fakes for rollout tests: a controller with the actor's async surface,
+a clock that tests advance, a producer whose death tests decide, and group builders."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from miles.utils.adapter_config import AdapterRunConfig
+from miles.utils.types import AdapterRun, MultiLoRASnapshot, PromptGroup, Sample
+
+
+class FakeMethod:
+    """`handle.method.remote(...)` returning an awaitable, like a Ray actor method."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+
+class FakeController:
+    def __init__(self, snapshot: MultiLoRASnapshot | None = None) -> None:
+        self.current = snapshot or MultiLoRASnapshot()
+        self.records: list[tuple[int, dict[str, int], list[str]]] = []
+        self.resolved: list[tuple[str, int]] = []
+        self.snapshot = FakeMethod(self._snapshot)
+        self.record_batch_adapters = FakeMethod(self._record)
+        self.resolve_num_step = FakeMethod(self._resolve)
+
+    async def _snapshot(self) -> MultiLoRASnapshot:
+        return self.current
+
+    async def _record(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
+        self.records.append((rollout_id, dict(groups), list(step_names)))
+
+    async def _resolve(self, name: str, rows: int) -> int:
+        self.resolved.append((name, rows))
+        return rows
+
+
+class FakeClock:
+    """Time moves only when the code under test sleeps; events fire when it passes them."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self._events: list[tuple[float, Callable[[], None]]] = []
+
+    def now(self) -> float:
+        return self.t
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        self._events.append((when, action))
+        self._events.sort(key=lambda event: event[0])
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += seconds
+        while self._events and self._events[0][0] <= self.t + 1e-9:
+            _, action = self._events.pop(0)
+            action()
+
+
+class FakeProducer:
+    def __init__(self) -> None:
+        self.failure: BaseException | None = None
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError("rollout producer died") from self.failure
+
+
+def make_run(name: str, slot: int, *, rollout_batch_size: int = 8, n_samples: int = 1, version: int = 1,
+             accumulated: int = 0, registration_id: str | None = None, **config: Any) -> AdapterRun:
+    cfg = AdapterRunConfig(data="unused.jsonl", rollout_batch_size=rollout_batch_size,
+                           n_samples_per_prompt=n_samples, **config)
+    return AdapterRun(name=name, config=cfg, slot=slot, version=version, step=0,
+                      accumulated_groups=accumulated, registration_id=registration_id or f"reg-{name}")
+
+
+def make_group(run: AdapterRun, group_index: int, *, version: int | None = None,
+               registration_id: str | None = None, rewards: list[float] | None = None) -> PromptGroup:
+    n = run.config.n_samples_per_prompt
+    rewards = rewards or [0.0] * n
+    samples = [
+        Sample(adapter=run.name, slot=run.slot, group_index=group_index, index=i, prompt=f"p{group_index}",
+               label=None, metadata={}, prompt_ids=[1], response_ids=[7] * (i + 1), reward=rewards[i])
+        for i in range(n)
+    ]
+    return PromptGroup(adapter=run.name, slot=run.slot, version=run.version if version is None else version,
+                       registration_id=registration_id or run.registration_id, samples=samples)
+
+
+def active(*runs: AdapterRun, retiring: tuple[AdapterRun, ...] = ()) -> MultiLoRASnapshot:
+    return MultiLoRASnapshot(active={r.name: r for r in runs}, retiring={r.name: r for r in retiring})

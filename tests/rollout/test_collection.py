@@ -1,0 +1,219 @@
+"""Collection rules of DESIGN §8, one by one, with hand-filled buffers and a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+from rollout_fakes import FakeClock, FakeController, FakeProducer, active, make_group, make_run
+
+from miles.rollout.buffers import AdapterBuffers
+from miles.rollout.collection import BatchCollector, CollectionConfig, EmptyBatchTimeoutError
+
+
+def collector(controller, *, target: int, dp: int = 1, staleness: int | None = None,
+              coalesce: float = 0.5, empty: float = 5.0):
+    config = CollectionConfig(global_batch_size=target, dp_size=dp, max_weight_staleness=staleness,
+                              max_coalesce_wait_s=coalesce, max_empty_wait_s=empty)
+    buffers, clock, producer = AdapterBuffers(), FakeClock(), FakeProducer()
+    return BatchCollector(config, buffers, controller, producer, clock), buffers, clock, producer
+
+
+def fill(buffers, run, indices, **kwargs):
+    for i in indices:
+        buffers.put(make_group(run, i, **kwargs))
+
+
+async def test_no_pop_before_a_whole_multiple_is_buffered():
+    a = make_run("a", 0, n_samples=1)  # dp 2, n 1 -> units of 2 groups
+    c, buffers, clock, _ = collector(FakeController(active(a)), target=2, dp=2)
+    fill(buffers, a, [0])
+    clock.at(0.3, lambda: fill(buffers, a, [1]))
+    batch = await c.collect(0)
+    assert clock.t == pytest.approx(0.3, abs=0.02)
+    assert batch.groups_per_adapter == {"a": 2}
+    assert len(buffers.get("a")) == 0
+
+
+async def test_a_lone_group_below_the_multiple_is_never_popped():
+    a = make_run("a", 0, n_samples=1)
+    c, buffers, clock, _ = collector(FakeController(active(a)), target=2, dp=2, empty=1.0)
+    fill(buffers, a, [0])
+    with pytest.raises(EmptyBatchTimeoutError):
+        await c.collect(0)
+    assert len(buffers.get("a")) == 1
+
+
+async def test_stops_at_the_target_without_waiting():
+    a = make_run("a", 0, n_samples=2)
+    controller = FakeController(active(a))
+    c, buffers, clock, _ = collector(controller, target=4)
+    fill(buffers, a, range(4))
+    batch = await c.collect(3)
+    assert clock.t == 0.0
+    assert len(batch.samples) == 4 and batch.prompt_group_sizes == [2, 2]
+    assert len(buffers.get("a")) == 2
+    assert controller.records == [(3, {"a": 2}, [])]
+
+
+async def test_ships_below_target_after_the_coalesce_wait():
+    a = make_run("a", 0, n_samples=2)
+    c, buffers, clock, _ = collector(FakeController(active(a)), target=8, coalesce=0.5)
+    fill(buffers, a, [0])
+    clock.at(0.3, lambda: fill(buffers, a, [1]))  # progress restarts the wait
+    batch = await c.collect(0)
+    assert clock.t == pytest.approx(0.8, abs=0.02)
+    assert batch.groups_per_adapter == {"a": 2}
+
+
+async def test_remaining_group_cap_and_step_names():
+    a = make_run("a", 0, rollout_batch_size=4, accumulated=3)
+    b = make_run("b", 1, rollout_batch_size=4, accumulated=0)
+    controller = FakeController(active(a, b))
+    c, buffers, clock, _ = collector(controller, target=100, coalesce=0.2)
+    fill(buffers, a, range(5))
+    fill(buffers, b, range(2))
+    batch = await c.collect(7)
+    assert batch.groups_per_adapter == {"a": 1, "b": 2}
+    assert batch.step_names == ["a"]
+    assert controller.records == [(7, {"a": 1, "b": 2}, ["a"])]
+    assert len(buffers.get("a")) == 4
+
+
+async def test_full_batch_ships_at_once_when_every_adapter_is_capped():
+    a = make_run("a", 0, rollout_batch_size=2)
+    c, buffers, clock, _ = collector(FakeController(active(a)), target=100, coalesce=5.0)
+    fill(buffers, a, range(3))
+    batch = await c.collect(0)
+    assert clock.t == 0.0 and batch.step_names == ["a"] and batch.groups_per_adapter == {"a": 2}
+
+
+async def test_no_overshoot_across_fetches():
+    a = make_run("a", 0, rollout_batch_size=3)
+    c, buffers, clock, _ = collector(FakeController(active(a)), target=100, coalesce=1.0)
+    for when, index in [(0.1, 0), (0.2, 1), (0.3, 2), (0.4, 3), (0.5, 4)]:
+        clock.at(when, lambda i=index: fill(buffers, a, [i]))
+    batch = await c.collect(0)
+    assert batch.groups_per_adapter == {"a": 3} and batch.step_names == ["a"]
+    assert [s.group_index for s in batch.samples] == [0, 1, 2]
+
+
+async def test_never_more_samples_than_the_global_batch():
+    a = make_run("a", 0, n_samples=2)
+    b = make_run("b", 1, n_samples=4)
+    c, buffers, clock, _ = collector(FakeController(active(a, b)), target=4, coalesce=0.3)
+    fill(buffers, a, [0])
+    fill(buffers, b, range(3))
+    batch = await c.collect(0)
+    assert len(batch.samples) == 2 and batch.groups_per_adapter == {"a": 1}
+    assert clock.t == pytest.approx(0.3, abs=0.02)
+    batch = await c.collect(1)  # a unit may fill an empty batch exactly
+    assert batch.groups_per_adapter == {"b": 1} and len(batch.samples) == 4
+
+
+async def test_round_robin_interleaves_adapters():
+    a, b = make_run("a", 0), make_run("b", 1)
+    c, buffers, _, _ = collector(FakeController(active(a, b)), target=4)
+    fill(buffers, a, range(4))
+    fill(buffers, b, range(4))
+    batch = await c.collect(0)
+    assert batch.groups_per_adapter == {"a": 2, "b": 2}
+
+
+async def test_cursor_persists_across_batches():
+    runs = [make_run(name, slot) for slot, name in enumerate("abc")]
+    c, buffers, _, _ = collector(FakeController(active(*runs)), target=1)
+    for run in runs:
+        fill(buffers, run, range(4))
+    served = [list((await c.collect(i)).groups_per_adapter) for i in range(5)]
+    assert served == [["a"], ["b"], ["c"], ["a"], ["b"]]
+
+
+async def test_retiring_adapter_is_still_collected():
+    a = make_run("a", 0)
+    c, buffers, _, _ = collector(FakeController(active(retiring=(a,))), target=2)
+    fill(buffers, a, range(2))
+    assert (await c.collect(0)).groups_per_adapter == {"a": 2}
+
+
+async def test_retired_adapters_buffer_is_discarded():
+    a, gone = make_run("a", 0), make_run("gone", 1)
+    c, buffers, _, _ = collector(FakeController(active(a)), target=2)
+    fill(buffers, gone, range(4))
+    fill(buffers, a, range(2))
+    batch = await c.collect(0)
+    assert batch.groups_per_adapter == {"a": 2}
+    assert "gone" not in buffers.names()
+
+
+async def test_stale_groups_are_dropped_and_counted():
+    a = make_run("a", 0, version=5)
+    c, buffers, clock, _ = collector(FakeController(active(a)), target=100, staleness=1, coalesce=0.1)
+    for index, version in enumerate([3, 4, 5, 2]):
+        buffers.put(make_group(a, index, version=version))
+    batch = await c.collect(0)
+    assert sorted(s.group_index for s in batch.samples) == [1, 2]
+    assert batch.metrics["a/perf/stale_dropped"] == 2.0
+    assert batch.metrics["perf/rollout/stale_dropped"] == 2.0
+
+
+async def test_empty_timeout_raises():
+    a = make_run("a", 0)
+    c, _, clock, _ = collector(FakeController(active(a)), target=2, empty=2.0)
+    with pytest.raises(EmptyBatchTimeoutError, match=r"^No poppable groups collected before empty timeout"):
+        await c.collect(0)
+    assert clock.t == pytest.approx(2.0, abs=0.02)
+    assert issubclass(EmptyBatchTimeoutError, RuntimeError)
+
+
+async def test_reregistration_drops_old_buffer_and_stragglers():
+    old = make_run("a", 0, registration_id="r1")
+    controller = FakeController(active(old))
+    c, buffers, clock, _ = collector(controller, target=1, coalesce=0.1)
+    fill(buffers, old, range(3))
+    assert (await c.collect(0)).groups_per_adapter == {"a": 1}
+    new = make_run("a", 2, registration_id="r2")
+    controller.current = active(new)
+    clock.at(clock.t + 0.05, lambda: fill(buffers, old, [10]))  # a straggler of the old registration
+    clock.at(clock.t + 0.1, lambda: fill(buffers, new, [0]))
+    batch = await c.collect(1)
+    assert [(s.slot, s.group_index) for s in batch.samples] == [(2, 0)]
+    assert len(buffers.get("a")) == 0
+
+
+async def test_dead_producer_raises_immediately_chained_from_the_cause():
+    a = make_run("a", 0)
+    c, _, clock, producer = collector(FakeController(active(a)), target=2, empty=30.0)
+    cause = ConnectionError("router gone")
+    producer.failure = cause
+    with pytest.raises(RuntimeError) as info:
+        await c.collect(0)
+    assert info.value.__cause__ is cause and clock.t == 0.0
+
+
+async def test_producer_dying_mid_wait_raises_without_waiting_for_the_timeout():
+    a = make_run("a", 0)
+    c, _, clock, producer = collector(FakeController(active(a)), target=2, empty=30.0)
+    cause = ValueError("bad dataset row")
+    clock.at(0.2, lambda: setattr(producer, "failure", cause))
+    with pytest.raises(RuntimeError) as info:
+        await c.collect(0)
+    assert info.value.__cause__ is cause and clock.t == pytest.approx(0.2, abs=0.02)
+
+
+async def test_samples_ordered_by_slot_group_and_index_with_metrics():
+    a = make_run("a", 3, n_samples=2)
+    b = make_run("b", 1, n_samples=3)
+    c, buffers, _, _ = collector(FakeController(active(a, b)), target=10)
+    for index in (5, 2):
+        group = make_group(a, index, rewards=[1.0, 0.0])
+        group.samples.reverse()
+        buffers.put(group)
+    fill(buffers, b, [9, 4])
+    batch = await c.collect(0)
+    assert [(s.slot, s.group_index, s.index) for s in batch.samples] == [
+        (1, 4, 0), (1, 4, 1), (1, 4, 2), (1, 9, 0), (1, 9, 1), (1, 9, 2),
+        (3, 2, 0), (3, 2, 1), (3, 5, 0), (3, 5, 1),
+    ]
+    assert batch.prompt_group_sizes == [3, 3, 2, 2]
+    assert batch.metrics["a/raw_reward_mean"] == 0.5
+    assert batch.metrics["b/response_len_mean"] == 2.0  # responses of 1, 2, 3 tokens
+    assert batch.metrics["perf/rollout/batch_n_samples"] == 10.0
