@@ -71,8 +71,8 @@ class FakeProducer:
 
 def make_run(name: str, slot: int, *, rollout_batch_size: int = 8, n_samples: int = 1, version: int = 1,
              accumulated: int = 0, registration_id: str | None = None, **config: Any) -> AdapterRun:
-    cfg = AdapterRunConfig(data="unused.jsonl", rollout_batch_size=rollout_batch_size,
-                           n_samples_per_prompt=n_samples, **config)
+    config.setdefault("data", "unused.jsonl")
+    cfg = AdapterRunConfig(rollout_batch_size=rollout_batch_size, n_samples_per_prompt=n_samples, **config)
     return AdapterRun(name=name, config=cfg, slot=slot, version=version, step=0,
                       accumulated_groups=accumulated, registration_id=registration_id or f"reg-{name}")
 

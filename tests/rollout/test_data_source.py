@@ -1,0 +1,157 @@
+"""Per-adapter datasets: file formats and registration checks, background loading,
+seeded epochs, chat templates, merged metadata, and isolation of a broken dataset."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from rollout_fakes import FakeController, make_run
+
+from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource, read_rows, validate_dataset
+from miles.rollout.rewards import get_reward_fn
+from miles.utils.tiny_model import build_char_tokenizer
+from miles.utils.types import MultiLoRASnapshot
+
+ROWS = [{"text": f"q{i}", "label": i, "metadata": {"k": i, "shared": "row"}} for i in range(5)]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def files(tmp_path):
+    jsonl = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    (tmp_path / "d.json").write_text(json.dumps(ROWS))
+    pq.write_table(pa.Table.from_pylist([{"text": r["text"], "label": r["label"]} for r in ROWS]),
+                   tmp_path / "d.parquet")
+    return {"jsonl": jsonl, "json": str(tmp_path / "d.json"), "parquet": str(tmp_path / "d.parquet")}
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet"])
+def test_each_format_reads_the_same_rows(files, kind):
+    assert validate_dataset(files[kind], "text", "label") == 5
+    assert [(r["text"], r["label"]) for r in read_rows(files[kind])] == [(r["text"], r["label"]) for r in ROWS]
+
+
+def test_registration_errors_say_what_to_fix(tmp_path, files):
+    with pytest.raises(ValueError, match="no such file"):
+        validate_dataset(str(tmp_path / "missing.jsonl"), "text", None)
+    (tmp_path / "d.csv").write_text("text\nq\n")
+    with pytest.raises(ValueError, match="unsupported extension '.csv'; use one of jsonl, json, parquet"):
+        validate_dataset(str(tmp_path / "d.csv"), "text", None)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        validate_dataset(str(tmp_path / "empty.jsonl"), "text", None)
+    with pytest.raises(ValueError, match=r"no input_key 'prompt'; keys present: \['label', 'metadata', 'text'\]"):
+        validate_dataset(files["jsonl"], "prompt", None)
+    with pytest.raises(ValueError, match=r"no label_key 'answer'"):
+        validate_dataset(files["parquet"], "text", "answer")
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(ValueError, match="cannot be read.*line 2"):
+        validate_dataset(str(tmp_path / "bad.jsonl"), "text", None)
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match="cannot be read"):
+        validate_dataset(str(tmp_path / "bad.parquet"), "text", None)
+    write_jsonl(tmp_path / "num.jsonl", [{"text": 3}])
+    with pytest.raises(ValueError, match="must be a string or a list of"):
+        validate_dataset(str(tmp_path / "num.jsonl"), "text", None)
+
+
+def data_source(controller, *, seed=1, chat=False):
+    tokenizer = build_char_tokenizer()
+    return MultiLoRADataSource(DataSourceConfig(seed=seed, apply_chat_template=chat, default_rm_type="exact"),
+                               tokenizer, controller), tokenizer
+
+
+async def wait_ready(source, runs, timeout=10.0):
+    for _ in range(int(timeout / 0.01)):
+        if all(source.ready(r) for r in runs):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"datasets not loaded; failed={source.failed}")
+
+
+async def test_samples_carry_adapter_label_merged_metadata_and_reward(files):
+    run = make_run("a", 3, data=files["jsonl"], input_key="text", label_key="label", metadata_key="metadata",
+                   metadata={"shared": "adapter", "task": "t"}, rm_type="math")
+    controller = FakeController()
+    source, tokenizer = data_source(controller)
+    source.sync(MultiLoRASnapshot(active={"a": run}))
+    await wait_ready(source, [run])
+    assert controller.resolved == [("a", 5)]
+    item = source.next_prompt(run)
+    i = int(item.prompt[1:])
+    assert (item.adapter, item.slot, item.group_index, item.label) == ("a", 3, 0, str(i))
+    assert item.metadata == {"shared": "row", "task": "t", "k": i}
+    assert item.prompt_ids == tokenizer.encode(f"q{i}")
+    samples = item.new_samples(2)
+    assert [(s.adapter, s.slot, s.index, s.group_index) for s in samples] == [("a", 3, 0, 0), ("a", 3, 1, 0)]
+    assert item.reward.resolve(samples[0]) is get_reward_fn("math")
+
+
+async def test_epochs_wrap_in_a_seeded_order(files):
+    run = make_run("a", 0, data=files["jsonl"], input_key="text", label_key="label")
+    orders = []
+    for _ in range(2):
+        source, _ = data_source(FakeController(), seed=7)
+        source.sync(MultiLoRASnapshot(active={"a": run}))
+        await wait_ready(source, [run])
+        orders.append([source.next_prompt(run) for _ in range(15)])
+    prompts = [item.prompt for item in orders[0]]
+    for epoch in range(3):
+        assert sorted(prompts[5 * epoch: 5 * epoch + 5]) == [f"q{i}" for i in range(5)]
+    assert [item.group_index for item in orders[0]] == list(range(15))
+    assert prompts == [item.prompt for item in orders[1]]  # same seed and name, same order
+    assert prompts[:5] != prompts[5:10] or prompts[5:10] != prompts[10:15]  # reshuffled per epoch
+
+
+async def test_chat_messages_get_the_template(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "2+2?"}], "label": "4"}])
+    run = make_run("a", 0, data=path, input_key="messages", label_key="label")
+    source, tokenizer = data_source(FakeController())
+    source.sync(MultiLoRASnapshot(active={"a": run}))
+    await wait_ready(source, [run])
+    item = source.next_prompt(run)
+    assert item.prompt == "user: 2+2?\nassistant: "
+    assert item.prompt_ids == tokenizer.encode(item.prompt, add_special_tokens=False)
+
+
+async def test_broken_dataset_disables_only_its_adapter(tmp_path, files):
+    good = make_run("good", 0, data=files["jsonl"], input_key="text", label_key="label")
+    bad = make_run("bad", 1, data=str(tmp_path / "gone.jsonl"), input_key="text", label_key="label")
+    source, _ = data_source(FakeController())
+    source.sync(MultiLoRASnapshot(active={"good": good, "bad": bad}))
+    await wait_ready(source, [good])
+    for _ in range(100):
+        if bad.registration_id in source.failed:
+            break
+        await asyncio.sleep(0.01)
+    assert "no such file" in source.failed[bad.registration_id]
+    assert not source.ready(bad)
+    source.sync(MultiLoRASnapshot(active={"good": good, "bad": bad}))  # no retry loop on the same registration
+    assert not source.ready(bad)
+
+
+async def test_reregistration_reloads_and_retired_adapters_are_forgotten(tmp_path, files):
+    run = make_run("a", 0, data=files["jsonl"], input_key="text", label_key="label")
+    controller = FakeController()
+    source, _ = data_source(controller)
+    source.sync(MultiLoRASnapshot(active={"a": run}))
+    await wait_ready(source, [run])
+    source.sync(MultiLoRASnapshot())
+    assert not source.ready(run)
+    other = write_jsonl(tmp_path / "other.jsonl", [{"text": "x", "label": "y"}])
+    again = dataclasses.replace(make_run("a", 2, data=other, input_key="text", label_key="label"),
+                                registration_id="second")
+    source.sync(MultiLoRASnapshot(pending={"a": again}))
+    await wait_ready(source, [again])
+    assert controller.resolved == [("a", 5), ("a", 1)]
+    assert source.next_prompt(again).prompt == "x"
+    await source.close()
