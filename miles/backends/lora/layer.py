@@ -1,0 +1,314 @@
+"""The slot page-table LoRA linear layer and the per-batch slot routing.
+
+One frozen base model carries one LoRA page table per targeted linear layer:
+`lora_A: [n_slots, max_rank, in]`, `lora_B: [n_slots, out, max_rank]` and a per-slot
+`scaling = alpha / rank`. Every sample of a batch names its slot (`-1`: base only), so
+samples of different adapters share one forward and one backward:
+
+    names = inject_multi_lora(model, n_slots=4, max_rank=8, target_modules="all-linear")
+    init_slot(model, 0, rank=8, alpha=16)
+    with use_slots(model, [0, 0, -1, 2]):
+        logits = model(input_ids_BT).logits
+
+The delta of each layer is computed either per slot segment (one pair of GEMMs per slot
+present in the batch; best for long sequences) or by gathering each sample's A and B
+(batched GEMMs; best for decode steps of many adapters). Both give the same numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+DeltaMode = Literal["auto", "segment", "gather"]
+
+_group_counter = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class SlotBatch:
+    """The slot of every sample of one batch, prepared once for all layers."""
+
+    slot_ids_B: torch.Tensor
+    """Slot per sample (long, on the model's device); -1 means base only."""
+    present: tuple[int, ...]
+    """Sorted slots >= 0 that occur in the batch."""
+    rows: dict[int, torch.Tensor]
+    """Per present slot: the batch rows of its samples (long, on the model's device)."""
+    single_slot: int | None
+    """The slot of every sample when all samples share one slot >= 0, else None."""
+
+    @classmethod
+    def build(cls, slot_ids: Sequence[int] | torch.Tensor, device: torch.device) -> SlotBatch:
+        ids = torch.as_tensor(slot_ids, dtype=torch.long).reshape(-1).cpu()
+        if ids.numel() and int(ids.min()) < -1:
+            raise ValueError(f"slot ids must be >= -1 (-1 = base model only), got {ids.tolist()}")
+        present = tuple(sorted({int(s) for s in ids.tolist() if s >= 0}))
+        rows = {s: torch.nonzero(ids == s).reshape(-1).to(device) for s in present}
+        single = present[0] if len(present) == 1 and bool((ids == present[0]).all()) else None
+        return cls(ids.to(device), present, rows, single)
+
+    @property
+    def batch_size(self) -> int:
+        return self.slot_ids_B.numel()
+
+
+# One mapping per context (thread or asyncio task): group key of an injected model ->
+# the batch being run. Keyed per model so two models never see each other's slots.
+_ACTIVE: contextvars.ContextVar[dict[int, SlotBatch]] = contextvars.ContextVar("miles_lora_slots", default={})
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen `nn.Linear` plus a LoRA page table with one row per slot.
+
+    `lora_A[s, :r]` and `lora_B[s, :, :r]` hold slot s's adapter of rank r; the rest of
+    the row stays zero. Slots that were never initialised have scaling 0 and rank 0.
+    """
+
+    def __init__(self, base: nn.Linear, *, n_slots: int, max_rank: int, group_key: int = 0):
+        super().__init__()
+        if n_slots <= 0 or max_rank <= 0:
+            raise ValueError(f"n_slots and max_rank must be > 0, got n_slots={n_slots}, max_rank={max_rank}")
+        self.base = base
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+        weight = base.weight
+        factory = {"device": weight.device, "dtype": weight.dtype}
+        self.lora_A = nn.Parameter(torch.zeros(n_slots, max_rank, base.in_features, **factory))
+        self.lora_B = nn.Parameter(torch.zeros(n_slots, base.out_features, max_rank, **factory))
+        self.register_buffer("scaling", torch.zeros(n_slots, **factory), persistent=False)
+        self.ranks: list[int] = [0] * n_slots
+        self.alphas: list[float] = [0.0] * n_slots
+        self.group_key = group_key
+        self.delta_mode: DeltaMode = "auto"
+
+    @property
+    def n_slots(self) -> int:
+        return self.lora_A.shape[0]
+
+    @property
+    def max_rank(self) -> int:
+        return self.lora_A.shape[1]
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def extra_repr(self) -> str:
+        return f"n_slots={self.n_slots}, max_rank={self.max_rank}, delta_mode={self.delta_mode}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        batch = _ACTIVE.get().get(self.group_key)
+        if batch is None or not batch.present:
+            return out
+        if x.shape[0] != batch.batch_size:
+            raise ValueError(
+                f"use_slots gave {batch.batch_size} slot ids but the layer input has batch size "
+                f"{x.shape[0]}: pass one slot id per sample (row of input_ids)"
+            )
+        if self._use_gather(x, batch):
+            return out + self._gather_delta(x, batch).to(out.dtype)
+        return out + self._segment_delta(x, batch).to(out.dtype)
+
+    def _use_gather(self, x: torch.Tensor, batch: SlotBatch) -> bool:
+        if self.delta_mode != "auto":
+            return self.delta_mode == "gather"
+        # Decode steps (one token per sequence) of several adapters: one batched GEMM
+        # beats a GEMM pair per slot; long sequences favour the segment path.
+        tokens_per_sample = x.shape[1] if x.dim() == 3 else 1
+        return batch.single_slot is None and tokens_per_sample == 1
+
+    def _slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:
+        rank = self.ranks[slot]
+        a = self.lora_A[slot, :rank]
+        b = self.lora_B[slot, :, :rank]
+        x = x.to(a.dtype)
+        return (x @ a.transpose(0, 1)) @ b.transpose(0, 1) * self.scaling[slot]
+
+    def _segment_delta(self, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+        if batch.single_slot is not None:
+            return self._slot_delta(x, batch.single_slot)
+        delta = x.new_zeros((*x.shape[:-1], self.out_features), dtype=self.lora_B.dtype)
+        for slot in batch.present:
+            rows = batch.rows[slot]
+            delta = delta.index_add(0, rows, self._slot_delta(x.index_select(0, rows), slot))
+        return delta
+
+    def _gather_delta(self, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+        ids = batch.slot_ids_B
+        # Slot -1 reads row 0 with scale 0; rows past a slot's rank are zero, so the
+        # full max_rank product equals the rank-sliced one.
+        safe = ids.clamp(min=0)
+        scale_B = torch.where(ids >= 0, self.scaling.index_select(0, safe), torch.zeros_like(self.scaling[:1]))
+        a_BRI = self.lora_A.index_select(0, safe)
+        b_BOR = self.lora_B.index_select(0, safe)
+        x3 = x.to(a_BRI.dtype)
+        squeeze = x3.dim() == 2
+        if squeeze:
+            x3 = x3.unsqueeze(1)
+        h_BTR = torch.bmm(x3, a_BRI.transpose(1, 2))
+        delta = torch.bmm(h_BTR, b_BOR.transpose(1, 2)) * scale_B[:, None, None]
+        return delta.squeeze(1) if squeeze else delta
+
+    # ---- per-slot state (no autograd: these are weight loads, not training steps) ----
+
+    @torch.no_grad()
+    def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor, *, alpha: float) -> None:
+        """Write slot `slot`: `a` is [rank, in], `b` is [out, rank]; the rest is zeroed."""
+        rank = a.shape[0]
+        if a.shape != (rank, self.in_features) or b.shape != (self.out_features, rank):
+            raise ValueError(
+                f"LoRA shapes do not fit this layer: expected A [rank, {self.in_features}] and "
+                f"B [{self.out_features}, rank], got A {list(a.shape)} and B {list(b.shape)}"
+            )
+        _check_rank(rank, self.max_rank)
+        self.lora_A[slot].zero_()
+        self.lora_B[slot].zero_()
+        self.lora_A[slot, :rank].copy_(a)
+        self.lora_B[slot, :, :rank].copy_(b)
+        self.scaling[slot] = alpha / rank
+        self.ranks[slot] = rank
+        self.alphas[slot] = float(alpha)
+
+    @torch.no_grad()
+    def clear_slot(self, slot: int) -> None:
+        self.lora_A[slot].zero_()
+        self.lora_B[slot].zero_()
+        self.scaling[slot] = 0.0
+        self.ranks[slot] = 0
+        self.alphas[slot] = 0.0
+
+    def slot_tensors(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Detached CPU copies of slot `slot`'s A [rank, in] and B [out, rank]."""
+        rank = self.ranks[slot]
+        a = self.lora_A[slot, :rank].detach().to("cpu", copy=True)
+        b = self.lora_B[slot, :, :rank].detach().to("cpu", copy=True)
+        return a.contiguous(), b.contiguous()
+
+
+def _check_rank(rank: int, max_rank: int) -> None:
+    if not 0 < rank <= max_rank:
+        raise ValueError(f"LoRA rank {rank} does not fit the slot width: need 0 < rank <= max_rank={max_rank}")
+
+
+# --------------------------------------------------------------------------------------
+# Injection and lookup
+# --------------------------------------------------------------------------------------
+
+
+def _resolve_targets(target_modules: str | Sequence[str]) -> set[str] | None:
+    """None means all-linear; otherwise the set of module short names to wrap."""
+    if isinstance(target_modules, str):
+        if target_modules.strip() == "all-linear":
+            return None
+        names = [n.strip() for n in target_modules.split(",")]
+    else:
+        names = [str(n).strip() for n in target_modules]
+    names = [n for n in names if n]
+    if not names:
+        raise ValueError("target_modules is empty: give 'all-linear' or names such as 'q_proj,v_proj'")
+    return set(names)
+
+
+def _decoder_layers_prefix(model: nn.Module) -> str:
+    """Name prefix of the decoder blocks ("model.layers." for HF Llama/Qwen2)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.endswith("layers"):
+            return name + "."
+    raise ValueError("no decoder layers (an nn.ModuleList named '...layers') found: is this a Hugging Face causal LM?")
+
+
+def inject_multi_lora(
+    model: nn.Module, *, n_slots: int, max_rank: int, target_modules: str | Sequence[str]
+) -> list[str]:
+    """Wrap the targeted linear layers of the decoder blocks in place; return their names.
+
+    `target_modules` is "all-linear" (every nn.Linear inside the decoder layers, never
+    lm_head or embeddings), a comma string or a list of module short names. Base
+    weights are frozen; every slot starts empty (A = B = 0, scaling 0).
+    """
+    if lora_modules(model):
+        raise ValueError("model already has multi-LoRA layers: inject_multi_lora must be called once")
+    targets = _resolve_targets(target_modules)
+    prefix = _decoder_layers_prefix(model)
+    chosen = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and name.startswith(prefix)
+        and (targets is None or name.rsplit(".", 1)[-1] in targets)
+    ]
+    if targets is not None:
+        missing = targets - {name.rsplit(".", 1)[-1] for name in chosen}
+        if missing:
+            raise ValueError(f"target_modules {sorted(missing)} match no nn.Linear in the decoder layers of this model")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    key = next(_group_counter)
+    for name in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, MultiLoRALinear(getattr(parent, child), n_slots=n_slots, max_rank=max_rank, group_key=key))
+    return chosen
+
+
+def lora_modules(model: nn.Module) -> dict[str, MultiLoRALinear]:
+    """Every multi-LoRA layer of `model`, by module name (the name of the wrapped linear)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MultiLoRALinear)}
+
+
+def slot_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """All lora_A / lora_B parameters (every slot) in module order."""
+    params: list[nn.Parameter] = []
+    for module in lora_modules(model).values():
+        params.extend([module.lora_A, module.lora_B])
+    return params
+
+
+def set_delta_mode(model: nn.Module, mode: DeltaMode) -> None:
+    """Force the segment or gather path for every layer ("auto" picks per batch)."""
+    if mode not in ("auto", "segment", "gather"):
+        raise ValueError(f"delta mode must be 'auto', 'segment' or 'gather', got {mode!r}")
+    for module in _require_lora(model).values():
+        module.delta_mode = mode
+
+
+def _require_lora(model: nn.Module) -> dict[str, MultiLoRALinear]:
+    modules = lora_modules(model)
+    if not modules:
+        raise ValueError("model has no multi-LoRA layers: call inject_multi_lora(model, ...) first")
+    return modules
+
+
+@contextlib.contextmanager
+def use_slots(model: nn.Module, slot_ids: Sequence[int] | torch.Tensor) -> Iterator[SlotBatch]:
+    """Route sample i of the batches run inside the block through slot `slot_ids[i]`.
+
+    `-1` means base model only. Outside any block the model is the base model. Nested
+    blocks (and other threads or asyncio tasks) see their own slots; the previous
+    routing is restored on exit.
+    """
+    modules = _require_lora(model)
+    first = next(iter(modules.values()))
+    batch = SlotBatch.build(slot_ids, first.lora_A.device)
+    for slot in batch.present:
+        if slot >= first.n_slots:
+            raise ValueError(f"slot {slot} does not exist: the page table has {first.n_slots} slots (0..{first.n_slots - 1})")
+    keys = {m.group_key for m in modules.values()}
+    token = _ACTIVE.set({**_ACTIVE.get(), **{k: batch for k in keys}})
+    try:
+        yield batch
+    finally:
+        _ACTIVE.reset(token)

@@ -1,0 +1,151 @@
+"""The slot page-table layer against PEFT and against itself (CPU, fp32, tiny models).
+
+    .venv/bin/pytest -q tests/backends/lora
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.utils import get_peft_model_state_dict
+from transformers import AutoModelForCausalLM
+
+from miles.backends.lora import (
+    clear_slot,
+    get_slot_weights,
+    init_slot,
+    inject_multi_lora,
+    lora_modules,
+    set_delta_mode,
+    set_slot_weights,
+    slot_parameters,
+    use_slots,
+)
+
+N_SLOTS = 4
+MAX_RANK = 8
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def base_model(request, tiny_model_dir, tiny_qwen2_dir):
+    path = tiny_model_dir if request.param == "llama" else tiny_qwen2_dir
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def peft_reference(base, *, rank: int, alpha: float, seed: int, targets="all-linear"):
+    """A PEFT LoRA with random A and B (PEFT starts B at zero, which would test nothing)."""
+    peft_model = get_peft_model(
+        copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
+    ).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return peft_model
+
+
+def multi_lora_copy(base, target_modules="all-linear"):
+    model = copy.deepcopy(base)
+    inject_multi_lora(model, n_slots=N_SLOTS, max_rank=MAX_RANK, target_modules=target_modules)
+    return model
+
+
+def logits(model, input_ids, slots=None):
+    with torch.no_grad():
+        if slots is None:
+            return model(input_ids).logits
+        with use_slots(model, slots):
+            return model(input_ids).logits
+
+
+def input_batch(batch: int, seq: int = 9, seed: int = 0) -> torch.Tensor:
+    return torch.randint(4, 90, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("rank", [3, MAX_RANK])
+def test_slot_matches_peft(base_model, rank):
+    peft_model = peft_reference(base_model, rank=rank, alpha=2.0 * rank + 1, seed=rank)
+    model = multi_lora_copy(base_model)
+    set_slot_weights(model, 2, get_peft_model_state_dict(peft_model), rank=rank, alpha=2.0 * rank + 1)
+    ids = input_batch(3)
+    expected = logits(peft_model, ids)
+    assert (expected - logits(base_model, ids)).abs().max() > 1e-2  # the adapter matters
+    for mode in ("segment", "gather"):
+        set_delta_mode(model, mode)
+        torch.testing.assert_close(logits(model, ids, [2, 2, 2]), expected, atol=ATOL, rtol=0)
+    # Components past the adapter's rank stay exactly zero.
+    for module in lora_modules(model).values():
+        assert module.lora_A[2, rank:].abs().sum() == 0 and module.lora_B[2, :, rank:].abs().sum() == 0
+
+
+def test_mixed_batch_equals_single_adapter_forwards(base_model):
+    model = multi_lora_copy(base_model)
+    references = {}
+    for slot, rank in zip(range(N_SLOTS), (2, 8, 5, 1)):
+        peft_model = peft_reference(base_model, rank=rank, alpha=2.0 * rank, seed=10 + slot)
+        set_slot_weights(model, slot, get_peft_model_state_dict(peft_model), rank=rank, alpha=2.0 * rank)
+        references[slot] = peft_model
+    slots = [3, 0, -1, 2, 1, 0, -1, 3]
+    ids = input_batch(len(slots), seed=1)
+    alone = torch.cat([logits(model, ids[row : row + 1], [slot]) for row, slot in enumerate(slots)])
+    by_peft = torch.cat(
+        [logits(base_model if slot < 0 else references[slot], ids[row : row + 1]) for row, slot in enumerate(slots)]
+    )
+    torch.testing.assert_close(alone, by_peft, atol=ATOL, rtol=0)
+    for mode in ("segment", "gather", "auto"):
+        set_delta_mode(model, mode)
+        torch.testing.assert_close(logits(model, ids, slots), alone, atol=ATOL, rtol=0)
+    # Outside use_slots the model is the base model, bit for bit.
+    assert torch.equal(logits(model, ids), logits(base_model, ids))
+
+
+def test_gradients_reach_only_present_slots(base_model):
+    model = multi_lora_copy(base_model)
+    for slot in range(N_SLOTS):
+        init_slot(model, slot, rank=4, alpha=8.0, generator=torch.Generator().manual_seed(slot))
+        for module in lora_modules(model).values():
+            with torch.no_grad():
+                module.lora_B[slot, :, :4].normal_(0, 0.1)
+    ids = input_batch(4, seed=2)
+    grads = {}
+    for mode in ("segment", "gather"):
+        set_delta_mode(model, mode)
+        model.zero_grad(set_to_none=True)
+        with use_slots(model, [1, -1, 3, 1]):
+            model(ids).logits.pow(2).mean().backward()
+        grads[mode] = [p.grad.clone() for p in slot_parameters(model)]
+        for p in slot_parameters(model):
+            assert p.grad[[0, 2]].abs().sum() == 0  # slots not in the batch
+            assert p.grad[[1, 3], :, :].abs().sum() > 0
+            if p.shape[1] == MAX_RANK:  # lora_A: rows past the rank get no gradient
+                assert p.grad[:, 4:].abs().sum() == 0
+            else:
+                assert p.grad[:, :, 4:].abs().sum() == 0
+    for g_seg, g_gat in zip(grads["segment"], grads["gather"]):
+        torch.testing.assert_close(g_seg, g_gat, atol=1e-6, rtol=1e-5)
+    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def test_slot_weights_round_trip_and_clear(base_model):
+    model = multi_lora_copy(base_model)
+    init_slot(model, 1, rank=5, alpha=10.0, generator=torch.Generator().manual_seed(0))
+    weights = get_slot_weights(model, 1)
+    assert len(weights) == 2 * len(lora_modules(model))
+    a_name = next(k for k in weights if k.endswith("q_proj.lora_A.weight"))
+    assert a_name.startswith("base_model.model.model.layers.0.") and weights[a_name].shape[0] == 5
+    assert all(w.abs().sum() == 0 for k, w in weights.items() if "lora_B" in k)
+    set_slot_weights(model, 3, weights, rank=5, alpha=10.0)
+    for key, value in get_slot_weights(model, 3).items():
+        assert torch.equal(value, weights[key])
+    clear_slot(model, 1)
+    for module in lora_modules(model).values():
+        assert module.lora_A[1].abs().sum() == 0 and module.scaling[1] == 0 and module.ranks[1] == 0
+    with pytest.raises(ValueError, match="empty"):
+        get_slot_weights(model, 1)
