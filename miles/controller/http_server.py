@@ -224,7 +224,7 @@ class MultiLoRAHTTPServer:
                 self._task.result()
                 raise RuntimeError("Control plane HTTP server stopped before it started")
             await asyncio.sleep(0.01)
-        logger.info("Control plane listening on %s (OpenAPI at /docs)", self.url)
+        logger.debug("Control plane HTTP server bound to %s", self.url)
         return self.port
 
     async def stop(self) -> None:

@@ -119,7 +119,7 @@ class AdapterRegistry:
             return
         if record.state in (AdapterState.PENDING, AdapterState.ACTIVE):
             raise AdapterConflictError(f"Adapter '{name}' is already registered ({record.state.value}); pick another name")
-        raise AdapterConflictError(f"Adapter '{name}' is still cleaning up ({record.state.value}); retry shortly")
+        raise AdapterConflictError(f"Adapter '{name}' is still cleaning up; retry shortly (state {record.state.value})")
 
     def _check_save_free(self, name: str, config: AdapterRunConfig) -> None:
         if config.save is None:

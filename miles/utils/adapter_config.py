@@ -144,7 +144,7 @@ def min_groups_per_dp_split(n_samples_per_prompt: int, dp_size: int) -> int:
 
 def validate_adapter_name(name: Any) -> str:
     """Names become path components and request-id prefixes (`{name}::...`)."""
-    if not isinstance(name, str) or not ADAPTER_NAME_PATTERN.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not ADAPTER_NAME_PATTERN.fullmatch(name) or name in (".", ".."):
         raise AdapterConfigError(
             f"Invalid adapter name {name!r}: use only letters, digits, '.', '_' and '-' "
             "(not '.' or '..' alone, no '/', '::' or spaces)"

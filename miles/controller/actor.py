@@ -1,0 +1,200 @@
+"""The multi-LoRA controller: a named Ray actor that owns the registry and serves the API.
+
+`MultiLoRAController` wraps a `MultiLoRABackend` (the lifecycle) and a
+`MultiLoRAHTTPServer` (the control plane on `--multi-lora-api-host/port`); every method
+is `async`, so actor calls and HTTP handlers share one event loop and never race. The
+trainer creates it once; everything else finds it by name:
+
+    controller = create_multilora_controller(cfg, router_url=None)   # starts the server
+    ray.get(controller.set_router_url.remote("http://127.0.0.1:30000"))
+    snapshot = ray.get(get_multi_lora_controller().snapshot.remote())
+
+It also runs without Ray (`python -m miles.controller`), as a plain object whose
+`start()` serves on the running loop.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from miles.controller.backend import MultiLoRABackend
+from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
+from miles.utils.adapter_config import AdapterDefaults
+from miles.utils.types import AdapterState, AdapterStatus, MultiLoRASnapshot
+
+if TYPE_CHECKING:
+    from miles.utils.arguments import MilesConfig
+
+logger = logging.getLogger(__name__)
+
+CONTROLLER_NAME = "miles_multi_lora_controller"
+CONTROLLER_NAMESPACE = "miles"
+
+T = TypeVar("T")
+
+
+def load_subclass(path: str | None, base: type[T], flag: str) -> type[T]:
+    """`base` itself when `path` is None, else the class at dotted `path`, which must subclass it."""
+    if path is None:
+        return base
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{flag} {path!r}: expected a dotted path such as my_pkg.my_module.MyClass")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{flag} {path!r}: cannot load it ({exc})") from exc
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(f"{flag} {path!r}: must be a subclass of {base.__module__}.{base.__qualname__}")
+    return cls
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    n_slots: int
+    defaults: AdapterDefaults
+    server: HTTPServerConfig
+    backend_path: str | None = None
+    http_server_path: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: MilesConfig) -> ControllerConfig:
+        if cfg.multi_lora_n_adapters <= 0:
+            raise ValueError("the multi-LoRA controller needs slots: set --multi-lora-n-adapters > 0")
+        return cls(
+            n_slots=cfg.multi_lora_n_adapters, defaults=AdapterDefaults.from_config(cfg),
+            server=HTTPServerConfig.from_config(cfg), backend_path=cfg.multi_lora_backend_path,
+            http_server_path=cfg.multi_lora_http_server_path,
+        )
+
+
+class MultiLoRAController:
+    def __init__(self, config: ControllerConfig, router_url: str | None = None) -> None:
+        backend_cls = load_subclass(config.backend_path, MultiLoRABackend, "--multi-lora-backend-path")
+        server_cls = load_subclass(config.http_server_path, MultiLoRAHTTPServer, "--multi-lora-http-server-path")
+        self.config = config
+        self.backend = backend_cls(config.n_slots, config.defaults, router_url)
+        self.server = server_cls(self.backend, config.server)
+
+    # ---- serving -------------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Start the HTTP control plane; returns the bound port."""
+        return await self.server.start()
+
+    async def stop(self) -> None:
+        await self.server.stop()
+
+    async def http_host(self) -> str:
+        """Address clients should use (the node IP when bound to every interface)."""
+        host = self.config.server.host
+        if host in ("0.0.0.0", "::", ""):
+            import ray
+
+            return ray.util.get_node_ip_address()
+        return host
+
+    async def api_port(self) -> int | None:
+        return self.server.port
+
+    async def set_router_url(self, url: str | None) -> None:
+        """The router starts after the controller; aborts go through it from now on."""
+        self.backend.router_url = url
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def register_adapter(self, name: str, config: dict[str, Any] | None = None,
+                               yaml_path: str | None = None) -> int:
+        return self.backend.register(name, config=config, yaml_path=yaml_path)
+
+    async def deregister_adapter(self, name: str) -> AdapterState:
+        return self.backend.deregister(name)
+
+    async def retire_adapters(self) -> list[str]:
+        return await self.backend.retire_adapters()
+
+    async def free_slot(self, name: str) -> int:
+        return await self.backend.free_slot(name)
+
+    async def record_weight_update(self, names: list[str]) -> dict[str, int]:
+        return self.backend.record_weight_update(names)
+
+    async def record_batch_adapters(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
+        self.backend.record_batch_adapters(rollout_id, groups, step_names)
+
+    async def mark_batch_trained(self, rollout_id: int) -> list[str]:
+        return self.backend.mark_batch_trained(rollout_id)
+
+    async def resolve_num_step(self, name: str, dataset_rows: int) -> int:
+        return self.backend.resolve_num_step(name, dataset_rows)
+
+    async def set_adapter_step(self, name: str, step: int) -> None:
+        self.backend.set_adapter_step(name, step)
+
+    async def adapter_step(self, name: str) -> int:
+        return self.backend.adapter_step(name)
+
+    async def adapter_status(self, name: str) -> AdapterStatus:
+        return self.backend.adapter_status(name)
+
+    async def snapshot(self) -> MultiLoRASnapshot:
+        return self.backend.snapshot()
+
+
+_cached_handle: Any = None
+
+
+def create_multilora_controller(config: MilesConfig, router_url: str | None = None) -> Any:
+    """Create the named controller actor on this (the head) node, start its server, return it.
+
+    A controller left over from an earlier run in the same Ray session is replaced.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    global _cached_handle
+    controller_config = ControllerConfig.from_config(config)
+    try:
+        stale = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        stale = None
+    if stale is not None:
+        logger.warning("Replacing a running %s actor left over from an earlier run", CONTROLLER_NAME)
+        ray.kill(stale)
+    node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    handle = ray.remote(MultiLoRAController).options(
+        name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE, num_cpus=0, scheduling_strategy=node,
+    ).remote(controller_config, router_url)
+    port = ray.get(handle.start.remote())
+    host = ray.get(handle.http_host.remote())
+    logger.info("Multi-LoRA controller API at http://%s:%d (OpenAPI at /docs)", host, port)
+    _cached_handle = handle
+    return handle
+
+
+def get_multi_lora_controller() -> Any:
+    """The controller actor's handle (looked up by name once per process)."""
+    import ray
+
+    global _cached_handle
+    if _cached_handle is None:
+        _cached_handle = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    return _cached_handle
+
+
+def destroy_multi_lora_controller() -> None:
+    """Stop the server and kill the actor (end of a run or of a test)."""
+    import ray
+
+    global _cached_handle
+    try:
+        handle = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        _cached_handle = None
+        return
+    ray.get(handle.stop.remote())
+    ray.kill(handle)
+    _cached_handle = None

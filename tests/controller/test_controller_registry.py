@@ -1,0 +1,327 @@
+"""Every lifecycle and batch-accounting rule of the adapter registry (DESIGN §2)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+
+import pytest
+from controller_fakes import make_config
+
+from miles.controller.registry import (
+    BATCH_RECORD_RETENTION,
+    COMPLETED_RETENTION,
+    AdapterConflictError,
+    AdapterNotFoundError,
+    AdapterRegistry,
+    AdapterValidationError,
+    NoFreeSlotError,
+)
+from miles.utils.types import AdapterState
+
+
+def walk_to(registry: AdapterRegistry, name: str, state: AdapterState) -> None:
+    """Register `name` and drive it to `state` through the real transitions."""
+    registry.register(name, make_config(name))
+    order = [AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP, AdapterState.COMPLETED]
+    for target in order[1:order.index(state) + 1]:
+        if target is AdapterState.ACTIVE:
+            registry.record_weight_update([name])
+        elif target is AdapterState.RETIRING:
+            registry.deregister(name)
+        elif target is AdapterState.CLEANUP:
+            registry.retire_adapters()
+        else:
+            registry.free_slot(name)
+    assert registry.state(name) is state
+
+
+def test_full_walk_and_snapshot_views() -> None:
+    registry = AdapterRegistry(n_slots=3)
+    assert registry.register("a", make_config("a")) == 0
+    assert registry.register("b", make_config("b")) == 1
+    snap = registry.snapshot()
+    assert set(snap.pending) == {"a", "b"} and not snap.active and not snap.all_adapters_cleaned_up
+    assert snap.pending["a"].slot == 0 and snap.pending["a"].version == 0 and snap.pending["a"].step == 0
+
+    assert registry.record_weight_update(["a"]) == {"a": 1}
+    assert registry.state("a") is AdapterState.ACTIVE and registry.state("b") is AdapterState.PENDING
+    assert registry.deregister("a") is AdapterState.RETIRING
+    assert registry.retire_adapters() == ["a"]
+    snap = registry.snapshot()
+    assert snap.cleanup == frozenset({"a"}) and "a" not in snap.live
+    assert registry.free_slot("a") == 0
+    assert registry.state("a") is AdapterState.COMPLETED
+    status = registry.status("a")
+    assert (status.state, status.slot, status.version) == (AdapterState.COMPLETED, 0, None)
+    assert registry.free_slots == [0, 2]
+
+    registry.deregister("b")
+    registry.retire_adapters()
+    registry.free_slot("b")
+    snap = registry.snapshot()
+    assert snap.all_adapters_cleaned_up and snap.completed == frozenset({"a", "b"})
+    assert pickle.loads(pickle.dumps(snap)) == snap
+
+
+def test_registration_ids_are_fresh_uuid4_hex() -> None:
+    registry = AdapterRegistry(n_slots=2)
+    walk_to(registry, "a", AdapterState.COMPLETED)
+    first = registry.status("a").registration_id
+    registry.register("a", make_config("a"))
+    second = registry.status("a").registration_id
+    assert first != second and len(first) == len(second) == 32
+    int(first, 16), int(second, 16)
+
+
+def test_lowest_free_slot_and_slot_reuse_keeps_versions_monotonic() -> None:
+    registry = AdapterRegistry(n_slots=2)
+    registry.register("a", make_config("a"))
+    registry.register("b", make_config("b"))
+    registry.record_weight_update(["a", "b"])
+    registry.record_weight_update(["a"])
+    assert registry.slot_versions == [2, 1]
+    registry.deregister("a")
+    registry.retire_adapters()
+    assert registry.free_slot("a") == 0
+
+    assert registry.register("c", make_config("c")) == 0
+    assert registry.snapshot().pending["c"].version == 2  # not reset by the new owner
+    assert registry.record_weight_update(["c"]) == {"c": 3}
+    seen = {(0, 1), (0, 2)}
+    assert (0, registry.snapshot().active["c"].version) not in seen
+
+
+@pytest.mark.parametrize("state, error, words", [
+    (AdapterState.PENDING, AdapterConflictError, "already registered"),
+    (AdapterState.ACTIVE, AdapterConflictError, "already registered"),
+    (AdapterState.RETIRING, AdapterConflictError, "still cleaning up; retry shortly"),
+    (AdapterState.CLEANUP, AdapterConflictError, "still cleaning up; retry shortly"),
+])
+def test_reregister_refused_while_live(state: AdapterState, error: type, words: str) -> None:
+    registry = AdapterRegistry(n_slots=3)
+    walk_to(registry, "a", state)
+    before = (registry.snapshot(), registry.free_slots, registry.status("a"))
+    with pytest.raises(error, match=words):
+        registry.register("a", make_config("a", root=Path("/elsewhere")))
+    assert (registry.snapshot(), registry.free_slots, registry.status("a")) == before
+    assert issubclass(error, AdapterValidationError)
+
+
+def test_reregister_after_completed_replaces_the_record() -> None:
+    registry = AdapterRegistry(n_slots=2)
+    walk_to(registry, "a", AdapterState.COMPLETED)
+    registry.set_step("a", 5)
+    assert registry.register("a", make_config("a", rank=2)) == 0
+    status = registry.status("a")
+    assert (status.state, status.step, status.rank) == (AdapterState.PENDING, 0, 2)
+    assert "a" not in registry.snapshot().completed
+
+
+def test_deregister_is_a_noop_after_retiring_and_unknown_is_404() -> None:
+    registry = AdapterRegistry(n_slots=4)
+    for name, state in [("r", AdapterState.RETIRING), ("c", AdapterState.CLEANUP), ("d", AdapterState.COMPLETED)]:
+        walk_to(registry, name, state)
+        assert registry.deregister(name) is state
+    with pytest.raises(AdapterNotFoundError, match="Adapter 'zz' not registered"):
+        registry.deregister("zz")
+    assert registry.state("zz") is None
+
+
+def test_free_slot_only_from_cleanup() -> None:
+    registry = AdapterRegistry(n_slots=3)
+    walk_to(registry, "p", AdapterState.PENDING)
+    walk_to(registry, "r", AdapterState.RETIRING)
+    assert [registry.free_slot(n) for n in ["p", "r", "unknown"]] == [-1, -1, -1]
+    assert registry.free_slots == [2]
+
+
+def test_retiring_adapter_stays_sampleable_until_retired() -> None:
+    registry = AdapterRegistry(n_slots=2)
+    walk_to(registry, "a", AdapterState.RETIRING)
+    assert set(registry.snapshot().sampleable) == {"a"}
+    registry.retire_adapters()
+    assert registry.snapshot().sampleable == {}
+
+
+def test_no_free_slot() -> None:
+    registry = AdapterRegistry(n_slots=1)
+    registry.register("a", make_config("a"))
+    before = (registry.snapshot(), registry.free_slots)
+    with pytest.raises(NoFreeSlotError, match="all 1 slots are in use"):
+        registry.register("b", make_config("b"))
+    assert (registry.snapshot(), registry.free_slots) == before
+    assert registry.state("b") is None
+
+
+def test_duplicate_save_directory_rejected_until_the_owner_completes(tmp_path: Path) -> None:
+    registry = AdapterRegistry(n_slots=3)
+    registry.register("a", make_config("a", save=tmp_path / "shared"))
+    with pytest.raises(AdapterValidationError, match="already used by live adapter 'a'"):
+        registry.register("b", make_config("b", save=tmp_path / "x" / ".." / "shared"))
+    registry.deregister("a")
+    registry.retire_adapters()
+    with pytest.raises(AdapterValidationError, match="already used"):  # CLEANUP still owns it
+        registry.register("b", make_config("b", save=tmp_path / "shared"))
+    registry.free_slot("a")
+    assert registry.register("b", make_config("b", save=tmp_path / "shared")) == 0
+
+
+def test_bad_names_rejected_by_the_registry_too() -> None:
+    registry = AdapterRegistry(n_slots=1)
+    for name in ["a/b", "..", ".", "a::b", "a b", ""]:
+        with pytest.raises(AdapterValidationError, match="Invalid adapter name"):
+            registry.register(name, make_config("x"))
+    assert registry.free_slots == [0]
+
+
+def test_accumulation_over_three_batches() -> None:
+    registry = AdapterRegistry(n_slots=2)
+    registry.register("a", make_config("a", rollout_batch_size=6))
+    registry.record_weight_update(["a"])
+    for rollout_id, (expected_step, expected_groups) in enumerate([(0, 2), (0, 4), (1, 0)]):
+        registry.record_batch_adapters(rollout_id, {"a": 2}, ["a"] if rollout_id == 2 else [])
+        stepped = registry.mark_batch_trained(rollout_id)
+        run = registry.snapshot().active["a"]
+        assert (run.step, run.accumulated_groups) == (expected_step, expected_groups)
+        assert stepped == (["a"] if rollout_id == 2 else [])
+
+
+def test_failed_train_call_leaves_the_registry_unchanged() -> None:
+    registry = AdapterRegistry(n_slots=2)
+    registry.register("a", make_config("a", rollout_batch_size=2))
+    registry.record_weight_update(["a"])
+    before = (registry.snapshot(), registry.status("a"))
+    registry.record_batch_adapters(7, {"a": 2}, ["a"])
+    # the train call raised: no mark_batch_trained
+    assert (registry.snapshot(), registry.status("a")) == before
+    # the retry records the same rollout again and commits once
+    registry.record_batch_adapters(7, {"a": 2}, ["a"])
+    assert registry.mark_batch_trained(7) == ["a"]
+    assert registry.mark_batch_trained(7) == []  # a second commit adds nothing
+    assert (registry.step("a"), registry.status("a").accumulated_groups) == (1, 0)
+
+
+def test_step_warns_when_groups_do_not_match_batch_size(caplog: pytest.LogCaptureFixture) -> None:
+    registry = AdapterRegistry(n_slots=1)
+    registry.register("a", make_config("a", rollout_batch_size=4))
+    registry.record_weight_update(["a"])
+    registry.record_batch_adapters(0, {"a": 3}, ["a"])
+    with caplog.at_level(logging.WARNING, logger="miles.controller.registry"):
+        assert registry.mark_batch_trained(0) == ["a"]
+    assert "stepped with 3 accumulated groups, expected rollout_batch_size=4" in caplog.text
+    assert registry.status("a").accumulated_groups == 0
+
+
+def test_groups_counted_for_active_retiring_and_cleanup_only() -> None:
+    registry = AdapterRegistry(n_slots=4)
+    walk_to(registry, "p", AdapterState.PENDING)
+    walk_to(registry, "a", AdapterState.ACTIVE)
+    walk_to(registry, "r", AdapterState.RETIRING)
+    walk_to(registry, "c", AdapterState.CLEANUP)
+    registry.record_batch_adapters(0, {"p": 1, "a": 1, "r": 1, "c": 1, "ghost": 1}, ["c"])
+    assert registry.mark_batch_trained(0) == ["c"]
+    groups = {s.name: (s.accumulated_groups, s.step) for s in registry.statuses()}
+    assert groups == {"p": (0, 0), "a": (1, 0), "r": (1, 0), "c": (0, 1)}
+
+
+def test_reregistered_adapter_does_not_inherit_an_old_batch() -> None:
+    registry = AdapterRegistry(n_slots=2)
+    walk_to(registry, "a", AdapterState.ACTIVE)
+    registry.record_batch_adapters(0, {"a": 4}, ["a"])
+    registry.deregister("a")
+    registry.retire_adapters()
+    registry.free_slot("a")
+    registry.register("a", make_config("a"))
+    registry.record_weight_update(["a"])
+    assert registry.mark_batch_trained(0) == []
+    assert (registry.step("a"), registry.status("a").accumulated_groups) == (0, 0)
+
+
+def test_num_step_auto_retires_relative_to_the_resumed_step() -> None:
+    registry = AdapterRegistry(n_slots=1)
+    registry.register("a", make_config("a", rollout_batch_size=1, num_step=2))
+    registry.set_step("a", 10)  # resumed from a step-10 checkpoint
+    registry.record_weight_update(["a"])
+    states = []
+    for rollout_id in range(2):
+        registry.record_batch_adapters(rollout_id, {"a": 1}, ["a"])
+        registry.mark_batch_trained(rollout_id)
+        states.append((registry.step("a"), registry.state("a")))
+    assert states == [(11, AdapterState.ACTIVE), (12, AdapterState.RETIRING)]
+
+
+def test_pending_adapter_is_not_auto_retired_and_unset_num_step_never_retires() -> None:
+    registry = AdapterRegistry(n_slots=1)
+    registry.register("a", make_config("a", rollout_batch_size=1))
+    registry.record_weight_update(["a"])
+    for rollout_id in range(5):
+        registry.record_batch_adapters(rollout_id, {"a": 1}, ["a"])
+        registry.mark_batch_trained(rollout_id)
+    assert (registry.step("a"), registry.state("a")) == (5, AdapterState.ACTIVE)
+
+
+@pytest.mark.parametrize("num_step, num_epoch, rows, batch, expected", [
+    (None, None, 20, 4, 5),
+    (None, 3, 20, 4, 15),
+    (None, None, 3, 4, 1),   # fewer rows than a batch: still one step
+    (None, 2, 10, 4, 5),
+    (7, 3, 20, 4, 7),        # num_step wins
+])
+def test_resolve_num_step(num_step: int | None, num_epoch: int | None, rows: int, batch: int, expected: int) -> None:
+    registry = AdapterRegistry(n_slots=1)
+    registry.register("a", make_config("a", num_step=num_step, num_epoch=num_epoch, rollout_batch_size=batch))
+    assert registry.resolve_num_step("a", rows) == expected
+    assert registry.snapshot().pending["a"].config.num_step == expected
+    assert registry.resolve_num_step("a", rows * 100) == expected  # fixed once resolved
+
+
+def test_step_names_must_be_in_groups() -> None:
+    registry = AdapterRegistry(n_slots=1)
+    with pytest.raises(ValueError, match=r"step_names \['b'\] are not in the batch's groups"):
+        registry.record_batch_adapters(0, {"a": 1}, ["b"])
+
+
+def test_batch_records_keep_the_last_16() -> None:
+    assert BATCH_RECORD_RETENTION == 16
+    registry = AdapterRegistry(n_slots=1)
+    walk_to(registry, "a", AdapterState.ACTIVE)
+    for rollout_id in range(17):
+        registry.record_batch_adapters(rollout_id, {"a": 1}, [])
+    assert registry.mark_batch_trained(0) == [] and registry.status("a").accumulated_groups == 0
+    registry.mark_batch_trained(1)
+    registry.mark_batch_trained(16)
+    assert registry.status("a").accumulated_groups == 2
+
+
+def test_completed_retention_evicts_oldest_and_reads_refresh() -> None:
+    assert AdapterRegistry(n_slots=1).completed_retention == COMPLETED_RETENTION == 1024
+    registry = AdapterRegistry(n_slots=1, completed_retention=3)
+    for name in ["a", "b", "c"]:
+        walk_to(registry, name, AdapterState.COMPLETED)
+    registry.status("a")  # reading "a" makes "b" the oldest
+    walk_to(registry, "d", AdapterState.COMPLETED)
+    assert registry.snapshot().completed == frozenset({"a", "c", "d"})
+    with pytest.raises(AdapterNotFoundError):
+        registry.status("b")
+
+
+def test_set_step_and_adapter_step() -> None:
+    registry = AdapterRegistry(n_slots=1)
+    registry.register("a", make_config("a"))
+    registry.set_step("a", 3)
+    assert registry.step("a") == 3 and registry.snapshot().pending["a"].step == 3
+    with pytest.raises(ValueError):
+        registry.set_step("a", -1)
+    with pytest.raises(AdapterNotFoundError):
+        registry.set_step("b", 1)
+
+
+def test_weight_update_of_unknown_name_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    registry = AdapterRegistry(n_slots=1)
+    walk_to(registry, "a", AdapterState.COMPLETED)
+    with caplog.at_level(logging.WARNING):
+        assert registry.record_weight_update(["a", "nobody"]) == {}
+    assert registry.slot_versions == [1]
+    assert "holds no slot" in caplog.text

@@ -1,0 +1,204 @@
+"""Adapter config: YAML parsing, defaults from the process config, every validation rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from miles.utils.adapter_config import (
+    ADAPTER_CONFIG_KEYS,
+    AdapterConfigError,
+    AdapterDefaults,
+    AdapterRunConfig,
+    min_groups_per_dp_split,
+    parse_adapter_run_yaml,
+    path_within_roots,
+    resolve_adapter_config,
+    validate_adapter_name,
+)
+from miles.utils.arguments import config_from_dict
+from miles.utils.types import AdapterStatus
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> Path:
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"text": "1+1=", "label": "2"}) + "\n")
+    return path
+
+
+@pytest.fixture
+def defaults(tmp_path: Path) -> AdapterDefaults:
+    return AdapterDefaults(lora_rank=8, lora_alpha=16.0, rollout_batch_size=4, n_samples_per_prompt=2,
+                           save=str(tmp_path / "save"), rm_type="math", dp_size=2, max_adapter_global_batch_size=32)
+
+
+def test_min_groups_per_dp_split() -> None:
+    assert [min_groups_per_dp_split(n, dp) for n, dp in [(4, 2), (2, 4), (2, 8), (1, 1), (8, 8), (3, 1), (1, 4)]] \
+        == [1, 2, 4, 1, 1, 1, 4]
+    for n, dp in [(3, 2), (2, 3), (4, 6)]:
+        with pytest.raises(ValueError, match="divisor or a multiple"):
+            min_groups_per_dp_split(n, dp)
+
+
+def test_defaults_come_from_the_process_config(tmp_path: Path, data_file: Path) -> None:
+    cfg = config_from_dict(dict(
+        lora_rank=32, lora_alpha=64.0, rollout_batch_size=6, n_samples_per_prompt=4, save=str(tmp_path / "out"),
+        input_key="question", label_key="answer", metadata_key="meta", rm_type="exact", lr=3e-5,
+        weight_decay=0.1, lr_decay_style="cosine", lr_warmup_steps=5, actor_num_workers=2, global_batch_size=16,
+    ))
+    defaults = AdapterDefaults.from_config(cfg)
+    assert (defaults.dp_size, defaults.max_adapter_global_batch_size) == (2, 64)
+
+    resolved = resolve_adapter_config("alpha", {"data": str(data_file)}, defaults)
+
+    assert resolved == AdapterRunConfig(
+        data=str(data_file.resolve()), rank=32, alpha=64.0, rollout_batch_size=6, n_samples_per_prompt=4,
+        save=(tmp_path / "out" / "adapters" / "alpha").resolve(), input_key="question", label_key="answer",
+        metadata_key="meta", rm_type="exact", custom_rm_path=None, num_step=None, num_epoch=None, metadata={},
+        lr=3e-5, weight_decay=0.1, lr_decay_style="cosine", lr_warmup_steps=5,
+    )
+    assert resolved.adapter_global_batch_size == 24
+
+
+def test_adapter_values_override_defaults(tmp_path: Path, data_file: Path, defaults: AdapterDefaults) -> None:
+    raw = {"data": str(data_file), "rank": 4, "alpha": 8, "rollout_batch_size": 2, "n_samples_per_prompt": 4,
+           "save": str(tmp_path / "mine"), "rm_type": "f1", "num_epoch": 3, "metadata": {"lang": "en"},
+           "lr": 0.01, "lr_decay_style": "linear"}
+    resolved = resolve_adapter_config("b", raw, defaults)
+    assert (resolved.rank, resolved.alpha, resolved.rollout_batch_size, resolved.n_samples_per_prompt) == (4, 8.0, 2, 4)
+    assert resolved.save == (tmp_path / "mine").resolve()
+    assert (resolved.rm_type, resolved.num_epoch, resolved.metadata, resolved.lr) == ("f1", 3, {"lang": "en"}, 0.01)
+    assert resolved.lr_decay_style == "linear" and resolved.input_key == "text"
+
+
+def test_parse_yaml_then_resolve(tmp_path: Path, data_file: Path, defaults: AdapterDefaults) -> None:
+    path = tmp_path / "gsm.yaml"
+    path.write_text(f"data: {data_file}\nrank: 2\nnum_step: 7\nmetadata:\n  source: gsm8k\n")
+    raw = parse_adapter_run_yaml(path)
+    assert (raw.data, raw.rank, raw.num_step, raw.metadata, raw.alpha) == (str(data_file), 2, 7, {"source": "gsm8k"}, None)
+    assert resolve_adapter_config("gsm", raw, defaults).rank == 2
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("data: x.jsonl\nrnak: 4\n", "unknown key(s) ['rnak']"),
+    ("rank: 4\n", "'data' is required"),
+    ("- data\n", "must be a mapping"),
+    ("data: [unclosed\n", "not valid YAML"),
+])
+def test_yaml_errors_name_the_adapter(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "typo.yaml"
+    path.write_text(text)
+    with pytest.raises(AdapterConfigError) as err:
+        parse_adapter_run_yaml(path)
+    assert "Adapter 'typo'" in str(err.value) and needle in str(err.value)
+
+
+def test_unknown_key_lists_valid_keys(data_file: Path, defaults: AdapterDefaults) -> None:
+    with pytest.raises(AdapterConfigError) as err:
+        resolve_adapter_config("c", {"data": str(data_file), "learning_rate": 1.0}, defaults)
+    assert f"valid keys are {list(ADAPTER_CONFIG_KEYS)}" in str(err.value)
+    with pytest.raises(AdapterConfigError, match="does not exist"):
+        parse_adapter_run_yaml(Path("/nonexistent/x.yaml"))
+
+
+@pytest.mark.parametrize("name", ["a/b", "..", ".", "a::b", "a b", "", "a\nb", "a\n", "é"])
+def test_bad_names_rejected(name: str, data_file: Path, defaults: AdapterDefaults) -> None:
+    with pytest.raises(AdapterConfigError, match="Invalid adapter name"):
+        resolve_adapter_config(name, {"data": str(data_file)}, defaults)
+
+
+def test_good_names_accepted() -> None:
+    for name in ["a", "A-1", "my_adapter.v2", "..x", "-"]:
+        assert validate_adapter_name(name) == name
+
+
+# (overrides of the adapter config, overrides of the defaults, words the message must contain)
+RULES: list[tuple[dict[str, Any], dict[str, Any], list[str]]] = [
+    ({"rank": 0}, {}, ["rank must be an integer > 0"]),
+    ({"rank": "4"}, {}, ["rank must be an integer > 0", "'4'"]),
+    ({"rank": True}, {}, ["rank must be an integer > 0"]),
+    ({"rank": 9}, {}, ["rank 9 exceeds the slot width --lora-rank 8"]),
+    ({"alpha": 0}, {}, ["alpha must be a number > 0"]),
+    ({"rollout_batch_size": 0}, {}, ["rollout_batch_size must be an integer > 0"]),
+    ({"rollout_batch_size": 3, "n_samples_per_prompt": 1}, {"dp_size": 2},
+     ["rollout_batch_size (3) must be a multiple of 2", "2 data-parallel ranks"]),
+    ({"n_samples_per_prompt": 3}, {"dp_size": 2}, ["divisor or a multiple", "change n_samples_per_prompt"]),
+    ({"n_samples_per_prompt": -1}, {}, ["n_samples_per_prompt must be an integer > 0"]),
+    ({}, {"save": None}, ["no save directory", "--save"]),
+    ({}, {"rm_type": None}, ["no reward", "rm_type or custom_rm_path"]),
+    ({"num_step": 0}, {}, ["num_step must be an integer > 0"]),
+    ({"num_epoch": -2}, {}, ["num_epoch must be an integer > 0"]),
+    ({"rollout_batch_size": 16, "n_samples_per_prompt": 4}, {},
+     ["= 64 exceeds --multi-lora-max-adapter-global-batch-size 32", "lower rollout_batch_size"]),
+    ({"lr_decay_style": "step"}, {}, ["lr_decay_style must be one of ['constant', 'linear', 'cosine']"]),
+    ({"lr": -1.0}, {}, ["lr must be a number >= 0"]),
+    ({"weight_decay": "0.1"}, {}, ["weight_decay must be a number >= 0"]),
+    ({"lr_warmup_steps": -1}, {}, ["lr_warmup_steps must be an integer >= 0"]),
+    ({"metadata": ["x"]}, {}, ["metadata must be a mapping"]),
+    ({"input_key": ""}, {}, ["input_key must be a non-empty string"]),
+    ({"data": "missing.jsonl"}, {}, ["data file 'missing.jsonl' does not exist"]),
+    ({"data": "train.csv"}, {}, ["must be a .jsonl, .json or .parquet file"]),
+    ({"data": 5}, {}, ["'data' must be a path string"]),
+]
+
+
+@pytest.mark.parametrize("overrides, default_overrides, needles", RULES)
+def test_validation_rules(overrides: dict[str, Any], default_overrides: dict[str, Any], needles: list[str],
+                          data_file: Path, defaults: AdapterDefaults) -> None:
+    raw = {"data": str(data_file), **overrides}
+    with pytest.raises(AdapterConfigError) as err:
+        resolve_adapter_config("tenant-7", raw, dataclasses.replace(defaults, **default_overrides))
+    message = str(err.value)
+    assert message.startswith("Adapter 'tenant-7'")
+    for needle in needles:
+        assert needle in message
+
+
+def test_valid_dp_combinations(data_file: Path, defaults: AdapterDefaults) -> None:
+    # dp=4, n=2: a prompt group is half a rank's share, so groups come in pairs.
+    four_ranks = dataclasses.replace(defaults, dp_size=4)
+    assert resolve_adapter_config("x", {"data": str(data_file), "n_samples_per_prompt": 2,
+                                        "rollout_batch_size": 2}, four_ranks).rollout_batch_size == 2
+    assert resolve_adapter_config("x", {"data": str(data_file), "n_samples_per_prompt": 8,
+                                        "rollout_batch_size": 3}, four_ranks).adapter_global_batch_size == 24
+
+
+def test_custom_reward_alone_is_enough(data_file: Path, defaults: AdapterDefaults) -> None:
+    resolved = resolve_adapter_config("x", {"data": str(data_file), "custom_rm_path": "pkg.mod.fn"},
+                                      dataclasses.replace(defaults, rm_type=None))
+    assert (resolved.rm_type, resolved.custom_rm_path) == (None, "pkg.mod.fn")
+
+
+def test_num_step_wins_over_num_epoch_with_warning(data_file: Path, defaults: AdapterDefaults,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="miles.utils.adapter_config"):
+        resolved = resolve_adapter_config("x", {"data": str(data_file), "num_step": 5, "num_epoch": 2}, defaults)
+    assert (resolved.num_step, resolved.num_epoch) == (5, 2)
+    assert "num_step wins" in caplog.text
+
+
+def test_unresolved_global_batch_size_is_an_error() -> None:
+    with pytest.raises(AdapterConfigError, match="resolve_adapter_config"):
+        _ = AdapterRunConfig(data="x.jsonl").adapter_global_batch_size
+
+
+def test_path_within_roots(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (root / "escape").symlink_to(tmp_path / "outside")
+    assert path_within_roots(root / "sub" / "x.jsonl", [root])
+    assert not path_within_roots(root / ".." / "outside" / "x.jsonl", [root])
+    assert not path_within_roots(root / "escape" / "x.jsonl", [root])
+    assert path_within_roots(tmp_path / "outside" / "x", [root, tmp_path / "outside"])
+
+
+def test_status_carries_every_config_field() -> None:
+    lifecycle = {"name", "state", "slot", "version", "step", "accumulated_groups", "registration_id"}
+    assert set(AdapterStatus.model_fields) == lifecycle | set(ADAPTER_CONFIG_KEYS)
