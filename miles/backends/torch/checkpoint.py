@@ -78,7 +78,7 @@ def write_checkpoint(
     save_dir: str | Path,
     step: int,
     *,
-    write_adapter: Callable[[Path], None],
+    write_adapter: Callable[[Path], object],
     optimizer: OptimizerState,
     scheduler: dict[str, Any],
     trainer_state: TrainerState,
@@ -88,9 +88,8 @@ def write_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
     tmp = root / f".tmp-step_{step}-{uuid.uuid4().hex}"
-    tmp.mkdir()
     try:
-        write_adapter(tmp)
+        write_adapter(tmp)  # creates `tmp` (a PEFT writer places its directory itself)
         missing = [name for name in PEFT_FILES if not (tmp / name).is_file()]
         if missing:
             raise RuntimeError(f"the adapter writer did not produce {missing} in {tmp}")

@@ -19,6 +19,7 @@ from miles.backends.torch.checkpoint import (
 
 
 def _write_peft(path: Path) -> None:
+    path.mkdir()
     save_file({"w": torch.ones(2)}, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({"r": 2}))
 
@@ -57,6 +58,7 @@ def test_failed_write_leaves_no_directory_and_keeps_the_previous_one(tmp_path):
     good = _save(tmp_path, 3)
 
     def broken(path: Path) -> None:
+        path.mkdir()
         (path / "adapter_config.json").write_text("{}")
         raise OSError("disk full")
 

@@ -1,0 +1,438 @@
+"""One data-parallel rank of the torch training backend.
+
+A frozen Hugging Face causal LM with the slot page table injected, one AdamW per slot
+(`SlotAdamW`) and one LR schedule per adapter. `TrainGroup` runs one of these per DP
+rank as a Ray actor; it is a plain class, so a single rank can be driven in-process:
+
+    actor = TorchTrainActor(TrainActorConfig(hf_checkpoint="/tmp/tiny", n_slots=4, lora_rank=8))
+    actor.load_adapter(AdapterSpec(name="math", slot=0, rank=8, alpha=16.0, global_batch_size=8))
+    actor.train(samples, advantages, samples_per_adapter={"math": 8})
+    actor.step_adapters(["math"])
+
+Every sample enters the gradient with weight 1 and a slot's gradients persist across
+train calls until that adapter steps; at step time the stepping slots' gradients are
+summed over ranks, scaled by `1 / adapter_global_batch_size`, clipped by the slot's own
+norm and applied to that slot only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import socket
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from miles.backends.lora import (
+    clear_slot,
+    export_peft_adapter,
+    get_slot_weights,
+    init_slot,
+    inject_multi_lora,
+    load_peft_adapter,
+    lora_modules,
+    peft_adapter_config,
+    use_slots,
+)
+from miles.backends.torch.batching import MicroBatch, make_micro_batches, next_token_logprobs, response_logprobs
+from miles.backends.torch.checkpoint import OptimizerState, TrainerState, read_checkpoint, write_checkpoint
+from miles.backends.torch.loss import LossConfig, policy_loss
+from miles.backends.torch.lr_schedule import LRSchedule
+from miles.backends.torch.optimizer import SlotAdamW
+from miles.utils.arguments import MilesConfig
+from miles.utils.types import AdapterRun, Sample
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class TrainActorConfig:
+    """What one train rank needs: the model, the page table, the optimizer and the loss."""
+
+    hf_checkpoint: str
+    n_slots: int
+    lora_rank: int
+    target_modules: str = "all-linear"
+    device: str = "cpu"
+    dtype: str = "float32"
+    micro_batch_size: int | None = None
+    seed: int = 42
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    min_lr: float = 0.0
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    @classmethod
+    def from_config(cls, cfg: MilesConfig) -> TrainActorConfig:
+        if not cfg.hf_checkpoint:
+            raise ValueError("--hf-checkpoint is required: the Hugging Face directory of the base model")
+        return cls(
+            hf_checkpoint=cfg.hf_checkpoint,
+            n_slots=max(1, cfg.multi_lora_n_adapters),
+            lora_rank=cfg.lora_rank,
+            target_modules=cfg.target_modules,
+            device=cfg.resolved_device,
+            dtype=cfg.resolved_dtype,
+            micro_batch_size=cfg.micro_batch_size,
+            seed=cfg.seed,
+            adam_betas=(cfg.adam_beta1, cfg.adam_beta2),
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            min_lr=cfg.min_lr,
+            loss=LossConfig.from_config(cfg),
+        )
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One adapter as a train rank sees it: its slot, LoRA shape and optimizer settings."""
+
+    name: str
+    slot: int
+    rank: int
+    alpha: float
+    global_batch_size: int
+    """rollout_batch_size * n_samples_per_prompt: the gradient is divided by it at step."""
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    lr_decay_style: str = "constant"
+    lr_warmup_steps: int = 0
+    num_step: int | None = None
+    registration_id: str = ""
+    save_dir: str | None = None
+
+    @classmethod
+    def from_run(cls, run: AdapterRun) -> AdapterSpec:
+        cfg = run.config
+        return cls(
+            name=run.name, slot=run.slot, rank=cfg.rank, alpha=float(cfg.alpha),
+            global_batch_size=cfg.rollout_batch_size * cfg.n_samples_per_prompt,
+            lr=cfg.lr, weight_decay=cfg.weight_decay, lr_decay_style=cfg.lr_decay_style,
+            lr_warmup_steps=cfg.lr_warmup_steps, num_step=cfg.num_step,
+            registration_id=run.registration_id, save_dir=None if cfg.save is None else str(cfg.save),
+        )
+
+
+@dataclass
+class AdapterTrainStats:
+    """Sums over one rank's samples of one adapter; `TrainGroup` adds ranks and divides."""
+
+    loss_sum: float = 0.0
+    samples: int = 0
+    clipped_tokens: float = 0.0
+    tokens: float = 0.0
+    kl_sum: float = 0.0
+    tis_sum: float = 0.0
+
+
+@dataclass(frozen=True)
+class AdapterStepStats:
+    grad_norm: float
+    """Norm of the scaled gradient before clipping."""
+    lr: float
+    step: int
+    """The adapter's step count after this step."""
+
+
+@dataclass
+class _Loaded:
+    spec: AdapterSpec
+    schedule: LRSchedule
+    step: int
+    start_step: int
+    """Step at load time: `num_step` counts from here."""
+
+
+def adapter_seed(seed: int, name: str) -> int:
+    """Seed of an adapter's fresh init: the same on every rank and in every run."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class TorchTrainActor:
+    """One DP rank: frozen base + slot page table + per-slot AdamW + per-adapter schedules."""
+
+    def __init__(self, config: TrainActorConfig, rank: int = 0, world_size: int = 1) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(config.device)
+        model = AutoModelForCausalLM.from_pretrained(config.hf_checkpoint, dtype=DTYPES[config.dtype])
+        self.module_names = inject_multi_lora(
+            model, n_slots=config.n_slots, max_rank=config.lora_rank, target_modules=config.target_modules
+        )
+        # eval(): no dropout, so the logprobs of a pass equal the ones the loss uses as "old".
+        self.model = model.to(self.device).eval()
+        modules = lora_modules(self.model)
+        self.param_names: list[str] = []
+        params: list[tuple[torch.nn.Parameter, int]] = []
+        for name, module in modules.items():
+            self.param_names += [f"{name}.lora_A", f"{name}.lora_B"]
+            params += [(module.lora_A, 1), (module.lora_B, 2)]
+        self.optimizer = SlotAdamW(params, n_slots=config.n_slots, betas=config.adam_betas, eps=config.adam_eps)
+        self.target_short_names = sorted({n.rsplit(".", 1)[-1] for n in self.module_names})
+        self.adapters: dict[str, _Loaded] = {}
+
+    # ---- distributed set-up -------------------------------------------------------
+
+    def ready(self) -> int:
+        return self.rank
+
+    def master_address(self, host: str = "127.0.0.1") -> str:
+        """A free TCP address for the process group (called on rank 0)."""
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def init_process_group(self, address: str, timeout_s: float = 600.0) -> None:
+        if self.world_size == 1:
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=address, rank=self.rank, world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- adapters in slots ----------------------------------------------------------
+
+    def load_adapter(self, spec: AdapterSpec, checkpoint: str | None = None) -> int:
+        """Put an adapter into its slot, fresh (A seeded by seed and name, B zero) or resumed
+        from a checkpoint directory; returns its step (0 when fresh)."""
+        self._check_free(spec)
+        self.optimizer.reset_slot(spec.slot)
+        schedule = self._new_schedule(spec)
+        step = 0
+        if checkpoint is None:
+            generator = torch.Generator().manual_seed(adapter_seed(self.config.seed, spec.name))
+            init_slot(self.model, spec.slot, rank=spec.rank, alpha=spec.alpha, generator=generator)
+        else:
+            step, schedule = self._resume(spec, Path(checkpoint), schedule)
+        self.optimizer.configure_slot(spec.slot, rank=spec.rank, lr=spec.lr, weight_decay=spec.weight_decay)
+        if spec.num_step is not None:
+            schedule.total_steps = step + spec.num_step
+        self.adapters[spec.name] = _Loaded(spec=spec, schedule=schedule, step=step, start_step=step)
+        return step
+
+    def _check_free(self, spec: AdapterSpec) -> None:
+        if spec.name in self.adapters:
+            raise ValueError(f"adapter '{spec.name}' is already loaded in slot {self.adapters[spec.name].spec.slot}")
+        for other in self.adapters.values():
+            if other.spec.slot == spec.slot:
+                raise ValueError(f"slot {spec.slot} is held by adapter '{other.spec.name}': clean it up first")
+        if not 0 < spec.rank <= self.config.lora_rank:
+            raise ValueError(f"adapter '{spec.name}' has rank {spec.rank}; it must be in 1..{self.config.lora_rank} (--lora-rank)")
+
+    def _new_schedule(self, spec: AdapterSpec) -> LRSchedule:
+        return LRSchedule(
+            lr=spec.lr, samples_per_step=spec.global_batch_size, style=spec.lr_decay_style,  # type: ignore[arg-type]
+            warmup_steps=spec.lr_warmup_steps, min_lr=self.config.min_lr,
+        )
+
+    def _resume(self, spec: AdapterSpec, path: Path, fresh: LRSchedule) -> tuple[int, LRSchedule]:
+        ckpt = read_checkpoint(path)
+        if ckpt.trainer_state.rank != spec.rank or abs(ckpt.trainer_state.alpha - spec.alpha) > 1e-6:
+            raise ValueError(
+                f"checkpoint {path} holds a rank-{ckpt.trainer_state.rank} alpha-{ckpt.trainer_state.alpha} adapter "
+                f"but adapter '{spec.name}' is configured with rank {spec.rank} alpha {spec.alpha}: "
+                "use the checkpoint's rank and alpha, or give the adapter a fresh save directory"
+            )
+        load_peft_adapter(self.model, spec.slot, path)
+        exp_avg = self._pad_moments(ckpt.optimizer.exp_avg, spec, path)
+        exp_avg_sq = self._pad_moments(ckpt.optimizer.exp_avg_sq, spec, path)
+        self.optimizer.load_slot_state(spec.slot, exp_avg, exp_avg_sq, ckpt.optimizer.step)
+        # The clock comes from the checkpoint; the schedule's settings from today's config.
+        saved = LRSchedule.from_state_dict(ckpt.scheduler)
+        schedule = replace(fresh, samples_seen=saved.samples_seen, samples_at_last_step=saved.samples_at_last_step)
+        return ckpt.trainer_state.step, schedule
+
+    def _pad_moments(self, tensors: dict[str, Tensor], spec: AdapterSpec, path: Path) -> list[Tensor]:
+        out = []
+        for name, (param, rank_dim) in zip(self.param_names, self.optimizer.params):
+            if name not in tensors:
+                raise ValueError(f"checkpoint {path} has no optimizer state for {name}: it was saved for another model")
+            full = torch.zeros_like(param[spec.slot])
+            region = full.narrow(rank_dim - 1, 0, spec.rank)
+            if tensors[name].shape != region.shape:
+                raise ValueError(f"checkpoint {path}: optimizer state {name} has shape {list(tensors[name].shape)}, expected {list(region.shape)}")
+            region.copy_(tensors[name])
+            out.append(full)
+        return out
+
+    def set_num_step(self, name: str, num_step: int | None) -> None:
+        """The adapter's `num_step` became known: decaying schedules end `num_step` steps after load."""
+        loaded = self._loaded(name)
+        loaded.spec = replace(loaded.spec, num_step=num_step)
+        loaded.schedule.total_steps = None if num_step is None else loaded.start_step + num_step
+
+    def cleanup_adapter(self, name: str) -> None:
+        """Empty the adapter's slot: weights, moments, step counter, retained grads, schedule."""
+        loaded = self._loaded(name)
+        clear_slot(self.model, loaded.spec.slot)
+        self.optimizer.reset_slot(loaded.spec.slot)
+        del self.adapters[name]
+
+    def loaded_adapters(self) -> dict[str, int]:
+        return {name: a.spec.slot for name, a in self.adapters.items()}
+
+    def _loaded(self, name: str) -> _Loaded:
+        if name not in self.adapters:
+            raise KeyError(f"adapter '{name}' is not loaded on train rank {self.rank}: reconcile adapters first")
+        return self.adapters[name]
+
+    # ---- training -------------------------------------------------------------------
+
+    def train(
+        self, samples: Sequence[Sample], advantages: Sequence[float], samples_per_adapter: dict[str, int]
+    ) -> dict[str, dict[str, float]]:
+        """Forward and backward this rank's samples (gradients accumulate per slot).
+
+        `samples_per_adapter` counts each adapter's samples in the whole (all-rank)
+        batch; it advances the adapters' LR clocks identically on every rank.
+        """
+        for sample in samples:
+            loaded = self._loaded(sample.adapter)
+            if sample.slot != loaded.spec.slot:
+                raise ValueError(f"sample of adapter '{sample.adapter}' names slot {sample.slot}, but the adapter is in slot {loaded.spec.slot}")
+        for name in samples_per_adapter:
+            self._loaded(name)
+        stats: dict[str, AdapterTrainStats] = {}
+        batches = make_micro_batches(
+            samples, advantages, self.config.micro_batch_size, need_rollout_logprobs=self.config.loss.use_tis
+        )
+        for batch in batches:
+            self._train_micro_batch(batch.to(self.device), stats)
+        for name, n in samples_per_adapter.items():
+            self.adapters[name].schedule.add_samples(n)
+        return {name: asdict(s) for name, s in stats.items()}
+
+    def _forward_logprobs(self, batch: MicroBatch, slots: list[int]) -> Tensor:
+        with use_slots(self.model, slots):
+            logits = self.model(
+                input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False
+            ).logits
+        return next_token_logprobs(logits, batch.input_ids_BL)
+
+    def _train_micro_batch(self, batch: MicroBatch, stats: dict[str, AdapterTrainStats]) -> None:
+        loss_cfg = self.config.loss
+        ref = None
+        if loss_cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref = self._forward_logprobs(batch, [-1] * len(batch.slots))
+        logprobs = self._forward_logprobs(batch, batch.slots)
+        out = policy_loss(
+            logprobs, logprobs.detach(), batch.advantages_B, batch.response_mask_BT, config=loss_cfg,
+            rollout_logprobs_BT=batch.rollout_logprobs_BT if loss_cfg.use_tis else None, ref_logprobs_BT=ref,
+        )
+        out.loss_B.sum().backward()
+        rows = zip(batch.adapters, out.loss_B.tolist(), out.clipped_tokens_B.tolist(), out.tokens_B.tolist(),
+                   out.kl_B.tolist(), out.tis_B.tolist())
+        for adapter, loss, clipped, tokens, kl, tis in rows:
+            s = stats.setdefault(adapter, AdapterTrainStats())
+            s.loss_sum += loss
+            s.samples += 1
+            s.clipped_tokens += clipped
+            s.tokens += tokens
+            s.kl_sum += kl
+            s.tis_sum += tis
+
+    def step_adapters(self, names: Sequence[str]) -> dict[str, dict[str, float]]:
+        """Optimizer step of the given adapters only; every rank must call it with the same names."""
+        names = sorted(names)
+        loaded = [self._loaded(name) for name in names]
+        self._all_reduce_slot_grads([a.spec.slot for a in loaded])
+        out = {}
+        for a in loaded:
+            slot = a.spec.slot
+            self.optimizer.mask_slot_grad(slot)
+            self.optimizer.scale_slot_grad(slot, 1.0 / a.spec.global_batch_size)
+            grad_norm = self.optimizer.clip_slot_grad(slot, self.config.clip_grad)
+            lr = a.schedule.begin_step()
+            self.optimizer.step_slot(slot, lr)
+            self.optimizer.zero_slot_grad(slot)
+            a.step += 1
+            out[a.spec.name] = asdict(AdapterStepStats(grad_norm=grad_norm, lr=lr, step=a.step))
+        return out
+
+    def _all_reduce_slot_grads(self, slots: list[int]) -> None:
+        if self.world_size == 1 or not slots:
+            return
+        grads = [g for slot in slots for g in self.optimizer.slot_grads(slot)]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    @torch.no_grad()
+    def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Each sample's response-token logprobs under its slot (in the given order)."""
+        out: list[list[float]] = [[] for _ in samples]
+        for batch in make_micro_batches(samples, [0.0] * len(samples), self.config.micro_batch_size):
+            batch = batch.to(self.device)
+            for index, values in zip(batch.indices, response_logprobs(self._forward_logprobs(batch, batch.slots), batch)):
+                out[index] = values
+        return out
+
+    # ---- export and checkpoints -----------------------------------------------------------
+
+    def export_adapter(self, name: str) -> dict[str, Tensor]:
+        """The adapter's LoRA tensors in PEFT names, sliced to its rank (CPU)."""
+        return get_slot_weights(self.model, self._loaded(name).spec.slot)
+
+    def peft_config(self, name: str) -> dict[str, Any]:
+        spec = self._loaded(name).spec
+        return peft_adapter_config(
+            rank=spec.rank, alpha=spec.alpha, target_modules=self.target_short_names,
+            base_model_name_or_path=self.config.hf_checkpoint,
+        )
+
+    def optimizer_state(self, name: str) -> OptimizerState:
+        """The adapter's AdamW moments (rank-sliced, by LoRA parameter name) and step count."""
+        spec = self._loaded(name).spec
+        exp_avg, exp_avg_sq, step = self.optimizer.slot_state(spec.slot)
+        sliced = lambda ts: {  # noqa: E731
+            n: t.narrow(dim - 1, 0, spec.rank).contiguous().cpu()
+            for n, t, (_, dim) in zip(self.param_names, ts, self.optimizer.params)
+        }
+        hyper = {"lr": spec.lr, "weight_decay": spec.weight_decay, "betas": list(self.optimizer.betas), "eps": self.optimizer.eps}
+        return OptimizerState(exp_avg=sliced(exp_avg), exp_avg_sq=sliced(exp_avg_sq), step=step, hyper=hyper)
+
+    def adapter_step(self, name: str) -> int:
+        return self._loaded(name).step
+
+    def schedule_state(self, name: str) -> dict[str, Any]:
+        return self._loaded(name).schedule.state_dict()
+
+    def save_adapter(self, name: str, data_position: dict[str, Any] | None = None) -> str:
+        """Write `{save}/checkpoints/step_{step}` for the adapter; returns its path."""
+        a = self._loaded(name)
+        spec = a.spec
+        if spec.save_dir is None:
+            raise ValueError(f"adapter '{name}' has no save directory: set 'save' in its config or --save")
+        state = TrainerState(
+            name=name, step=a.step, registration_id=spec.registration_id, rank=spec.rank, alpha=spec.alpha,
+            data_position=data_position,
+        )
+        path = write_checkpoint(
+            spec.save_dir, a.step,
+            write_adapter=lambda p: export_peft_adapter(self.model, spec.slot, p, rank=spec.rank, alpha=spec.alpha),
+            optimizer=self.optimizer_state(name), scheduler=a.schedule.state_dict(), trainer_state=state,
+        )
+        return str(path)

@@ -1,0 +1,145 @@
+"""A train rank's updates: isolation between slots, accumulation, resume, slot reuse.
+
+One rank in-process (no Ray): every equality here is between two ways of training the
+same adapter on the same samples.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
+
+from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.backends.torch.loss import LossConfig
+
+LOSS = LossConfig(eps_clip=0.2, eps_clip_high=0.28, use_tis=True, tis_clip=2.0, kl_coef=0.05)
+
+
+def _train_step(actor, groups, step_names):
+    samples, adv = flatten_with_advantages(groups)
+    stats = actor.train(samples, adv, counts(samples))
+    return stats, actor.step_adapters(step_names)
+
+
+def test_co_trained_adapter_equals_adapter_trained_alone(tiny_model_dir):
+    mixed = new_actor(tiny_model_dir, micro_batch_size=5, loss=LOSS)
+    alone = new_actor(tiny_model_dir, micro_batch_size=3, loss=LOSS)
+    mixed.load_adapter(spec("a", 0, global_batch_size=4))
+    mixed.load_adapter(spec("b", 1, rank=2, global_batch_size=4))
+    mixed.load_adapter(spec("c", 2, rank=3, global_batch_size=6))
+    alone.load_adapter(spec("a", 3, global_batch_size=4))  # another slot: the slot index must not matter
+    initial = alone.export_adapter("a")
+    for step in range(3):
+        a = make_groups("a", 0, 2, 2, seed=10 + step)
+        b = make_groups("b", 1, 2, 2, seed=20 + step)
+        c = make_groups("c", 2, 2, 3, seed=30 + step)
+        # Interleave the adapters' groups so micro-batches hold several slots.
+        batch = [g for trio in zip(b, a, c) for g in trio]
+        stats, stepped = _train_step(mixed, batch, ["a", "b", "c"] if step < 2 else ["a"])
+        a_alone = [[s.__class__(**{**s.__dict__, "slot": 3}) for s in g] for g in a]
+        stats_alone, stepped_alone = _train_step(alone, a_alone, ["a"])
+        assert abs(stats["a"]["loss_sum"] - stats_alone["a"]["loss_sum"]) < 1e-5
+        assert abs(stepped["a"]["grad_norm"] - stepped_alone["a"]["grad_norm"]) < 1e-5
+        assert stepped["a"]["lr"] == stepped_alone["a"]["lr"]
+    trained = mixed.export_adapter("a")
+    assert max_abs_diff(trained, alone.export_adapter("a")) <= 1e-5
+    assert max_abs_diff(trained, initial) > 1e-3  # it did learn something
+    for got, want in zip(mixed.optimizer_state("a").exp_avg.values(), alone.optimizer_state("a").exp_avg.values()):
+        assert torch.allclose(got, want, atol=1e-6, rtol=0)
+
+
+def test_step_of_one_adapter_leaves_the_others_bit_identical(tiny_model_dir):
+    actor = new_actor(tiny_model_dir, micro_batch_size=4, loss=LOSS)
+    actor.load_adapter(spec("a", 0))
+    actor.load_adapter(spec("b", 2, rank=3))
+    warmup = make_groups("a", 0, 1, 2, seed=1) + make_groups("b", 2, 1, 2, seed=2)
+    _train_step(actor, warmup, ["a", "b"])  # b has moments and nonzero B weights now
+    probe = [s for g in make_groups("b", 2, 2, 2, seed=3) for s in g]
+    b_weights, b_logprobs = actor.export_adapter("b"), actor.logprobs(probe)
+    b_state = actor.optimizer_state("b")
+    a_before = actor.export_adapter("a")
+    batch = make_groups("a", 0, 2, 2, seed=4) + make_groups("b", 2, 1, 2, seed=5)
+    _train_step(actor, batch, ["a"])
+    assert max_abs_diff(actor.export_adapter("a"), a_before) > 1e-4
+    after = actor.export_adapter("b")
+    assert all(torch.equal(after[k], b_weights[k]) for k in b_weights)
+    assert actor.logprobs(probe) == b_logprobs
+    state = actor.optimizer_state("b")
+    assert state.step == b_state.step == 1
+    assert all(torch.equal(state.exp_avg[k], b_state.exp_avg[k]) for k in state.exp_avg)
+    # b's gradient from this batch is retained for its own step, not dropped.
+    assert any(torch.count_nonzero(g) > 0 for g in actor.optimizer.slot_grads(2))
+
+
+def test_accumulating_over_two_calls_equals_one_call(tiny_model_dir):
+    split = new_actor(tiny_model_dir, micro_batch_size=4)
+    whole = new_actor(tiny_model_dir, micro_batch_size=4)
+    for actor in (split, whole):
+        actor.load_adapter(spec("a", 1, global_batch_size=8, lr_decay_style="linear", num_step=4, lr_warmup_steps=2))
+    lrs = []
+    for step_groups in (make_groups("a", 1, 4, 2, seed=7), make_groups("a", 1, 4, 2, seed=8)):
+        first, second = flatten_with_advantages(step_groups[:1]), flatten_with_advantages(step_groups[1:])
+        split.train(first[0], first[1], counts(first[0]))
+        split.train(second[0], second[1], counts(second[0]))
+        split_stats = split.step_adapters(["a"])
+        _, whole_stats = _train_step(whole, step_groups, ["a"])
+        assert split_stats["a"]["lr"] == whole_stats["a"]["lr"]
+        lrs.append(split_stats["a"]["lr"])
+    assert lrs == [0.01, 0.02]  # two warmup steps; the clock counts samples, not train calls
+    assert max_abs_diff(split.export_adapter("a"), whole.export_adapter("a")) <= 1e-5
+    assert split.schedule_state("a") == whole.schedule_state("a")
+
+
+def test_resume_equals_uninterrupted_training(tiny_model_dir, tmp_path):
+    batches = [make_groups("a", 0, 2, 2, seed=40 + i) + make_groups("b", 1, 1, 2, seed=50 + i) for i in range(3)]
+    straight = new_actor(tiny_model_dir, micro_batch_size=3)
+    straight.load_adapter(spec("a", 0, save_dir=tmp_path / "a", lr_decay_style="cosine", num_step=5))
+    straight.load_adapter(spec("b", 1, rank=2))
+    for i, batch in enumerate(batches):
+        _train_step(straight, batch, ["a", "b"])
+        if i == 1:
+            straight.save_adapter("a")
+    checkpoint = latest_checkpoint(tmp_path / "a")
+    assert checkpoint is not None and checkpoint.name == "step_2"
+
+    resumed = new_actor(tiny_model_dir, micro_batch_size=3)
+    assert resumed.load_adapter(spec("a", 0, save_dir=tmp_path / "a", lr_decay_style="cosine", num_step=3), str(checkpoint)) == 2
+    resumed.load_adapter(spec("b", 1, rank=2))
+    a_groups = [g for g in batches[2] if g[0].adapter == "a"]
+    _train_step(resumed, a_groups, ["a"])
+    assert resumed.adapter_step("a") == straight.adapter_step("a") == 3
+    assert max_abs_diff(resumed.export_adapter("a"), straight.export_adapter("a")) <= 1e-6
+    got, want = resumed.optimizer_state("a"), straight.optimizer_state("a")
+    assert got.step == want.step == 3
+    assert max_abs_diff(got.exp_avg, want.exp_avg) <= 1e-7
+    assert max_abs_diff(got.exp_avg_sq, want.exp_avg_sq) <= 1e-9
+    assert resumed.schedule_state("a") == straight.schedule_state("a")
+
+
+def test_reused_slot_starts_fresh_and_cotenants_are_untouched(tiny_model_dir):
+    actor = new_actor(tiny_model_dir, micro_batch_size=4)
+    actor.load_adapter(spec("old", 0))
+    actor.load_adapter(spec("b", 1, rank=2))
+    for i in range(2):
+        _train_step(actor, make_groups("old", 0, 1, 2, seed=60 + i) + make_groups("b", 1, 1, 2, seed=70 + i), ["old", "b"])
+    leftover, adv = flatten_with_advantages(make_groups("old", 0, 1, 2, seed=80))
+    actor.train(leftover, adv, counts(leftover))  # retained gradient that must not leak into the next tenant
+    b_weights, b_state = actor.export_adapter("b"), actor.optimizer_state("b")
+
+    actor.cleanup_adapter("old")
+    assert actor.optimizer.steps[0] == 0
+    assert all(torch.count_nonzero(m[0]) == 0 for m in actor.optimizer.exp_avg + actor.optimizer.exp_avg_sq)
+    assert all(torch.count_nonzero(g) == 0 for g in actor.optimizer.slot_grads(0))
+    actor.load_adapter(spec("new", 0))
+    assert actor.schedule_state("new")["samples_seen"] == 0
+
+    fresh = new_actor(tiny_model_dir, micro_batch_size=4)
+    fresh.load_adapter(spec("new", 2))
+    groups = make_groups("new", 0, 2, 2, seed=90)
+    _train_step(actor, groups, ["new"])
+    _train_step(fresh, [[s.__class__(**{**s.__dict__, "slot": 2}) for s in g] for g in groups], ["new"])
+    assert max_abs_diff(actor.export_adapter("new"), fresh.export_adapter("new")) <= 1e-6
+    assert actor.optimizer_state("new").step == 1
+    after = actor.export_adapter("b")
+    assert all(torch.equal(after[k], b_weights[k]) for k in after)
+    assert all(torch.equal(actor.optimizer_state("b").exp_avg[k], b_state.exp_avg[k]) for k in b_state.exp_avg)
