@@ -3,7 +3,11 @@ a clock that tests advance, a producer whose death tests decide, and group build
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.types import AdapterRun, MultiLoRASnapshot, PromptGroup, Sample
@@ -92,3 +96,76 @@ def make_group(run: AdapterRun, group_index: int, *, version: int | None = None,
 
 def active(*runs: AdapterRun, retiring: tuple[AdapterRun, ...] = ()) -> MultiLoRASnapshot:
     return MultiLoRASnapshot(active={r.name: r for r in runs}, retiring={r.name: r for r in retiring})
+
+
+class FakeEngineServer:
+    """A tiny SGLang-shaped HTTP server on 127.0.0.1 for producer tests.
+
+    Every `/generate` answers `response_text` with two logprobs, after `gate` opens;
+    a request whose rid starts with an aborted prefix finishes with "abort".
+    `status_code` other than 200 makes every `/generate` fail.
+    """
+
+    def __init__(self, response_text: str = "12") -> None:
+        self.response_text = response_text
+        self.requests: list[dict[str, Any]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.aborted_prefixes: list[str] = []
+        self.status_code = 200
+        self._abort_event = asyncio.Event()
+        app = FastAPI()
+
+        @app.post("/generate")
+        async def generate(request: Request):
+            body = await request.json()
+            self.requests.append(body)
+            if self.status_code != 200:
+                return JSONResponse({"detail": "engine failure"}, status_code=self.status_code)
+            gate = asyncio.ensure_future(self.gate.wait())
+            while not gate.done() and not self._is_aborted(body["rid"]):
+                await asyncio.wait([gate], timeout=0.01)
+            gate.cancel()
+            reason = "abort" if self._is_aborted(body["rid"]) else "stop"
+            ids = [5, 6]
+            return {"text": self.response_text if reason == "stop" else "", "output_ids": ids if reason == "stop" else [],
+                    "meta_info": {"id": body["rid"], "finish_reason": {"type": reason},
+                                  "prompt_tokens": len(body["input_ids"]), "completion_tokens": 2,
+                                  "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]]}}
+
+        @app.post("/abort_request")
+        async def abort(request: Request):
+            body = await request.json()
+            self.aborted_prefixes.append(body["rid"])
+            return {}
+
+        self.app = app
+        self.url = ""
+
+    def _is_aborted(self, rid: str) -> bool:
+        return any(rid.startswith(prefix) for prefix in self.aborted_prefixes)
+
+    async def __aenter__(self) -> FakeEngineServer:
+        import uvicorn
+
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                     lifespan="off"))
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            await asyncio.sleep(0.01)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.gate.set()
+        self._server.should_exit = True
+        await self._task
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)

@@ -1,0 +1,278 @@
+"""The continuous producer: a background task that keeps prompt groups generating.
+
+Owned by the rollout manager (one per process, shared by every adapter). It polls the
+controller's snapshot, keeps up to `--rollout-batch-size` prompt groups in flight
+across the sampleable adapters (round robin), and for each group:
+
+1. stamps it at submission with the adapter's slot version and registration id;
+2. sends `n_samples_per_prompt` requests to the router's `POST /generate` with
+   `rid = "<adapter>::<uuid4 hex>"` and `lora_path` = the slot's engine-side name;
+3. drops it whole if any sample was aborted (its adapter was retired meanwhile);
+4. rewards every sample, applies the optional dynamic filter, and puts it in the
+   adapter's buffer (`AdapterBuffers`) for collection.
+
+A failed group (HTTP error, reward error) is logged and counted; after
+`max_consecutive_failures` failures in a row the producer dies and
+`raise_if_failed()` re-raises, chained from the cause, at the next collection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import httpx
+
+from miles.rollout.buffers import AdapterBuffers
+from miles.rollout.data_source import MultiLoRADataSource, PromptItem
+from miles.rollout.rewards import compute_reward
+from miles.rollout.rewards.registry import check_signature, load_dotted
+from miles.utils.arguments import MilesConfig
+from miles.utils.types import (
+    AdapterRun,
+    GenerateResponse,
+    MultiLoRASnapshot,
+    PromptGroup,
+    Sample,
+    SampleStatus,
+    adapter_rid,
+)
+
+logger = logging.getLogger(__name__)
+
+_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+DynamicFilter = Callable[[Any, list[Sample]], Any]
+"""`fn(args, samples) -> bool` (sync or async): True keeps the group."""
+
+
+class ProducerDiedError(RuntimeError):
+    """The producer stopped on an error; every adapter's generation has stopped."""
+
+
+@dataclass(frozen=True)
+class ProducerConfig:
+    max_groups_in_flight: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: tuple[str, ...] = ()
+    dynamic_filter_path: str | None = None
+    snapshot_poll_s: float = 0.1
+    """How often the controller's snapshot is re-read (submission stamps lag by at most this)."""
+    max_consecutive_failures: int = 8
+
+    @classmethod
+    def from_config(cls, cfg: MilesConfig) -> ProducerConfig:
+        return cls(
+            max_groups_in_flight=cfg.rollout_batch_size,
+            max_new_tokens=cfg.rollout_max_response_len,
+            temperature=cfg.rollout_temperature,
+            top_p=cfg.rollout_top_p,
+            top_k=cfg.rollout_top_k,
+            stop=tuple(cfg.rollout_stop),
+            dynamic_filter_path=cfg.dynamic_sampling_filter_path,
+        )
+
+    def sampling_params(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop": list(self.stop) or None,
+        }
+
+
+def load_dynamic_filter(path: str) -> DynamicFilter:
+    fn = load_dotted(path, "--dynamic-sampling-filter-path")
+    check_signature(fn, path, "--dynamic-sampling-filter-path", "args, samples) -> bool")
+    return fn
+
+
+def make_http_client() -> httpx.AsyncClient:
+    # Generation can take minutes on CPU, so only connecting is bounded; loopback
+    # traffic must not go through a proxy from the environment.
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=30.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        trust_env=False,
+    )
+
+
+class RolloutProducer:
+    """Background generation for every sampleable adapter (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: ProducerConfig,
+        *,
+        router_url: str,
+        controller: Any,
+        data_source: MultiLoRADataSource,
+        buffers: AdapterBuffers,
+        lora_name: Callable[[int], str],
+        reward_args: Any,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.config = config
+        self.router_url = router_url.rstrip("/")
+        self.controller = controller
+        self.data_source = data_source
+        self.buffers = buffers
+        self.lora_name = lora_name
+        self.reward_args = reward_args
+        self._client = client or make_http_client()
+        self._owns_client = client is None
+        self._filter = load_dynamic_filter(config.dynamic_filter_path) if config.dynamic_filter_path else None
+        self._task: asyncio.Task[None] | None = None
+        self._cursor = 0
+        self._snapshot = MultiLoRASnapshot()
+        self._snapshot_at = float("-inf")
+        self._consecutive_failures = 0
+        self.failure: BaseException | None = None
+        self.counts: Counter[str] = Counter()
+        """Cumulative: submitted, produced, aborted, filtered and failed groups."""
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run_until_failure(), name="rollout-producer")
+
+    async def stop(self) -> None:
+        """Cancel generation and wait for it; idempotent."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self.data_source.close()
+        if self._owns_client and not self._client.is_closed:
+            await self._client.aclose()
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise ProducerDiedError(
+                f"the rollout producer died ({type(self.failure).__name__}: {self.failure}); "
+                "no adapter is generating any more"
+            ) from self.failure
+
+    async def _run_until_failure(self) -> None:
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # recorded and re-raised by raise_if_failed()
+            self.failure = exc
+            logger.exception("The rollout producer died; the next generate call will raise")
+
+    # ---- the loop ----
+
+    async def _run(self) -> None:
+        in_flight: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                snapshot = await self._refresh_snapshot()
+                self.data_source.sync(snapshot)
+                self._submit(snapshot, in_flight)
+                if not in_flight:
+                    await asyncio.sleep(self.config.snapshot_poll_s)
+                    continue
+                done, _ = await asyncio.wait(in_flight, timeout=self.config.snapshot_poll_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    in_flight.discard(task)
+                    await self._settle(task)
+        finally:
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _refresh_snapshot(self) -> MultiLoRASnapshot:
+        now = time.monotonic()
+        if now - self._snapshot_at >= self.config.snapshot_poll_s:
+            self._snapshot = await self.controller.snapshot.remote()
+            self._snapshot_at = now
+        return self._snapshot
+
+    def _submit(self, snapshot: MultiLoRASnapshot, in_flight: set[asyncio.Task[None]]) -> None:
+        runs = [run for _, run in sorted(snapshot.sampleable.items()) if self.data_source.ready(run)]
+        while runs and len(in_flight) < self.config.max_groups_in_flight:
+            run = runs[self._cursor % len(runs)]
+            self._cursor += 1
+            item = self.data_source.next_prompt(run)
+            in_flight.add(asyncio.create_task(self._produce(run, item), name=f"group-{run.name}"))
+            self.counts["submitted"] += 1
+
+    async def _settle(self, task: asyncio.Task[None]) -> None:
+        exc = task.exception()
+        if exc is None:
+            self._consecutive_failures = 0
+            return
+        self._consecutive_failures += 1
+        self.counts["failed"] += 1
+        logger.warning("Prompt group failed (%d in a row): %s: %s", self._consecutive_failures,
+                       type(exc).__name__, exc)
+        if self._consecutive_failures >= self.config.max_consecutive_failures:
+            raise exc
+        await asyncio.sleep(min(2.0, 0.05 * 2 ** self._consecutive_failures))
+
+    # ---- one group ----
+
+    async def _produce(self, run: AdapterRun, item: PromptItem) -> None:
+        # Stamped now, at submission: staleness counts pushes since the request left.
+        group = PromptGroup(adapter=run.name, slot=run.slot, version=run.version,
+                            registration_id=run.registration_id,
+                            samples=item.new_samples(run.config.n_samples_per_prompt))
+        lora_path = self.lora_name(run.slot)
+        results = await asyncio.gather(*(self._generate(s, lora_path) for s in group.samples),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        if group.aborted:
+            self.counts["aborted"] += 1
+            return
+        rewards = await asyncio.gather(*(compute_reward(item.reward.resolve(s), self.reward_args, s)
+                                         for s in group.samples))
+        for sample, reward in zip(group.samples, rewards):
+            sample.reward = reward
+        if self._filter is not None and not await _maybe_await(self._filter(self.reward_args, group.samples)):
+            self.counts["filtered"] += 1
+            return
+        self.buffers.put(group)
+        self.counts["produced"] += 1
+
+    async def _generate(self, sample: Sample, lora_path: str) -> None:
+        payload = {
+            "input_ids": sample.prompt_ids,
+            "sampling_params": self.config.sampling_params(),
+            "lora_path": lora_path,
+            "rid": adapter_rid(sample.adapter, uuid.uuid4().hex),
+            "return_logprob": True,
+        }
+        response = await self._client.post(f"{self.router_url}/generate", json=payload)
+        response.raise_for_status()
+        out = GenerateResponse.model_validate(response.json())
+        sample.response_ids = list(out.output_ids)
+        sample.response = out.text
+        sample.status = _STATUS[out.meta_info.finish_reason.type]
+        sample.rollout_logprobs = [float(lp) for lp, _, _ in (out.meta_info.output_token_logprobs or [])]
+
+    def metrics(self) -> dict[str, float]:
+        """Producer counters and buffer overflow drops, cumulative since start."""
+        metrics = {f"perf/rollout/groups_{key}": float(value) for key, value in self.counts.items()}
+        metrics["perf/rollout/overflow_dropped"] = float(sum(self.buffers.overflow_drops.values()))
+        for name, count in self.buffers.overflow_drops.items():
+            metrics[f"{name}/perf/overflow_dropped"] = float(count)
+        return metrics
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value

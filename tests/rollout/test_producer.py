@@ -1,0 +1,154 @@
+"""The producer against a fake SGLang-shaped server on loopback: request shape, stamps
+taken at submission, whole-group abort drops, round robin under the in-flight cap,
+filtering, and death surfacing through `raise_if_failed`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import sys
+import textwrap
+
+import httpx
+import pytest
+from rollout_fakes import FakeController, FakeEngineServer, active, make_run, wait_for
+
+from miles.rollout.buffers import AdapterBuffers
+from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
+from miles.rollout.producer import ProducerConfig, ProducerDiedError, RolloutProducer
+from miles.utils.tiny_model import build_char_tokenizer
+from miles.utils.types import SampleStatus, engine_lora_name
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": f"{i}+{i}=", "label": "12"}) + "\n" for i in range(4)))
+    return str(path)
+
+
+def run_for(dataset, name, slot, **kwargs):
+    return make_run(name, slot, data=dataset, input_key="text", label_key="label", rm_type="math", **kwargs)
+
+
+def producer(server, controller, *, in_flight=4, **config):
+    tokenizer = build_char_tokenizer()
+    source = MultiLoRADataSource(DataSourceConfig(seed=0, apply_chat_template=False, default_rm_type=None),
+                                 tokenizer, controller)
+    cfg = ProducerConfig(max_groups_in_flight=in_flight, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=-1,
+                         stop=("\n",), snapshot_poll_s=0.02, **config)
+    buffers = AdapterBuffers()
+    prod = RolloutProducer(cfg, router_url=server.url, controller=controller, data_source=source,
+                           buffers=buffers, lora_name=engine_lora_name, reward_args=None)
+    return prod, buffers, tokenizer
+
+
+async def test_requests_and_groups_have_the_sglang_shape(dataset):
+    a = run_for(dataset, "a", 3, n_samples=2)
+    controller = FakeController(active(a))
+    async with FakeEngineServer("so 12") as server:
+        prod, buffers, tokenizer = producer(server, controller, in_flight=1)
+        prod.start()
+        await wait_for(lambda: len(buffers.get("a")) >= 2, what="two groups")
+        await prod.stop()
+    request = server.requests[0]
+    assert re.fullmatch(r"a::[0-9a-f]{32}", request["rid"])
+    assert len({r["rid"] for r in server.requests}) == len(server.requests)
+    assert request["lora_path"] == "__miles_slot_3" and request["return_logprob"] is True
+    assert request["sampling_params"] == {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                          "stop": ["\n"]}
+    group = buffers.get("a").pop(1)[0]
+    assert (group.adapter, group.slot, group.version, group.registration_id) == ("a", 3, 1, "reg-a")
+    assert [s.index for s in group.samples] == [0, 1]
+    sample = group.samples[0]
+    assert request["input_ids"] == tokenizer.encode(sample.prompt)
+    assert sample.response == "so 12" and sample.response_ids == [5, 6]
+    assert sample.rollout_logprobs == [-0.5, -0.25] and sample.status is SampleStatus.COMPLETED
+    assert sample.reward == 1.0 and sample.label == "12"
+    assert controller.resolved == [("a", 4)]
+
+
+async def test_stamp_is_the_version_at_submission_not_at_completion(dataset):
+    a = run_for(dataset, "a", 0, version=1)
+    controller = FakeController(active(a))
+    async with FakeEngineServer() as server:
+        server.gate.clear()
+        prod, buffers, _ = producer(server, controller, in_flight=1)
+        prod.start()
+        await wait_for(lambda: len(server.requests) == 1, what="first request")
+        controller.current = active(dataclasses.replace(a, version=2))  # a push lands mid-generation
+        await wait_for(lambda: prod._snapshot.active["a"].version == 2, what="producer sees version 2")
+        server.gate.set()
+        await wait_for(lambda: len(buffers.get("a")) >= 2, what="two groups")
+        await prod.stop()
+    first, second = buffers.get("a").pop(2)
+    assert (first.version, second.version) == (1, 2)
+
+
+async def test_group_with_an_aborted_sample_is_dropped_whole(dataset):
+    a = run_for(dataset, "a", 0, n_samples=2)
+    controller = FakeController(active(a))
+    async with FakeEngineServer() as server:
+        server.gate.clear()
+        prod, buffers, _ = producer(server, controller, in_flight=1)
+        prod.start()
+        await wait_for(lambda: len(server.requests) == 2, what="both requests of the group")
+        server.aborted_prefixes.append(server.requests[1]["rid"])  # abort one sample only
+        server.gate.set()
+        await wait_for(lambda: prod.counts["aborted"] == 1 and len(buffers.get("a")) >= 2, what="later groups")
+        await prod.stop()
+    groups = buffers.get("a").pop(len(buffers.get("a")))
+    assert 0 not in [g.samples[0].group_index for g in groups]  # the first prompt's group is gone
+    assert all(s.status is SampleStatus.COMPLETED for g in groups for s in g.samples)
+
+
+async def test_round_robin_under_the_in_flight_cap(dataset):
+    a, b = run_for(dataset, "a", 0, n_samples=2), run_for(dataset, "b", 1, n_samples=2)
+    controller = FakeController(active(a, b))
+    async with FakeEngineServer() as server:
+        server.gate.clear()
+        prod, _, _ = producer(server, controller, in_flight=2)
+        prod.start()
+        await wait_for(lambda: len(server.requests) == 4, what="two groups of two")
+        await asyncio.sleep(0.2)  # nothing beyond the cap is submitted while all are in flight
+        assert len(server.requests) == 4
+        adapters = sorted(r["rid"].split("::")[0] for r in server.requests)
+        assert adapters == ["a", "a", "b", "b"]
+        assert {r["lora_path"] for r in server.requests} == {"__miles_slot_0", "__miles_slot_1"}
+        await prod.stop()
+
+
+@pytest.fixture
+def filter_module(tmp_path, monkeypatch):
+    (tmp_path / "my_filters.py").write_text(textwrap.dedent("""
+        def keep_none(args, samples):
+            return False
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("my_filters", None)
+
+
+async def test_dynamic_filter_drops_groups(dataset, filter_module):
+    a = run_for(dataset, "a", 0)
+    async with FakeEngineServer() as server:
+        prod, buffers, _ = producer(server, FakeController(active(a)), dynamic_filter_path="my_filters.keep_none")
+        prod.start()
+        await wait_for(lambda: prod.counts["filtered"] >= 3, what="filtered groups")
+        await prod.stop()
+    assert len(buffers.get("a")) == 0 and prod.counts["produced"] == 0
+
+
+async def test_repeated_failures_kill_the_producer_and_surface_the_cause(dataset):
+    a = run_for(dataset, "a", 0)
+    async with FakeEngineServer() as server:
+        server.status_code = 500
+        prod, _, _ = producer(server, FakeController(active(a)), max_consecutive_failures=2)
+        prod.start()
+        await wait_for(lambda: prod.failure is not None, what="producer death")
+        with pytest.raises(ProducerDiedError) as info:
+            prod.raise_if_failed()
+        assert isinstance(info.value.__cause__, httpx.HTTPStatusError)
+        await prod.stop()
