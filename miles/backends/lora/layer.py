@@ -44,16 +44,22 @@ class SlotBatch:
     """Per present slot: the batch rows of its samples (long, on the model's device)."""
     single_slot: int | None
     """The slot of every sample when all samples share one slot >= 0, else None."""
+    runs: tuple[tuple[int, int], ...] | None
+    """(slot, count) of consecutive equal slots when the batch is sorted by slot, else None."""
 
     @classmethod
     def build(cls, slot_ids: Sequence[int] | torch.Tensor, device: torch.device) -> SlotBatch:
         ids = torch.as_tensor(slot_ids, dtype=torch.long).reshape(-1).cpu()
-        if ids.numel() and int(ids.min()) < -1:
-            raise ValueError(f"slot ids must be >= -1 (-1 = base model only), got {ids.tolist()}")
-        present = tuple(sorted({int(s) for s in ids.tolist() if s >= 0}))
+        values = ids.tolist()
+        if values and min(values) < -1:
+            raise ValueError(f"slot ids must be >= -1 (-1 = base model only), got {values}")
+        present = tuple(sorted({s for s in values if s >= 0}))
         rows = {s: torch.nonzero(ids == s).reshape(-1).to(device) for s in present}
-        single = present[0] if len(present) == 1 and bool((ids == present[0]).all()) else None
-        return cls(ids.to(device), present, rows, single)
+        single = present[0] if len(present) == 1 and all(s == present[0] for s in values) else None
+        runs = None
+        if values == sorted(values):
+            runs = tuple((slot, sum(1 for _ in group)) for slot, group in itertools.groupby(values))
+        return cls(ids.to(device), present, rows, single, runs)
 
     @property
     def batch_size(self) -> int:
@@ -140,14 +146,23 @@ class MultiLoRALinear(nn.Module):
     def _segment_delta(self, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
         if batch.single_slot is not None:
             return self._slot_delta(x, batch.single_slot)
+        if batch.runs is not None:
+            # Sorted batches (the trainer sorts by slot): contiguous slices, no scatter.
+            pieces = []
+            for (slot, _), segment in zip(batch.runs, x.split([n for _, n in batch.runs])):
+                if slot < 0:
+                    pieces.append(segment.new_zeros((*segment.shape[:-1], self.out_features), dtype=self.lora_B.dtype))
+                else:
+                    pieces.append(self._slot_delta(segment, slot))
+            return torch.cat(pieces)
         delta = x.new_zeros((*x.shape[:-1], self.out_features), dtype=self.lora_B.dtype)
         for slot in batch.present:
-            rows = batch.rows[slot]
+            rows = batch.rows[slot].to(x.device)
             delta = delta.index_add(0, rows, self._slot_delta(x.index_select(0, rows), slot))
         return delta
 
     def _gather_delta(self, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
-        ids = batch.slot_ids_B
+        ids = batch.slot_ids_B.to(x.device)
         # Slot -1 reads row 0 with scale 0; rows past a slot's rank are zero, so the
         # full max_rank product equals the rank-sliced one.
         safe = ids.clamp(min=0)
@@ -298,7 +313,8 @@ def use_slots(model: nn.Module, slot_ids: Sequence[int] | torch.Tensor) -> Itera
 
     `-1` means base model only. Outside any block the model is the base model. Nested
     blocks (and other threads or asyncio tasks) see their own slots; the previous
-    routing is restored on exit.
+    routing is restored on exit. With activation checkpointing the backward re-runs
+    the forward, so call `backward()` inside the block too.
     """
     modules = _require_lora(model)
     first = next(iter(modules.values()))
