@@ -141,6 +141,10 @@ _UNSUPPORTED = {
     "alpha_pattern": "per-module alphas (alpha_pattern)",
     "modules_to_save": "modules_to_save",
     "layers_to_transform": "layers_to_transform",
+    "lora_bias": "LoRA biases (lora_bias)",
+    "target_parameters": "target_parameters",
+    "trainable_token_indices": "trainable_token_indices",
+    "fan_in_fan_out": "transposed (fan_in_fan_out) weights",
 }
 
 

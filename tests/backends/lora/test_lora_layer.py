@@ -148,6 +148,8 @@ def test_slot_weights_round_trip_and_clear(base_model):
     set_slot_weights(model, 3, weights, rank=5, alpha=10.0)
     for key, value in get_slot_weights(model, 3).items():
         assert torch.equal(value, weights[key])
+    weights[a_name].add_(1.0)  # copies: editing them leaves the slot alone
+    assert not torch.equal(get_slot_weights(model, 1)[a_name], weights[a_name])
     clear_slot(model, 1)
     for module in lora_modules(model).values():
         assert module.lora_A[1].abs().sum() == 0 and module.scaling[1] == 0 and module.ranks[1] == 0

@@ -118,3 +118,40 @@ def test_write_replaces_directory_atomically(tmp_path):
     tensors, config = read_peft_dir(tmp_path / "a")
     assert config == {"r": 1} and torch.equal(tensors["base_model.model.x.lora_A.weight"], torch.zeros(1, 3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no temporary leftovers
+
+
+def test_export_checks_rank_alpha_and_targets(base_model, tmp_path):
+    model = copy.deepcopy(base_model)
+    inject_multi_lora(model, n_slots=2, max_rank=8, target_modules="all-linear")
+    trained_looking_slot(model, 0, rank=4, alpha=8.0, seed=1)
+    with pytest.raises(ValueError, match="rank-4 adapter, not rank 5"):
+        export_peft_adapter(model, 0, tmp_path / "x", rank=5)
+    with pytest.raises(ValueError, match="alpha 8.0, not 9"):
+        export_peft_adapter(model, 0, tmp_path / "x", alpha=9.0)
+    with pytest.raises(ValueError, match="empty"):
+        export_peft_adapter(model, 1, tmp_path / "x")
+    out = export_peft_adapter(model, 0, tmp_path / "attn", target_modules=["q_proj", "v_proj"])
+    tensors, config = read_peft_dir(out)
+    assert config["target_modules"] == ["q_proj", "v_proj"]
+    assert len(tensors) == 2 * 2 * base_model.config.num_hidden_layers
+    assert all(k.endswith(("q_proj.lora_A.weight", "q_proj.lora_B.weight", "v_proj.lora_A.weight", "v_proj.lora_B.weight")) for k in tensors)
+    weights = get_slot_weights(model, 0)
+    assert all(torch.equal(tensors[k], weights[k]) for k in tensors)
+    # The exported subset loads back: the other layers of that slot are zero.
+    load_peft_adapter(model, 1, out)
+    for name, module in lora_modules(model).items():
+        assert (module.lora_A[1].abs().sum() > 0) == name.endswith(("q_proj", "v_proj"))
+
+
+def test_unsupported_peft_features_are_refused(base_model, tmp_path):
+    model = copy.deepcopy(base_model)
+    inject_multi_lora(model, n_slots=1, max_rank=8, target_modules="all-linear")
+    trained_looking_slot(model, 0, rank=2, alpha=2.0, seed=0)
+    out = export_peft_adapter(model, 0, tmp_path / "a")
+    tensors, config = read_peft_dir(out)
+    for key, value in (("use_dora", True), ("use_rslora", True), ("bias", "all"), ("peft_type", "IA3")):
+        write_peft_dir(tmp_path / key, tensors, {**config, key: value})
+        with pytest.raises(ValueError, match=str(tmp_path / key)):
+            load_peft_adapter(model, 0, tmp_path / key)
+    # A refused load leaves the slot as it was.
+    assert all(torch.equal(v, tensors[k]) for k, v in get_slot_weights(model, 0).items())

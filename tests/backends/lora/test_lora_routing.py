@@ -96,7 +96,7 @@ def test_nested_blocks_restore_and_models_do_not_share_slots(base_model):
 
     with use_slots(model, [0, 0]):
         expected_0 = run(model)
-    with use_slots(model, [1, 1]):
+    with use_slots(model, torch.tensor([1, 1])):
         expected_1 = run(model)
     with use_slots(model, [0, 0]):
         with use_slots(other, [2, 2]):
