@@ -137,8 +137,10 @@ class RolloutProducer:
         self._snapshot_at = float("-inf")
         self._consecutive_failures = 0
         self.failure: BaseException | None = None
-        self.counts: Counter[str] = Counter()
-        """Cumulative: submitted, produced, aborted, filtered and failed groups."""
+        self.counts: Counter[tuple[str, str]] = Counter()
+        """Cumulative (adapter, event) counts; events: submitted, produced, aborted, filtered, failed."""
+        self.in_flight: Counter[str] = Counter()
+        """Groups submitted and not finished, per adapter."""
 
     # ---- lifecycle ----
 
@@ -207,8 +209,8 @@ class RolloutProducer:
             run = runs[self._cursor % len(runs)]
             self._cursor += 1
             item = self.data_source.next_prompt(run)
-            in_flight.add(asyncio.create_task(self._produce(run, item), name=f"group-{run.name}"))
-            self.counts["submitted"] += 1
+            in_flight.add(asyncio.create_task(self._produce_counted(run, item), name=f"group-{run.name}"))
+            self.counts[run.name, "submitted"] += 1
 
     async def _settle(self, task: asyncio.Task[None]) -> None:
         exc = task.exception()
@@ -216,14 +218,26 @@ class RolloutProducer:
             self._consecutive_failures = 0
             return
         self._consecutive_failures += 1
-        self.counts["failed"] += 1
         logger.warning("Prompt group failed (%d in a row): %s: %s", self._consecutive_failures,
                        type(exc).__name__, exc)
         if self._consecutive_failures >= self.config.max_consecutive_failures:
             raise exc
         await asyncio.sleep(min(2.0, 0.05 * 2 ** self._consecutive_failures))
 
+    def count(self, event: str, adapter: str | None = None) -> int:
+        return sum(n for (name, e), n in self.counts.items() if e == event and adapter in (None, name))
+
     # ---- one group ----
+
+    async def _produce_counted(self, run: AdapterRun, item: PromptItem) -> None:
+        self.in_flight[run.name] += 1
+        try:
+            await self._produce(run, item)
+        except Exception:
+            self.counts[run.name, "failed"] += 1
+            raise
+        finally:
+            self.in_flight[run.name] -= 1
 
     async def _produce(self, run: AdapterRun, item: PromptItem) -> None:
         # Stamped now, at submission: staleness counts pushes since the request left.
@@ -237,17 +251,17 @@ class RolloutProducer:
         if errors:
             raise errors[0]
         if group.aborted:
-            self.counts["aborted"] += 1
+            self.counts[run.name, "aborted"] += 1
             return
         rewards = await asyncio.gather(*(compute_reward(item.reward.resolve(s), self.reward_args, s)
                                          for s in group.samples))
         for sample, reward in zip(group.samples, rewards):
             sample.reward = reward
         if self._filter is not None and not await _maybe_await(self._filter(self.reward_args, group.samples)):
-            self.counts["filtered"] += 1
+            self.counts[run.name, "filtered"] += 1
             return
         self.buffers.put(group)
-        self.counts["produced"] += 1
+        self.counts[run.name, "produced"] += 1
 
     async def _generate(self, sample: Sample, lora_path: str) -> None:
         payload = {
@@ -267,7 +281,12 @@ class RolloutProducer:
 
     def metrics(self) -> dict[str, float]:
         """Producer counters and buffer overflow drops, cumulative since start."""
-        metrics = {f"perf/rollout/groups_{key}": float(value) for key, value in self.counts.items()}
+        metrics: dict[str, float] = {}
+        for (name, event), value in self.counts.items():
+            metrics[f"{name}/perf/groups_{event}"] = float(value)
+            metrics[f"perf/rollout/groups_{event}"] = metrics.get(f"perf/rollout/groups_{event}", 0.0) + value
+        for name, value in self.in_flight.items():
+            metrics[f"{name}/perf/in_flight"] = float(value)
         metrics["perf/rollout/overflow_dropped"] = float(sum(self.buffers.overflow_drops.values()))
         for name, count in self.buffers.overflow_drops.items():
             metrics[f"{name}/perf/overflow_dropped"] = float(count)

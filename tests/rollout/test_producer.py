@@ -97,7 +97,7 @@ async def test_group_with_an_aborted_sample_is_dropped_whole(dataset):
         await wait_for(lambda: len(server.requests) == 2, what="both requests of the group")
         server.aborted_prefixes.append(server.requests[1]["rid"])  # abort one sample only
         server.gate.set()
-        await wait_for(lambda: prod.counts["aborted"] == 1 and len(buffers.get("a")) >= 2, what="later groups")
+        await wait_for(lambda: prod.count("aborted") == 1 and len(buffers.get("a")) >= 2, what="later groups")
         await prod.stop()
     groups = buffers.get("a").pop(len(buffers.get("a")))
     assert 0 not in [g.samples[0].group_index for g in groups]  # the first prompt's group is gone
@@ -136,9 +136,9 @@ async def test_dynamic_filter_drops_groups(dataset, filter_module):
     async with FakeEngineServer() as server:
         prod, buffers, _ = producer(server, FakeController(active(a)), dynamic_filter_path="my_filters.keep_none")
         prod.start()
-        await wait_for(lambda: prod.counts["filtered"] >= 3, what="filtered groups")
+        await wait_for(lambda: prod.count("filtered") >= 3, what="filtered groups")
         await prod.stop()
-    assert len(buffers.get("a")) == 0 and prod.counts["produced"] == 0
+    assert len(buffers.get("a")) == 0 and prod.count("produced") == 0
 
 
 async def test_repeated_failures_kill_the_producer_and_surface_the_cause(dataset):

@@ -1,0 +1,112 @@
+"""The rollout manager: engines, router, data source, producer and collection in one actor.
+
+    manager = RolloutManager.options(name="miles_rollout_manager").remote(cfg)
+    await manager.start.remote(controller)        # engines + router, then the producer
+    batch = await manager.generate.remote(rollout_id)   # a RolloutBatch
+    await manager.dispose.remote()                 # producer, engines, router; idempotent
+
+`RolloutManager` is the Ray actor (`num_cpus=0`: it only waits on I/O);
+`LocalRolloutManager` is the same object in-process. Producer and collection run on
+the actor's one event loop, so the per-adapter buffers need no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+
+from miles.rollout.buffers import AdapterBuffers
+from miles.rollout.collection import BatchCollector, CollectionConfig
+from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
+from miles.rollout.producer import ProducerConfig, RolloutProducer
+from miles.utils.arguments import MilesConfig
+from miles.utils.types import RolloutBatch
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutNotStartedError(RuntimeError):
+    """`generate` or an address was asked for before `start()` (or after `dispose()`)."""
+
+
+class LocalRolloutManager:
+    """Owns the engine fleet and everything between the controller and a train batch."""
+
+    def __init__(self, cfg: MilesConfig) -> None:
+        if not cfg.hf_checkpoint:
+            raise ValueError("the rollout manager needs --hf-checkpoint (the base model directory)")
+        self.cfg = cfg
+        self._fleet: Any = None
+        self._producer: RolloutProducer | None = None
+        self._collector: BatchCollector | None = None
+        self._disposed = False
+
+    async def start(self, controller: Any = None) -> str:
+        """Launch engines and router, then the producer; returns the router URL."""
+        from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
+
+        if self._disposed:
+            raise RolloutNotStartedError("this rollout manager was disposed; create a new one")
+        if self._fleet is not None:
+            return self._fleet.router_url
+        if controller is None:
+            from miles.controller.actor import get_multi_lora_controller
+
+            controller = get_multi_lora_controller()
+        tokenizer = await asyncio.to_thread(_load_tokenizer, self.cfg.hf_checkpoint)
+        self._fleet = await EngineFleet.start(EngineFleetConfig.from_config(self.cfg))
+        buffers = AdapterBuffers()
+        source = MultiLoRADataSource(DataSourceConfig.from_config(self.cfg), tokenizer, controller)
+        self._producer = RolloutProducer(
+            ProducerConfig.from_config(self.cfg), router_url=self._fleet.router_url, controller=controller,
+            data_source=source, buffers=buffers, lora_name=self._fleet.lora_name, reward_args=self.cfg,
+        )
+        self._collector = BatchCollector(CollectionConfig.from_config(self.cfg), buffers, controller,
+                                         self._producer)
+        self._producer.start()
+        logger.info("Rollout manager started: %d engine(s) behind %s", len(self._fleet.engines),
+                    self._fleet.router_url)
+        return self._fleet.router_url
+
+    async def generate(self, rollout_id: int) -> RolloutBatch:
+        """One train batch (raises `EmptyBatchTimeoutError` when nothing arrives in time)."""
+        if self._collector is None or self._producer is None:
+            raise RolloutNotStartedError("call start() before generate()")
+        batch = await self._collector.collect(rollout_id)
+        batch.metrics.update(self._producer.metrics())
+        return batch
+
+    def get_router_address(self) -> str:
+        if self._fleet is None:
+            raise RolloutNotStartedError("call start() before asking for the router address")
+        return self._fleet.router_url
+
+    def engines(self) -> list[Any]:
+        """The engine actor handles (weight pushes go to each of them)."""
+        if self._fleet is None:
+            raise RolloutNotStartedError("call start() before asking for the engines")
+        return list(self._fleet.engines)
+
+    async def dispose(self) -> None:
+        """Stop the producer, then the engines and the router; safe to call twice."""
+        if self._disposed:
+            return
+        self._disposed = True
+        if self._producer is not None:
+            await self._producer.stop()
+        if self._fleet is not None:
+            await self._fleet.shutdown()
+        self._producer = self._collector = self._fleet = None
+        logger.info("Rollout manager disposed")
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+RolloutManager = ray.remote(num_cpus=0)(LocalRolloutManager)
