@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
+from starlette.routing import Match
 
 from miles.controller.backend import MultiLoRABackend
 from miles.controller.registry import AdapterNotFoundError, AdapterValidationError, NoFreeSlotError
@@ -146,10 +147,7 @@ class MultiLoRAHTTPServer:
 
     async def _count_request(self, request: Request, call_next: Any) -> Response:
         response = await call_next(request)
-        route = request.scope.get("route")
-        # Unmatched paths share one label, so scanning random URLs cannot grow the metrics.
-        label = getattr(route, "path", "unmatched")
-        self.requests_total.labels(label, request.method, str(response.status_code)).inc()
+        self.requests_total.labels(_route_label(request), request.method, str(response.status_code)).inc()
         return response
 
     def add_routes(self, app: FastAPI) -> None:
@@ -238,6 +236,15 @@ class MultiLoRAHTTPServer:
     def url(self) -> str:
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         return f"http://{host}:{self.port}"
+
+
+def _route_label(request: Request) -> str:
+    """The route template (`/adapter_runs/{name}`), also for requests refused before
+    routing; unknown paths share one label so scanning URLs cannot grow the metrics."""
+    route = request.scope.get("route")
+    if route is None:
+        route = next((r for r in request.app.router.routes if r.matches(request.scope)[0] is Match.FULL), None)
+    return getattr(route, "path", "unmatched")
 
 
 def _register_openapi() -> dict[str, Any]:

@@ -1,0 +1,168 @@
+"""The backend: resolve → validate → registry, and prefix aborts on the router's workers."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from controller_fakes import LoopbackRouter, write_dataset
+
+from miles.controller.backend import MultiLoRABackend
+from miles.controller.registry import AdapterValidationError
+from miles.controller.workers import abort_on_workers
+from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig
+from miles.utils.types import AdapterState
+
+
+def make_backend(defaults: AdapterDefaults, router_url: str | None = None, n_slots: int = 2) -> MultiLoRABackend:
+    return MultiLoRABackend(n_slots, defaults, router_url)
+
+
+def test_register_resolves_and_validates(data_root: Path, defaults: AdapterDefaults) -> None:
+    backend = make_backend(defaults)
+    data = str(data_root / "data" / "train.jsonl")
+    assert backend.register("a", config={"data": data, "rank": 2}) == 0
+    run = backend.snapshot().pending["a"]
+    assert (run.config.rank, run.config.rollout_batch_size, run.config.rm_type) == (2, 4, "math")
+    assert run.config.save == (data_root / "save" / "adapters" / "a").resolve()
+    assert backend.registrations_total == 1
+
+
+def test_register_from_yaml(data_root: Path, defaults: AdapterDefaults) -> None:
+    yaml_path = data_root / "b.yaml"
+    yaml_path.write_text(f"data: {data_root / 'data' / 'train.jsonl'}\nnum_step: 3\n")
+    backend = make_backend(defaults)
+    assert backend.register("b", yaml_path=str(yaml_path)) == 0
+    assert backend.snapshot().pending["b"].config.num_step == 3
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"rm_type": "no_such_reward"}, ["Adapter 'x': reward:", "unknown rm_type 'no_such_reward'"]),
+    ({"custom_rm_path": "no_such_module.fn", "rm_type": None}, ["Adapter 'x': reward:", "cannot be imported"]),
+    ({"input_key": "prompt"}, ["Adapter 'x': dataset:", "prompt"]),
+    ({"rank": 99}, ["Adapter 'x': rank 99 exceeds"]),
+])
+def test_validation_failures_leave_the_registry_empty(config: dict, words: list[str], data_root: Path,
+                                                      defaults: AdapterDefaults) -> None:
+    backend = make_backend(defaults)
+    with pytest.raises(AdapterValidationError) as err:
+        backend.register("x", config={"data": str(data_root / "data" / "train.jsonl"), **config})
+    for word in words:
+        assert word in str(err.value)
+    assert backend.registry.free_slots == [0, 1] and backend.registrations_total == 0
+
+
+def test_exactly_one_of_config_or_yaml(data_root: Path, defaults: AdapterDefaults) -> None:
+    backend = make_backend(defaults)
+    for kwargs in [{}, {"config": {"data": "x.jsonl"}, "yaml_path": "x.yaml"}]:
+        with pytest.raises(AdapterValidationError, match="exactly one of 'config' or 'yaml_path'"):
+            backend.register("x", **kwargs)
+
+
+def test_allowed_roots_cover_yaml_data_and_save(tmp_path: Path, data_root: Path, defaults: AdapterDefaults) -> None:
+    backend = make_backend(defaults)
+    roots = [data_root / "data", data_root / "save"]
+    inside = str(data_root / "data" / "train.jsonl")
+    outside = write_dataset(tmp_path.parent / f"{tmp_path.name}-outside" / "d.jsonl")
+    outside_yaml = outside.parent / "x.yaml"
+    outside_yaml.write_text(f"data: {inside}\n")
+    cases = [
+        ({"config": {"data": str(outside)}}, "data"),
+        ({"config": {"data": inside, "save": str(tmp_path / "elsewhere")}}, "save"),
+        ({"config": {"data": inside, "save": str(data_root / "save" / ".." / "escape")}}, "save"),
+        ({"yaml_path": str(outside_yaml)}, "yaml_path"),
+    ]
+    for kwargs, what in cases:
+        with pytest.raises(AdapterValidationError, match=f"Adapter 'x': {what} .* is outside the allowed roots"):
+            backend.register("x", allowed_roots=roots, **kwargs)
+    assert backend.registry.free_slots == [0, 1]
+    assert backend.register("x", config={"data": inside}, allowed_roots=roots) == 0
+
+
+def test_subclass_hook_can_reject(data_root: Path, defaults: AdapterDefaults) -> None:
+    class SmallRanksOnly(MultiLoRABackend):
+        def validate_adapter(self, name: str, config: AdapterRunConfig) -> None:
+            super().validate_adapter(name, config)
+            if config.rank is not None and config.rank > 4:
+                raise AdapterValidationError(f"Adapter '{name}': rank > 4 needs a quota")
+
+    backend = SmallRanksOnly(2, defaults)
+    data = str(data_root / "data" / "train.jsonl")
+    with pytest.raises(AdapterValidationError, match="needs a quota"):
+        backend.register("big", config={"data": data, "rank": 8})
+    assert backend.register("small", config={"data": data, "rank": 4}) == 0
+
+
+async def test_retire_and_free_abort_on_every_worker(data_root: Path, defaults: AdapterDefaults,
+                                                     loopback_servers: list[LoopbackRouter]) -> None:
+    workers = [LoopbackRouter(mode="none"), LoopbackRouter(mode="none")]
+    router = LoopbackRouter(mode="list_workers", workers=[w.url for w in workers])
+    loopback_servers.extend([*workers, router])
+    backend = make_backend(defaults, router.url)
+    data = str(data_root / "data" / "train.jsonl")
+    backend.register("a", config={"data": data})
+    backend.register("b", config={"data": data, "save": str(data_root / "save" / "b2")})
+    backend.record_weight_update(["a", "b"])
+    assert backend.deregister("a") is AdapterState.RETIRING
+    assert all(w.aborts == [] for w in workers)  # DELETE sends no abort
+
+    assert await backend.retire_adapters() == ["a"]
+    assert [w.aborts for w in workers] == [[{"rid": "a::", "prefix": True}]] * 2
+    assert await backend.free_slot("b") == -1  # not in CLEANUP: no abort round
+    assert await backend.free_slot("a") == 0
+    assert [w.aborts for w in workers] == [[{"rid": "a::", "prefix": True}] * 2] * 2
+    assert router.aborts == []  # aborts go to the workers, not the router
+
+
+async def test_worker_listing_falls_back_to_workers_route(loopback_servers: list[LoopbackRouter]) -> None:
+    worker = LoopbackRouter(mode="none")
+    router = LoopbackRouter(mode="workers", workers=[worker.url.removeprefix("http://")])
+    loopback_servers.extend([worker, router])
+    assert await abort_on_workers(router.url, "m::") == [worker.url]
+    assert worker.aborts == [{"rid": "m::", "prefix": True}]
+
+
+async def test_failing_workers_are_logged_not_raised(loopback_servers: list[LoopbackRouter],
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    good, broken = LoopbackRouter(mode="none"), LoopbackRouter(mode="none", abort_status=500)
+    dead = LoopbackRouter(mode="none")
+    dead_url = dead.url
+    dead.close()
+    router = LoopbackRouter(mode="list_workers", workers=[good.url, broken.url, dead_url])
+    loopback_servers.extend([good, broken, router])
+    with caplog.at_level(logging.WARNING, logger="miles.controller.workers"):
+        reached = await abort_on_workers(router.url, "a::", timeout_s=2.0)
+    assert reached == [good.url]
+    assert len(good.aborts) == len(broken.aborts) == 1
+    assert "answered HTTP 500" in caplog.text and f"on worker {dead_url} failed" in caplog.text
+
+
+async def test_empty_or_missing_worker_list_is_logged(loopback_servers: list[LoopbackRouter],
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    empty, no_route = LoopbackRouter(mode="list_workers", workers=[]), LoopbackRouter(mode="none")
+    loopback_servers.extend([empty, no_route])
+    with caplog.at_level(logging.WARNING, logger="miles.controller.workers"):
+        assert await abort_on_workers(empty.url, "a::") == []
+        assert await abort_on_workers(no_route.url, "a::") == []
+        assert await abort_on_workers("http://127.0.0.1:1", "a::", timeout_s=1.0) == []
+    assert caplog.text.count("nothing to abort for 'a::'") == 3
+    assert "Cannot list the workers of router http://127.0.0.1:1" in caplog.text
+
+
+async def test_without_router_nothing_is_sent(data_root: Path, defaults: AdapterDefaults) -> None:
+    backend = make_backend(defaults, router_url=None)
+    backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
+    backend.deregister("a")
+    assert await backend.retire_adapters() == ["a"]
+    assert await backend.abort_adapter_requests("a") == []
+    assert await backend.free_slot("a") == 0
+
+
+def test_status_is_json_ready(data_root: Path, defaults: AdapterDefaults) -> None:
+    backend = make_backend(defaults)
+    backend.register("a", config={"data": str(data_root / "data" / "train.jsonl"), "metadata": {"k": 1}})
+    dumped = json.loads(backend.adapter_status("a").model_dump_json())
+    assert dumped["save"] == str((data_root / "save" / "adapters" / "a").resolve())
+    assert (dumped["state"], dumped["version"], dumped["metadata"]) == ("PENDING", 0, {"k": 1})

@@ -1,0 +1,243 @@
+"""The control-plane HTTP API against a real uvicorn server on 127.0.0.1.
+
+The controller's loop runs in a background thread; requests go over loopback with the
+project's own client and raw httpx. Every rejected request is checked to leave the
+registry exactly as it was.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from controller_fakes import LoopbackRouter, ThreadedController, controller_config
+
+from miles.controller.actor import load_subclass
+from miles.controller.client import ControlPlaneClient, ControlPlaneError
+from miles.controller.http_server import MultiLoRAHTTPServer
+from miles.utils.adapter_config import AdapterDefaults
+from miles.utils.types import AdapterState
+
+TOKEN = "s3cret-token"
+
+
+class ExtraRouteServer(MultiLoRAHTTPServer):
+    """A user extension: one more route, the rest inherited (auth included)."""
+
+    def add_routes(self, app) -> None:
+        super().add_routes(app)
+
+        @app.get("/slots/free")
+        async def free_slots() -> dict:
+            return {"free": self.backend.registry.free_slots}
+
+
+@pytest.fixture
+def plane(data_root: Path, defaults: AdapterDefaults, loopback_servers: list[LoopbackRouter]) -> Iterator[ThreadedController]:
+    router = LoopbackRouter(mode="list_workers")  # plays its own single worker
+    loopback_servers.append(router)
+    config = controller_config(data_root, defaults, n_slots=2, token=TOKEN,
+                               http_server_path=f"{__name__}.ExtraRouteServer")
+    controller = ThreadedController(config, router_url=router.url)
+    controller.router = router  # type: ignore[attr-defined]
+    yield controller
+    controller.close()
+
+
+@pytest.fixture
+def client(plane: ThreadedController) -> Iterator[ControlPlaneClient]:
+    with ControlPlaneClient(plane.url, token=TOKEN) as cp:
+        yield cp
+
+
+@pytest.fixture
+def raw(plane: ThreadedController) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=plane.url, headers={"Authorization": f"Bearer {TOKEN}"}, trust_env=False) as http:
+        yield http
+
+
+def data_path(data_root: Path) -> str:
+    return str(data_root / "data" / "train.jsonl")
+
+
+def test_full_lifecycle_seen_through_state_route(plane: ThreadedController, client: ControlPlaneClient,
+                                                 data_root: Path) -> None:
+    backend = plane.controller.backend
+    assert client.register("a", config={"data": data_path(data_root)}) == 0
+    assert client.states(["a", "ghost"]) == {"a": AdapterState.PENDING, "ghost": None}
+
+    plane.call(plane.controller.record_weight_update(["a"]))
+    assert client.states(["a"])["a"] is AdapterState.ACTIVE
+    assert client.status("a").version == 1
+
+    client.deregister("a")
+    assert client.states(["a"])["a"] is AdapterState.RETIRING
+    assert plane.router.aborts == []  # DELETE sends no abort
+
+    assert plane.call(plane.controller.retire_adapters()) == ["a"]
+    assert client.wait_for_state("a", AdapterState.CLEANUP, timeout=5) is AdapterState.CLEANUP
+    assert plane.router.aborts == [{"rid": "a::", "prefix": True}]
+
+    assert plane.call(plane.controller.free_slot("a")) == 0
+    assert client.states(["a"])["a"] is AdapterState.COMPLETED
+    assert plane.router.aborts == [{"rid": "a::", "prefix": True}] * 2
+    status = client.status("a")
+    assert (status.state, status.version, status.slot) == (AdapterState.COMPLETED, None, 0)
+    assert [s.name for s in client.list()] == ["a"]
+    assert backend.registry.free_slots == [0, 1]
+
+
+def test_status_flattens_run_and_config(client: ControlPlaneClient, raw: httpx.Client, data_root: Path) -> None:
+    client.register("a", config={"data": data_path(data_root), "rank": 2, "metadata": {"src": "t"}})
+    body = raw.get("/adapter_runs/a").json()
+    assert body["name"] == "a" and body["state"] == "PENDING" and body["slot"] == 0 and body["version"] == 0
+    assert (body["rank"], body["rollout_batch_size"], body["metadata"]) == (2, 4, {"src": "t"})
+    assert body["save"] == str((data_root / "save" / "adapters" / "a").resolve())
+    assert len(body["registration_id"]) == 32
+    assert raw.get("/adapter_runs").json() == {"adapters": [body]}
+
+
+def test_register_from_yaml_path_and_yaml_body(client: ControlPlaneClient, raw: httpx.Client, data_root: Path) -> None:
+    yaml_path = data_root / "y.yaml"
+    yaml_path.write_text(f"data: {data_path(data_root)}\nnum_step: 4\n")
+    assert client.register("y", yaml_path=str(yaml_path)) == 0
+    assert client.status("y").num_step == 4
+    body = f"name: z\nconfig:\n  data: {data_path(data_root)}\n  rank: 1\n"
+    response = raw.post("/adapter_runs", content=body, headers={"Content-Type": "application/yaml"})
+    assert response.status_code == 200 and response.json() == {"name": "z", "slot": 1}
+    assert client.status("z").rank == 1
+
+
+def rejected_cases(data_root: Path) -> list[tuple[dict, int, str]]:
+    """(request kwargs, status, words of the detail) of requests that must change nothing."""
+    data = data_path(data_root)
+    outside = str(data_root.parent)
+    return [
+        ({"json": {"name": "b", "config": {"data": data}, "yaml_path": "b.yaml"}}, 400, "exactly one of"),
+        ({"json": {"name": "b"}}, 400, "exactly one of"),
+        ({"json": {"name": "a/b", "config": {"data": data}}}, 400, "Invalid adapter name"),
+        ({"json": {"name": "a::b", "config": {"data": data}}}, 400, "Invalid adapter name"),
+        ({"json": {"name": "b", "config": {"data": data, "rnk": 2}}}, 400, "unknown key(s) ['rnk']"),
+        ({"json": {"name": "b", "config": {"data": data, "rank": 99}}}, 400, "exceeds the slot width"),
+        ({"json": {"name": "b", "config": {"data": data, "rm_type": "nope"}}}, 400, "unknown rm_type"),
+        ({"json": {"name": "b", "config": {"data": f"{outside}/x.jsonl"}}}, 400, "does not exist"),
+        ({"json": {"name": "b", "config": {"data": data, "save": f"{outside}/s"}}}, 400, "outside the allowed roots"),
+        ({"json": {"name": "b", "yaml_path": "/etc/passwd.yaml"}}, 400, "outside the allowed roots"),
+        ({"json": {"name": "taken", "config": {"data": data}}}, 400, "already registered"),
+        ({"json": {"name": "b", "config": {"data": data, "save": str(data_root / "save" / "adapters" / "taken")}}},
+         400, "already used by live adapter 'taken'"),
+        ({"json": {"config": {"data": data}}}, 422, "Field required"),
+        ({"json": {"name": "b", "config": {"data": data}, "extra": 1}}, 422, "Extra inputs are not permitted"),
+        ({"json": {"name": "b", "config": "data.jsonl"}}, 422, "valid dictionary"),
+        ({"content": b"{not json", "headers": {"Content-Type": "application/json"}}, 422, "Malformed body"),
+    ]
+
+
+def test_rejected_registrations_change_nothing(plane: ThreadedController, client: ControlPlaneClient,
+                                               raw: httpx.Client, data_root: Path) -> None:
+    client.register("taken", config={"data": data_path(data_root)})
+    for kwargs, status, words in rejected_cases(data_root):
+        before = plane.fingerprint()
+        response = raw.post("/adapter_runs", **kwargs)
+        assert response.status_code == status, (kwargs, response.text)
+        assert words in str(response.json()["detail"]), (kwargs, response.text)
+        assert plane.fingerprint() == before, kwargs
+
+
+def test_no_free_slot_is_409(plane: ThreadedController, client: ControlPlaneClient, data_root: Path) -> None:
+    client.register("a", config={"data": data_path(data_root)})
+    client.register("b", config={"data": data_path(data_root)})
+    before = plane.fingerprint()
+    with pytest.raises(ControlPlaneError) as err:
+        client.register("c", config={"data": data_path(data_root)})
+    assert err.value.status_code == 409 and "No free slot for adapter 'c'" in err.value.detail
+    assert plane.fingerprint() == before
+
+
+def test_unknown_adapter_is_404(plane: ThreadedController, raw: httpx.Client) -> None:
+    before = plane.fingerprint()
+    for response in [raw.get("/adapter_runs/ghost"), raw.delete("/adapter_runs/ghost")]:
+        assert response.status_code == 404
+        assert response.json() == {"detail": "Adapter 'ghost' not registered"}
+    assert plane.fingerprint() == before
+
+
+def test_delete_is_a_noop_after_retiring(plane: ThreadedController, client: ControlPlaneClient,
+                                         raw: httpx.Client, data_root: Path) -> None:
+    client.register("a", config={"data": data_path(data_root)})
+    assert raw.delete("/adapter_runs/a").json() == {"status": "ok", "name": "a"}
+    before = plane.fingerprint()
+    assert raw.delete("/adapter_runs/a").json() == {"status": "ok", "name": "a"}
+    assert plane.fingerprint() == before
+
+
+def test_token_required_on_every_route_but_health(plane: ThreadedController, data_root: Path) -> None:
+    with httpx.Client(base_url=plane.url, trust_env=False) as anonymous:
+        assert anonymous.get("/health").json() == {"status": "healthy"}
+        before = plane.fingerprint()
+        attempts = [
+            ("GET", "/adapter_runs", {}), ("GET", "/adapter_runs/state", {}), ("GET", "/adapter_runs/a", {}),
+            ("POST", "/adapter_runs", {"json": {"name": "a", "config": {"data": data_path(data_root)}}}),
+            ("DELETE", "/adapter_runs/a", {}), ("GET", "/metrics", {}), ("GET", "/docs", {}),
+            ("GET", "/slots/free", {}),
+        ]
+        for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}]:
+            for method, path, kwargs in attempts:
+                response = anonymous.request(method, path, headers=headers, **kwargs)
+                assert response.status_code == 401, (method, path, headers)
+                assert response.headers["www-authenticate"] == "Bearer"
+        assert plane.fingerprint() == before
+        ok = anonymous.get("/slots/free", headers={"Authorization": f"bearer {TOKEN}"})
+        assert ok.json() == {"free": [0, 1]}  # the subclass route, loaded by dotted path
+
+
+def test_metrics(plane: ThreadedController, client: ControlPlaneClient, raw: httpx.Client, data_root: Path) -> None:
+    client.register("a", config={"data": data_path(data_root)})
+    client.register("b", config={"data": data_path(data_root)})
+    plane.call(plane.controller.record_weight_update(["a"]))
+    client.deregister("b")
+    raw.post("/adapter_runs", json={"name": "a", "config": {"data": data_path(data_root)}})  # 400
+    raw.get("/adapter_runs/ghost")  # 404
+    with httpx.Client(base_url=plane.url, trust_env=False) as anonymous:
+        anonymous.get("/adapter_runs")  # 401
+        anonymous.get("/no/such/path")  # 401 before routing: one shared label
+
+    text = client.metrics()
+
+    def value(metric: str) -> float:
+        match = re.search(rf"^{re.escape(metric)} (\S+)$", text, flags=re.M)
+        assert match, f"{metric} missing from:\n{text}"
+        return float(match.group(1))
+
+    assert value('miles_controller_adapters{state="ACTIVE"}') == 1
+    assert value('miles_controller_adapters{state="RETIRING"}') == 1
+    assert value('miles_controller_adapters{state="PENDING"}') == 0
+    assert value("miles_controller_registrations_total") == 2
+    assert value("miles_controller_deregistrations_total") == 1
+    assert value('miles_controller_requests_total{method="POST",route="/adapter_runs",status="200"}') == 2
+    assert value('miles_controller_requests_total{method="POST",route="/adapter_runs",status="400"}') == 1
+    assert value('miles_controller_requests_total{method="GET",route="/adapter_runs/{name}",status="404"}') == 1
+    assert value('miles_controller_requests_total{method="GET",route="/adapter_runs",status="401"}') == 1
+    assert value('miles_controller_requests_total{method="GET",route="unmatched",status="401"}') == 1
+
+
+def test_openapi_lists_the_routes(raw: httpx.Client) -> None:
+    spec = raw.get("/openapi.json").json()
+    assert spec["info"]["title"] == "Miles Multi-LoRA Controller"
+    assert {"/health", "/adapter_runs", "/adapter_runs/state", "/adapter_runs/{name}", "/metrics"} <= set(spec["paths"])
+    schema = spec["paths"]["/adapter_runs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert set(schema["properties"]) == {"name", "config", "yaml_path"}
+
+
+def test_subclass_paths_are_checked_at_load() -> None:
+    assert load_subclass(None, MultiLoRAHTTPServer, "--flag") is MultiLoRAHTTPServer
+    assert load_subclass(f"{__name__}.ExtraRouteServer", MultiLoRAHTTPServer, "--flag") is ExtraRouteServer
+    with pytest.raises(ValueError, match="must be a subclass of miles.controller.http_server.MultiLoRAHTTPServer"):
+        load_subclass("miles.controller.backend.MultiLoRABackend", MultiLoRAHTTPServer, "--multi-lora-http-server-path")
+    with pytest.raises(ValueError, match="cannot load it"):
+        load_subclass("miles.controller.nothing_here.X", MultiLoRAHTTPServer, "--multi-lora-http-server-path")
+    with pytest.raises(ValueError, match="dotted path"):
+        load_subclass("NoDots", MultiLoRAHTTPServer, "--multi-lora-http-server-path")

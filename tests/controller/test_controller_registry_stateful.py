@@ -1,0 +1,144 @@
+"""Random sequences of lifecycle and batch operations keep the registry's invariants.
+
+Invariants checked after every step: each live adapter owns a distinct slot; free and
+live slots partition the table; slot versions never decrease; COMPLETED adapters own no
+slot; `step` and `accumulated_groups` change only in `mark_batch_trained` (or a resume
+via `set_step`).
+"""
+
+from __future__ import annotations
+
+from controller_fakes import make_config
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from miles.controller.registry import AdapterNotFoundError, AdapterRegistry, AdapterValidationError, NoFreeSlotError
+from miles.utils.types import AdapterState
+
+N_SLOTS = 3
+NAMES = st.sampled_from(["a", "b", "c", "d", "e"])
+
+
+class RegistryMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.registry = AdapterRegistry(n_slots=N_SLOTS, completed_retention=4)
+        self.versions = [0] * N_SLOTS
+        self.progress = self._progress()
+        self.rollout_id = 0
+
+    def _progress(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(name, registration) → (step, accumulated_groups) of every known adapter."""
+        return {(s.name, s.registration_id): (s.step, s.accumulated_groups) for s in self.registry.statuses()}
+
+    def _expect_no_progress(self) -> None:
+        after = self._progress()
+        for key, value in after.items():
+            if key in self.progress:
+                assert value == self.progress[key], f"{key} advanced outside mark_batch_trained"
+            else:
+                assert value == (0, 0), f"new registration {key} starts at step 0"
+        self.progress = after
+
+    @rule(name=NAMES, batch=st.sampled_from([1, 2, 4]), num_step=st.none() | st.integers(1, 3))
+    def register(self, name: str, batch: int, num_step: int | None) -> None:
+        state = self.registry.state(name)
+        live = {AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP}
+        free_before = self.registry.free_slots
+        try:
+            slot = self.registry.register(name, make_config(name, rollout_batch_size=batch, num_step=num_step))
+        except AdapterValidationError:
+            assert state in live
+        except NoFreeSlotError:
+            assert not free_before and state not in live
+        else:
+            assert state not in live and slot == free_before[0]
+        self._expect_no_progress()
+
+    @rule(name=NAMES)
+    def deregister(self, name: str) -> None:
+        before = self.registry.state(name)
+        try:
+            after = self.registry.deregister(name)
+        except AdapterNotFoundError:
+            assert before is None
+        else:
+            moved = before in (AdapterState.PENDING, AdapterState.ACTIVE)
+            assert after is (AdapterState.RETIRING if moved else before)
+        self._expect_no_progress()
+
+    @rule()
+    def retire(self) -> None:
+        retiring = set(self.registry.snapshot().retiring)
+        assert set(self.registry.retire_adapters()) == retiring
+        assert all(self.registry.state(n) is AdapterState.CLEANUP for n in retiring)
+        self._expect_no_progress()
+
+    @rule(name=NAMES)
+    def free(self, name: str) -> None:
+        in_cleanup = self.registry.state(name) is AdapterState.CLEANUP
+        slot = self.registry.live_slots().get(name)
+        assert self.registry.free_slot(name) == (slot if in_cleanup else -1)
+        self._expect_no_progress()
+
+    @rule(names=st.lists(NAMES, unique=True, max_size=3))
+    def push(self, names: list[str]) -> None:
+        pending = set(self.registry.snapshot().pending)
+        self.registry.record_weight_update(names)
+        for name in pending & set(names):
+            assert self.registry.state(name) is AdapterState.ACTIVE
+        self._expect_no_progress()
+
+    @rule(data=st.data(), commit=st.booleans())
+    def batch(self, data: st.DataObject, commit: bool) -> None:
+        live = sorted(self.registry.live_slots())
+        chosen = data.draw(st.lists(st.sampled_from(live), unique=True) if live else st.just([]))
+        groups = {n: data.draw(st.integers(1, 4)) for n in chosen}
+        step_names = data.draw(st.lists(st.sampled_from(chosen), unique=True) if chosen else st.just([]))
+        self.rollout_id += 1
+        self.registry.record_batch_adapters(self.rollout_id, groups, step_names)
+        if not commit:  # the train call failed: nothing may move
+            self._expect_no_progress()
+            return
+        countable = {n for n in chosen if self.registry.state(n) in
+                     (AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP)}
+        stepped = self.registry.mark_batch_trained(self.rollout_id)
+        assert set(stepped) == set(step_names) & countable
+        after = self._progress()
+        for (name, reg), (step, accumulated) in after.items():
+            old_step, old_groups = self.progress.get((name, reg), (0, 0))
+            if name in stepped:
+                assert (step, accumulated) == (old_step + 1, 0)
+            elif name in countable:
+                assert (step, accumulated) == (old_step, old_groups + groups[name])
+            else:
+                assert (step, accumulated) == (old_step, old_groups)
+        self.progress = after
+
+    @invariant()
+    def slots_partition_the_table(self) -> None:
+        live = self.registry.live_slots()
+        assert len(set(live.values())) == len(live)
+        assert set(live.values()).isdisjoint(self.registry.free_slots)
+        assert len(live) + len(self.registry.free_slots) == N_SLOTS
+
+    @invariant()
+    def versions_never_decrease(self) -> None:
+        current = self.registry.slot_versions
+        assert all(new >= old for new, old in zip(current, self.versions))
+        self.versions = current
+
+    @invariant()
+    def completed_hold_no_slot(self) -> None:
+        snapshot = self.registry.snapshot()
+        assert snapshot.completed.isdisjoint(self.registry.live_slots())
+        for name in snapshot.completed:
+            assert self.registry.status(name).version is None
+        assert snapshot.all_adapters_cleaned_up == (not self.registry.live_slots())
+
+
+TestRegistryStateMachine = RegistryMachine.TestCase
+TestRegistryStateMachine.settings = settings(
+    max_examples=100, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+)
