@@ -29,9 +29,6 @@ from torch import nn
 
 DeltaMode = Literal["auto", "segment", "gather"]
 
-_group_counter = itertools.count(1)
-
-
 @dataclass(frozen=True)
 class SlotBatch:
     """The slot of every sample of one batch, prepared once for all layers."""
@@ -66,8 +63,9 @@ class SlotBatch:
         return self.slot_ids_B.numel()
 
 
-# One mapping per context (thread or asyncio task): group key of an injected model ->
-# the batch being run. Keyed per model so two models never see each other's slots.
+# One mapping per context (thread or asyncio task): id of a multi-LoRA layer -> the
+# batch being run. Keyed per layer object so that two models (or a deep copy) never
+# see each other's slots.
 _ACTIVE: contextvars.ContextVar[dict[int, SlotBatch]] = contextvars.ContextVar("miles_lora_slots", default={})
 
 
@@ -78,7 +76,7 @@ class MultiLoRALinear(nn.Module):
     the row stays zero. Slots that were never initialised have scaling 0 and rank 0.
     """
 
-    def __init__(self, base: nn.Linear, *, n_slots: int, max_rank: int, group_key: int = 0):
+    def __init__(self, base: nn.Linear, *, n_slots: int, max_rank: int):
         super().__init__()
         if n_slots <= 0 or max_rank <= 0:
             raise ValueError(f"n_slots and max_rank must be > 0, got n_slots={n_slots}, max_rank={max_rank}")
@@ -89,10 +87,10 @@ class MultiLoRALinear(nn.Module):
         factory = {"device": weight.device, "dtype": weight.dtype}
         self.lora_A = nn.Parameter(torch.zeros(n_slots, max_rank, base.in_features, **factory))
         self.lora_B = nn.Parameter(torch.zeros(n_slots, base.out_features, max_rank, **factory))
-        self.register_buffer("scaling", torch.zeros(n_slots, **factory), persistent=False)
+        # fp32 whatever the weights' dtype: alpha / rank must not round to bf16.
+        self.register_buffer("scaling", torch.zeros(n_slots, device=weight.device, dtype=torch.float32), persistent=False)
         self.ranks: list[int] = [0] * n_slots
         self.alphas: list[float] = [0.0] * n_slots
-        self.group_key = group_key
         self.delta_mode: DeltaMode = "auto"
 
     @property
@@ -116,7 +114,7 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        batch = _ACTIVE.get().get(self.group_key)
+        batch = _ACTIVE.get().get(id(self))
         if batch is None or not batch.present:
             return out
         if x.shape[0] != batch.batch_size:
@@ -141,7 +139,8 @@ class MultiLoRALinear(nn.Module):
         a = self.lora_A[slot, :rank]
         b = self.lora_B[slot, :, :rank]
         x = x.to(a.dtype)
-        return (x @ a.transpose(0, 1)) @ b.transpose(0, 1) * self.scaling[slot]
+        # A Python float scales like PEFT does (exact, no device sync).
+        return (x @ a.transpose(0, 1)) @ b.transpose(0, 1) * (self.alphas[slot] / rank if rank else 0.0)
 
     def _segment_delta(self, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
         if batch.single_slot is not None:
@@ -271,11 +270,10 @@ def inject_multi_lora(
             raise ValueError(f"target_modules {sorted(missing)} match no nn.Linear in the decoder layers of this model")
     for p in model.parameters():
         p.requires_grad_(False)
-    key = next(_group_counter)
     for name in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, MultiLoRALinear(getattr(parent, child), n_slots=n_slots, max_rank=max_rank, group_key=key))
+        setattr(parent, child, MultiLoRALinear(getattr(parent, child), n_slots=n_slots, max_rank=max_rank))
     return chosen
 
 
@@ -322,8 +320,7 @@ def use_slots(model: nn.Module, slot_ids: Sequence[int] | torch.Tensor) -> Itera
     for slot in batch.present:
         if slot >= first.n_slots:
             raise ValueError(f"slot {slot} does not exist: the page table has {first.n_slots} slots (0..{first.n_slots - 1})")
-    keys = {m.group_key for m in modules.values()}
-    token = _ACTIVE.set({**_ACTIVE.get(), **{k: batch for k in keys}})
+    token = _ACTIVE.set({**_ACTIVE.get(), **{id(m): batch for m in modules.values()}})
     try:
         yield batch
     finally:

@@ -105,6 +105,10 @@ def test_nested_blocks_restore_and_models_do_not_share_slots(base_model):
             assert torch.equal(run(model), expected_0)  # restored after the inner block
             assert not torch.equal(run(other), run(base_model))
         assert torch.equal(run(other), run(base_model))  # other's block is closed
+        twin = copy.deepcopy(model)  # a copy is routed by its own blocks only
+        assert torch.equal(run(twin), run(base_model))
+        with use_slots(twin, [1, 1]):
+            assert torch.equal(run(twin), expected_1) and torch.equal(run(model), expected_0)
     assert torch.equal(run(model), run(base_model))
 
 
@@ -169,8 +173,10 @@ def test_bad_input_raises_clear_errors(base_model):
 def test_lora_follows_the_base_dtype(base_model):
     model = copy.deepcopy(base_model).to(torch.bfloat16)
     inject_multi_lora(model, n_slots=2, max_rank=4, target_modules="all-linear")
-    init_slot(model, 1, rank=4, alpha=8.0, generator=torch.Generator().manual_seed(0))
+    init_slot(model, 1, rank=3, alpha=4.0, generator=torch.Generator().manual_seed(0))
     assert {p.dtype for p in slot_parameters(model)} == {torch.bfloat16}
+    for module in lora_modules(model).values():  # alpha / rank is not rounded to bf16
+        assert module.scaling.dtype == torch.float32 and abs(module.scaling[1].item() - 4.0 / 3.0) < 1e-7
     assert all(p.requires_grad for p in slot_parameters(model))
     ids = torch.randint(4, 90, (2, 4), generator=torch.Generator().manual_seed(7))
     with torch.no_grad(), use_slots(model, [1, -1]):
