@@ -150,9 +150,9 @@ class BatchCollector:
         for name, run in adapters.items():
             previous = self._registrations.get(name)
             if previous is not None and previous != run.registration_id:
-                dropped = self.buffers.discard(name)
+                dropped = self.buffers.get(name).drop_where(lambda g, r=run: g.registration_id != r.registration_id)
                 logger.warning("Adapter %r was re-registered; dropped %d groups of its previous registration",
-                               name, dropped)
+                               name, len(dropped))
             self._registrations[name] = run.registration_id
         self._rotation = deque(name for name in self._rotation if name in adapters)
         self._rotation.extend(sorted(set(adapters) - set(self._rotation)))

@@ -208,8 +208,7 @@ class RolloutProducer:
         while runs and len(in_flight) < self.config.max_groups_in_flight:
             run = runs[self._cursor % len(runs)]
             self._cursor += 1
-            item = self.data_source.next_prompt(run)
-            in_flight.add(asyncio.create_task(self._produce_counted(run, item), name=f"group-{run.name}"))
+            in_flight.add(asyncio.create_task(self._produce_counted(run), name=f"group-{run.name}"))
             self.counts[run.name, "submitted"] += 1
 
     async def _settle(self, task: asyncio.Task[None]) -> None:
@@ -229,10 +228,11 @@ class RolloutProducer:
 
     # ---- one group ----
 
-    async def _produce_counted(self, run: AdapterRun, item: PromptItem) -> None:
+    async def _produce_counted(self, run: AdapterRun) -> None:
         self.in_flight[run.name] += 1
         try:
-            await self._produce(run, item)
+            # Drawn inside the task so a prompt that cannot be rendered fails this group only.
+            await self._produce(run, self.data_source.next_prompt(run))
         except Exception:
             self.counts[run.name, "failed"] += 1
             raise

@@ -167,16 +167,18 @@ async def test_empty_timeout_raises():
 async def test_reregistration_drops_old_buffer_and_stragglers():
     old = make_run("a", 0, registration_id="r1")
     controller = FakeController(active(old))
-    c, buffers, clock, _ = collector(controller, target=1, coalesce=0.1)
+    c, buffers, clock, _ = collector(controller, target=2, coalesce=0.1)
     fill(buffers, old, range(3))
-    assert (await c.collect(0)).groups_per_adapter == {"a": 1}
+    assert (await c.collect(0)).groups_per_adapter == {"a": 2}
     new = make_run("a", 2, registration_id="r2")
+    fill(buffers, new, [5])  # the new registration produced before this collection
     controller.current = active(new)
     clock.at(clock.t + 0.05, lambda: fill(buffers, old, [10]))  # a straggler of the old registration
     clock.at(clock.t + 0.1, lambda: fill(buffers, new, [0]))
     batch = await c.collect(1)
-    assert [(s.slot, s.group_index) for s in batch.samples] == [(2, 0)]
+    assert [(s.slot, s.group_index) for s in batch.samples] == [(2, 0), (2, 5)]
     assert len(buffers.get("a")) == 0
+    assert batch.metrics["a/perf/foreign_dropped"] == 1.0
 
 
 async def test_dead_producer_raises_immediately_chained_from_the_cause():

@@ -117,6 +117,9 @@ async def test_round_robin_under_the_in_flight_cap(dataset):
         adapters = sorted(r["rid"].split("::")[0] for r in server.requests)
         assert adapters == ["a", "a", "b", "b"]
         assert {r["lora_path"] for r in server.requests} == {"__miles_slot_0", "__miles_slot_1"}
+        metrics = prod.metrics()
+        assert metrics["a/perf/in_flight"] == 1.0 and metrics["b/perf/in_flight"] == 1.0
+        assert metrics["perf/rollout/groups_submitted"] == 2.0
         await prod.stop()
 
 
