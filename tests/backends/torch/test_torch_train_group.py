@@ -1,0 +1,202 @@
+"""The DP train group over real Ray actors: DP=2 equals DP=1, weight push, reconcile, saves.
+
+The controller side is the real `AdapterRegistry` in a minimal Ray actor; the weight
+receiver is an in-memory actor that records what it was sent.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+import torch
+from torch_backend_data import make_groups, max_abs_diff, new_actor
+
+from miles.backends.torch.actor import AdapterSpec, TrainActorConfig
+from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
+from miles.backends.torch.loss import LossConfig
+from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig, split_prompt_groups
+from miles.controller.registry import AdapterRegistry
+from miles.utils.adapter_config import AdapterDefaults, resolve_adapter_config
+from miles.utils.types import AdapterState, RolloutBatch
+
+pytestmark = pytest.mark.slow
+
+
+@ray.remote(num_cpus=0)
+class RegistryActor:
+    """The controller methods the train group calls, over the real registry."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.registry = AdapterRegistry(n_slots)
+
+    def register(self, name, config):
+        return self.registry.register(name, config)
+
+    def deregister(self, name):
+        return self.registry.deregister(name)
+
+    def snapshot(self):
+        return self.registry.snapshot()
+
+    def retire_adapters(self):
+        return self.registry.retire_adapters()
+
+    def free_slot(self, name):
+        return self.registry.free_slot(name)
+
+    def set_adapter_step(self, name, step):
+        self.registry.set_step(name, step)
+
+    def record_weight_update(self, names):
+        return self.registry.record_weight_update(names)
+
+    def state(self, name):
+        return self.registry.state(name)
+
+    def step(self, name):
+        return self.registry.step(name)
+
+
+@ray.remote(num_cpus=0)
+class RecordingReceiver:
+    def __init__(self) -> None:
+        self.received = []
+
+    def load_lora(self, lora_name, version, peft_config, tensors):
+        self.received.append((lora_name, version, peft_config, tensors))
+
+    def take(self):
+        out, self.received = self.received, []
+        return out
+
+
+def test_split_keeps_groups_whole_and_covers_every_sample():
+    assert split_prompt_groups([2, 3, 1, 2], 2) == [[0, 1, 5], [2, 3, 4, 6, 7]]
+    assert split_prompt_groups([1, 1], 3) == [[0], [1], []]
+
+
+def _adapter_config(tmp_path, name, rank):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "1+1", "label": "2"}) + "\n")
+    raw = {"data": str(data), "rank": rank, "alpha": 8.0, "rollout_batch_size": 2, "n_samples_per_prompt": 2,
+           "save": str(tmp_path / name), "rm_type": "math", "lr": 0.02, "lr_decay_style": "cosine", "num_step": 4}
+    return resolve_adapter_config(name, raw, AdapterDefaults(lora_rank=4, dp_size=2))
+
+
+def _batch(rollout_id, groups, step_names):
+    groups = sorted(groups, key=lambda g: (g[0].slot, g[0].group_index))
+    per_adapter: dict[str, int] = {}
+    for g in groups:
+        per_adapter[g[0].adapter] = per_adapter.get(g[0].adapter, 0) + 1
+    return RolloutBatch(rollout_id=rollout_id, samples=[s for g in groups for s in g],
+                        prompt_group_sizes=[len(g) for g in groups], groups_per_adapter=per_adapter,
+                        step_names=step_names)
+
+
+def _group_config(model_dir, n_workers):
+    actor = TrainActorConfig(hf_checkpoint=str(model_dir), n_slots=4, lora_rank=4, micro_batch_size=3,
+                             loss=LossConfig(kl_coef=0.05))
+    return TrainGroupConfig(actor=actor, n_workers=n_workers, save_interval=1, num_cpus_per_worker=0)
+
+
+async def _started(model_dir, tmp_path, n_workers, receivers=()):
+    registry = RegistryActor.remote(4)
+    for name, rank in (("a", 4), ("b", 2)):
+        await registry.register.remote(name, _adapter_config(tmp_path / f"dp{n_workers}", name, rank))
+    group = TrainGroup(_group_config(model_dir, n_workers), registry)
+    await group.start()
+    group.set_weight_receivers(list(receivers))
+    result = await group.reconcile_adapters()
+    assert result.loaded == ["a", "b"] and result.resumed == {}
+    return registry, group
+
+
+def _batches(slots):
+    a, b = slots["a"], slots["b"]
+    return [
+        _batch(0, make_groups("a", a, 2, 2, seed=1) + make_groups("b", b, 1, 2, seed=2), ["a"]),
+        _batch(1, make_groups("a", a, 2, 2, seed=3) + make_groups("b", b, 1, 2, seed=4), ["a", "b"]),
+    ]
+
+
+async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, tiny_model_dir, tmp_path):
+    receiver = RecordingReceiver.remote()
+    reg1, dp1 = await _started(tiny_model_dir, tmp_path, 1)
+    reg2, dp2 = await _started(tiny_model_dir, tmp_path, 2, receivers=[receiver])
+    slots = dp2.loaded_adapters
+    assert slots == {"a": 0, "b": 1}
+
+    assert await dp2.update_weights() == ["a", "b"]
+    pushed = await receiver.take.remote()
+    reference = new_actor(tiny_model_dir)  # a fresh adapter is seeded by name: same tensors anywhere
+    for name, rank in (("a", 4), ("b", 2)):
+        reference.load_adapter(AdapterSpec(name=name, slot=slots[name], rank=rank, alpha=8.0, global_batch_size=4))
+    assert [(p[0], p[1]) for p in pushed] == [("__miles_slot_0", 1), ("__miles_slot_1", 1)]
+    for (_, _, peft_config, tensors), name in zip(pushed, ("a", "b")):
+        expected = reference.export_adapter(name)
+        assert tensors.keys() == expected.keys()
+        assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in tensors)
+        assert all(torch.equal(tensors[k], expected[k]) for k in tensors)
+        assert peft_config["r"] == reference.adapters[name].spec.rank
+    await reg2.record_weight_update.remote(["a", "b"])
+    assert await dp2.update_weights() == []  # nothing changed since
+
+    for batch in _batches(slots):
+        m1 = await dp1.train(batch.rollout_id, batch)
+        m2 = await dp2.train(batch.rollout_id, batch)
+        for key in ("a/loss", "a/grad_norm", "a/kl", "a/clip_fraction"):
+            assert m1[key] == pytest.approx(m2[key], abs=1e-5)
+        assert m2["a/lr"] == m1["a/lr"] and m2["a/train_samples"] == 4.0
+        if batch.rollout_id == 0:
+            assert await dp2.update_weights() == ["a"]  # only the adapter that stepped
+            (lora_name, version, _, tensors), = await receiver.take.remote()
+            assert (lora_name, version) == ("__miles_slot_0", 2)
+            assert max_abs_diff(tensors, await dp2.actors[1].export_adapter.remote("a")) == 0.0
+            await reg2.record_weight_update.remote(["a"])
+    for name in ("a", "b"):
+        w1 = await dp1.actors[0].export_adapter.remote(name)
+        w2 = await dp2.actors[0].export_adapter.remote(name)
+        assert max_abs_diff(w1, w2) <= 1e-5
+        assert max_abs_diff(w2, await dp2.actors[1].export_adapter.remote(name)) == 0.0  # ranks agree
+    await dp1.shutdown()
+    await dp2.shutdown()
+
+
+async def test_reconcile_saves_cleans_up_and_resumes(ray_session, tiny_model_dir, tmp_path):
+    registry, group = await _started(tiny_model_dir, tmp_path, 1)
+    batches = _batches(group.loaded_adapters)
+    await group.train(0, batches[0])
+    assert await group.save_model(0) == ["a"]  # a is at step 1
+    assert await group.save_model(0) == []     # once per step
+    await group.train(1, batches[1])
+    assert await group.save_model(1) == ["a", "b"]
+    save_a = tmp_path / "dp1" / "a"
+    assert latest_checkpoint(save_a).name == "step_2"
+    weights_a = await group.actors[0].export_adapter.remote("a")
+
+    # Retire b while it holds retained gradient of a partial batch.
+    await group.train(2, _batch(2, make_groups("b", 1, 1, 2, seed=9), []))
+    await registry.deregister.remote("b")
+    result = await group.reconcile_adapters()
+    assert result.retired == ["b"] and result.cleaned == ["b"] and result.loaded == []
+    assert await registry.state.remote("b") is AdapterState.COMPLETED
+    assert group.loaded_adapters == {"a": 0}
+    assert await group.actors[0].loaded_adapters.remote() == {"a": 0}
+    await group.shutdown()
+
+    # A new trainer with a new controller resumes a from its latest checkpoint.
+    registry2 = RegistryActor.remote(4)
+    await registry2.register.remote("a", _adapter_config(tmp_path / "dp1", "a", 4))
+    group2 = TrainGroup(_group_config(tiny_model_dir, 1), registry2)
+    await group2.start()
+    result = await group2.reconcile_adapters()
+    assert result.resumed == {"a": 2}
+    assert await registry2.step.remote("a") == 2
+    assert max_abs_diff(await group2.actors[0].export_adapter.remote("a"), weights_a) == 0.0
+    state = read_checkpoint(latest_checkpoint(save_a))
+    assert state.trainer_state.step == 2 and state.trainer_state.rank == 4
+    assert await group2.save_all() == []  # nothing new since the checkpoint it resumed from
+    await group2.shutdown()
