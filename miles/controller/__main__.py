@@ -25,6 +25,15 @@ from miles.utils.arguments import MilesConfig, parse_args
 logger = logging.getLogger("miles.controller")
 
 
+_AUTH = ' -H "Authorization: Bearer $MILES_API_TOKEN"'
+_USAGE = """Try it:
+  curl -s{auth} -H 'Content-Type: application/json' {url}/adapter_runs \\
+       -d '{{"name": "demo", "config": {{"data": "path/to/train.jsonl", "rm_type": "math"}}}}'
+  curl -s{auth} '{url}/adapter_runs/state?names=demo'
+  curl -s{auth} -X DELETE {url}/adapter_runs/demo
+Stop with Ctrl-C."""
+
+
 async def serve(cfg: MilesConfig) -> None:
     router_url = f"http://{cfg.sglang_router_ip}:{cfg.sglang_router_port}" if cfg.sglang_router_ip else None
     controller = MultiLoRAController(ControllerConfig.from_config(cfg), router_url)
@@ -35,6 +44,7 @@ async def serve(cfg: MilesConfig) -> None:
     port = await controller.start()
     host = await controller.http_host()
     logger.info("Control plane listening on http://%s:%d (OpenAPI at /docs)", host, port)
+    logger.info(_USAGE.format(url=f"http://{host}:{port}", auth=_AUTH if cfg.multi_lora_api_token else ""))
     try:
         await stop.wait()
     finally:

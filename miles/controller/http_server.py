@@ -214,7 +214,8 @@ class MultiLoRAHTTPServer:
                 "pick another --multi-lora-api-port (0 = any free port)"
             ) from exc
         self.port = sock.getsockname()[1]
-        uv_config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        uv_config = uvicorn.Config(self.app, log_level="warning", log_config=None, access_log=False, lifespan="off",
+                                   timeout_graceful_shutdown=2)
         self._server = _EmbeddedUvicorn(uv_config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="control-plane-http")
         while not self._server.started:

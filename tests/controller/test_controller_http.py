@@ -15,10 +15,12 @@ import httpx
 import pytest
 from controller_fakes import LoopbackRouter, ThreadedController, controller_config
 
-from miles.controller.actor import load_subclass
+from miles.controller.actor import ControllerConfig, MultiLoRAController, load_subclass
+from miles.controller.backend import MultiLoRABackend
 from miles.controller.client import ControlPlaneClient, ControlPlaneError
-from miles.controller.http_server import MultiLoRAHTTPServer
+from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
 from miles.utils.adapter_config import AdapterDefaults
+from miles.utils.arguments import parse_args
 from miles.utils.types import AdapterState
 
 TOKEN = "s3cret-token"
@@ -241,3 +243,28 @@ def test_subclass_paths_are_checked_at_load() -> None:
         load_subclass("miles.controller.nothing_here.X", MultiLoRAHTTPServer, "--multi-lora-http-server-path")
     with pytest.raises(ValueError, match="dotted path"):
         load_subclass("NoDots", MultiLoRAHTTPServer, "--multi-lora-http-server-path")
+
+
+class CountingBackend(MultiLoRABackend):
+    """A backend extension selected by --multi-lora-backend-path."""
+
+
+def test_server_config_defaults_and_backend_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 defaults: AdapterDefaults) -> None:
+    monkeypatch.setenv("MILES_API_TOKEN", "from-env")
+    cfg = parse_args(["--multi-lora-n-adapters", "3", "--save", str(tmp_path / "out"),
+                      "--multi-lora-backend-path", f"{__name__}.CountingBackend"])
+    server = HTTPServerConfig.from_config(cfg)
+    assert (server.host, server.port, server.token) == ("127.0.0.1", 8068, "from-env")
+    assert server.allowed_roots == (Path.cwd().resolve(), (tmp_path / "out").resolve())
+    explicit = HTTPServerConfig.from_config(cfg.replace(multi_lora_allowed_roots=[str(tmp_path / "only")],
+                                                        multi_lora_api_token="flag"))
+    assert (explicit.allowed_roots, explicit.token) == (((tmp_path / "only").resolve(),), "flag")
+
+    controller = MultiLoRAController(ControllerConfig.from_config(cfg))
+    assert type(controller.backend) is CountingBackend and controller.backend.registry.n_slots == 3
+    with pytest.raises(ValueError, match="must be a subclass of miles.controller.backend.MultiLoRABackend"):
+        MultiLoRAController(ControllerConfig.from_config(
+            cfg.replace(multi_lora_backend_path=f"{__name__}.ExtraRouteServer")))
+    with pytest.raises(ValueError, match="set --multi-lora-n-adapters > 0"):
+        ControllerConfig.from_config(cfg.replace(multi_lora_n_adapters=0))
