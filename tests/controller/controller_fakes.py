@@ -34,6 +34,13 @@ def make_config(name: str, root: Path = Path("/runs"), **overrides: Any) -> Adap
     return AdapterRunConfig(**values)
 
 
+WORKER_INFO_PATHS: dict[str, Any] = {
+    "/health": {}, "/health_generate": {},
+    "/get_model_info": {"model_path": "tiny", "is_generation": True},
+    "/get_server_info": {"model_path": "tiny", "max_total_num_tokens": 1024},
+}
+
+
 class LoopbackRouter:
     """A real HTTP server on 127.0.0.1 playing the router and/or a worker.
 
@@ -63,7 +70,9 @@ class LoopbackRouter:
 
             def do_GET(self) -> None:
                 urls = owner.workers if owner.workers is not None else [owner.url]
-                if self.path == "/list_workers" and owner.mode == "list_workers":
+                if self.path in WORKER_INFO_PATHS:  # what a router asks a worker before adding it
+                    self._send(200, WORKER_INFO_PATHS[self.path])
+                elif self.path == "/list_workers" and owner.mode == "list_workers":
                     self._send(200, {"urls": urls})
                 elif self.path == "/workers" and owner.mode == "workers":
                     self._send(200, {"workers": [{"url": u, "model_id": "m"} for u in urls], "total": len(urls)})

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from controller_fakes import LoopbackRouter, write_dataset
 
 from miles.controller.backend import MultiLoRABackend
 from miles.controller.registry import AdapterValidationError
-from miles.controller.workers import abort_on_workers
+from miles.controller.workers import abort_on_workers, discover_workers
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig
 from miles.utils.types import AdapterState
 
@@ -166,3 +172,33 @@ def test_status_is_json_ready(data_root: Path, defaults: AdapterDefaults) -> Non
     dumped = json.loads(backend.adapter_status("a").model_dump_json())
     assert dumped["save"] == str((data_root / "save" / "adapters" / "a").resolve())
     assert (dumped["state"], dumped["version"], dumped["metadata"]) == ("PENDING", 0, {"k": 1})
+
+
+@pytest.mark.slow
+async def test_aborts_reach_workers_behind_the_real_sglang_router(data_root: Path, defaults: AdapterDefaults,
+                                                                  loopback_servers: list[LoopbackRouter]) -> None:
+    workers = [LoopbackRouter(mode="none"), LoopbackRouter(mode="none")]
+    loopback_servers.extend(workers)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    router_url = f"http://127.0.0.1:{port}"
+    router = subprocess.Popen(
+        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+         "--worker-urls", *[w.url for w in workers], "--disable-health-check"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+            deadline = time.monotonic() + 60
+            while sorted(await discover_workers(router_url, client)) != sorted(w.url for w in workers):
+                assert time.monotonic() < deadline and router.poll() is None, "router never listed both workers"
+                await asyncio.sleep(0.2)
+        backend = make_backend(defaults, router_url)
+        backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
+        backend.deregister("a")
+        assert await backend.retire_adapters() == ["a"]
+        assert [w.aborts for w in workers] == [[{"rid": "a::", "prefix": True}]] * 2
+    finally:
+        router.terminate()
+        router.wait(timeout=20)
