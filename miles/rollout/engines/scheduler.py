@@ -1,0 +1,367 @@
+"""Continuous-batching decode loop of the builtin engine.
+
+One thread owns the model. Requests wait in a queue; at every step boundary the loop
+drops aborted rows, admits queued requests (each is prefilled on its own, then its KV
+cache joins the running batch), and runs ONE batched forward for every running
+sequence, whatever adapter slot each row uses. The running batch keeps one HF
+`DynamicCache` with left padding; rows carry their own attention mask and position ids,
+so a row's numbers do not depend on what else shares the batch.
+
+    scheduler = DecodeScheduler(model, SchedulerConfig(...), decode=tokenizer.decode)
+    scheduler.start()
+    scheduler.submit(job)          # job.on_done(job) fires when it finishes
+    scheduler.abort(prefix="adapter::")
+
+LoRA weight changes take `scheduler.exclusive()` so they land between two steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from miles.rollout.engines.sampling import RowSampling, choose_tokens
+from miles.utils.types import FinishReason, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SlotContext = Callable[[list[int]], contextlib.AbstractContextManager]
+
+
+@dataclass
+class Job:
+    """One generation request inside the engine."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    slot: int
+    """Page-table row of the request's adapter; -1 is the base model."""
+    lora_name: str | None
+    sampling: RowSampling
+    on_done: Callable[[Job], None]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish: FinishReason | None = None
+    abort_message: str | None = None
+    """Set by an abort; the loop finishes the job at the next step boundary."""
+
+    @property
+    def stop_strings(self) -> list[str]:
+        stop = self.params.stop
+        return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    max_context: int
+    """Prompt plus output tokens a sequence may reach (the model's position limit)."""
+    eos_token_ids: frozenset[int]
+    device: str = "cpu"
+    seed: int = 0
+
+
+@dataclass
+class _RunningBatch:
+    jobs: list[Job]
+    cache: DynamicCache
+    mask_BL: torch.Tensor
+    """1 where the cache holds a real token of that row, 0 for left padding."""
+    next_pos_B: torch.Tensor
+    """Position id of each row's next input token (= its real tokens so far)."""
+
+
+class DecodeScheduler:
+    def __init__(self, model: torch.nn.Module, config: SchedulerConfig, *,
+                 decode: Callable[[list[int]], str], slot_context: SlotContext | None = None):
+        self.model = model
+        self.config = config
+        self._decode = decode
+        self._slot_context = slot_context or (lambda slots: contextlib.nullcontext())
+        self._cond = threading.Condition()
+        self._model_lock = threading.RLock()
+        self._waiting: deque[Job] = deque()
+        self._batch: _RunningBatch | None = None
+        self._running: list[Job] = []
+        self._admitting: list[Job] = []
+        """Taken off the queue, being prefilled; aborts mark them like running jobs."""
+        self._paused = False
+        self._stopped = False
+        self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
+        self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
+        self.steps = 0
+        """Batched decode forwards run so far (for metrics and tests)."""
+        self.max_batch_seen = 0
+
+    # ---- control (any thread) ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            self._waiting.append(job)
+            self._cond.notify_all()
+
+    def in_flight_rids(self) -> set[str]:
+        with self._cond:
+            return {j.rid for j in [*self._waiting, *self._admitting, *self._running]}
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        with self._cond:
+            return len(self._running), len(self._waiting)
+
+    def abort(self, *, rid: str = "", prefix: bool = False, abort_all: bool = False,
+              lora_name: str | None = None, message: str = "aborted by request") -> int:
+        """Abort matching requests; queued ones finish now, running ones at the next step."""
+
+        def matches(job: Job) -> bool:
+            if abort_all:
+                return True
+            if lora_name is not None:
+                return job.lora_name == lora_name
+            return job.rid.startswith(rid) if prefix else job.rid == rid
+
+        with self._cond:
+            queued = [j for j in self._waiting if matches(j)]
+            for job in queued:
+                self._waiting.remove(job)
+                job.abort_message = message
+                self._finish(job, FinishReason(type="abort", message=message))
+            running = [j for j in [*self._admitting, *self._running] if matches(j) and j.finish is None]
+            for job in running:
+                job.abort_message = message
+            self._cond.notify_all()
+        return len(queued) + len(running)
+
+    def pause(self) -> None:
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the model between two steps (for LoRA weight changes)."""
+        with self._model_lock:
+            yield
+
+    # ---- the loop (model thread) ----
+
+    def _has_work(self) -> bool:
+        if any(j.abort_message is not None for j in self._running):
+            return True
+        return not self._paused and bool(self._waiting or self._running)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self._has_work():
+                    self._cond.wait()
+                if self._stopped:
+                    break
+            with self._model_lock, torch.no_grad():
+                try:
+                    self._step()
+                except Exception as exc:  # the engine must outlive one bad step
+                    logger.exception("decode step failed; aborting the running batch")
+                    self._fail_running(f"engine error: {type(exc).__name__}: {exc}")
+        self._fail_running("engine shut down")
+        with self._cond:
+            for job in list(self._waiting):
+                self._finish(job, FinishReason(type="abort", message="engine shut down"))
+            self._waiting.clear()
+
+    def _step(self) -> None:
+        self._drop_aborted()
+        if self._paused:
+            return
+        self._admit()
+        if self._batch is not None:
+            self._decode_step()
+
+    def _drop_aborted(self) -> None:
+        keep = []
+        for job in self._running:
+            if job.abort_message is not None:
+                self._finish(job, FinishReason(type="abort", message=job.abort_message))
+            else:
+                keep.append(job)
+        if len(keep) != len(self._running):
+            self._keep_rows([i for i, j in enumerate(self._running) if j.finish is None])
+
+    def _admit(self) -> None:
+        with self._cond:
+            room = self.config.max_running_requests - len(self._running)
+            new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            self._admitting = list(new)
+        if not new:
+            return
+        zero = [j for j in new if j.params.max_new_tokens == 0]
+        for job in zero:
+            self._finish(job, FinishReason(type="length"))
+        new = [j for j in new if j.params.max_new_tokens > 0]
+        if not new:
+            self._set_running(self._running)
+            return
+        caches, logits = [], []
+        for job in new:
+            cache, last_logits_V = self._prefill(job)
+            caches.append(cache)
+            logits.append(last_logits_V)
+        self._join(new, caches)
+        self._accept_tokens(new, torch.stack(logits))
+
+    def _prefill(self, job: Job) -> tuple[DynamicCache, torch.Tensor]:
+        ids_1P = torch.tensor([job.prompt_ids], device=self.config.device)
+        cache = DynamicCache()
+        with self._slot_context([job.slot]):
+            out = self.model(input_ids=ids_1P, cache=cache, use_cache=True,
+                             position_ids=torch.arange(ids_1P.shape[1], device=ids_1P.device)[None])
+        return out.cache, out.logits[0, -1]
+
+    def _decode_step(self) -> None:
+        batch = self._batch
+        last_B1 = torch.tensor([[j.output_ids[-1]] for j in batch.jobs], device=self.config.device)
+        ones_B1 = torch.ones_like(last_B1)
+        mask_BL = torch.cat([batch.mask_BL, ones_B1], dim=1)
+        with self._slot_context([j.slot for j in batch.jobs]):
+            out = self.model(input_ids=last_B1, attention_mask=mask_BL, position_ids=batch.next_pos_B[:, None],
+                             cache=batch.cache, use_cache=True)
+        batch.cache = out.cache
+        batch.mask_BL = mask_BL
+        batch.next_pos_B = batch.next_pos_B + 1
+        self.steps += 1
+        self.max_batch_seen = max(self.max_batch_seen, len(batch.jobs))
+        self._accept_tokens(list(batch.jobs), out.logits[:, -1])
+
+    def _accept_tokens(self, jobs: list[Job], logits_BV: torch.Tensor) -> None:
+        """Append one sampled token per job (rows of `logits_BV`), then retire finished rows."""
+        tokens, logprobs = choose_tokens(logits_BV, [j.sampling for j in jobs], self._generator)
+        for job, token, logprob in zip(jobs, tokens, logprobs):
+            job.output_ids.append(token)
+            job.logprobs.append(logprob)
+            reason = self._finish_reason(job, token)
+            if reason is not None:
+                self._finish(job, reason)
+        if any(j.finish is not None for j in self._running):
+            self._keep_rows([i for i, j in enumerate(self._running) if j.finish is None])
+
+    def _finish_reason(self, job: Job, token: int) -> FinishReason | None:
+        params = job.params
+        if token in self.config.eos_token_ids and not params.ignore_eos:
+            return FinishReason(type="stop", matched=token)
+        if token in (params.stop_token_ids or []):
+            return FinishReason(type="stop", matched=token)
+        if job.stop_strings:
+            text = self._decode(job.output_ids)
+            hits = [(text.find(s), s) for s in job.stop_strings if s in text]
+            if hits:
+                index, stop = min(hits)
+                job.text = text[:index]
+                return FinishReason(type="stop", matched=stop)
+        if len(job.output_ids) >= params.max_new_tokens:
+            return FinishReason(type="length")
+        if len(job.prompt_ids) + len(job.output_ids) >= self.config.max_context:
+            return FinishReason(type="length", message="reached the model's context length")
+        return None
+
+    def _finish(self, job: Job, reason: FinishReason) -> None:
+        if job.finish is not None:
+            return
+        if not (reason.type == "stop" and isinstance(reason.matched, str)):
+            job.text = self._decode(job.output_ids)
+        job.finish = reason
+        job.on_done(job)
+
+    def _fail_running(self, message: str) -> None:
+        for job in [*self._admitting, *self._running]:
+            self._finish(job, FinishReason(type="abort", message=message))
+        self._keep_rows([])
+
+    # ---- running-batch bookkeeping (model thread) ----
+
+    def _set_running(self, jobs: list[Job]) -> None:
+        with self._cond:
+            self._running = jobs
+            self._admitting = []
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        batch = self._batch
+        if not rows or batch is None:
+            self._batch = None
+            self._set_running([])
+            return
+        index = torch.tensor(rows, device=self.config.device)
+        batch.cache.batch_select_indices(index)
+        batch.jobs = [batch.jobs[i] for i in rows]
+        batch.mask_BL = batch.mask_BL[index]
+        batch.next_pos_B = batch.next_pos_B[index]
+        _trim_left_padding(batch)
+        self._set_running(list(batch.jobs))
+
+    def _join(self, jobs: list[Job], caches: list[DynamicCache]) -> None:
+        """Add freshly prefilled sequences to the running batch (left-padded merge)."""
+        parts = [] if self._batch is None else [(self._batch.cache, self._batch.mask_BL)]
+        for job, cache in zip(jobs, caches):
+            parts.append((cache, torch.ones(1, len(job.prompt_ids), dtype=torch.long, device=self.config.device)))
+        width = max(mask.shape[1] for _, mask in parts)
+        n_layers = len(parts[0][0].layers)
+        layers = []
+        for layer in range(n_layers):
+            keys = [_pad_left(c.layers[layer].keys, width, dim=2) for c, _ in parts]
+            values = [_pad_left(c.layers[layer].values, width, dim=2) for c, _ in parts]
+            layers.append((torch.cat(keys), torch.cat(values)))
+        mask_BL = torch.cat([_pad_left(m, width, dim=1) for _, m in parts])
+        old_jobs = [] if self._batch is None else self._batch.jobs
+        next_pos = [] if self._batch is None else self._batch.next_pos_B.tolist()
+        next_pos += [len(j.prompt_ids) for j in jobs]
+        self._batch = _RunningBatch(
+            jobs=old_jobs + jobs, cache=DynamicCache(ddp_cache_data=layers), mask_BL=mask_BL,
+            next_pos_B=torch.tensor(next_pos, device=self.config.device),
+        )
+        self._set_running(list(self._batch.jobs))
+
+
+def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def _trim_left_padding(batch: _RunningBatch) -> None:
+    """Drop leading cache columns that are padding in every row (after rows leave)."""
+    real_L = batch.mask_BL.any(dim=0)
+    start = int(torch.argmax(real_L.int())) if bool(real_L.any()) else 0
+    if start == 0:
+        return
+    batch.mask_BL = batch.mask_BL[:, start:]
+    for layer in batch.cache.layers:
+        layer.keys = layer.keys[:, :, start:]
+        layer.values = layer.values[:, :, start:]
