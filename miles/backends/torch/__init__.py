@@ -1,0 +1,32 @@
+"""The torch training backend: frozen HF base + slot page-table LoRA + one AdamW per slot.
+
+    from miles.backends.torch import TrainGroup, TrainGroupConfig
+    group = TrainGroup(TrainGroupConfig.from_config(cfg), controller)
+    await group.start()
+
+Modules: `loss` (GRPO advantages, PPO-clip/TIS/KL), `optimizer` (per-slot AdamW),
+`lr_schedule` (per-adapter schedule on the adapter's sample clock), `checkpoint`
+(atomic PEFT + optimizer checkpoints), `batching` (mixed-slot micro-batches), `actor`
+(one DP rank), `train_group` (the DP group the driver talks to).
+"""
+
+from miles.backends.torch.actor import AdapterSpec, TorchTrainActor, TrainActorConfig
+from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
+from miles.backends.torch.loss import LossConfig, grpo_advantages, policy_loss
+from miles.backends.torch.train_group import ReconcileResult, TrainGroup, TrainGroupConfig, WeightReceiver
+
+__all__ = [
+    "AdapterSpec",
+    "LossConfig",
+    "ReconcileResult",
+    "TorchTrainActor",
+    "TrainActorConfig",
+    "TrainGroup",
+    "TrainGroupConfig",
+    "WeightReceiver",
+    "grpo_advantages",
+    "latest_checkpoint",
+    "policy_loss",
+    "read_checkpoint",
+    "write_checkpoint",
+]

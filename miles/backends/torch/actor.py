@@ -175,6 +175,11 @@ class TorchTrainActor:
         # eval(): no dropout, so the logprobs of a pass equal the ones the loss uses as "old".
         self.model = model.to(self.device).eval()
         modules = lora_modules(self.model)
+        # LoRA weights and their AdamW moments stay fp32 over a bf16 base: updates of
+        # lr ~ 1e-4 would round away in bf16.
+        for module in modules.values():
+            module.lora_A.data = module.lora_A.data.float()
+            module.lora_B.data = module.lora_B.data.float()
         self.param_names: list[str] = []
         params: list[tuple[torch.nn.Parameter, int]] = []
         for name, module in modules.items():

@@ -262,26 +262,31 @@ class TrainGroup:
 
     # ---- checkpoints -------------------------------------------------------------------
 
-    async def save_model(self, rollout_id: int) -> list[str]:
-        """Save every adapter whose step is a positive multiple of `save_interval` (once per step)."""
+    async def save_model(self, rollout_id: int, data_positions: dict[str, dict[str, Any]] | None = None) -> list[str]:
+        """Save every adapter whose step is a positive multiple of `save_interval` (once per step).
+
+        `data_positions` (adapter -> where its data stream is) goes into `trainer_state.json`.
+        """
         interval = self.config.save_interval
         if interval is None:
             return []
         due = [name for name, e in sorted(self._adapters.items()) if e.step > 0 and e.step % interval == 0]
-        return [name for name in due if await self._save(name)]
+        positions = data_positions or {}
+        return [name for name in due if await self._save(name, positions.get(name))]
 
-    async def save_all(self) -> list[str]:
+    async def save_all(self, data_positions: dict[str, dict[str, Any]] | None = None) -> list[str]:
         """Shutdown save of every loaded adapter that stepped since its last checkpoint."""
-        return [name for name in sorted(self._adapters) if await self._save(name)]
+        positions = data_positions or {}
+        return [name for name in sorted(self._adapters) if await self._save(name, positions.get(name))]
 
-    async def _save(self, name: str) -> bool:
+    async def _save(self, name: str, data_position: dict[str, Any] | None = None) -> bool:
         entry = self._adapters[name]
         if entry.step == entry.saved_step or entry.step == 0:
             return False
         if entry.spec.save_dir is None:
             logger.warning("Adapter '%s' has no save directory; its step %d is not saved", name, entry.step)
             return False
-        path = await self._actors[0].save_adapter.remote(name)
+        path = await self._actors[0].save_adapter.remote(name, data_position)
         entry.saved_step = entry.step
         logger.info("Adapter '%s' saved at step %d to %s", name, entry.step, path)
         return True

@@ -6,6 +6,7 @@ same adapter on the same samples.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
 
@@ -143,3 +144,21 @@ def test_reused_slot_starts_fresh_and_cotenants_are_untouched(tiny_model_dir):
     after = actor.export_adapter("b")
     assert all(torch.equal(after[k], b_weights[k]) for k in after)
     assert all(torch.equal(actor.optimizer_state("b").exp_avg[k], b_state.exp_avg[k]) for k in b_state.exp_avg)
+
+
+def test_bf16_base_keeps_fp32_lora_weights_and_moments(tiny_model_dir):
+    from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
+
+    actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=2, lora_rank=4, dtype="bfloat16"))
+    actor.load_adapter(spec("a", 1, rank=2, lr=1e-5, weight_decay=0.0))
+    before = actor.export_adapter("a")
+    for seed in (3, 4):  # A gets its first gradient at step 2, once B is nonzero
+        _train_step(actor, make_groups("a", 1, 2, 2, seed=seed), ["a"])
+    after = actor.export_adapter("a")
+    assert next(actor.model.parameters()).dtype == torch.bfloat16
+    assert all(t.dtype == torch.float32 for t in after.values())
+    assert all(m.dtype == torch.float32 for m in actor.optimizer.exp_avg + actor.optimizer.exp_avg_sq)
+    # An AdamW update of ~1e-5 on A entries of magnitude ~0.1 would round away in bf16
+    # (spacing ~5e-4 there); in fp32 it lands: 1e-5 * 0.526 / 0.707 at the first nonzero gradient.
+    delta_a = max(float((after[k] - before[k]).abs().max()) for k in after if "lora_A" in k)
+    assert delta_a == pytest.approx(1e-5 * (0.1 / 0.19) / (0.001 / 0.001999) ** 0.5, rel=0.01)

@@ -6,6 +6,7 @@ receiver is an in-memory actor that records what it was sent.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -124,8 +125,9 @@ def _batches(slots):
 
 async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, tiny_model_dir, tmp_path):
     receiver = RecordingReceiver.remote()
-    reg1, dp1 = await _started(tiny_model_dir, tmp_path, 1)
-    reg2, dp2 = await _started(tiny_model_dir, tmp_path, 2, receivers=[receiver])
+    (reg1, dp1), (reg2, dp2) = await asyncio.gather(
+        _started(tiny_model_dir, tmp_path, 1), _started(tiny_model_dir, tmp_path, 2, receivers=[receiver])
+    )
     slots = dp2.loaded_adapters
     assert slots == {"a": 0, "b": 1}
 
@@ -172,7 +174,7 @@ async def test_reconcile_saves_cleans_up_and_resumes(ray_session, tiny_model_dir
     assert await group.save_model(0) == ["a"]  # a is at step 1
     assert await group.save_model(0) == []     # once per step
     await group.train(1, batches[1])
-    assert await group.save_model(1) == ["a", "b"]
+    assert await group.save_model(1, data_positions={"a": {"epoch": 0, "row": 4}}) == ["a", "b"]
     save_a = tmp_path / "dp1" / "a"
     assert latest_checkpoint(save_a).name == "step_2"
     weights_a = await group.actors[0].export_adapter.remote("a")
@@ -198,5 +200,6 @@ async def test_reconcile_saves_cleans_up_and_resumes(ray_session, tiny_model_dir
     assert max_abs_diff(await group2.actors[0].export_adapter.remote("a"), weights_a) == 0.0
     state = read_checkpoint(latest_checkpoint(save_a))
     assert state.trainer_state.step == 2 and state.trainer_state.rank == 4
+    assert state.trainer_state.data_position == {"epoch": 0, "row": 4}
     assert await group2.save_all() == []  # nothing new since the checkpoint it resumed from
     await group2.shutdown()

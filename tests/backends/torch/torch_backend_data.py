@@ -53,8 +53,9 @@ def new_actor(model_dir, *, n_slots: int = 4, lora_rank: int = 4, micro_batch_si
 
 
 def spec(name: str, slot: int, *, rank: int = 4, global_batch_size: int = 4, save_dir=None, **kw) -> AdapterSpec:
+    kw = {"lr": 0.02, "weight_decay": 0.01, **kw}
     return AdapterSpec(name=name, slot=slot, rank=rank, alpha=8.0, global_batch_size=global_batch_size,
-                       lr=0.02, weight_decay=0.01, save_dir=None if save_dir is None else str(save_dir), **kw)
+                       save_dir=None if save_dir is None else str(save_dir), **kw)
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
