@@ -1,0 +1,87 @@
+"""Command lines of the inference servers: the builtin engine and `sglang.launch_server`.
+
+    cfg = EngineServerConfig.from_config(miles_cfg)
+    argv = server_command(cfg, "127.0.0.1", 30000)   # builtin or sglang, per cfg.kind
+
+Both speak SGLang's HTTP API and take SGLang's LoRA flags (`--enable-lora
+--max-loras-per-batch N --max-lora-rank R --lora-target-modules ...`). SGLang spells
+"every linear layer" as `all`; ours (and PEFT's) is `all-linear`, translated here.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from miles.utils.arguments import MilesConfig
+
+EngineKind = Literal["builtin", "sglang"]
+
+
+@dataclass(frozen=True)
+class EngineServerConfig:
+    """What one inference server needs to start."""
+
+    kind: EngineKind
+    model_path: str
+    n_slots: int
+    """LoRA slots (`--max-loras-per-batch`); at least 1."""
+    max_lora_rank: int
+    target_modules: str
+    """`all-linear` or a comma list such as `q_proj,v_proj`."""
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_running_requests: int = 64
+    seed: int = 0
+    tp_size: int = 1
+    num_threads: int = 1
+    """torch threads of a builtin engine on CPU."""
+
+    @classmethod
+    def from_config(cls, cfg: MilesConfig) -> EngineServerConfig:
+        if cfg.hf_checkpoint is None:
+            raise ValueError("--hf-checkpoint is required to start inference engines: give the base model directory")
+        return cls(
+            kind=cfg.rollout_engine, model_path=cfg.hf_checkpoint, n_slots=max(1, cfg.multi_lora_n_adapters),
+            max_lora_rank=cfg.lora_rank, target_modules=cfg.target_modules, dtype=cfg.resolved_dtype,
+            device=cfg.resolved_device, max_running_requests=cfg.engine_max_running_requests, seed=cfg.seed,
+            tp_size=cfg.rollout_num_gpus_per_engine,
+        )
+
+    def target_module_list(self) -> list[str]:
+        if self.target_modules.strip() == "all-linear":
+            return ["all-linear"]
+        return [name.strip() for name in self.target_modules.split(",") if name.strip()]
+
+
+def build_builtin_command(cfg: EngineServerConfig, host: str, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "miles.rollout.engines.builtin_server",
+        "--model-path", cfg.model_path, "--host", host, "--port", str(port),
+        "--max-loras-per-batch", str(cfg.n_slots), "--max-lora-rank", str(cfg.max_lora_rank),
+        "--lora-target-modules", *cfg.target_module_list(),
+        "--dtype", cfg.dtype, "--device", cfg.device,
+        "--max-running-requests", str(cfg.max_running_requests),
+        "--random-seed", str(cfg.seed), "--num-threads", str(cfg.num_threads),
+    ]
+
+
+def build_sglang_command(cfg: EngineServerConfig, host: str, port: int) -> list[str]:
+    targets = ["all" if name == "all-linear" else name for name in cfg.target_module_list()]
+    return [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", cfg.model_path, "--host", host, "--port", str(port),
+        "--enable-lora", "--max-loras-per-batch", str(cfg.n_slots), "--max-lora-rank", str(cfg.max_lora_rank),
+        "--lora-target-modules", *targets,
+        "--dtype", cfg.dtype, "--tp-size", str(cfg.tp_size),
+        "--max-running-requests", str(cfg.max_running_requests), "--random-seed", str(cfg.seed),
+    ]
+
+
+def server_command(cfg: EngineServerConfig, host: str, port: int) -> list[str]:
+    if cfg.kind == "builtin":
+        return build_builtin_command(cfg, host, port)
+    if cfg.kind == "sglang":
+        return build_sglang_command(cfg, host, port)
+    raise ValueError(f"unknown engine kind {cfg.kind!r}: use 'builtin' or 'sglang'")
