@@ -6,6 +6,8 @@ same adapter on the same samples.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
@@ -37,7 +39,7 @@ def test_co_trained_adapter_equals_adapter_trained_alone(tiny_model_dir):
         # Interleave the adapters' groups so micro-batches hold several slots.
         batch = [g for trio in zip(b, a, c) for g in trio]
         stats, stepped = _train_step(mixed, batch, ["a", "b", "c"] if step < 2 else ["a"])
-        a_alone = [[s.__class__(**{**s.__dict__, "slot": 3}) for s in g] for g in a]
+        a_alone = [[dataclasses.replace(s, slot=3) for s in g] for g in a]
         stats_alone, stepped_alone = _train_step(alone, a_alone, ["a"])
         assert abs(stats["a"]["loss_sum"] - stats_alone["a"]["loss_sum"]) < 1e-5
         assert abs(stepped["a"]["grad_norm"] - stepped_alone["a"]["grad_norm"]) < 1e-5
@@ -91,6 +93,22 @@ def test_accumulating_over_two_calls_equals_one_call(tiny_model_dir):
     assert split.schedule_state("a") == whole.schedule_state("a")
 
 
+def _peft_logprobs(model_dir, adapter_dir, samples):
+    """Response logprobs of `samples` under the checkpoint loaded by PEFT itself."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(adapter_dir)).eval()
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+            picked = logprobs.gather(1, ids[0, 1:, None])[:, 0]
+            out.append(picked[len(s.prompt_ids) - 1 :].tolist())
+    return out
+
+
 def test_resume_equals_uninterrupted_training(tiny_model_dir, tmp_path):
     batches = [make_groups("a", 0, 2, 2, seed=40 + i) + make_groups("b", 1, 1, 2, seed=50 + i) for i in range(3)]
     straight = new_actor(tiny_model_dir, micro_batch_size=3)
@@ -100,8 +118,14 @@ def test_resume_equals_uninterrupted_training(tiny_model_dir, tmp_path):
         _train_step(straight, batch, ["a", "b"])
         if i == 1:
             straight.save_adapter("a")
+            probe = [s for g in make_groups("a", 0, 2, 2, seed=99) for s in g]
+            saved_logprobs = straight.logprobs(probe)
     checkpoint = latest_checkpoint(tmp_path / "a")
     assert checkpoint is not None and checkpoint.name == "step_2"
+    flat = lambda rows: [x for row in rows for x in row]  # noqa: E731
+    assert flat(_peft_logprobs(tiny_model_dir, checkpoint, probe)) == pytest.approx(flat(saved_logprobs), abs=1e-5)
+    base = flat(straight.logprobs([dataclasses.replace(s, slot=-1) for s in probe]))
+    assert max(abs(x - y) for x, y in zip(base, flat(saved_logprobs))) > 1e-4  # the adapter matters
 
     resumed = new_actor(tiny_model_dir, micro_batch_size=3)
     assert resumed.load_adapter(spec("a", 0, save_dir=tmp_path / "a", lr_decay_style="cosine", num_step=3), str(checkpoint)) == 2
@@ -138,7 +162,7 @@ def test_reused_slot_starts_fresh_and_cotenants_are_untouched(tiny_model_dir):
     fresh.load_adapter(spec("new", 2))
     groups = make_groups("new", 0, 2, 2, seed=90)
     _train_step(actor, groups, ["new"])
-    _train_step(fresh, [[s.__class__(**{**s.__dict__, "slot": 2}) for s in g] for g in groups], ["new"])
+    _train_step(fresh, [[dataclasses.replace(s, slot=2) for s in g] for g in groups], ["new"])
     assert max_abs_diff(actor.export_adapter("new"), fresh.export_adapter("new")) <= 1e-6
     assert actor.optimizer_state("new").step == 1
     after = actor.export_adapter("b")
