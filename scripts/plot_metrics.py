@@ -2,7 +2,7 @@
 
     python scripts/plot_metrics.py runs/demo/metrics.jsonl --out runs/demo/rewards.png
 
-Each adapter's `{adapter}/reward_mean` is plotted against its own `{adapter}/step`.
+Each adapter's `{adapter}/raw_reward_mean` is plotted against its own `{adapter}/step`.
 Needs matplotlib (`pip install matplotlib`, included in the `dev` extra).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from miles.utils.tracking import read_metrics
 
 
-def reward_curves(records: list[dict], key: str = "reward_mean") -> dict[str, list[tuple[float, float]]]:
+def reward_curves(records: list[dict], key: str = "raw_reward_mean") -> dict[str, list[tuple[float, float]]]:
     """adapter -> [(step, reward)] from records logged with step key `{adapter}/step`."""
     curves: dict[str, list[tuple[float, float]]] = {}
     for record in records:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("metrics", type=Path, help="metrics.jsonl of a run")
     parser.add_argument("--out", type=Path, default=None, help="PNG path (default: next to the metrics)")
-    parser.add_argument("--key", default="reward_mean", help="per-adapter metric to plot")
+    parser.add_argument("--key", default="raw_reward_mean", help="per-adapter metric to plot")
     args = parser.parse_args(argv)
     curves = reward_curves(read_metrics(args.metrics), args.key)
     if not curves:

@@ -20,8 +20,8 @@ def load_script():
 def test_reward_curves_and_png(tmp_path):
     logger = MetricsLogger(tmp_path)
     for step, (a, b) in enumerate([(0.1, 0.5), (0.3, 0.4), (0.6, 0.2)]):
-        logger.log_adapter("a", {"reward_mean": a}, step=step)
-        logger.log_adapter("b", {"reward_mean": b}, step=step)
+        logger.log_adapter("a", {"raw_reward_mean": a}, step=step)
+        logger.log_adapter("b", {"raw_reward_mean": b}, step=step)
     logger.log({"perf/train_time": 1.0}, step=0)
     logger.close()
     module = load_script()
