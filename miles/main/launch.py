@@ -1,0 +1,127 @@
+"""Start and stop everything a trainer needs: Ray, the controller, engines, train ranks.
+
+Both drivers (`train_multi_lora_async`, `train_async`) call `launch()` and
+`shutdown()`; the drivers themselves hold only their loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from miles.utils.arguments import MilesConfig
+
+logger = logging.getLogger(__name__)
+
+
+def configure_logging() -> None:
+    logging.basicConfig(
+        level=os.environ.get("MILES_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("httpx", "httpcore", "uvicorn.access", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def init_ray(cfg: MilesConfig) -> None:
+    """Join the cluster this job was submitted to (RAY_ADDRESS), else start a local one."""
+    if ray.is_initialized():
+        return
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(namespace="miles", runtime_env={"env_vars": env})
+        return
+    # Logical CPUs: the actors are mostly idle waiting on each other, so a small
+    # machine still fits one train rank per DP worker plus the engines.
+    needed = cfg.actor_num_workers + cfg.rollout_num_engines + 2
+    ray.init(
+        namespace="miles",
+        num_cpus=max(os.cpu_count() or 1, needed),
+        include_dashboard=False,
+        runtime_env={"env_vars": env},
+    )
+
+
+@dataclass
+class Components:
+    controller: Any
+    """MultiLoRAController actor handle."""
+    rollout_manager: Any
+    """RolloutManager actor handle."""
+    train_group: Any
+    """TrainGroup (driver-side) over the train rank actors."""
+
+
+async def launch(cfg: MilesConfig) -> Components:
+    """Controller first (it owns the adapter registry), then engines + router, then trainers."""
+    from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
+    from miles.controller.actor import create_multilora_controller
+    from miles.rollout.manager import RolloutManager
+
+    if cfg.train_backend != "torch":
+        raise SystemExit(
+            "--train-backend megatron is not available in this build; use --train-backend torch"
+        )
+    controller = create_multilora_controller(cfg, router_url=None)
+    logger.info("Control plane at http://%s:%s (OpenAPI at /docs)",
+                await controller.http_host.remote(), await controller.api_port.remote())
+    rollout_manager = RolloutManager.options(name="miles_rollout_manager").remote(cfg)
+    train_group = TrainGroup(TrainGroupConfig.from_config(cfg), controller)
+    # Engines and train ranks load the base model in parallel.
+    await asyncio.gather(rollout_manager.start.remote(controller), train_group.start())
+    router_url = await rollout_manager.get_router_address.remote()
+    await controller.set_router_url.remote(router_url)
+    train_group.set_weight_receivers(await rollout_manager.engines.remote())
+    logger.info("Router at %s", router_url)
+    return Components(controller, rollout_manager, train_group)
+
+
+async def register_initial_adapters(cfg: MilesConfig, controller: Any) -> None:
+    """Register the adapters named on the command line; a bad one stops the run."""
+    for name, yaml_path in cfg.initial_adapters:
+        slot = await controller.register_adapter.remote(name, yaml_path=yaml_path)
+        logger.info("Registered adapter %r from %s in slot %d", name, yaml_path, slot)
+
+
+async def shutdown(components: Components) -> None:
+    """Stop generating, save every loaded adapter, then stop the controller."""
+    logger.info("Shutting down: stopping rollout, saving adapters")
+    try:
+        await components.rollout_manager.dispose.remote()
+    finally:
+        try:
+            await components.train_group.save_all()
+        finally:
+            await components.train_group.shutdown()
+            await components.controller.stop.remote()
+
+
+def install_stop_handlers(stop: asyncio.Event) -> None:
+    """SIGINT/SIGTERM set `stop`; the loop finishes its stage and shuts down cleanly."""
+    loop = asyncio.get_running_loop()
+
+    def request_stop(signum: int) -> None:
+        if stop.is_set():
+            logger.warning("Second %s: exiting without waiting", signal.Signals(signum).name)
+            os._exit(130)
+        logger.warning("%s received: finishing the current stage, then shutting down",
+                       signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, request_stop, signum)
+
+
+async def sleep_unless(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep, but wake at once when a stop is requested."""
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        pass

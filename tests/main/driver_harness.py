@@ -1,0 +1,110 @@
+"""Run a trainer as a user would: a subprocess with its own Ray, polled over HTTP.
+
+Used by the end-to-end tests of `tests/main/`. The tiny random model and the small
+arithmetic datasets are made by the tests themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_arithmetic_dataset(path: Path, n: int, *, op: str = "+", seed: int = 0) -> Path:
+    import random
+
+    rng = random.Random(seed)
+    with path.open("w") as fh:
+        for _ in range(n):
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            answer = a + b if op == "+" else a - b
+            fh.write(json.dumps({"text": f"{a}{op}{b}=", "label": str(answer)}) + "\n")
+    return path
+
+
+def tiny_run_flags(model_dir: Path, save: Path, *, n_adapters: int, port: int) -> list[str]:
+    """Small, fast settings: two prompt groups of two samples per step, short answers."""
+    return [
+        "--hf-checkpoint", str(model_dir),
+        "--multi-lora-n-adapters", str(n_adapters),
+        "--multi-lora-api-port", str(port),
+        "--multi-lora-allowed-roots", str(save.parent),
+        "--multi-lora-idle-poll-s", "0.5",
+        "--multi-lora-max-empty-wait-s", "20",
+        "--multi-lora-max-coalesce-wait-s", "0.2",
+        "--lora-rank", "4",
+        "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "2",
+        "--global-batch-size", "4",
+        "--rollout-max-response-len", "6",
+        "--rollout-num-engines", "1",
+        "--rm-type", "math",
+        "--lr", "1e-3",
+        "--save", str(save),
+    ]
+
+
+class DriverProcess:
+    """A trainer subprocess whose output goes to a log file (read on failure)."""
+
+    def __init__(self, module: str, args: list[str], log_path: Path) -> None:
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("RAY_ADDRESS", None)
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env,
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def log_tail(self, n: int = 60) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def wait_for_http(self, url: str, timeout: float = 240.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"trainer exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"trainer did not serve {url} within {timeout}s:\n{self.log_tail()}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(f"trainer still running after {timeout}s:\n{self.log_tail()}") from None
+
+    def terminate(self, timeout: float = 120.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._log.close()

@@ -1,0 +1,137 @@
+"""End-to-end: the multi-LoRA trainer as users run it (real Ray, router, engines, model).
+
+Each test starts `python -m miles.main.train_multi_lora_async` as a subprocess on a tiny
+random model and drives it over the control plane's HTTP API.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.controller.client import ControlPlaneClient
+from miles.main.progress import latest_checkpoint_dir
+from miles.utils.types import AdapterState
+from driver_harness import DriverProcess, free_port, tiny_run_flags, write_arithmetic_dataset
+
+pytestmark = pytest.mark.slow
+
+TRAINER = "miles.main.train_multi_lora_async"
+
+
+def wait_until(predicate, timeout: float, what: str, driver: DriverProcess, poll_s: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if driver.proc.poll() is not None:
+            raise AssertionError(f"trainer exited while waiting for {what}:\n{driver.log_tail()}")
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}:\n{driver.log_tail()}")
+
+
+def assert_checkpoint_loads_in_peft(model_dir: Path, checkpoint: Path) -> None:
+    """A PEFT directory written by the trainer loads as is and changes the logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        base_logits = base(ids).logits.clone()
+        peft_model = PeftModel.from_pretrained(base, str(checkpoint))
+        adapted = peft_model(ids).logits
+    assert torch.isfinite(adapted).all()
+    assert not torch.allclose(adapted, base_logits), "trained adapter left the logits unchanged"
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_arithmetic_dataset(data / "add.jsonl", 400, op="+", seed=1)
+    write_arithmetic_dataset(data / "sub.jsonl", 400, op="-", seed=2)
+    return tmp_path
+
+
+def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
+    port = free_port()
+    save = workdir / "save"
+    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=2, port=port)
+    driver = DriverProcess(TRAINER, flags, workdir / "trainer.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        driver.wait_for_http(url)
+        client = ControlPlaneClient(url)
+        assert client.list() == []
+        add = str(workdir / "data" / "add.jsonl")
+        sub = str(workdir / "data" / "sub.jsonl")
+
+        # An adapter with num_step trains that many steps and retires by itself.
+        client.register("auto", config={"data": add, "num_step": 2})
+        client.wait_for_state("auto", AdapterState.COMPLETED, timeout=240)
+        auto = client.status("auto")
+        assert auto.step == 2 and auto.version is None
+        checkpoint = latest_checkpoint_dir(auto.save)
+        assert checkpoint is not None and checkpoint.name == "step_2"
+        assert_checkpoint_loads_in_peft(tiny_model_dir, checkpoint)
+
+        # `a` trains; `b` joins while `a` trains, without a restart.
+        client.register("a", config={"data": add})
+        wait_until(lambda: client.status("a").step >= 1, 240, "a to step", driver)
+        client.register("b", config={"data": sub})
+        step_a_before_b = client.status("a").step
+        wait_until(lambda: client.status("b").step >= 1, 240, "b to step", driver)
+        wait_until(lambda: client.status("a").step > step_a_before_b, 240, "a to keep stepping", driver)
+
+        # DELETE a while b keeps training: a is retired, cleaned up, its slot freed.
+        first_registration = client.status("a").registration_id
+        client.deregister("a")
+        client.wait_for_state("a", AdapterState.COMPLETED, timeout=240)
+        a_done = client.status("a")
+        assert latest_checkpoint_dir(a_done.save) is not None
+        step_b = client.status("b").step
+        wait_until(lambda: client.status("b").step > step_b, 240, "b to keep stepping after a left", driver)
+
+        # Re-registering a takes the freed slot (2 slots: b + a) and resumes from its checkpoint.
+        client.register("a", config={"data": add})
+        wait_until(lambda: client.status("a").state is AdapterState.ACTIVE, 240, "a to be active again", driver)
+        again = client.status("a")
+        assert again.registration_id != first_registration
+        assert again.step == a_done.step, "re-registered adapter did not resume from its last step"
+
+        # Both leave: idle again with no leaked slot (two fresh adapters fit again).
+        client.deregister("b")
+        client.deregister("a")
+        client.wait_for_state("a", AdapterState.COMPLETED, timeout=240)
+        client.wait_for_state("b", AdapterState.COMPLETED, timeout=240)
+        assert all(s.state is AdapterState.COMPLETED for s in client.list())
+        client.register("c1", config={"data": add, "num_step": 1})
+        client.register("c2", config={"data": sub, "num_step": 1})
+        client.wait_for_state("c1", AdapterState.COMPLETED, timeout=240)
+        client.wait_for_state("c2", AdapterState.COMPLETED, timeout=240)
+        assert driver.terminate() == 0, driver.log_tail()
+    finally:
+        driver.kill()
+
+
+def test_non_service_mode_exits_when_adapters_finish(tiny_model_dir, workdir):
+    save = workdir / "save"
+    adapter_yaml = workdir / "add.yaml"
+    adapter_yaml.write_text(f"data: {workdir / 'data' / 'add.jsonl'}\nnum_step: 2\n")
+    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=1, port=0)
+    flags += ["--multi-lora-disable-service-mode", "--multi-lora-adapters", str(adapter_yaml)]
+    driver = DriverProcess(TRAINER, flags, workdir / "trainer.log")
+    try:
+        assert driver.wait(timeout=400) == 0, driver.log_tail()
+        log = driver.log_path.read_text()
+        assert "No adapters; exiting." in log
+        checkpoint = latest_checkpoint_dir(save / "adapters" / "add")
+        assert checkpoint is not None and checkpoint.name == "step_2"
+        assert (save / "metrics.jsonl").exists()
+    finally:
+        driver.kill()
