@@ -274,7 +274,8 @@ class BuiltinEngine:
         info.update(version=ENGINE_VERSION, engine="builtin", enable_lora=self.lora_enabled,
                     context_length=self.max_context, loaded_loras=self.table.loaded(),
                     running_requests=running, waiting_requests=waiting, paused=self.scheduler.paused,
-                    decode_steps=self.scheduler.steps, max_batch_seen=self.scheduler.max_batch_seen)
+                    decode_steps=self.scheduler.steps, max_batch_seen=self.scheduler.max_batch_seen,
+                    finished_requests=self.scheduler.finished)
         return info
 
 

@@ -12,6 +12,7 @@ that quotes the last lines of its log.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import socket
@@ -24,6 +25,15 @@ import httpx
 
 class ServerStartError(RuntimeError):
     """A child server exited or never answered its health route."""
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM the child when its parent dies (e.g. a killed Ray actor)."""
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux/glibc: the owner's terminate() remains the only stop
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -51,7 +61,8 @@ class ServerProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
+                                     env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         return cls(popen, command, log_path)
 
     @property

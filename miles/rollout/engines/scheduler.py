@@ -101,6 +101,8 @@ class DecodeScheduler:
         self.steps = 0
         """Batched decode forwards run so far (for metrics and tests)."""
         self.max_batch_seen = 0
+        self.finished = 0
+        """Requests finished so far, aborted ones included."""
 
     # ---- control (any thread) ----
 
@@ -295,6 +297,7 @@ class DecodeScheduler:
         if not (reason.type == "stop" and isinstance(reason.matched, str)):
             job.text = self._decode(job.output_ids)
         job.finish = reason
+        self.finished += 1
         job.on_done(job)
 
     def _fail_running(self, message: str) -> None:

@@ -74,6 +74,11 @@ class TrainerReference:
 
 
 @pytest.fixture(scope="session")
+def lora_max_rank() -> int:
+    return MAX_RANK
+
+
+@pytest.fixture(scope="session")
 def engine_adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     return make_adapters(tiny_model_dir, tmp_path_factory.mktemp("engine_adapters"), ADAPTER_RANKS, seed=7)
 

@@ -1,0 +1,104 @@
+"""The sglang-router in front of the engines: launch one, or attach to a running one.
+
+    router = await Router.launch(["http://127.0.0.1:30001", ...], log_path=work / "router.log")
+    router = await Router.attach("http://10.0.0.5:30000", worker_urls)   # --sglang-router-ip/port
+    await router.shutdown()
+
+`launch` runs `python -m sglang_router.launch_router --worker-urls ... --host --port
+--policy` (the `sglang-router` pip package: a Rust router that also runs on CPU).
+`attach` adds the workers through the router's API (`POST /workers {"url"}`, or
+`POST /add_worker?url=` on older routers). Either way it returns once the router lists
+every worker (discovery as the controller does it: `/list_workers`, then `/workers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from miles.controller.workers import discover_workers
+from miles.rollout.engines.process import ServerProcess, ServerStartError, free_port
+
+logger = logging.getLogger(__name__)
+
+ROUTER_START_TIMEOUT_S = 120.0
+
+
+def build_router_command(worker_urls: list[str], host: str, port: int, policy: str,
+                         prometheus_port: int) -> list[str]:
+    # The router always serves Prometheus metrics; a fixed default port would clash
+    # between two routers on one node, so each gets its own.
+    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+            "--host", host, "--port", str(port), "--policy", policy, "--log-level", "warn",
+            "--prometheus-host", host, "--prometheus-port", str(prometheus_port)]
+
+
+class Router:
+    def __init__(self, url: str, process: ServerProcess | None):
+        self.url = url
+        self.process = process
+        """The router process when this fleet launched it; None when attached."""
+
+    @classmethod
+    async def launch(cls, worker_urls: list[str], *, log_path: Path, host: str = "127.0.0.1",
+                     port: int | None = None, policy: str = "round_robin",
+                     timeout_s: float = ROUTER_START_TIMEOUT_S) -> Router:
+        port = port or free_port(host)
+        command = build_router_command(worker_urls, host, port, policy, prometheus_port=free_port(host))
+        process = ServerProcess.launch(command, log_path=log_path)
+        router = cls(f"http://{host}:{port}", process)
+        try:
+            await process.wait_ready(router.url + "/health", timeout_s=timeout_s, what="sglang-router")
+            await router.wait_for_workers(worker_urls, timeout_s=timeout_s)
+        except BaseException:
+            process.terminate()
+            raise
+        return router
+
+    @classmethod
+    async def attach(cls, url: str, worker_urls: list[str], *, timeout_s: float = ROUTER_START_TIMEOUT_S) -> Router:
+        router = cls(url.rstrip("/"), None)
+        await router.add_workers(worker_urls)
+        await router.wait_for_workers(worker_urls, timeout_s=timeout_s)
+        return router
+
+    async def add_workers(self, worker_urls: list[str]) -> None:
+        async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+            known = set(await discover_workers(self.url, client))
+            for worker in worker_urls:
+                if worker in known:
+                    continue
+                response = await client.post(self.url + "/workers", json={"url": worker})
+                if response.status_code == 404:
+                    response = await client.post(self.url + "/add_worker", params={"url": worker})
+                if response.status_code >= 400:
+                    raise RuntimeError(f"router {self.url} refused worker {worker}: HTTP {response.status_code} "
+                                       f"{response.text[:300]}")
+
+    async def workers(self) -> list[str]:
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+            return await discover_workers(self.url, client)
+
+    async def wait_for_workers(self, worker_urls: list[str], *, timeout_s: float) -> None:
+        """Return once the router lists every URL in `worker_urls`."""
+        deadline = time.monotonic() + timeout_s
+        missing = set(worker_urls)
+        while time.monotonic() < deadline:
+            if self.process is not None and not self.process.alive():
+                raise ServerStartError(f"sglang-router exited with code {self.process.popen.returncode}; "
+                                       f"see {self.process.log_path}")
+            missing = set(worker_urls) - set(await self.workers())
+            if not missing:
+                return
+            await asyncio.sleep(0.25)
+        raise ServerStartError(f"router {self.url} did not register workers {sorted(missing)} within {timeout_s:.0f} s")
+
+    async def shutdown(self) -> None:
+        """Stop the router if this process launched it (an attached router is left running)."""
+        if self.process is not None:
+            await asyncio.to_thread(self.process.terminate)

@@ -1,0 +1,118 @@
+"""Two builtin engines (Ray actors) behind the real sglang-router, and LoRA pushes into them."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import pytest
+import ray
+
+from miles.backends import lora
+from miles.controller.workers import abort_on_workers, discover_workers
+from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
+from miles.rollout.engines.router import Router
+from miles.rollout.engines.server_command import EngineServerConfig
+from miles.utils.types import LoraPush, engine_lora_name
+
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+async def fleet(ray_session, tiny_model_dir, tmp_path_factory, lora_max_rank):
+    server = EngineServerConfig(kind="builtin", model_path=str(tiny_model_dir), n_slots=2, max_lora_rank=lora_max_rank,
+                                target_modules="all-linear", dtype="float32", device="cpu")
+    cfg = EngineFleetConfig(server=server, num_engines=2, work_dir=str(tmp_path_factory.mktemp("fleet")),
+                            start_timeout_s=180)
+    fleet = await EngineFleet.start(cfg)
+    yield fleet
+    await fleet.shutdown()
+    await fleet.shutdown()  # idempotent
+
+
+@pytest.fixture
+async def client():
+    async with httpx.AsyncClient(timeout=120, trust_env=False) as c:
+        yield c
+
+
+async def finished_requests(client: httpx.AsyncClient, url: str) -> int:
+    return (await client.get(url + "/get_server_info")).json()["finished_requests"]
+
+
+async def test_router_lists_both_workers_and_spreads_requests(fleet, client):
+    assert len(set(fleet.urls)) == 2
+    assert sorted(await discover_workers(fleet.router_url, client)) == sorted(fleet.urls)
+    before = [await finished_requests(client, url) for url in fleet.urls]
+    for i in range(6):
+        response = await client.post(fleet.router_url + "/generate",
+                                     json={"text": f"{i}+1=", "sampling_params": GREEDY})
+        assert response.status_code == 200, response.text
+        assert len(response.json()["output_ids"]) == 8
+    after = [await finished_requests(client, url) for url in fleet.urls]
+    served = [a - b for a, b in zip(after, before)]
+    assert sum(served) == 6 and min(served) >= 2, served
+
+
+async def test_prefix_abort_through_discovery_reaches_both(fleet, client):
+    long = {**GREEDY, "max_new_tokens": 400}
+    victims = [asyncio.create_task(client.post(fleet.router_url + "/generate", json={
+        "text": f"{i}", "rid": f"victim::{uuid.uuid4().hex}", "sampling_params": long})) for i in range(4)]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    reached: set[str] = set()
+    while not all(t.done() for t in victims) and loop.time() < deadline:
+        reached |= set(await abort_on_workers(fleet.router_url, "victim::"))
+        await asyncio.sleep(0.05)
+    assert reached == set(fleet.urls)
+    for task in victims:
+        out = (await task).json()
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(out["output_ids"]) < 400
+
+
+def slot_push(reference, adapter: str, slot: int, version: int) -> LoraPush:
+    tensors = lora.get_slot_weights(reference.model, reference.slots[adapter])
+    rank, alpha = lora.slot_rank_alpha(reference.model, reference.slots[adapter])
+    targets = sorted({name.rsplit(".", 1)[-1] for name in lora.lora_modules(reference.model)})
+    config = lora.peft_adapter_config(rank=rank, alpha=alpha, target_modules=targets, base_model_name_or_path=None)
+    return LoraPush(adapter=adapter, slot=slot, version=version, peft_config=config, tensors_ref=ray.put(tensors))
+
+
+async def test_pushed_lora_makes_engines_match_the_trainer_slot(fleet, client, trainer_reference):
+    prompt_ids = trainer_reference.tokenizer.encode("hello there")
+    name = engine_lora_name(1)
+    for version, adapter in [(1, "ad1"), (2, "alt")]:
+        served = await fleet.push_lora(slot_push(trainer_reference, adapter, slot=1, version=version))
+        assert served == [name, name]
+        outputs = []
+        for url in fleet.urls:
+            response = await client.post(url + "/generate", json={
+                "input_ids": prompt_ids, "lora_path": name, "sampling_params": GREEDY, "return_logprob": True})
+            out = response.json()
+            scored = trainer_reference.score(prompt_ids, out["output_ids"], adapter)
+            assert out["output_ids"] == scored.greedy_tokens
+            assert [x[0] for x in out["meta_info"]["output_token_logprobs"]] == pytest.approx(scored.logprobs, abs=1e-4)
+            outputs.append(out["output_ids"])
+        assert outputs[0] == outputs[1]
+        via_router = await client.post(fleet.router_url + "/generate", json={
+            "input_ids": prompt_ids, "lora_path": name, "sampling_params": GREEDY})
+        assert via_router.json()["output_ids"] == outputs[0]
+    base = await client.post(fleet.urls[0] + "/generate", json={"input_ids": prompt_ids, "sampling_params": GREEDY})
+    assert base.json()["output_ids"] != outputs[0]
+
+
+async def test_attach_to_running_router_adds_workers(fleet, tmp_path):
+    empty = await Router.launch([], log_path=tmp_path / "router.log")
+    try:
+        assert await empty.workers() == []
+        attached = await Router.attach(empty.url, fleet.urls, timeout_s=60)
+        assert sorted(await attached.workers()) == sorted(fleet.urls)
+        await attached.shutdown()  # attached: leaves the router running
+        assert empty.process.alive()
+    finally:
+        await empty.shutdown()
+    assert not empty.process.alive()
