@@ -102,7 +102,9 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         wait_until(lambda: client.status("a").state is AdapterState.ACTIVE, 240, "a to be active again", driver)
         again = client.status("a")
         assert again.registration_id != first_registration
-        assert again.step == a_done.step, "re-registered adapter did not resume from its last step"
+        assert again.step >= a_done.step
+        assert f"Adapter 'a' resumed from {latest_checkpoint_dir(a_done.save)} (step {a_done.step})" in \
+            driver.log_path.read_text(), "re-registered adapter did not resume from its last checkpoint"
 
         # Both leave: idle again with no leaked slot (two fresh adapters fit again).
         client.deregister("b")
