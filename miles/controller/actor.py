@@ -16,6 +16,7 @@ It also runs without Ray (`python -m miles.controller`), as a plain object whose
 from __future__ import annotations
 
 import importlib
+import socket
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -91,11 +92,13 @@ class MultiLoRAController:
     async def http_host(self) -> str:
         """Address clients should use (the node IP when bound to every interface)."""
         host = self.config.server.host
-        if host in ("0.0.0.0", "::", ""):
-            import ray
+        if host not in ("0.0.0.0", "::", ""):
+            return host
+        import ray
 
+        if ray.is_initialized():
             return ray.util.get_node_ip_address()
-        return host
+        return socket.gethostbyname(socket.gethostname())  # standalone, without Ray
 
     async def api_port(self) -> int | None:
         return self.server.port
