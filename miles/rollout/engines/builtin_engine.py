@@ -117,8 +117,7 @@ class BuiltinEngine:
             future = loop.create_future()
             jobs.append(self._job(prompt, future, loop))
             futures.append(future)
-        for job in jobs:
-            self.scheduler.submit(job)
+        self.scheduler.submit(*jobs)
         try:
             await asyncio.gather(*futures)
         except asyncio.CancelledError:

@@ -115,9 +115,10 @@ class DecodeScheduler:
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue jobs; the jobs of one call are admitted at the same step boundary."""
         with self._cond:
-            self._waiting.append(job)
+            self._waiting.extend(jobs)
             self._cond.notify_all()
 
     def in_flight_rids(self) -> set[str]:

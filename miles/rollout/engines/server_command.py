@@ -37,6 +37,8 @@ class EngineServerConfig:
     tp_size: int = 1
     num_threads: int = 1
     """torch threads of a builtin engine on CPU."""
+    extra_args: tuple[str, ...] = ()
+    """Appended to the server's command line as given (e.g. `--disable-cuda-graph` for SGLang)."""
 
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> EngineServerConfig:
@@ -63,7 +65,7 @@ def build_builtin_command(cfg: EngineServerConfig, host: str, port: int) -> list
         "--lora-target-modules", *cfg.target_module_list(),
         "--dtype", cfg.dtype, "--device", cfg.device,
         "--max-running-requests", str(cfg.max_running_requests),
-        "--random-seed", str(cfg.seed), "--num-threads", str(cfg.num_threads),
+        "--random-seed", str(cfg.seed), "--num-threads", str(cfg.num_threads), *cfg.extra_args,
     ]
 
 
@@ -75,7 +77,7 @@ def build_sglang_command(cfg: EngineServerConfig, host: str, port: int) -> list[
         "--enable-lora", "--max-loras-per-batch", str(cfg.n_slots), "--max-lora-rank", str(cfg.max_lora_rank),
         "--lora-target-modules", *targets,
         "--dtype", cfg.dtype, "--tp-size", str(cfg.tp_size),
-        "--max-running-requests", str(cfg.max_running_requests), "--random-seed", str(cfg.seed),
+        "--max-running-requests", str(cfg.max_running_requests), "--random-seed", str(cfg.seed), *cfg.extra_args,
     ]
 
 
