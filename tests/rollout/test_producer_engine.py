@@ -5,8 +5,6 @@ the other adapter keeps producing."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import json
 import socket
 import subprocess
