@@ -43,6 +43,8 @@ class Router:
         self.url = url
         self.process = process
         """The router process when this fleet launched it; None when attached."""
+        self.added: list[str] = []
+        """Workers added through the API (removed again at shutdown of an attached router)."""
 
     @classmethod
     async def launch(cls, worker_urls: list[str], *, log_path: Path, host: str = "127.0.0.1",
@@ -79,6 +81,22 @@ class Router:
                 if response.status_code >= 400:
                     raise RuntimeError(f"router {self.url} refused worker {worker}: HTTP {response.status_code} "
                                        f"{response.text[:300]}")
+                self.added.append(worker)
+
+    async def remove_workers(self, worker_urls: list[str]) -> None:
+        """`DELETE /workers/{id}` (or `POST /remove_worker?url=` on older routers) per URL."""
+        async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+            listing = await client.get(self.url + "/workers")
+            ids = {}
+            if listing.status_code == 200:
+                ids = {w.get("url"): w.get("id") for w in listing.json().get("workers", []) if isinstance(w, dict)}
+            for worker in worker_urls:
+                if ids.get(worker):
+                    response = await client.delete(f"{self.url}/workers/{ids[worker]}")
+                else:
+                    response = await client.post(self.url + "/remove_worker", params={"url": worker})
+                if response.status_code >= 400:
+                    logger.warning("Router %s did not remove worker %s: HTTP %d", self.url, worker, response.status_code)
 
     async def workers(self) -> list[str]:
         async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
@@ -99,6 +117,12 @@ class Router:
         raise ServerStartError(f"router {self.url} did not register workers {sorted(missing)} within {timeout_s:.0f} s")
 
     async def shutdown(self) -> None:
-        """Stop the router if this process launched it (an attached router is left running)."""
+        """Stop the router if launched here; an attached one keeps running, minus our workers."""
         if self.process is not None:
             await asyncio.to_thread(self.process.terminate)
+        elif self.added:
+            added, self.added = self.added, []
+            try:
+                await self.remove_workers(added)
+            except httpx.HTTPError as exc:
+                logger.warning("Could not remove workers %s from router %s: %s", added, self.url, exc)

@@ -111,8 +111,12 @@ async def test_attach_to_running_router_adds_workers(fleet, tmp_path):
         assert await empty.workers() == []
         attached = await Router.attach(empty.url, fleet.urls, timeout_s=60)
         assert sorted(await attached.workers()) == sorted(fleet.urls)
-        await attached.shutdown()  # attached: leaves the router running
+        await attached.shutdown()  # attached: leaves the router running, takes our workers out
         assert empty.process.alive()
+        deadline = asyncio.get_running_loop().time() + 30
+        while await empty.workers() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.2)
+        assert await empty.workers() == []
     finally:
         await empty.shutdown()
     assert not empty.process.alive()
