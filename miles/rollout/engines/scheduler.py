@@ -207,13 +207,10 @@ class DecodeScheduler:
             self._decode_step()
 
     def _drop_aborted(self) -> None:
-        keep = []
-        for job in self._running:
-            if job.abort_message is not None:
-                self._finish(job, FinishReason(type="abort", message=job.abort_message))
-            else:
-                keep.append(job)
-        if len(keep) != len(self._running):
+        aborted = [j for j in self._running if j.abort_message is not None]
+        for job in aborted:
+            self._finish(job, FinishReason(type="abort", message=job.abort_message))
+        if aborted:
             self._keep_rows([i for i, j in enumerate(self._running) if j.finish is None])
 
     def _admit(self) -> None:
@@ -242,7 +239,7 @@ class DecodeScheduler:
         ids_1P = torch.tensor([job.prompt_ids], device=self.config.device)
         cache = DynamicCache()
         with self._slot_context([job.slot]):
-            out = self.model(input_ids=ids_1P, cache=cache, use_cache=True,
+            out = self.model(input_ids=ids_1P, cache=cache, use_cache=True, logits_to_keep=1,
                              position_ids=torch.arange(ids_1P.shape[1], device=ids_1P.device)[None])
         return out.cache, out.logits[0, -1]
 
