@@ -115,10 +115,10 @@ async def test_two_adapters_then_deregistration_aborts_only_its_requests(router_
             for group in buffers.get(name).pop(2):
                 assert (group.slot, group.version, group.registration_id) == (run.slot, run.version,
                                                                               run.registration_id)
-                assert len(group.samples) == 2 and all(s.response_ids for s in group.samples)
-                sample = group.samples[0]
-                assert len(sample.rollout_logprobs) == len(sample.response_ids)
-                assert all(lp <= 0.0 for lp in sample.rollout_logprobs)
+                assert len(group.samples) == 2
+                for sample in group.samples:
+                    assert len(sample.rollout_logprobs) == len(sample.response_ids) <= 48
+                    assert all(lp <= 0.0 for lp in sample.rollout_logprobs)
         await wait_for(lambda: prod.in_flight["a"] >= 1, timeout=60, what="requests of a in flight")
         # Deregistration as the controller does it: a leaves the snapshot, then a prefix abort.
         controller.current = MultiLoRASnapshot(active={"b": b})
