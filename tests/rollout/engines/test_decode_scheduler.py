@@ -93,3 +93,29 @@ def test_top_k_and_top_p_filters():
     assert kept.tolist() == [True, True, False, False]
     assert probs[0] < 0.8 < probs[0] + probs[1]
     assert (~torch.isinf(filter_logits(logits_V, top_k=-1, top_p=0.1))).tolist() == [True, False, False, False]
+
+
+def test_eos_stops_unless_ignored(trainer_reference):
+    model, tokenizer = trainer_reference.model, trainer_reference.tokenizer
+    prompt = tokenizer.encode("hello there")
+    probe, probe_done = make_job("probe", prompt, -1, 6)
+    plain = DecodeScheduler(model, SchedulerConfig(4, 512, frozenset()), decode=tokenizer.decode,
+                            slot_context=lambda slots: lora.use_slots(model, slots))
+    plain.start()
+    plain.submit(probe)
+    assert probe_done.wait(30)
+    plain.stop()
+    eos = probe.output_ids[2]
+    first = probe.output_ids.index(eos)
+    with_eos = DecodeScheduler(model, SchedulerConfig(4, 512, frozenset([eos])), decode=tokenizer.decode,
+                               slot_context=lambda slots: lora.use_slots(model, slots))
+    with_eos.start()
+    stopped, stopped_done = make_job("eos", prompt, -1, 6)
+    stopped.params = stopped.params.model_copy(update={"ignore_eos": False})
+    ignored, ignored_done = make_job("ignore", prompt, -1, 6)
+    with_eos.submit(stopped, ignored)
+    assert stopped_done.wait(30) and ignored_done.wait(30)
+    with_eos.stop()
+    assert stopped.output_ids == probe.output_ids[: first + 1]
+    assert stopped.finish.type == "stop" and stopped.finish.matched == eos
+    assert ignored.output_ids == probe.output_ids and ignored.finish.type == "length"
