@@ -32,7 +32,7 @@ from miles.rollout.engines.server_command import EngineServerConfig, server_comm
 
 logger = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
+LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
 
@@ -44,8 +44,11 @@ class EngineRequestFailed(RuntimeError):
 class EngineServer:
     """Plain-Python body of `EngineActor` (usable without Ray)."""
 
-    def __init__(self, cfg: EngineServerConfig, work_dir: str, *, start_timeout_s: float = START_TIMEOUT_S):
+    def __init__(self, cfg: EngineServerConfig, work_dir: str, *, start_timeout_s: float = START_TIMEOUT_S,
+                 host: str = LOOPBACK):
+        """`host`: the address the server binds; loopback unless a router on another node must reach it."""
         self.cfg = cfg
+        self.host = host
         self.work_dir = Path(work_dir)
         self.start_timeout_s = start_timeout_s
         self._process: ServerProcess | None = None
@@ -62,10 +65,10 @@ class EngineServer:
         if self._url is not None:
             return self._url
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        port = free_port(HOST)
-        self._process = ServerProcess.launch(server_command(self.cfg, HOST, port),
+        port = free_port(self.host)
+        self._process = ServerProcess.launch(server_command(self.cfg, self.host, port),
                                              log_path=self.work_dir / f"{self.cfg.kind}-server.log")
-        url = f"http://{HOST}:{port}"
+        url = f"http://{self.host}:{port}"
         try:
             await self._process.wait_ready(url + "/health", timeout_s=self.start_timeout_s,
                                            what=f"{self.cfg.kind} inference server")

@@ -39,6 +39,8 @@ class EngineFleetConfig:
     router_port: int | None = None
     router_policy: str = "round_robin"
     start_timeout_s: float = 300.0
+    engine_host: str = "127.0.0.1"
+    """Address engines bind; loopback keeps them private to a single-node run."""
 
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> EngineFleetConfig:
@@ -71,7 +73,7 @@ class EngineFleet:
         gpus = cfg.server.tp_size if cfg.server.device == "cuda" else 0
         engines = [
             EngineActor.options(num_gpus=gpus).remote(cfg.server, str(Path(cfg.work_dir) / f"engine_{i}"),
-                                                      start_timeout_s=cfg.start_timeout_s)
+                                                      start_timeout_s=cfg.start_timeout_s, host=cfg.engine_host)
             for i in range(cfg.num_engines)
         ]
         try:
