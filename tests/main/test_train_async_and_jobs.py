@@ -1,0 +1,85 @@
+"""End-to-end: the single-policy trainer, and a run submitted with `ray job submit`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from driver_harness import DriverProcess, free_port, tiny_run_flags, write_arithmetic_dataset
+from miles.main.progress import latest_checkpoint_dir
+
+pytestmark = pytest.mark.slow
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def test_train_async_runs_rollouts_and_saves(tiny_model_dir, tmp_path):
+    data = write_arithmetic_dataset(tmp_path / "add.jsonl", 100)
+    save = tmp_path / "save"
+    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=1, port=0)
+    flags += ["--prompt-data", str(data), "--num-rollout", "4", "--save-interval", "2"]
+    driver = DriverProcess("miles.main.train_async", flags, tmp_path / "train_async.log")
+    try:
+        assert driver.wait(timeout=400) == 0, driver.log_tail()
+    finally:
+        driver.kill()
+    checkpoints = sorted(p.name for p in (save / "adapters" / "policy" / "checkpoints").iterdir())
+    assert checkpoints == ["step_2", "step_4"]
+    state = json.loads((save / "adapters" / "policy" / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+    assert state["step"] == 4
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["rollout_id"] for r in records if "rollout_id" in r}) == [0, 1, 2, 3]
+
+
+def test_train_async_requires_prompt_data(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "miles.main.train_async"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--prompt-data is required" in proc.stderr
+
+
+def ray_cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VENV_BIN / "ray"), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_ray_job_submit_to_a_local_head(tiny_model_dir, tmp_path):
+    """`ray start --head` on loopback, then `ray job submit` of a tiny non-service run."""
+    data = write_arithmetic_dataset(tmp_path / "add.jsonl", 100)
+    adapter_yaml = tmp_path / "add.yaml"
+    adapter_yaml.write_text(f"data: {data}\nnum_step: 2\n")
+    save = tmp_path / "save"
+    gcs_port, dashboard_port = free_port(), free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    started = ray_cli("start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
+                      "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
+                      "--num-cpus", "4", "--temp-dir", temp_dir, "--disable-usage-stats", env=env)
+    assert started.returncode == 0, started.stdout + started.stderr
+    try:
+        flags = tiny_run_flags(tiny_model_dir, save, n_adapters=1, port=0)
+        flags += ["--multi-lora-disable-service-mode", "--multi-lora-adapters", str(adapter_yaml)]
+        entrypoint = " ".join([sys.executable, "-m", "miles.main.train_multi_lora_async", *flags])
+        address = f"http://127.0.0.1:{dashboard_port}"
+        deadline = time.monotonic() + 180
+        while True:  # the job agent comes up a little after `ray start` returns
+            submitted = ray_cli("job", "submit", "--address", address, "--", *entrypoint.split(), env=env, timeout=600)
+            not_ready = "Connection" in submitted.stderr or "try again" in submitted.stderr
+            if submitted.returncode == 0 or not not_ready or time.monotonic() > deadline:
+                break
+            time.sleep(3)
+        assert submitted.returncode == 0, submitted.stdout[-4000:] + submitted.stderr[-4000:]
+        assert "succeeded" in submitted.stdout
+    finally:
+        ray_cli("stop", "--force", env=env)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    checkpoint = latest_checkpoint_dir(save / "adapters" / "add")
+    assert checkpoint is not None and checkpoint.name == "step_2"
