@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
 from miles.utils.types import MultiLoRASnapshot, RolloutBatch
@@ -95,7 +95,7 @@ class RunProgress:
                 _fmt(_mean_head(entry.rewards)),
                 _fmt(_mean_tail(entry.rewards)),
                 str(entry.step),
-                str(latest_checkpoint_dir(entry.save_dir) or "-"),
+                str(latest_checkpoint(entry.save_dir) or "-") if entry.save_dir else "-",
             ))
         return rows
 
@@ -126,11 +126,3 @@ def _mean_tail(values: list[float]) -> float | None:
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
-
-def latest_checkpoint_dir(save_dir: str | None) -> Path | None:
-    """Highest complete `step_N` under `{save}/checkpoints`, if any."""
-    if not save_dir:
-        return None
-    root = Path(save_dir) / "checkpoints"
-    steps = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
-    return max(steps, key=lambda p: int(p.name[5:]), default=None)

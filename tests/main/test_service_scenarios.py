@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from miles.controller.client import ControlPlaneClient
-from miles.main.progress import latest_checkpoint_dir
+from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.utils.types import AdapterState
 from driver_harness import DriverProcess, free_port, tiny_run_flags, write_arithmetic_dataset
 
@@ -76,7 +76,7 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         client.wait_for_state("auto", AdapterState.COMPLETED, timeout=240)
         auto = client.status("auto")
         assert auto.step == 2 and auto.version is None
-        checkpoint = latest_checkpoint_dir(auto.save)
+        checkpoint = latest_checkpoint(auto.save)
         assert checkpoint is not None and checkpoint.name == "step_2"
         assert_checkpoint_loads_in_peft(tiny_model_dir, checkpoint)
 
@@ -93,7 +93,7 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         client.deregister("a")
         client.wait_for_state("a", AdapterState.COMPLETED, timeout=240)
         a_done = client.status("a")
-        assert latest_checkpoint_dir(a_done.save) is not None
+        assert latest_checkpoint(a_done.save) is not None
         step_b = client.status("b").step
         wait_until(lambda: client.status("b").step > step_b, 240, "b to keep stepping after a left", driver)
 
@@ -103,7 +103,7 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         again = client.status("a")
         assert again.registration_id != first_registration
         assert again.step >= a_done.step
-        assert f"Adapter 'a' resumed from {latest_checkpoint_dir(a_done.save)} (step {a_done.step})" in \
+        assert f"Adapter 'a' resumed from {latest_checkpoint(a_done.save)} (step {a_done.step})" in \
             driver.log_path.read_text(), "re-registered adapter did not resume from its last checkpoint"
 
         # Both leave: idle again with no leaked slot (two fresh adapters fit again).
@@ -132,7 +132,7 @@ def test_non_service_mode_exits_when_adapters_finish(tiny_model_dir, workdir):
         assert driver.wait(timeout=400) == 0, driver.log_tail()
         log = driver.log_path.read_text()
         assert "No adapters; exiting." in log
-        checkpoint = latest_checkpoint_dir(save / "adapters" / "add")
+        checkpoint = latest_checkpoint(save / "adapters" / "add")
         assert checkpoint is not None and checkpoint.name == "step_2"
         assert (save / "metrics.jsonl").exists()
     finally:

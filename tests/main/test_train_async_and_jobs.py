@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from driver_harness import DriverProcess, free_port, tiny_run_flags, write_arithmetic_dataset
-from miles.main.progress import latest_checkpoint_dir
+from miles.backends.torch.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -81,5 +81,5 @@ def test_ray_job_submit_to_a_local_head(tiny_model_dir, tmp_path):
     finally:
         ray_cli("stop", "--force", env=env)
         shutil.rmtree(temp_dir, ignore_errors=True)
-    checkpoint = latest_checkpoint_dir(save / "adapters" / "add")
+    checkpoint = latest_checkpoint(save / "adapters" / "add")
     assert checkpoint is not None and checkpoint.name == "step_2"

@@ -1,0 +1,84 @@
+"""Held-out greedy accuracy of the base model and of each trained adapter, on every task.
+
+    python scripts/eval_adapters.py --config configs/tiny-multi-lora.yaml [--n 300]
+
+Reads the run config (the same YAML the trainer ran with), finds each adapter's latest
+checkpoint under its save directory, and evaluates base and adapters on each adapter's
+held-out split (the adapter's `data` path with `_train` replaced by `_test`). Prints a
+matrix: one row per model, one column per task; `*` marks an adapter's own task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.utils.adapter_config import AdapterDefaults, parse_adapter_run_yaml, resolve_adapter_config
+from miles.utils.arguments import parse_args
+from miles.utils.tasks import evaluate_adapter_dir
+
+
+@dataclass(frozen=True)
+class EvalTarget:
+    adapter: str
+    test_data: Path
+    checkpoint: Path | None
+
+
+def held_out_path(train_path: str | Path) -> Path:
+    path = Path(train_path)
+    test = path.with_name(path.name.replace("_train", "_test"))
+    if test == path or not test.exists():
+        raise FileNotFoundError(f"no held-out split next to {path} (expected a '_test' twin)")
+    return test
+
+
+def eval_targets(config_path: str) -> tuple[str, list[EvalTarget]]:
+    cfg = parse_args(["--config", config_path])
+    defaults = AdapterDefaults.from_config(cfg)
+    targets = []
+    for name, yaml_path in cfg.initial_adapters:
+        adapter = resolve_adapter_config(name, parse_adapter_run_yaml(yaml_path, name=name), defaults)
+        targets.append(EvalTarget(name, held_out_path(adapter.data), latest_checkpoint(adapter.save)))
+    return cfg.hf_checkpoint, targets
+
+
+def accuracy_matrix(base_dir: str, targets: list[EvalTarget], n: int | None) -> dict[str, dict[str, float]]:
+    """model ('base' or adapter) -> task (adapter name) -> accuracy."""
+    models: dict[str, Path | None] = {"base": None}
+    models.update({t.adapter: t.checkpoint for t in targets if t.checkpoint is not None})
+    return {
+        model: {t.adapter: evaluate_adapter_dir(base_dir, ckpt, t.test_data, n) for t in targets}
+        for model, ckpt in models.items()
+    }
+
+
+def format_matrix(matrix: dict[str, dict[str, float]]) -> str:
+    tasks = list(next(iter(matrix.values())))
+    header = ["model", *tasks]
+    rows = [[model, *(f"{acc:.1%}{'*' if model == task else ''}" for task, acc in accs.items())]
+            for model, accs in matrix.items()]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [header, *rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the run's YAML config")
+    parser.add_argument("--n", type=int, default=None, help="rows of each held-out split (default: all)")
+    args = parser.parse_args(argv)
+    base_dir, targets = eval_targets(args.config)
+    missing = [t.adapter for t in targets if t.checkpoint is None]
+    if missing:
+        print(f"no checkpoint yet for: {', '.join(missing)} (train first)", file=sys.stderr)
+    matrix = accuracy_matrix(base_dir, targets, args.n)
+    print("\nHeld-out greedy accuracy (* = the adapter's own task)")
+    print(format_matrix(matrix), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
