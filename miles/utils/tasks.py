@@ -145,6 +145,26 @@ def write_task_datasets(data_dir: str | Path, names: Sequence[str], seed: int = 
     return paths
 
 
+def digit_match_reward(args: Any, sample: Any) -> float:
+    """Partial credit: the share of digit places (aligned at the units) the answer gets right.
+
+    A custom reward (`custom_rm_path: miles.utils.tasks.digit_match_reward`); 1.0 only
+    for the exact answer, so its optimum is the `exact` reward's.
+
+    >>> from miles.utils.types import Sample
+    >>> digit_match_reward(None, Sample("mul", 0, 0, 0, "123*4=", "492", {}, [], response="482"))
+    0.6666666666666666
+    >>> digit_match_reward(None, Sample("mul", 0, 0, 0, "123*4=", "492", {}, [], response="4920"))
+    0.0
+    """
+    label = "" if sample.label is None else str(sample.label).strip()
+    answer = sample.response.split("\n", 1)[0].strip()
+    if not label or not answer:
+        return 0.0
+    hits = sum(a == b for a, b in zip(reversed(answer), reversed(label)))
+    return hits / max(len(answer), len(label))
+
+
 # --------------------------------------------------------------------------------------
 # Greedy evaluation
 # --------------------------------------------------------------------------------------

@@ -202,3 +202,16 @@ def test_evaluate_adapter_dir_matches_in_memory_evaluation(tiny_model_dir, tmp_p
     assert evaluate_adapter_dir(tiny_model_dir, tmp_path / "adapter", data, n=10) == pytest.approx(
         sum(answer_is_correct(a, r.label) for a, r in zip(answers[:10], rows[:10])) / 10
     )
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "reward"),
+    [("492", "492", 1.0), ("482", "492", 2 / 3), ("92", "492", 2 / 3), ("4920", "492", 0.0),
+     ("492\n17", "492", 1.0), ("", "492", 0.0), ("1492", "492", 0.75)],
+)
+def test_digit_match_reward_gives_partial_credit_per_place(response, label, reward):
+    from miles.rollout.rewards.registry import load_custom_reward
+    from miles.utils.types import Sample
+
+    fn = load_custom_reward("miles.utils.tasks.digit_match_reward")
+    assert fn(None, Sample("mul", 0, 0, 0, "123*4=", label, {}, [], response=response)) == pytest.approx(reward)

@@ -1,0 +1,109 @@
+"""The tiny base: deterministic builds, the recipe-keyed cache, its outputs, and (slow)
+the real cached base's partial accuracy on every task."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from miles.utils import tiny_base
+from miles.utils.tasks import Example, evaluate_adapter_dir, read_examples, split_task
+from miles.utils.tiny_base import (
+    TinyBaseRecipe,
+    ensure_tiny_base,
+    is_built,
+    read_base_accuracy,
+)
+from miles.utils.tiny_model import build_char_tokenizer
+
+# Seconds to build: one small layer, a few steps, a few scored rows.
+SMALL = TinyBaseRecipe(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, steps=12,
+                       batch_size=32, warmup_steps=4, eval_rows=20)
+
+
+@pytest.fixture(scope="module")
+def small_build(tmp_path_factory):
+    return ensure_tiny_base(tmp_path_factory.mktemp("small") / "base", SMALL)
+
+
+def test_same_recipe_gives_identical_weights(small_build, tmp_path):
+    again = ensure_tiny_base(tmp_path / "again", SMALL)
+    first, second = load_file(small_build / "model.safetensors"), load_file(again / "model.safetensors")
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    assert read_base_accuracy(small_build) == read_base_accuracy(again)
+    # ... and training moved them: a different seed gives different weights.
+    other = ensure_tiny_base(tmp_path / "other", dataclasses.replace(SMALL, seed=1))
+    assert not torch.equal(load_file(other / "model.safetensors")["lm_head.weight"], first["lm_head.weight"])
+
+
+def test_cache_is_reused_and_rebuilt_only_when_the_recipe_changes(small_build, monkeypatch):
+    builds = []
+    real_build = tiny_base.build_tiny_base
+    monkeypatch.setattr(tiny_base, "build_tiny_base", lambda out, recipe: builds.append(recipe) or real_build(out, recipe))
+    stamp = (small_build / "recipe.json").stat().st_mtime_ns
+
+    assert ensure_tiny_base(small_build, SMALL) == small_build
+    assert builds == [] and (small_build / "recipe.json").stat().st_mtime_ns == stamp
+
+    changed = dataclasses.replace(SMALL, steps=SMALL.steps + 1)
+    assert not is_built(small_build, changed)
+    ensure_tiny_base(small_build, changed)
+    assert builds == [changed] and is_built(small_build, changed) and not is_built(small_build, SMALL)
+    ensure_tiny_base(small_build, changed, force=True)
+    assert len(builds) == 2
+    ensure_tiny_base(small_build, SMALL)  # leave the module's build as it was
+    assert len(builds) == 3
+
+
+def test_a_build_is_an_offline_hf_model_with_its_tokenizer_and_datasets(small_build):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(small_build, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(small_build, local_files_only=True)
+    assert model.config.hidden_size == SMALL.hidden_size and model.config.num_hidden_layers == SMALL.num_layers
+    assert tokenizer("12+35=", add_special_tokens=False)["input_ids"] == build_char_tokenizer()("12+35=")["input_ids"]
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    for name in SMALL.tasks:
+        split = split_task(name, SMALL.data_seed)
+        assert read_examples(small_build / "data" / f"{name}_train.jsonl") == split.train
+        assert read_examples(small_build / "data" / f"{name}_test.jsonl") == split.test
+    record = json.loads((small_build / "recipe.json").read_text())
+    assert record["fingerprint"] == SMALL.fingerprint()
+    assert record["parameters"] == sum(p.numel() for p in model.parameters())
+    accuracy = read_base_accuracy(small_build)
+    assert set(accuracy) == set(SMALL.tasks) and all(0.0 <= a <= 1.0 for a in accuracy.values())
+
+
+def test_pretraining_scores_only_the_answer_and_eos():
+    tok = build_char_tokenizer()
+    rows = [Example("1+2=", "3"), Example("12+35=", "47")]
+    ids, labels = tiny_base._encode_examples(tok, rows)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert ids.tolist() == [enc("1+2=3") + [eos, pad, pad, pad], enc("12+35=47") + [eos]]
+    assert labels.tolist() == [[-100] * 4 + enc("3") + [eos] + [-100] * 3, [-100] * 6 + enc("47") + [eos]]
+
+
+def test_bad_recipes_say_what_to_fix():
+    with pytest.raises(ValueError, match="one weight per task"):
+        TinyBaseRecipe(tasks=("add", "sub"), task_weights=(1.0,))
+    with pytest.raises(ValueError, match="must all be > 0"):
+        TinyBaseRecipe(steps=0)
+
+
+@pytest.mark.slow
+def test_the_cached_base_is_partially_accurate_on_every_task(tiny_base_dir):
+    accuracy = read_base_accuracy(tiny_base_dir)
+    assert is_built(tiny_base_dir, TinyBaseRecipe())
+    assert set(accuracy) == set(TinyBaseRecipe().tasks)
+    for name, value in accuracy.items():
+        assert 0.05 < value < 0.80, f"{name}: base accuracy {value} is not partial"
+    # The recorded number is what evaluating the saved model on the saved test split gives.
+    add_test = tiny_base_dir / "data" / "add_test.jsonl"
+    assert evaluate_adapter_dir(tiny_base_dir, None, add_test) == pytest.approx(accuracy["add"], abs=1e-4)
