@@ -17,16 +17,25 @@ Output directory:
     base_accuracy.json                                       greedy accuracy per task (test split)
     recipe.json                                              recipe, fingerprint, build time
 
-Model (`TinyBaseRecipe` defaults): Llama, hidden 128, 4 layers, 4 heads, MLP 256, untied
-embeddings, character vocabulary (~100 ids), about 0.66M parameters. Trained with AdamW
-on the answer tokens (and EOS) of prompts from each task's `pretrain` split only, so
-the adapters' `train` split and the `test` split are both unseen by the base model.
+Model (`TinyBaseRecipe` defaults): Llama, hidden 128, 4 layers, 4 heads (no GQA), MLP
+256, untied embeddings, the character vocabulary of `build_char_tokenizer` (100 ids):
+682,112 parameters. AdamW (lr 2e-3 after 100 warmup steps, betas 0.9/0.98), 850 steps
+of 128 problems drawn with task weights add 1 : sub 1.35 : mul 3, loss on the answer
+tokens and EOS only. Problems come from each task's `pretrain` split only, so the
+adapters' `train` split and the `test` split are both unseen by the base model. Run
+single-threaded: bitwise repeatable, and no slower on a 2-core machine where other
+processes compete for the second core.
 
 Tasks: `add` "12+35=" -> "47", `sub` "52-17=" -> "35", `mul` "123*4=" -> "492".
 
-Measured on this machine (see `recipe.json` of a build for its own numbers):
-    base greedy accuracy on the test split: TBD
-    build time: TBD
+Measured on the development machine (2 cores, shared with other jobs at the time):
+    greedy accuracy on the 500-row test splits: add 0.300, sub 0.392, mul 0.376
+    build: 97 s wall (95.5 s of pretraining, then datasets and scoring)
+The accuracy curve is steep around this point (at 900 steps, on 300 test rows: add
+0.43, sub 0.49, mul 0.55); bases caught mid-climb gained most from GRPO in our trials.
+`scripts/rl_recipe_check.py --config configs/tiny-multi-lora.yaml` raises add
+0.300 -> 0.530, sub 0.392 -> 0.576 and mul 0.376 -> 0.506 in 60/80/80 adapter steps
+(53 CPU seconds in one process).
 """
 
 from __future__ import annotations
@@ -229,7 +238,8 @@ def build_tiny_base(out_dir: str | Path, recipe: TinyBaseRecipe = TinyBaseRecipe
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.save_pretrained(out_dir, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
-        accuracy = _score_tasks(model, tokenizer, recipe, out_dir)
+        write_task_datasets(out_dir / "data", recipe.tasks, recipe.data_seed)
+        accuracy = _score_tasks(model, tokenizer, recipe)
     total_seconds = time.monotonic() - started
     (out_dir / ACCURACY_FILE).write_text(json.dumps(accuracy, indent=2) + "\n")
     record = {"fingerprint": recipe.fingerprint(), "recipe": dataclasses.asdict(recipe),
@@ -240,8 +250,7 @@ def build_tiny_base(out_dir: str | Path, recipe: TinyBaseRecipe = TinyBaseRecipe
     return out_dir
 
 
-def _score_tasks(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, recipe: TinyBaseRecipe, out_dir: Path) -> dict[str, float]:
-    write_task_datasets(out_dir / "data", recipe.tasks, recipe.data_seed)
+def _score_tasks(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, recipe: TinyBaseRecipe) -> dict[str, float]:
     accuracy = {}
     for name in recipe.tasks:
         test = split_task(name, recipe.data_seed).test[: recipe.eval_rows]
