@@ -113,10 +113,14 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         client.wait_for_state("b", AdapterState.COMPLETED, timeout=240)
         assert all(s.state is AdapterState.COMPLETED for s in client.list())
         client.register("c1", config={"data": add, "num_step": 1})
-        client.register("c2", config={"data": sub, "num_step": 1})
+        client.register("c2", config={"data": sub})
         client.wait_for_state("c1", AdapterState.COMPLETED, timeout=240)
-        client.wait_for_state("c2", AdapterState.COMPLETED, timeout=240)
+
+        # SIGTERM mid-training: exit 0 with the still-training adapter saved at its step.
+        wait_until(lambda: client.status("c2").step >= 1, 240, "c2 to step", driver)
         assert driver.terminate() == 0, driver.log_tail()
+        saved = latest_checkpoint(workdir / "save" / "adapters" / "c2")
+        assert saved is not None and int(saved.name.removeprefix("step_")) >= 1
     finally:
         driver.kill()
 

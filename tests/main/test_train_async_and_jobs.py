@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,19 @@ def ray_cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess
     return subprocess.run([str(VENV_BIN / "ray"), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def stop_process_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=timeout)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def test_ray_job_submit_to_a_local_head(tiny_model_dir, tmp_path):
     """`ray start --head` on loopback, then `ray job submit` of a tiny non-service run."""
     data = write_arithmetic_dataset(tmp_path / "add.jsonl", 100)
@@ -60,10 +74,18 @@ def test_ray_job_submit_to_a_local_head(tiny_model_dir, tmp_path):
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
-    started = ray_cli("start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
-                      "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
-                      "--num-cpus", "4", "--temp-dir", temp_dir, "--disable-usage-stats", env=env)
-    assert started.returncode == 0, started.stdout + started.stderr
+    # --block keeps the head's processes in one process group that this test owns, so it
+    # is stopped without `ray stop`, which would kill every Ray cluster on the machine.
+    head = subprocess.Popen(
+        [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+         "--port", str(gcs_port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
+         "--num-cpus", "4", "--temp-dir", temp_dir, "--disable-usage-stats",
+         # Fixed default ports would clash with any other Ray cluster on this machine.
+         *(arg for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                            "--metrics-export-port", "--runtime-env-agent-port", "--ray-client-server-port")
+           for arg in (flag, str(free_port())))],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
     try:
         flags = tiny_run_flags(tiny_model_dir, save, n_adapters=1, port=0)
         flags += ["--multi-lora-disable-service-mode", "--multi-lora-adapters", str(adapter_yaml)]
@@ -79,7 +101,7 @@ def test_ray_job_submit_to_a_local_head(tiny_model_dir, tmp_path):
         assert submitted.returncode == 0, submitted.stdout[-4000:] + submitted.stderr[-4000:]
         assert "succeeded" in submitted.stdout
     finally:
-        ray_cli("stop", "--force", env=env)
+        stop_process_group(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
     checkpoint = latest_checkpoint(save / "adapters" / "add")
     assert checkpoint is not None and checkpoint.name == "step_2"
