@@ -34,8 +34,8 @@ Measured on the development machine (2 cores, shared with other jobs at the time
 The accuracy curve is steep around this point (at 900 steps, on 300 test rows: add
 0.43, sub 0.49, mul 0.55); bases caught mid-climb gained most from GRPO in our trials.
 `scripts/rl_recipe_check.py --config configs/tiny-multi-lora.yaml` raises add
-0.300 -> 0.530, sub 0.392 -> 0.576 and mul 0.376 -> 0.506 in 60/80/80 adapter steps
-(53 CPU seconds in one process).
+0.300 -> 0.526, sub 0.392 -> 0.570 and mul 0.376 -> 0.498 in 40/50/80 adapter steps
+(47 CPU seconds in one process).
 """
 
 from __future__ import annotations
