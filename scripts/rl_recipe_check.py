@@ -136,9 +136,10 @@ def load_tenants(cfg: MilesConfig) -> list[Tenant]:
     return tenants
 
 
-def accuracy_table(model, tokenizer, tenants: list[Tenant], slots: list[int], eval_rows: int) -> dict[int, dict[str, float]]:
+def accuracy_table(model, tokenizer, tenants: list[Tenant], slots: list[int], rows: int) -> dict[int, dict[str, float]]:
+    """Greedy accuracy per slot (-1: base) and task."""
     return {
-        slot: {t.name: evaluate_accuracy(model, tokenizer, t.test[:eval_rows], max_new_tokens=6, slot=slot) for t in tenants}
+        slot: {t.name: evaluate_accuracy(model, tokenizer, t.test[:rows], max_new_tokens=6, slot=slot) for t in tenants}
         for slot in slots
     }
 

@@ -136,6 +136,7 @@ def ensure_tiny_base(out_dir: str | Path, recipe: TinyBaseRecipe = TinyBaseRecip
     with _build_lock(out_dir):
         if not force and is_built(out_dir, recipe):  # another process built it meanwhile
             return out_dir
+        _check_replaceable(out_dir)
         staging = out_dir.with_name(out_dir.name + ".building")
         shutil.rmtree(staging, ignore_errors=True)
         build_tiny_base(staging, recipe)
@@ -144,6 +145,15 @@ def ensure_tiny_base(out_dir: str | Path, recipe: TinyBaseRecipe = TinyBaseRecip
         shutil.rmtree(out_dir, ignore_errors=True)
         staging.rename(out_dir)
     return out_dir
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """A rebuild deletes `out_dir`: allow that only for an earlier build or an empty directory."""
+    if out_dir.exists() and not (out_dir / RECIPE_FILE).exists() and any(out_dir.iterdir()):
+        raise FileExistsError(
+            f"{out_dir} exists and is not a tiny base build (no {RECIPE_FILE}); "
+            "pass a new or empty directory to --out"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -193,7 +203,11 @@ def _pretrain(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, recipe
             last_report = now
 
 
-def _gather_batch(per_task: list[tuple[torch.Tensor, torch.Tensor]], rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+TaskTensors = tuple[torch.Tensor, torch.Tensor]
+"""(ids [N, T], labels [N, T]) of one task's pretraining problems."""
+
+
+def _gather_batch(per_task: list[TaskTensors], rows: list[tuple[int, int]]) -> TaskTensors:
     """Stack the chosen rows, trimmed to the longest sequence among them."""
     width = max(per_task[t][0].shape[1] for t, _ in rows)
     ids, labels = [], []

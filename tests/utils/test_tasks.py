@@ -193,7 +193,8 @@ def test_evaluate_adapter_dir_matches_in_memory_evaluation(tiny_model_dir, tmp_p
     peft_model = _random_peft_adapter(tiny_model_dir, tmp_path / "adapter")
     answers = greedy_answers(peft_model, tok, [r.text for r in split_task("add").test[:40]], max_new_tokens=8)
     # Label half the rows with what the adapter answers, so the expected accuracy is known.
-    rows = [Example(r.text, a if i % 2 == 0 and a.strip() else "-1") for i, (r, a) in enumerate(zip(split_task("add").test[:40], answers))]
+    prompts = split_task("add").test[:40]
+    rows = [Example(r.text, a if i % 2 == 0 and a.strip() else "-1") for i, (r, a) in enumerate(zip(prompts, answers))]
     expected = sum(answer_is_correct(a, r.label) for a, r in zip(answers, rows)) / len(rows)
     assert expected > 0
     data = tmp_path / "rows.jsonl"

@@ -61,6 +61,13 @@ def test_cache_is_reused_and_rebuilt_only_when_the_recipe_changes(small_build, m
     assert len(builds) == 3
 
 
+def test_a_directory_that_is_not_a_build_is_never_replaced(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a tiny base build"):
+        ensure_tiny_base(tmp_path, SMALL)
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
 def test_a_build_is_an_offline_hf_model_with_its_tokenizer_and_datasets(small_build):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
