@@ -72,7 +72,9 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         sub = str(workdir / "data" / "sub.jsonl")
 
         # An adapter with num_step trains that many steps and retires by itself.
-        client.register("auto", config={"data": add, "num_step": 2})
+        # 4 samples per prompt: random 0/1 rewards that tie in every group (zero advantage,
+        # no update) become vanishingly unlikely.
+        client.register("auto", config={"data": add, "num_step": 2, "n_samples_per_prompt": 4})
         client.wait_for_state("auto", AdapterState.COMPLETED, timeout=240)
         auto = client.status("auto")
         assert auto.step == 2 and auto.version is None
