@@ -11,7 +11,7 @@ import re
 import sys
 import textwrap
 
-import httpx
+import aiohttp
 import pytest
 from rollout_fakes import FakeController, FakeEngineServer, active, make_run, wait_for
 
@@ -153,5 +153,5 @@ async def test_repeated_failures_kill_the_producer_and_surface_the_cause(dataset
         await wait_for(lambda: prod.failure is not None, what="producer death")
         with pytest.raises(ProducerDiedError) as info:
             prod.raise_if_failed()
-        assert isinstance(info.value.__cause__, httpx.HTTPStatusError)
+        assert isinstance(info.value.__cause__, aiohttp.ClientResponseError)
         await prod.stop()

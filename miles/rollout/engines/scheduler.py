@@ -1,8 +1,8 @@
 """Continuous-batching decode loop of the builtin engine.
 
 One thread owns the model. Requests wait in a queue; at every step boundary the loop
-drops aborted rows, admits queued requests (each is prefilled on its own, then its KV
-cache joins the running batch), and runs ONE batched forward for every running
+drops aborted rows, admits queued requests (prompts of equal length are prefilled together, then
+their KV cache joins the running batch), and runs ONE batched forward for every running
 sequence, whatever adapter slot each row uses. The running batch keeps one HF
 `DynamicCache` with left padding; rows carry their own attention mask and position ids,
 so a row's numbers do not depend on what else shares the batch.
@@ -227,21 +227,24 @@ class DecodeScheduler:
         if not new:
             self._set_running(self._running)
             return
-        caches, logits = [], []
-        for job in new:
-            cache, last_logits_V = self._prefill(job)
-            caches.append(cache)
-            logits.append(last_logits_V)
-        self._join(new, caches)
-        self._accept_tokens(new, torch.stack(logits))
+        parts, logits = [], []
+        for group in _by_prompt_length(new):
+            cache, last_logits_BV = self._prefill(group)
+            parts.append((group, cache))
+            logits.append(last_logits_BV)
+        self._join(parts)
+        self._accept_tokens([job for group, _ in parts for job in group], torch.cat(logits))
 
-    def _prefill(self, job: Job) -> tuple[DynamicCache, torch.Tensor]:
-        ids_1P = torch.tensor([job.prompt_ids], device=self.config.device)
+    def _prefill(self, jobs: list[Job]) -> tuple[DynamicCache, torch.Tensor]:
+        """One forward for prompts of equal length (no padding, so each row's numbers
+        are those of its own prompt), whatever slot each row uses."""
+        ids_BP = torch.tensor([job.prompt_ids for job in jobs], device=self.config.device)
+        positions_BP = torch.arange(ids_BP.shape[1], device=ids_BP.device)[None].expand(len(jobs), -1)
         cache = DynamicCache()
-        with self._slot_context([job.slot]):
-            out = self.model(input_ids=ids_1P, cache=cache, use_cache=True, logits_to_keep=1,
-                             position_ids=torch.arange(ids_1P.shape[1], device=ids_1P.device)[None])
-        return out.cache, out.logits[0, -1]
+        with self._slot_context([job.slot for job in jobs]):
+            out = self.model(input_ids=ids_BP, cache=cache, use_cache=True, logits_to_keep=1,
+                             position_ids=positions_BP)
+        return out.cache, out.logits[:, -1]
 
     def _decode_step(self) -> None:
         batch = self._batch
@@ -324,27 +327,36 @@ class DecodeScheduler:
         _trim_left_padding(batch)
         self._set_running(list(batch.jobs))
 
-    def _join(self, jobs: list[Job], caches: list[DynamicCache]) -> None:
+    def _join(self, parts: list[tuple[list[Job], DynamicCache]]) -> None:
         """Add freshly prefilled sequences to the running batch (left-padded merge)."""
-        parts = [] if self._batch is None else [(self._batch.cache, self._batch.mask_BL)]
-        for job, cache in zip(jobs, caches):
-            parts.append((cache, torch.ones(1, len(job.prompt_ids), dtype=torch.long, device=self.config.device)))
-        width = max(mask.shape[1] for _, mask in parts)
-        n_layers = len(parts[0][0].layers)
+        device = self.config.device
+        merged = [] if self._batch is None else [(self._batch.cache, self._batch.mask_BL)]
+        for jobs, cache in parts:
+            merged.append((cache, torch.ones(len(jobs), len(jobs[0].prompt_ids), dtype=torch.long, device=device)))
+        width = max(mask.shape[1] for _, mask in merged)
         layers = []
-        for layer in range(n_layers):
-            keys = [_pad_left(c.layers[layer].keys, width, dim=2) for c, _ in parts]
-            values = [_pad_left(c.layers[layer].values, width, dim=2) for c, _ in parts]
+        for layer in range(len(merged[0][0].layers)):
+            keys = [_pad_left(c.layers[layer].keys, width, dim=2) for c, _ in merged]
+            values = [_pad_left(c.layers[layer].values, width, dim=2) for c, _ in merged]
             layers.append((torch.cat(keys), torch.cat(values)))
-        mask_BL = torch.cat([_pad_left(m, width, dim=1) for _, m in parts])
+        mask_BL = torch.cat([_pad_left(m, width, dim=1) for _, m in merged])
+        new_jobs = [job for jobs, _ in parts for job in jobs]
         old_jobs = [] if self._batch is None else self._batch.jobs
         next_pos = [] if self._batch is None else self._batch.next_pos_B.tolist()
-        next_pos += [len(j.prompt_ids) for j in jobs]
+        next_pos += [len(job.prompt_ids) for job in new_jobs]
         self._batch = _RunningBatch(
-            jobs=old_jobs + jobs, cache=DynamicCache(ddp_cache_data=layers), mask_BL=mask_BL,
-            next_pos_B=torch.tensor(next_pos, device=self.config.device),
+            jobs=old_jobs + new_jobs, cache=DynamicCache(ddp_cache_data=layers), mask_BL=mask_BL,
+            next_pos_B=torch.tensor(next_pos, device=device),
         )
         self._set_running(list(self._batch.jobs))
+
+
+def _by_prompt_length(jobs: list[Job]) -> list[list[Job]]:
+    """Jobs grouped by prompt length (first-come order within and across groups)."""
+    groups: dict[int, list[Job]] = {}
+    for job in jobs:
+        groups.setdefault(len(job.prompt_ids), []).append(job)
+    return list(groups.values())
 
 
 def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
