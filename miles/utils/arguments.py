@@ -79,6 +79,7 @@ class MilesConfig:
     custom_rm_path: str | None = _flag(None, "Dotted path to fn(args, sample) -> float (default of adapters).")
     dynamic_sampling_filter_path: str | None = _flag(None, "Dotted path to fn(args, samples) -> bool keeping a group.")
     max_weight_staleness: int | None = _flag(None, "Drop groups generated more than this many pushes ago.")
+    rollout_buffer_steps: int | None = _flag(1, "Generate at most this many optimizer steps of groups ahead per adapter (bounds off-policy lag).")
 
     # ---- training ----
     lr: float = _flag(1e-4, "Learning rate (default of adapters).")
@@ -151,6 +152,8 @@ class MilesConfig:
             raise ConfigError("give both --sglang-router-ip and --sglang-router-port, or neither")
         if self.save_interval is not None and self.save_interval <= 0:
             raise ConfigError("--save-interval must be > 0 (leave it out to save only at cleanup and exit)")
+        if self.rollout_buffer_steps is not None and self.rollout_buffer_steps <= 0:
+            raise ConfigError("--rollout-buffer-steps must be > 0 (leave it out for no limit)")
         if self.max_weight_staleness is not None and self.max_weight_staleness < 0:
             raise ConfigError("--max-weight-staleness must be >= 0")
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:
