@@ -19,8 +19,13 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# The tiny multi-adapter run: pretrain the tiny base (cached), train three adapters at
+# once, then evaluate base and adapters on every task's held-out split.
 demo: install
-	$(PY) -m miles.controller --multi-lora-n-adapters 4 --save runs/demo --multi-lora-api-port 8068
+	$(PY) -m miles.utils.tiny_base --out .cache/tiny_base
+	rm -rf runs/demo
+	$(PY) -m miles.main.train_multi_lora_async --config configs/tiny-multi-lora.yaml
+	$(PY) scripts/eval_adapters.py --config configs/tiny-multi-lora.yaml
 
 clean:
 	rm -rf runs .cache .pytest_cache
