@@ -158,7 +158,11 @@ def _check_loadable(config: dict[str, Any], path: Path, model: nn.Module) -> tup
         raise ValueError(f"{path}: bias={config.get('bias')!r} is not supported; train the adapter with bias='none'")
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        missing = set(targets) - _wrapped_short_names(model)
+        # PEFT writes short names ("q_proj") or, for "all-linear", full module paths.
+        wrapped = set(_require_lora(model))
+        short = _wrapped_short_names(model)
+        missing = {t for t in targets if t not in short and t not in wrapped
+                   and not any(name.endswith(f".{t}") for name in wrapped)}
         if missing:
             raise ValueError(
                 f"{path}: adapter targets {sorted(missing)} which are not multi-LoRA layers of this model; "

@@ -155,3 +155,31 @@ def test_unsupported_peft_features_are_refused(base_model, tmp_path):
             load_peft_adapter(model, 0, tmp_path / key)
     # A refused load leaves the slot as it was.
     assert all(torch.equal(v, tensors[k]) for k, v in get_slot_weights(model, 0).items())
+
+
+def test_adapter_saved_by_peft_with_all_linear_loads_into_a_slot(tiny_model_dir, tmp_path):
+    """PEFT's "all-linear" writes its own target list; such an adapter loads as is."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from miles.backends.lora import inject_multi_lora, load_peft_adapter, use_slots
+
+    torch.manual_seed(0)
+    reference = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0),
+    )
+    for name, param in reference.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    reference.save_pretrained(tmp_path / "peft_all_linear")
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    inject_multi_lora(model, n_slots=2, max_rank=4, target_modules="all-linear")
+    assert load_peft_adapter(model, 1, tmp_path / "peft_all_linear") == (4, 8.0)
+    ids = torch.tensor([[5, 9, 12, 7, 3]])
+    with torch.no_grad(), use_slots(model, [1]):
+        ours = model(ids).logits
+    with torch.no_grad():
+        expected = reference(ids).logits
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
