@@ -10,12 +10,16 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from miles.main.progress import RunProgress
 from miles.utils.arguments import MilesConfig
+from miles.utils.tracking import MetricsLogger
 
 logger = logging.getLogger(__name__)
 
@@ -125,3 +129,32 @@ async def sleep_unless(stop: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stop.wait(), timeout=seconds)
     except TimeoutError:
         pass
+
+
+@dataclass
+class TrainerRun:
+    """What a driver loop works with."""
+
+    components: Components
+    stop: asyncio.Event
+    """Set by SIGINT/SIGTERM: finish the current stage, then leave the loop."""
+    progress: RunProgress
+
+
+@asynccontextmanager
+async def trainer_run(cfg: MilesConfig) -> AsyncIterator[TrainerRun]:
+    """Launch everything; however the loop ends, save adapters and stop every process."""
+    init_ray(cfg)
+    stop = asyncio.Event()
+    install_stop_handlers(stop)
+    components = await launch(cfg)
+    metrics = MetricsLogger(cfg.resolved_run_dir, use_wandb=cfg.use_wandb, wandb_project=cfg.wandb_project)
+    progress = RunProgress(metrics)
+    try:
+        yield TrainerRun(components, stop, progress)
+    finally:
+        try:
+            await shutdown(components)
+        finally:
+            metrics.close()
+    progress.print_summary()

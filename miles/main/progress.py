@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 
 from miles.backends.torch.checkpoint import latest_checkpoint
-from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
 from miles.utils.types import MultiLoRASnapshot, RolloutBatch
 
@@ -99,7 +98,7 @@ class RunProgress:
             ))
         return rows
 
-    def print_summary(self, cfg: MilesConfig) -> None:
+    def print_summary(self) -> None:
         rows = self.summary_rows()
         if not rows:
             return

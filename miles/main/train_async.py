@@ -18,11 +18,11 @@ import logging
 import sys
 from typing import Any
 
-from miles.main.launch import Components, configure_logging, init_ray, install_stop_handlers, launch, shutdown
+from miles.main.launch import Components, configure_logging, trainer_run
 from miles.main.progress import RunProgress
 from miles.main.train_multi_lora_async import is_empty_batch_timeout
 from miles.utils.arguments import MilesConfig, parse_args
-from miles.utils.tracking import MetricsLogger, StageTimer
+from miles.utils.tracking import StageTimer
 
 logger = logging.getLogger(__name__)
 
@@ -78,20 +78,10 @@ def policy_config(cfg: MilesConfig) -> dict[str, Any]:
 
 async def main(cfg: MilesConfig) -> int:
     cfg = cfg.replace(multi_lora_n_adapters=1, multi_lora_disable_service_mode=True)
-    init_ray(cfg)
-    stop = asyncio.Event()
-    install_stop_handlers(stop)
-    components = await launch(cfg)
-    metrics = MetricsLogger(cfg.resolved_run_dir, use_wandb=cfg.use_wandb, wandb_project=cfg.wandb_project)
-    progress = RunProgress(metrics)
-    try:
-        await components.controller.register_adapter.remote(POLICY, config=policy_config(cfg))
-        progress.declare(await components.controller.snapshot.remote())
-        await run_loop(cfg, components, stop, progress)
-    finally:
-        await shutdown(components)
-        metrics.close()
-    progress.print_summary(cfg)
+    async with trainer_run(cfg) as run:
+        await run.components.controller.register_adapter.remote(POLICY, config=policy_config(cfg))
+        run.progress.declare(await run.components.controller.snapshot.remote())
+        await run_loop(cfg, run.components, run.stop, run.progress)
     return 0
 
 

@@ -16,20 +16,11 @@ import asyncio
 import logging
 import sys
 
-from miles.main.launch import (
-    Components,
-    configure_logging,
-    init_ray,
-    install_stop_handlers,
-    launch,
-    register_initial_adapters,
-    shutdown,
-    sleep_unless,
-)
+from miles.main.launch import Components, configure_logging, register_initial_adapters, sleep_unless, trainer_run
 from miles.main.progress import RunProgress
 from miles.rollout.collection import EmptyBatchTimeoutError
 from miles.utils.arguments import MilesConfig, parse_args
-from miles.utils.tracking import MetricsLogger, StageTimer
+from miles.utils.tracking import StageTimer
 
 logger = logging.getLogger(__name__)
 
@@ -81,19 +72,9 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
 
 
 async def main(cfg: MilesConfig) -> int:
-    init_ray(cfg)
-    stop = asyncio.Event()
-    install_stop_handlers(stop)
-    components = await launch(cfg)
-    metrics = MetricsLogger(cfg.resolved_run_dir, use_wandb=cfg.use_wandb, wandb_project=cfg.wandb_project)
-    progress = RunProgress(metrics)
-    try:
-        await register_initial_adapters(cfg, components.controller)
-        await run_loop(cfg, components, stop, progress)
-    finally:
-        await shutdown(components)
-        metrics.close()
-    progress.print_summary(cfg)
+    async with trainer_run(cfg) as run:
+        await register_initial_adapters(cfg, run.components.controller)
+        await run_loop(cfg, run.components, run.stop, run.progress)
     return 0
 
 
