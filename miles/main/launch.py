@@ -73,9 +73,7 @@ async def launch(cfg: MilesConfig) -> Components:
         raise SystemExit(
             "--train-backend megatron is not available in this build; use --train-backend torch"
         )
-    controller = create_multilora_controller(cfg, router_url=None)
-    logger.info("Control plane at http://%s:%s (OpenAPI at /docs)",
-                await controller.http_host.remote(), await controller.api_port.remote())
+    controller = create_multilora_controller(cfg, router_url=None)  # logs its URL
     rollout_manager = RolloutManager.options(name="miles_rollout_manager").remote(cfg)
     train_group = TrainGroup(TrainGroupConfig.from_config(cfg), controller)
     # Engines and train ranks load the base model in parallel.

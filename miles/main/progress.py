@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from miles.backends.torch.checkpoint import latest_checkpoint
-from miles.utils.tracking import MetricsLogger
+from miles.utils.tracking import MetricsLogger, split_adapter_metrics
 from miles.utils.types import MultiLoRASnapshot, RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -25,8 +25,6 @@ class AdapterProgress:
     name: str
     save_dir: str | None
     num_step: int | None
-    first_reward: float | None = None
-    last_reward: float | None = None
     step: int = 0
     rewards: list[float] = field(default_factory=list)
 
@@ -60,17 +58,15 @@ class RunProgress:
         for name in stepped:
             if name in self.adapters:
                 self.adapters[name].step += 1
-        for name, entry in self.adapters.items():
-            own = {k: v for k, v in merged.items() if k.startswith(f"{name}/")}
+        per_adapter, shared = split_adapter_metrics(merged, list(self.adapters))
+        for name, own in per_adapter.items():
             if not own:
                 continue
+            entry = self.adapters[name]
             reward = own.get(f"{name}/{REWARD_KEY}")
             if reward is not None and name in rollout.groups_per_adapter:
-                entry.first_reward = reward if entry.first_reward is None else entry.first_reward
-                entry.last_reward = reward
                 entry.rewards.append(reward)
             self.metrics.log_adapter(name, own, step=entry.step)
-        shared = {k: v for k, v in merged.items() if k.split("/", 1)[0] not in self.adapters}
         self.metrics.log({**shared, **perf}, step=rollout_id)
         logger.info("rollout %d | %s | %s", rollout_id, self._adapters_line(rollout),
                     " ".join(f"{k.removeprefix('perf/').removesuffix('_time')}={v:.2f}s" for k, v in perf.items()))
@@ -82,7 +78,7 @@ class RunProgress:
             if entry is None:
                 continue
             total = f"/{entry.num_step}" if entry.num_step else ""
-            reward = f" reward={entry.last_reward:.3f}" if entry.last_reward is not None else ""
+            reward = f" reward={entry.rewards[-1]:.3f}" if entry.rewards else ""
             parts.append(f"{name}: step {entry.step}{total} groups={groups}{reward}")
         return "; ".join(parts) or "no groups"
 

@@ -268,8 +268,6 @@ def _load_config_file(path: str) -> dict[str, Any]:
         values[name] = value
     if "multi_lora_adapter" in values and isinstance(values["multi_lora_adapter"], dict):
         values["multi_lora_adapter"] = list(values["multi_lora_adapter"].items())
-    # Relative paths in a config file are relative to the file's directory only when
-    # that is where they exist; otherwise to the working directory, like flags.
     return values
 
 

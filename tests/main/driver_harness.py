@@ -9,19 +9,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from miles.rollout.engines.process import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_arithmetic_dataset(path: Path, n: int, *, op: str = "+", seed: int = 0) -> Path:

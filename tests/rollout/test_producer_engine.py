@@ -6,7 +6,6 @@ the other adapter keeps producing."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,12 @@ from rollout_fakes import FakeController, active, make_run, wait_for
 
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
+from miles.rollout.engines.process import free_port
 from miles.rollout.producer import ProducerConfig, RolloutProducer
 from miles.utils.types import MultiLoRASnapshot, engine_lora_name
 
 pytestmark = pytest.mark.slow
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, path: str, timeout: float = 120.0) -> None:
