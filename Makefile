@@ -22,7 +22,7 @@ test: install
 # The tiny multi-adapter run: pretrain the tiny base (cached), train three adapters at
 # once, then evaluate base and adapters on every task's held-out split.
 demo: install
-	$(PY) -m miles.utils.tiny_base --out .cache/tiny_base
+	$(PY) -m miles.recipes.tiny_base --out .cache/tiny_base
 	rm -rf runs/demo
 	$(PY) -m miles.main.train_multi_lora_async --config configs/tiny-multi-lora.yaml
 	$(PY) scripts/eval_adapters.py --config configs/tiny-multi-lora.yaml

@@ -18,7 +18,7 @@ from pathlib import Path
 from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.utils.adapter_config import AdapterDefaults, parse_adapter_run_yaml, resolve_adapter_config
 from miles.utils.arguments import parse_args
-from miles.utils.tasks import evaluate_adapter_dir
+from miles.recipes.tasks import evaluate_adapter_dir
 
 
 @dataclass(frozen=True)

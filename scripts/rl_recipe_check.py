@@ -33,8 +33,8 @@ from miles.backends.torch.optimizer import SlotAdamW
 from miles.rollout.rewards.registry import RewardSpec
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig, parse_adapter_run_yaml, resolve_adapter_config
 from miles.utils.arguments import MilesConfig, parse_args
-from miles.utils.tasks import Example, evaluate_accuracy, read_examples
-from miles.utils.tiny_base import ensure_tiny_base
+from miles.recipes.tasks import Example, evaluate_accuracy, read_examples
+from miles.recipes.tiny_base import ensure_tiny_base
 from miles.utils.types import Sample
 
 

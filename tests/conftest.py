@@ -38,7 +38,7 @@ def ray_session():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama with its own tokenizer (seconds to make)."""
-    from miles.utils.tiny_model import write_tiny_model
+    from miles.recipes.tiny_model import write_tiny_model
 
     out = tmp_path_factory.mktemp("tiny_llama")
     write_tiny_model(out, arch="llama", seed=0)
@@ -47,7 +47,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
-    from miles.utils.tiny_model import write_tiny_model
+    from miles.recipes.tiny_model import write_tiny_model
 
     out = tmp_path_factory.mktemp("tiny_qwen2")
     write_tiny_model(out, arch="qwen2", seed=0)
@@ -57,6 +57,6 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_base_dir() -> Path:
     """The pretrained tiny base with its task datasets, cached under .cache/ (minutes once)."""
-    from miles.utils.tiny_base import ensure_tiny_base
+    from miles.recipes.tiny_base import ensure_tiny_base
 
     return ensure_tiny_base(CACHE_DIR / "tiny_base")

@@ -62,7 +62,7 @@ def model_dir(given: str | None) -> Path:
     base = Path(".cache/tiny_base")
     if (base / "config.json").exists():
         return base
-    from miles.utils.tiny_model import write_tiny_model
+    from miles.recipes.tiny_model import write_tiny_model
 
     return write_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0)
 

@@ -14,7 +14,7 @@ from rollout_fakes import FakeController, make_run
 
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource, read_rows, validate_dataset
 from miles.rollout.rewards import get_reward_fn
-from miles.utils.tiny_model import build_char_tokenizer
+from miles.recipes.tiny_model import build_char_tokenizer
 from miles.utils.types import MultiLoRASnapshot
 
 ROWS = [{"text": f"q{i}", "label": i, "metadata": {"k": i, "shared": "row"}} for i in range(5)]

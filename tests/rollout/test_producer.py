@@ -18,7 +18,7 @@ from rollout_fakes import FakeController, FakeEngineServer, active, make_run, wa
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
 from miles.rollout.producer import ProducerConfig, ProducerDiedError, RolloutProducer
-from miles.utils.tiny_model import build_char_tokenizer
+from miles.recipes.tiny_model import build_char_tokenizer
 from miles.utils.types import SampleStatus, engine_lora_name
 
 

@@ -15,7 +15,7 @@ import torch
 from miles.backends import lora
 from miles.rollout.engines.engine_actor import EngineServer
 from miles.rollout.engines.server_command import EngineServerConfig
-from miles.utils.tiny_model import write_tiny_model
+from miles.recipes.tiny_model import write_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,

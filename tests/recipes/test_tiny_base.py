@@ -10,15 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles.utils import tiny_base
-from miles.utils.tasks import Example, evaluate_adapter_dir, read_examples, split_task
-from miles.utils.tiny_base import (
+from miles.recipes import tiny_base
+from miles.recipes.tasks import Example, evaluate_adapter_dir, read_examples, split_task
+from miles.recipes.tiny_base import (
     TinyBaseRecipe,
     ensure_tiny_base,
     is_built,
     read_base_accuracy,
 )
-from miles.utils.tiny_model import build_char_tokenizer
+from miles.recipes.tiny_model import build_char_tokenizer
 
 # Seconds to build: one small layer, a few steps, a few scored rows.
 SMALL = TinyBaseRecipe(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, steps=12,

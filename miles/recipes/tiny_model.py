@@ -2,7 +2,7 @@
 
 Tests and demos need a real Hugging Face model directory without downloading one:
 
-    python -m miles.utils.tiny_model --out /tmp/tiny --arch llama --seed 0
+    python -m miles.recipes.tiny_model --out /tmp/tiny --arch llama --seed 0
 
 writes a two-layer Llama (or Qwen2) with random weights and its own tokenizer via
 `save_pretrained`; `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`

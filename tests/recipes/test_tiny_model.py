@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.utils.tiny_model import build_char_tokenizer, write_tiny_model
+from miles.recipes.tiny_model import build_char_tokenizer, write_tiny_model
 
 TEXT = "Q: 12+3*4 = ?\nA: (16) ok, done!"
 
@@ -58,5 +58,5 @@ def test_same_seed_same_weights(tmp_path):
 
 def test_cli_writes_a_model(tmp_path):
     out = tmp_path / "cli"
-    subprocess.run([sys.executable, "-m", "miles.utils.tiny_model", "--out", str(out), "--arch", "qwen2", "--seed", "3"], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "miles.recipes.tiny_model", "--out", str(out), "--arch", "qwen2", "--seed", "3"], check=True, capture_output=True)
     assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen2"

@@ -1,10 +1,10 @@
 """The tiny pretrained base model that the demo's adapters improve with RL.
 
-    python -m miles.utils.tiny_base --out .cache/tiny_base [--force]
+    python -m miles.recipes.tiny_base --out .cache/tiny_base [--force]
 
 pretrains, deterministically and without downloading anything, a small Llama with
-the project's character tokenizer (`miles.utils.tiny_model.build_char_tokenizer`) on
-the synthetic skills of `miles.utils.tasks`, stopping at partial accuracy so that RL
+the project's character tokenizer (`miles.recipes.tiny_model.build_char_tokenizer`) on
+the synthetic skills of `miles.recipes.tasks`, stopping at partial accuracy so that RL
 has room to improve each skill. A second call with the same recipe returns at once:
 the directory holds `recipe.json` with the recipe's fingerprint, and a build only
 happens when that is missing or differs (or with `--force`).
@@ -58,8 +58,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from miles.utils.tasks import Example, evaluate_accuracy, split_task, write_task_datasets
-from miles.utils.tiny_model import build_char_tokenizer, tiny_config
+from miles.recipes.tasks import Example, evaluate_accuracy, split_task, write_task_datasets
+from miles.recipes.tiny_model import build_char_tokenizer, tiny_config
 
 logger = logging.getLogger(__name__)
 

@@ -148,7 +148,7 @@ def write_task_datasets(data_dir: str | Path, names: Sequence[str], seed: int = 
 def digit_match_reward(args: Any, sample: Any) -> float:
     """Partial credit: the share of digit places (aligned at the units) the answer gets right.
 
-    A custom reward (`custom_rm_path: miles.utils.tasks.digit_match_reward`); 1.0 only
+    A custom reward (`custom_rm_path: miles.recipes.tasks.digit_match_reward`); 1.0 only
     for the exact answer, so its optimum is the `exact` reward's.
 
     >>> from miles.utils.types import Sample

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from types import SimpleNamespace
 
-from miles.utils.tasks import (
+from miles.recipes.tasks import (
     TASKS,
     Example,
     answer_is_correct,
@@ -21,7 +21,7 @@ from miles.utils.tasks import (
     split_task,
     write_task_datasets,
 )
-from miles.utils.tiny_model import build_char_tokenizer
+from miles.recipes.tiny_model import build_char_tokenizer
 
 
 def _solve(prompt: str) -> int:
@@ -214,5 +214,5 @@ def test_digit_match_reward_gives_partial_credit_per_place(response, label, rewa
     from miles.rollout.rewards.registry import load_custom_reward
     from miles.utils.types import Sample
 
-    fn = load_custom_reward("miles.utils.tasks.digit_match_reward")
+    fn = load_custom_reward("miles.recipes.tasks.digit_match_reward")
     assert fn(None, Sample("mul", 0, 0, 0, "123*4=", label, {}, [], response=response)) == pytest.approx(reward)
