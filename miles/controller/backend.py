@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.controller.registry import AdapterRegistry, AdapterValidationError
-from miles.controller.workers import abort_on_workers
+from miles.utils.router_workers import abort_on_workers
 from miles.utils.adapter_config import (
     AdapterConfigError,
     AdapterDefaults,

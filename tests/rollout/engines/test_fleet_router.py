@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from miles.backends import lora
-from miles.controller.workers import abort_on_workers, discover_workers
+from miles.utils.router_workers import abort_on_workers, discover_workers
 from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
