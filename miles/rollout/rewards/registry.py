@@ -12,12 +12,12 @@ one sample: `custom_rm_path` when set, else the adapter's `rm_type`, else the sa
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
 
 from miles.rollout.rewards.builtin import BUILTIN_REWARDS, RewardFn
+from miles.utils.plugins import load_callable
 from miles.utils.types import Sample
 
 
@@ -33,37 +33,9 @@ def get_reward_fn(rm_type: str) -> RewardFn:
         raise ValueError(f"unknown rm_type {rm_type!r}; valid built-in types: {_valid_types()}") from None
 
 
-def load_dotted(path: str, what: str) -> Any:
-    """Import `pkg.module.attr` (or `pkg.module:attr`); ValueError saying what failed."""
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} {path!r} must be a dotted path such as my_pkg.module.fn")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{what} {path!r} cannot be imported: {exc}") from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"{what} {path!r} cannot be imported: module {module_name!r} has no {attr!r}") from None
-
-
-def check_signature(fn: Any, path: str, what: str, params: str) -> None:
-    """Raise ValueError unless `fn` is callable with two positional arguments."""
-    if not callable(fn):
-        raise ValueError(f"{what} {path!r} is not callable (got {type(fn).__name__})")
-    try:
-        inspect.signature(fn).bind(None, None)
-    except TypeError:
-        raise ValueError(f"{what} {path!r} has the wrong signature: expected fn({params})") from None
-    except ValueError:
-        return  # builtins without a signature: trust them
-
-
 def load_custom_reward(path: str) -> RewardFn:
-    fn = load_dotted(path, "custom_rm_path")
-    check_signature(fn, path, "custom_rm_path", "args, sample) -> float")
-    return fn
+    """The user reward at dotted `path`, checked to take `(args, sample)`; ValueError otherwise."""
+    return load_callable(path, kind="custom_rm_path", params="args, sample")
 
 
 def validate_reward_spec(rm_type: str | None, custom_rm_path: str | None) -> None:
