@@ -1,13 +1,16 @@
 """Turning buffered prompt groups into one train batch with exact per-adapter accounting.
 
-`BatchCollector.collect(rollout_id)` is the body of `RolloutManager.generate`
-(DESIGN §8). It acts on one controller snapshot (adapter state only changes between
-generate calls), then:
+`BatchCollector.collect(rollout_id, snapshot)` is the body of
+`RolloutManager.generate` (DESIGN §8). It acts on one controller snapshot (adapter
+state only changes between generate calls), then:
 
-1. drops the buffers of adapters no longer sampleable or re-registered;
+1. discards the buffers of adapters no longer sampleable;
 2. pops round robin across adapters (the cursor persists across batches), one
    multiple of `min_groups_per_dp_split` per turn, never beyond an adapter's remaining
-   groups for its current step, after dropping stale and foreign groups;
+   groups for its current step. Before each look at a buffer, `_drop_unusable` drops
+   (and counts, per adapter and `DropReason`) stale groups and foreign ones (stamped
+   with another registration of the name, e.g. stragglers of a re-registered adapter):
+   the one place groups are dropped;
 3. stops at `global_batch_size` samples, or when a non-empty batch made no progress for
    `max_coalesce_wait_s`, or when no adapter can contribute any more; with nothing
    after `max_empty_wait_s` it raises `EmptyBatchTimeoutError`;
@@ -31,7 +34,15 @@ from typing import Any, Protocol
 from miles.rollout.buffers import AdapterBuffers
 from miles.utils.adapter_config import min_groups_per_dp_split
 from miles.utils.arguments import MilesConfig
-from miles.utils.types import AdapterRun, PromptGroup, RolloutBatch
+from miles.utils.types import (
+    AdapterRolloutStats,
+    AdapterRun,
+    DropReason,
+    MultiLoRASnapshot,
+    PromptGroup,
+    RolloutBatch,
+    RolloutStats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -119,41 +130,35 @@ class BatchCollector:
         self.producer = producer
         self.clock = clock or MonotonicClock()
         self._rotation: deque[str] = deque()
-        self._registrations: dict[str, str] = {}
-        self._stale_drops: Counter[str] = Counter()
-        self._foreign_drops: Counter[str] = Counter()
+        self.drops: Counter[tuple[str, DropReason]] = Counter()
+        """Groups dropped per (adapter, reason) since the last batch was returned."""
 
-    async def collect(self, rollout_id: int) -> RolloutBatch:
+    async def collect(self, rollout_id: int, snapshot: MultiLoRASnapshot | None = None) -> RolloutBatch:
+        """One batch for `rollout_id`. `snapshot` is the driver's snapshot of this
+        iteration, taken after its weight push (versions and accumulated groups only
+        change through the driver, so it is exact); without one the controller is asked."""
         started = self.clock.now()
         self.producer.raise_if_failed()
-        snapshot = await self.controller.snapshot.remote()
+        if snapshot is None:
+            snapshot = await self.controller.snapshot.remote()
         adapters = snapshot.sampleable
         self._sync_adapters(adapters)
+        for run in adapters.values():
+            self._drop_unusable(run)
         batch = await self._fill(adapters, started)
         step_names = sorted(
             name for name, count in batch.per_adapter.items() if count == remaining_groups(adapters[name])
         )
-        result = self._assemble(rollout_id, batch, step_names, adapters)
+        per_adapter, stats = self._stats(batch, adapters, self.clock.now() - started)
         await self.controller.record_batch_adapters.remote(rollout_id, dict(batch.per_adapter), step_names)
-        result.metrics.update(self._metrics(batch, adapters, self.clock.now() - started))
-        return result
+        return self._assemble(rollout_id, batch, step_names, per_adapter, stats)
 
     def _sync_adapters(self, adapters: dict[str, AdapterRun]) -> None:
-        """Forget retired adapters and re-registered names; keep the cursor's order."""
+        """Forget the buffers of adapters no longer sampleable; keep the cursor's order."""
         for name in self.buffers.names():
             if name not in adapters:
                 dropped = self.buffers.discard(name)
                 logger.info("Adapter %r is no longer sampleable; dropped %d buffered groups", name, dropped)
-        for name in list(self._registrations):
-            if name not in adapters:
-                del self._registrations[name]
-        for name, run in adapters.items():
-            previous = self._registrations.get(name)
-            if previous is not None and previous != run.registration_id:
-                dropped = self.buffers.get(name).drop_where(lambda g, r=run: g.registration_id != r.registration_id)
-                logger.warning("Adapter %r was re-registered; dropped %d groups of its previous registration",
-                               name, len(dropped))
-            self._registrations[name] = run.registration_id
         self._rotation = deque(name for name in self._rotation if name in adapters)
         self._rotation.extend(sorted(set(adapters) - set(self._rotation)))
 
@@ -213,18 +218,26 @@ class BatchCollector:
         return True
 
     def _drop_unusable(self, run: AdapterRun) -> None:
-        buffer = self.buffers.get(run.name)
-        foreign = buffer.drop_where(lambda g: g.registration_id != run.registration_id)
-        if foreign:
-            self._foreign_drops[run.name] += len(foreign)
-            logger.warning("Dropped %d groups of a previous registration of %r", len(foreign), run.name)
+        """Drop and count the groups of `run`'s buffer that must never be trained on."""
         max_staleness = self.config.max_weight_staleness
-        if max_staleness is not None:
-            stale = buffer.drop_where(lambda g: run.version - g.version > max_staleness)
-            self._stale_drops[run.name] += len(stale)
 
-    def _assemble(self, rollout_id: int, batch: _Batch, step_names: list[str],
-                  adapters: dict[str, AdapterRun]) -> RolloutBatch:
+        def reason(group: PromptGroup) -> DropReason | None:
+            if group.registration_id != run.registration_id:
+                return DropReason.FOREIGN
+            if max_staleness is not None and run.version - group.version > max_staleness:
+                return DropReason.STALE
+            return None
+
+        dropped = Counter(reason(g) for g in self.buffers.get(run.name).drop_where(lambda g: reason(g) is not None))
+        for why, count in dropped.items():
+            self.drops[run.name, why] += count
+        if dropped[DropReason.FOREIGN]:
+            logger.warning("Adapter %r: dropped %d groups of a previous registration", run.name,
+                           dropped[DropReason.FOREIGN])
+
+    @staticmethod
+    def _assemble(rollout_id: int, batch: _Batch, step_names: list[str],
+                  per_adapter: dict[str, AdapterRolloutStats], stats: RolloutStats) -> RolloutBatch:
         groups = sorted(batch.groups, key=lambda g: (g.slot, g.samples[0].group_index))
         samples = [s for g in groups for s in sorted(g.samples, key=lambda s: s.index)]
         return RolloutBatch(
@@ -233,27 +246,34 @@ class BatchCollector:
             prompt_group_sizes=[len(g.samples) for g in groups],
             groups_per_adapter=dict(batch.per_adapter),
             step_names=step_names,
+            per_adapter=per_adapter,
+            stats=stats,
         )
 
-    def _metrics(self, batch: _Batch, adapters: dict[str, AdapterRun], wait_s: float) -> dict[str, float]:
+    def _stats(self, batch: _Batch, adapters: dict[str, AdapterRun],
+               wait_s: float) -> tuple[dict[str, AdapterRolloutStats], RolloutStats]:
+        """This batch's numbers; the drop counts restart with the next batch."""
         queues = self.buffers.queue_lengths()
-        metrics: dict[str, float] = {
-            "perf/rollout/batch_wait_time": wait_s,
-            "perf/rollout/batch_n_adapters": float(len(batch.per_adapter)),
-            "perf/rollout/batch_n_groups": float(len(batch.groups)),
-            "perf/rollout/batch_n_samples": float(batch.n_samples),
-            "perf/rollout/queue_length": float(sum(queues.values())),
-            "perf/rollout/stale_dropped": float(sum(self._stale_drops.values())),
-        }
+        per_adapter = {}
         for name in adapters:
-            metrics[f"{name}/perf/queue_length"] = float(queues.get(name, 0))
-            metrics[f"{name}/perf/stale_dropped"] = float(self._stale_drops.get(name, 0))
-            metrics[f"{name}/perf/foreign_dropped"] = float(self._foreign_drops.get(name, 0))
-        for name in batch.per_adapter:
             samples = [s for g in batch.groups if g.adapter == name for s in g.samples]
-            metrics[f"{name}/raw_reward_mean"] = statistics.fmean(s.reward for s in samples)
-            metrics[f"{name}/response_len_mean"] = statistics.fmean(len(s.response_ids) for s in samples)
-            metrics[f"{name}/perf/batch_groups"] = float(batch.per_adapter[name])
-        self._stale_drops.clear()
-        self._foreign_drops.clear()
-        return metrics
+            per_adapter[name] = AdapterRolloutStats(
+                groups=batch.per_adapter[name],
+                raw_reward_mean=statistics.fmean(s.reward for s in samples) if samples else None,
+                response_len_mean=statistics.fmean(len(s.response_ids) for s in samples) if samples else None,
+                queue_length=queues.get(name, 0),
+                dropped={why: self.drops[name, why] for why in DropReason},
+            )
+        totals: Counter[DropReason] = Counter()
+        for (_, why), count in self.drops.items():
+            totals[why] += count
+        stats = RolloutStats(
+            batch_wait_time=wait_s,
+            batch_n_adapters=len(batch.per_adapter),
+            batch_n_groups=len(batch.groups),
+            batch_n_samples=batch.n_samples,
+            queue_length=sum(queues.values()),
+            dropped={why: totals[why] for why in DropReason},
+        )
+        self.drops.clear()
+        return per_adapter, stats

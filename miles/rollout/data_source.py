@@ -1,10 +1,15 @@
-"""Per-adapter prompt datasets: reading jsonl/json/parquet files and streaming samples.
+"""Per-adapter prompt streams: what the producer draws its prompts from.
 
-`validate_dataset(path, input_key, label_key)` runs when an adapter registers, so a bad
-file is a 400 at the control plane; `AdapterDataset` is what the producer draws prompts
-from (seeded shuffle per adapter, wrapping around epochs).
+`MultiLoRADataSource` loads each live adapter's dataset in the background (files are
+read and checked by `miles.rollout.datasets`), streams its rows in a seeded order that
+wraps around epochs (`AdapterDataset`), and turns a row into a tokenized `PromptItem`.
+Where a stream stands is a `DataPosition`, saved with checkpoints and restored on resume:
 
-    rows = validate_dataset("data/gsm8k.jsonl", "text", "label")
+    source = MultiLoRADataSource(DataSourceConfig(seed=1, apply_chat_template=False,
+                                                  default_rm_type=None), tokenizer)
+    source.sync(snapshot)                    # start loading new registrations
+    item = source.next_prompt(run)           # once source.ready(run)
+    positions = source.positions()           # {"a": DataPosition(epoch=0, index=1)}
 """
 
 from __future__ import annotations
@@ -14,100 +19,14 @@ import json
 import logging
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from miles.rollout.datasets import check_rows, read_rows, validate_dataset  # noqa: F401 (re-exported)
 from miles.rollout.rewards import RewardSpec
 from miles.utils.arguments import MilesConfig
-from miles.utils.types import AdapterRun, MultiLoRASnapshot, Sample
+from miles.utils.types import AdapterRun, DataPosition, MultiLoRASnapshot, Sample
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
-
-
-def read_rows(path: str) -> list[dict[str, Any]]:
-    """All rows of a jsonl, json (a list of objects) or parquet file; ValueError if bad."""
-    file = Path(path)
-    suffix = file.suffix.lower()
-    if suffix not in SUPPORTED_EXTENSIONS:
-        raise ValueError(f"dataset {path}: unsupported extension {suffix or '(none)'!r}; use one of jsonl, json, parquet")
-    if not file.is_file():
-        raise ValueError(f"dataset {path}: no such file")
-    try:
-        rows = _READERS[suffix](file)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"dataset {path}: cannot be read ({exc})") from exc
-    for number, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise ValueError(f"dataset {path}: row {number} is a {type(row).__name__}, expected an object")
-    return rows
-
-
-def _read_jsonl(file: Path) -> list[Any]:
-    rows = []
-    with file.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"line {line_number} is not valid JSON: {exc}") from exc
-    return rows
-
-
-def _read_json(file: Path) -> list[Any]:
-    data = json.loads(file.read_text(encoding="utf-8"))
-    if not isinstance(data, list):
-        raise ValueError(f"expected a JSON list of rows, got a {type(data).__name__}")
-    return data
-
-
-def _read_parquet(file: Path) -> list[Any]:
-    import pyarrow.parquet as pq
-    from pyarrow import ArrowException
-
-    try:
-        return pq.read_table(file).to_pylist()
-    except ArrowException as exc:
-        raise ValueError(str(exc)) from exc
-
-
-_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
-
-
-def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
-
-
-def check_rows(rows: list[dict[str, Any]], path: str, input_key: str, label_key: str | None) -> None:
-    """ValueError naming the first missing key (and the keys the rows do have) or the
-    first prompt that is neither a string nor a list of chat messages."""
-    required = [input_key] + ([label_key] if label_key is not None else [])
-    for number, row in enumerate(rows):
-        for key in required:
-            if key not in row:
-                kind = "input_key" if key == input_key else "label_key"
-                raise ValueError(
-                    f"dataset {path}: row {number} has no {kind} {key!r}; "
-                    f"keys present: {sorted(row)}. Set {kind} in the adapter config to one of them"
-                )
-        prompt = row[input_key]
-        if not isinstance(prompt, str) and not _is_messages(prompt):
-            raise ValueError(
-                f"dataset {path}: row {number}: {input_key!r} must be a string or a list of "
-                f"{{'role', 'content'}} messages, got {type(prompt).__name__}"
-            )
-
-
-def validate_dataset(path: str, input_key: str, label_key: str | None) -> int:
-    """Read and check a dataset at registration; returns its row count."""
-    rows = read_rows(path)
-    if not rows:
-        raise ValueError(f"dataset {path}: empty, it needs at least one row")
-    check_rows(rows, path, input_key, label_key)
-    return len(rows)
 
 
 @dataclass(frozen=True)
@@ -135,29 +54,60 @@ class PromptItem:
 
 
 class AdapterDataset:
-    """One adapter's rows in a seeded order, reshuffled at every epoch; never runs out."""
+    """One adapter's rows in a seeded order, reshuffled at every epoch; never runs out.
+
+    The order of epoch `e` is a shuffle seeded by `(seed, e)` alone, so a
+    `DataPosition(epoch, index)` is enough to continue the stream exactly: `seek` there
+    and the next rows are the ones an uninterrupted stream would have given.
+    """
 
     def __init__(self, rows: list[dict[str, Any]], seed: str) -> None:
         if not rows:
             raise ValueError("an adapter dataset needs at least one row")
         self.rows = rows
-        self._rng = random.Random(seed)
-        self._order: list[int] = []
-        self._position = 0
-        self.epoch = -1
-        self.served = 0
+        self.seed = seed
+        self.epoch = 0
+        self._order = self._epoch_order(0)
+        self._index = 0
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    @property
+    def served(self) -> int:
+        """Prompts handed out since the stream's start (epoch 0, index 0)."""
+        return self.epoch * len(self.rows) + self._index
 
     def next_row(self) -> tuple[int, dict[str, Any]]:
         """(stream index, row); wraps to a new shuffled epoch after the last row."""
-        if self._position == len(self._order):
-            self._order = list(range(len(self.rows)))
-            self._rng.shuffle(self._order)
-            self._position = 0
+        if self._index == len(self._order):
             self.epoch += 1
-        row = self.rows[self._order[self._position]]
-        self._position += 1
-        self.served += 1
-        return self.served - 1, row
+            self._order = self._epoch_order(self.epoch)
+            self._index = 0
+        stream_index = self.served
+        row = self.rows[self._order[self._index]]
+        self._index += 1
+        return stream_index, row
+
+    def position(self) -> DataPosition:
+        """Where the next `next_row` reads: the next row not yet handed out."""
+        if self._index == len(self._order):
+            return DataPosition(epoch=self.epoch + 1, index=0)
+        return DataPosition(epoch=self.epoch, index=self._index)
+
+    def seek(self, position: DataPosition) -> None:
+        """Continue from `position`. An index past the end (the file shrank since the
+        position was saved) starts the next epoch."""
+        epoch, index = position.epoch, position.index
+        if index >= len(self.rows):
+            logger.warning("Data position %s is past the %d rows of the dataset; starting epoch %d",
+                           position, len(self.rows), epoch + 1)
+            epoch, index = epoch + 1, 0
+        self.epoch = epoch
+        self._order = self._epoch_order(epoch)
+        self._index = index
 
 
 @dataclass(frozen=True)
@@ -183,30 +133,50 @@ class MultiLoRADataSource:
     """The datasets of every live adapter, loaded in the background as adapters appear.
 
     `sync(snapshot)` starts loading (off the event loop) the dataset of every live
-    adapter not loaded for its current registration and forgets the others; once
-    loaded, `controller.resolve_num_step(name, rows)` is called. A dataset that fails
-    to load disables that registration only (logged), never the other adapters.
+    adapter not loaded for its current registration and forgets the others. A dataset
+    that fails to load disables that registration only (logged), never the other
+    adapters. `num_step` is not this class's business: the controller fixed it when the
+    adapter registered.
+
+    Data positions (for resume): `positions()` says, per adapter, where its stream
+    continues: the next prompt not yet handed to generation. Prompts already handed
+    out (in flight, buffered, or in a batch not yet trained) are past the position, so
+    a resume from it does not replay them: at most about one step of prompts
+    (`--rollout-buffer-steps` x `rollout_batch_size` groups) is skipped, and none is
+    repeated. `restore(name, registration_id, position)` continues a registration's
+    stream from a saved position; it is honoured whether the dataset is loaded yet or
+    not, as long as no prompt of that registration was drawn (it is meant for PENDING
+    adapters, which the producer does not sample).
     """
 
-    def __init__(self, config: DataSourceConfig, tokenizer: Any, controller: Any) -> None:
+    def __init__(self, config: DataSourceConfig, tokenizer: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.controller = controller
         self._loaded: dict[str, _Loaded] = {}
         self._loading: dict[str, tuple[str, asyncio.Task[None]]] = {}
+        self._restores: dict[str, tuple[str, DataPosition]] = {}
+        """name -> (registration id, position) to seek to once that registration's dataset loads."""
+        self._left: dict[str, tuple[str, DataPosition]] = {}
+        """name -> (registration id, last position) of datasets forgotten because their
+        adapter stopped being live (its final save still wants the position)."""
         self.failed: dict[str, str] = {}
         """registration id -> why its dataset could not be used."""
 
     def sync(self, snapshot: MultiLoRASnapshot) -> None:
         live = snapshot.live
-        for name in [n for n, loaded in self._loaded.items()
-                     if n not in live or live[n].registration_id != loaded.registration_id]:
-            del self._loaded[name]
+        for name, loaded in list(self._loaded.items()):
+            run = live.get(name)
+            if run is None:
+                self._left[name] = (loaded.registration_id, loaded.dataset.position())
+            if run is None or run.registration_id != loaded.registration_id:
+                del self._loaded[name]
         for name, (registration_id, task) in list(self._loading.items()):
             if name not in live or live[name].registration_id != registration_id:
                 task.cancel()
                 del self._loading[name]
         for name, run in live.items():
+            if name in self._left and self._left[name][0] != run.registration_id:
+                del self._left[name]
             if self.ready(run) or name in self._loading or run.registration_id in self.failed:
                 continue
             task = asyncio.create_task(self._load(run), name=f"load-dataset-{name}")
@@ -223,7 +193,6 @@ class MultiLoRADataSource:
             if not rows:
                 raise ValueError(f"dataset {cfg.data}: empty, it needs at least one row")
             check_rows(rows, cfg.data, cfg.input_key, cfg.label_key)
-            await self.controller.resolve_num_step.remote(run.name, len(rows))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one adapter's bad data must not stop the others
@@ -233,8 +202,32 @@ class MultiLoRADataSource:
         finally:
             if self._loading.get(run.name, ("",))[0] == run.registration_id:
                 del self._loading[run.name]
-        self._loaded[run.name] = _Loaded(run.registration_id, AdapterDataset(rows, f"{self.config.seed}:{run.name}"))
-        logger.info("Adapter %r: loaded %d rows from %s", run.name, len(rows), cfg.data)
+        dataset = AdapterDataset(rows, f"{self.config.seed}:{run.name}")
+        restore = self._restores.pop(run.name, None)
+        if restore is not None and restore[0] == run.registration_id:
+            dataset.seek(restore[1])
+        self._loaded[run.name] = _Loaded(run.registration_id, dataset)
+        self._left.pop(run.name, None)
+        logger.info("Adapter %r: loaded %d rows from %s, continuing at %s", run.name, len(rows), cfg.data,
+                    dataset.position())
+
+    def restore(self, name: str, registration_id: str, position: DataPosition) -> None:
+        """Continue registration `registration_id` of `name` from `position` (see the class doc)."""
+        loaded = self._loaded.get(name)
+        if loaded is not None and loaded.registration_id == registration_id:
+            loaded.dataset.seek(position)
+        else:  # applied when this registration's dataset has loaded
+            self._restores[name] = (registration_id, position)
+        logger.info("Adapter %r: data stream continues at %s", name, position)
+
+    def positions(self) -> dict[str, DataPosition]:
+        """Per adapter, where its stream continues. A loaded dataset says where it is; a
+        registration still loading, its pending restore; an adapter no longer live,
+        where its stream stopped."""
+        positions = {name: position for name, (_, position) in self._left.items()}
+        positions.update({name: position for name, (_, position) in self._restores.items()})
+        positions.update({name: loaded.dataset.position() for name, loaded in self._loaded.items()})
+        return positions
 
     def next_prompt(self, run: AdapterRun) -> PromptItem:
         """The adapter's next prompt, tokenized (the dataset must be `ready`)."""

@@ -2,7 +2,8 @@
 
     manager = RolloutManager.options(name="miles_rollout_manager").remote(cfg)
     await manager.start.remote(controller)        # engines + router, then the producer
-    batch = await manager.generate.remote(rollout_id)   # a RolloutBatch
+    batch = await manager.generate.remote(rollout_id, snapshot)   # a RolloutBatch
+    positions = await manager.data_positions.remote()             # {adapter: DataPosition}
     await manager.dispose.remote()                 # producer, engines, router; idempotent
 
 `RolloutManager` is the Ray actor (`num_cpus=0`: it only waits on I/O);
@@ -13,6 +14,7 @@ the actor's one event loop, so the per-adapter buffers need no lock.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -23,7 +25,7 @@ from miles.rollout.collection import BatchCollector, CollectionConfig
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
 from miles.rollout.producer import ProducerConfig, RolloutProducer
 from miles.utils.arguments import MilesConfig
-from miles.utils.types import RolloutBatch
+from miles.utils.types import DataPosition, MultiLoRASnapshot, RolloutBatch
 
 logger = logging.getLogger(__name__)
 
@@ -42,27 +44,27 @@ class LocalRolloutManager:
         self._fleet: Any = None
         self._producer: RolloutProducer | None = None
         self._collector: BatchCollector | None = None
+        self._source: MultiLoRADataSource | None = None
         self._disposed = False
 
-    async def start(self, controller: Any = None) -> str:
-        """Launch engines and router, then the producer; returns the router URL."""
+    async def start(self, controller: Any) -> str:
+        """Launch engines and router, then the producer; returns the router URL.
+
+        `controller` is the controller actor handle (anything whose `snapshot` and
+        `record_batch_adapters` have an awaitable `.remote()`)."""
         from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
 
         if self._disposed:
             raise RolloutNotStartedError("this rollout manager was disposed; create a new one")
         if self._fleet is not None:
             return self._fleet.router_url
-        if controller is None:
-            from miles.controller.actor import get_multi_lora_controller
-
-            controller = get_multi_lora_controller()
         tokenizer = await asyncio.to_thread(_load_tokenizer, self.cfg.hf_checkpoint)
         self._fleet = await EngineFleet.start(EngineFleetConfig.from_config(self.cfg))
         buffers = AdapterBuffers()
-        source = MultiLoRADataSource(DataSourceConfig.from_config(self.cfg), tokenizer, controller)
+        self._source = MultiLoRADataSource(DataSourceConfig.from_config(self.cfg), tokenizer)
         self._producer = RolloutProducer(
             ProducerConfig.from_config(self.cfg), router_url=self._fleet.router_url, controller=controller,
-            data_source=source, buffers=buffers, lora_name=self._fleet.lora_name, reward_args=self.cfg,
+            data_source=self._source, buffers=buffers, lora_name=self._fleet.lora_name, reward_args=self.cfg,
         )
         self._collector = BatchCollector(CollectionConfig.from_config(self.cfg), buffers, controller,
                                          self._producer)
@@ -71,13 +73,35 @@ class LocalRolloutManager:
                     self._fleet.router_url)
         return self._fleet.router_url
 
-    async def generate(self, rollout_id: int) -> RolloutBatch:
-        """One train batch (raises `EmptyBatchTimeoutError` when nothing arrives in time)."""
+    async def generate(self, rollout_id: int, snapshot: MultiLoRASnapshot | None = None) -> RolloutBatch:
+        """One train batch (raises `EmptyBatchTimeoutError` when nothing arrives in time).
+
+        `snapshot`: the driver's snapshot of this iteration, taken after its weight push;
+        without it the controller's current one is read."""
         if self._collector is None or self._producer is None:
             raise RolloutNotStartedError("call start() before generate()")
-        batch = await self._collector.collect(rollout_id)
-        batch.metrics.update(self._producer.metrics())
+        batch = await self._collector.collect(rollout_id, snapshot)
+        counts = self._producer.generation_counts
+        batch.per_adapter = {name: dataclasses.replace(stats, generation=counts(name))
+                             for name, stats in batch.per_adapter.items()}
+        batch.stats = dataclasses.replace(batch.stats, generation=counts())
         return batch
+
+    def data_positions(self) -> dict[str, DataPosition]:
+        """Adapter name -> where its prompt stream continues: the next prompt not yet
+        handed to generation. Prompts handed out but not trained by the time of a save
+        are not replayed on resume (see `MultiLoRADataSource`)."""
+        if self._source is None:
+            raise RolloutNotStartedError("call start() before asking for data positions")
+        return self._source.positions()
+
+    def restore_data_position(self, name: str, registration_id: str, position: DataPosition) -> None:
+        """Continue registration `registration_id` of `name` from `position`: the next
+        prompt it generates for is the one an uninterrupted run would have drawn next.
+        Call it after registration and before the adapter becomes sampleable (PENDING)."""
+        if self._source is None:
+            raise RolloutNotStartedError("call start() before restoring a data position")
+        self._source.restore(name, registration_id, position)
 
     def get_router_address(self) -> str:
         if self._fleet is None:
@@ -99,7 +123,7 @@ class LocalRolloutManager:
             await self._producer.stop()
         if self._fleet is not None:
             await self._fleet.shutdown()
-        self._producer = self._collector = self._fleet = None
+        self._producer = self._collector = self._fleet = self._source = None
         logger.info("Rollout manager disposed")
 
 

@@ -32,11 +32,12 @@ import aiohttp
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import MultiLoRADataSource, PromptItem
 from miles.rollout.rewards import compute_reward
-from miles.rollout.rewards.registry import check_signature, load_dotted
+from miles.utils.plugins import load_callable
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import (
     AdapterRun,
     GenerateResponse,
+    GenerationCounts,
     MultiLoRASnapshot,
     PromptGroup,
     Sample,
@@ -95,9 +96,7 @@ class ProducerConfig:
 
 
 def load_dynamic_filter(path: str) -> DynamicFilter:
-    fn = load_dotted(path, "--dynamic-sampling-filter-path")
-    check_signature(fn, path, "--dynamic-sampling-filter-path", "args, samples) -> bool")
-    return fn
+    return load_callable(path, kind="--dynamic-sampling-filter-path", params="args, samples")
 
 
 def make_http_client() -> aiohttp.ClientSession:
@@ -298,18 +297,20 @@ class RolloutProducer:
         sample.status = _STATUS[out.meta_info.finish_reason.type]
         sample.rollout_logprobs = [float(lp) for lp, _, _ in (out.meta_info.output_token_logprobs or [])]
 
-    def metrics(self) -> dict[str, float]:
-        """Producer counters and buffer overflow drops, cumulative since start."""
-        metrics: dict[str, float] = {}
-        for (name, event), value in self.counts.items():
-            metrics[f"{name}/perf/groups_{event}"] = float(value)
-            metrics[f"perf/rollout/groups_{event}"] = metrics.get(f"perf/rollout/groups_{event}", 0.0) + value
-        for name, value in self.in_flight.items():
-            metrics[f"{name}/perf/in_flight"] = float(value)
-        metrics["perf/rollout/overflow_dropped"] = float(sum(self.buffers.overflow_drops.values()))
-        for name, count in self.buffers.overflow_drops.items():
-            metrics[f"{name}/perf/overflow_dropped"] = float(count)
-        return metrics
+    def generation_counts(self, adapter: str | None = None) -> GenerationCounts:
+        """One adapter's counters (all adapters' together when `adapter` is None)."""
+        def total(counter: Counter[str]) -> int:
+            return sum(n for name, n in counter.items() if adapter in (None, name))
+
+        return GenerationCounts(
+            submitted=self.count("submitted", adapter),
+            produced=self.count("produced", adapter),
+            aborted=self.count("aborted", adapter),
+            filtered=self.count("filtered", adapter),
+            failed=self.count("failed", adapter),
+            in_flight=total(self.in_flight),
+            overflow_dropped=total(self.buffers.overflow_drops),
+        )
 
 
 async def _maybe_await(value: Any) -> Any:

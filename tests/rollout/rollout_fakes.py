@@ -27,20 +27,14 @@ class FakeController:
     def __init__(self, snapshot: MultiLoRASnapshot | None = None) -> None:
         self.current = snapshot or MultiLoRASnapshot()
         self.records: list[tuple[int, dict[str, int], list[str]]] = []
-        self.resolved: list[tuple[str, int]] = []
         self.snapshot = FakeMethod(self._snapshot)
         self.record_batch_adapters = FakeMethod(self._record)
-        self.resolve_num_step = FakeMethod(self._resolve)
 
     async def _snapshot(self) -> MultiLoRASnapshot:
         return self.current
 
     async def _record(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
         self.records.append((rollout_id, dict(groups), list(step_names)))
-
-    async def _resolve(self, name: str, rows: int) -> int:
-        self.resolved.append((name, rows))
-        return rows
 
 
 class FakeClock:

@@ -7,6 +7,7 @@ from rollout_fakes import FakeClock, FakeController, FakeProducer, active, make_
 
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.collection import BatchCollector, CollectionConfig, EmptyBatchTimeoutError
+from miles.utils.types import DropReason
 
 
 def collector(controller, *, target: int, dp: int = 1, staleness: int | None = None,
@@ -151,8 +152,10 @@ async def test_stale_groups_are_dropped_and_counted():
         buffers.put(make_group(a, index, version=version))
     batch = await c.collect(0)
     assert sorted(s.group_index for s in batch.samples) == [1, 2]
-    assert batch.metrics["a/perf/stale_dropped"] == 2.0
-    assert batch.metrics["perf/rollout/stale_dropped"] == 2.0
+    assert batch.per_adapter["a"].dropped == {DropReason.STALE: 2, DropReason.FOREIGN: 0}
+    assert batch.stats.dropped[DropReason.STALE] == 2
+    assert batch.stats.to_metrics()["perf/rollout/stale_dropped"] == 2.0
+    assert batch.per_adapter["a"].to_metrics()["perf/stale_dropped"] == 2.0
 
 
 async def test_empty_timeout_raises():
@@ -178,7 +181,10 @@ async def test_reregistration_drops_old_buffer_and_stragglers():
     batch = await c.collect(1)
     assert [(s.slot, s.group_index) for s in batch.samples] == [(2, 0), (2, 5)]
     assert len(buffers.get("a")) == 0
-    assert batch.metrics["a/perf/foreign_dropped"] == 1.0
+    # Every group of the old registration is dropped and counted: the one left in the
+    # buffer when the re-registration is first seen, and the straggler that arrives later.
+    assert batch.per_adapter["a"].dropped[DropReason.FOREIGN] == 2
+    assert batch.stats.dropped == {DropReason.STALE: 0, DropReason.FOREIGN: 2}
 
 
 async def test_dead_producer_raises_immediately_chained_from_the_cause():
@@ -216,6 +222,44 @@ async def test_samples_ordered_by_slot_group_and_index_with_metrics():
         (3, 2, 0), (3, 2, 1), (3, 5, 0), (3, 5, 1),
     ]
     assert batch.prompt_group_sizes == [3, 3, 2, 2]
-    assert batch.metrics["a/raw_reward_mean"] == 0.5
-    assert batch.metrics["b/response_len_mean"] == 2.0  # responses of 1, 2, 3 tokens
-    assert batch.metrics["perf/rollout/batch_n_samples"] == 10.0
+    assert batch.per_adapter["a"].raw_reward_mean == 0.5
+    assert batch.per_adapter["b"].response_len_mean == 2.0  # responses of 1, 2, 3 tokens
+    assert (batch.per_adapter["a"].groups, batch.per_adapter["b"].groups) == (2, 2)
+    assert batch.stats.batch_n_samples == 10 and batch.stats.batch_n_groups == 4
+
+
+async def test_stale_and_foreign_drops_are_counted_per_adapter_and_reason_then_reset():
+    """Both ways a group becomes unusable (too old, other registration), found when the
+    batch starts and while it waits, counted once each and reported with the next batch."""
+    a = make_run("a", 0, version=4, registration_id="r2")
+    b = make_run("b", 1, version=4)
+    c, buffers, clock, _ = collector(FakeController(active(a, b)), target=100, staleness=1, coalesce=0.2)
+    buffers.put(make_group(a, 0, version=4, registration_id="r1"))  # foreign, buffered before collect
+    buffers.put(make_group(a, 1, version=2))                        # stale, buffered before collect
+    buffers.put(make_group(b, 0, version=1))                        # stale, of the other adapter
+    fill(buffers, a, [2])                                           # usable
+    fill(buffers, b, [1])                                           # usable
+    clock.at(0.05, lambda: buffers.put(make_group(a, 3, version=4, registration_id="r1")))  # foreign straggler
+    clock.at(0.1, lambda: buffers.put(make_group(a, 4, version=1)))  # stale arrival
+    clock.at(0.1, lambda: fill(buffers, a, [5]))                     # usable arrival
+    batch = await c.collect(0)
+    assert [(s.adapter, s.group_index) for s in batch.samples] == [("a", 2), ("a", 5), ("b", 1)]
+    assert batch.per_adapter["a"].dropped == {DropReason.STALE: 2, DropReason.FOREIGN: 2}
+    assert batch.per_adapter["b"].dropped == {DropReason.STALE: 1, DropReason.FOREIGN: 0}
+    assert batch.stats.dropped == {DropReason.STALE: 3, DropReason.FOREIGN: 2}
+    assert batch.per_adapter["a"].to_metrics()["perf/foreign_dropped"] == 2.0
+    assert all(len(buffers.get(name)) == 0 for name in "ab")
+    fill(buffers, a, [6])
+    batch = await c.collect(1)  # counts are per batch
+    assert batch.per_adapter["a"].dropped == {DropReason.STALE: 0, DropReason.FOREIGN: 0}
+    assert batch.stats.dropped == {DropReason.STALE: 0, DropReason.FOREIGN: 0}
+
+
+async def test_a_snapshot_passed_in_is_used_instead_of_reading_the_controller():
+    a = make_run("a", 0)
+    controller = FakeController(active())  # the controller's own view has no adapter
+    c, buffers, _, _ = collector(controller, target=2)
+    fill(buffers, a, range(2))
+    batch = await c.collect(0, active(a))
+    assert batch.groups_per_adapter == {"a": 2}
+    assert controller.records == [(0, {"a": 2}, [])]

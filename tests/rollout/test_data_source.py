@@ -1,5 +1,6 @@
 """Per-adapter datasets: file formats and registration checks, background loading,
-seeded epochs, chat templates, merged metadata, and isolation of a broken dataset."""
+seeded epochs, data positions that resume a stream exactly, chat templates, merged
+metadata, and isolation of a broken dataset."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from rollout_fakes import FakeController, make_run
+from rollout_fakes import make_run
 
-from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource, read_rows, validate_dataset
-from miles.rollout.rewards import get_reward_fn
 from miles.recipes.tiny_model import build_char_tokenizer
-from miles.utils.types import MultiLoRASnapshot
+from miles.rollout.data_source import AdapterDataset, DataSourceConfig, MultiLoRADataSource
+from miles.rollout.datasets import read_rows, validate_dataset
+from miles.rollout.rewards import get_reward_fn
+from miles.utils.types import DataPosition, MultiLoRASnapshot
 
 ROWS = [{"text": f"q{i}", "label": i, "metadata": {"k": i, "shared": "row"}} for i in range(5)]
 
@@ -64,10 +66,10 @@ def test_registration_errors_say_what_to_fix(tmp_path, files):
         validate_dataset(str(tmp_path / "num.jsonl"), "text", None)
 
 
-def data_source(controller, *, seed=1, chat=False):
+def data_source(*, seed=1, chat=False):
     tokenizer = build_char_tokenizer()
     return MultiLoRADataSource(DataSourceConfig(seed=seed, apply_chat_template=chat, default_rm_type="exact"),
-                               tokenizer, controller), tokenizer
+                               tokenizer), tokenizer
 
 
 async def wait_ready(source, runs, timeout=10.0):
@@ -81,11 +83,9 @@ async def wait_ready(source, runs, timeout=10.0):
 async def test_samples_carry_adapter_label_merged_metadata_and_reward(files):
     run = make_run("a", 3, data=files["jsonl"], input_key="text", label_key="label", metadata_key="metadata",
                    metadata={"shared": "adapter", "task": "t"}, rm_type="math")
-    controller = FakeController()
-    source, tokenizer = data_source(controller)
+    source, tokenizer = data_source()
     source.sync(MultiLoRASnapshot(active={"a": run}))
     await wait_ready(source, [run])
-    assert controller.resolved == [("a", 5)]
     item = source.next_prompt(run)
     i = int(item.prompt[1:])
     assert (item.adapter, item.slot, item.group_index, item.label) == ("a", 3, 0, str(i))
@@ -100,7 +100,7 @@ async def test_epochs_wrap_in_a_seeded_order(files):
     run = make_run("a", 0, data=files["jsonl"], input_key="text", label_key="label")
     orders = []
     for _ in range(2):
-        source, _ = data_source(FakeController(), seed=7)
+        source, _ = data_source(seed=7)
         source.sync(MultiLoRASnapshot(active={"a": run}))
         await wait_ready(source, [run])
         orders.append([source.next_prompt(run) for _ in range(15)])
@@ -115,7 +115,7 @@ async def test_epochs_wrap_in_a_seeded_order(files):
 async def test_chat_messages_get_the_template(tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "2+2?"}], "label": "4"}])
     run = make_run("a", 0, data=path, input_key="messages", label_key="label")
-    source, tokenizer = data_source(FakeController())
+    source, tokenizer = data_source()
     source.sync(MultiLoRASnapshot(active={"a": run}))
     await wait_ready(source, [run])
     item = source.next_prompt(run)
@@ -126,7 +126,7 @@ async def test_chat_messages_get_the_template(tmp_path):
 async def test_broken_dataset_disables_only_its_adapter(tmp_path, files):
     good = make_run("good", 0, data=files["jsonl"], input_key="text", label_key="label")
     bad = make_run("bad", 1, data=str(tmp_path / "gone.jsonl"), input_key="text", label_key="label")
-    source, _ = data_source(FakeController())
+    source, _ = data_source()
     source.sync(MultiLoRASnapshot(active={"good": good, "bad": bad}))
     await wait_ready(source, [good])
     for _ in range(100):
@@ -141,8 +141,7 @@ async def test_broken_dataset_disables_only_its_adapter(tmp_path, files):
 
 async def test_reregistration_reloads_and_retired_adapters_are_forgotten(tmp_path, files):
     run = make_run("a", 0, data=files["jsonl"], input_key="text", label_key="label")
-    controller = FakeController()
-    source, _ = data_source(controller)
+    source, _ = data_source()
     source.sync(MultiLoRASnapshot(active={"a": run}))
     await wait_ready(source, [run])
     source.sync(MultiLoRASnapshot())
@@ -152,6 +151,89 @@ async def test_reregistration_reloads_and_retired_adapters_are_forgotten(tmp_pat
                                 registration_id="second")
     source.sync(MultiLoRASnapshot(pending={"a": again}))
     await wait_ready(source, [again])
-    assert controller.resolved == [("a", 5), ("a", 1)]
     assert source.next_prompt(again).prompt == "x"
+    assert source.positions() == {"a": DataPosition(epoch=1, index=0)}  # the new file has one row
     await source.close()
+
+
+def test_an_epochs_order_depends_only_on_seed_and_epoch():
+    rows = [{"i": i} for i in range(7)]
+    one, other = AdapterDataset(rows, "1:a"), AdapterDataset(rows, "1:a")
+    stream = [one.next_row()[1]["i"] for _ in range(3 * 7)]
+    other.seek(DataPosition(epoch=2, index=0))  # straight to epoch 2, no epochs 0 and 1 drawn
+    assert [other.next_row()[1]["i"] for _ in range(7)] == stream[14:]
+    assert AdapterDataset(rows, "1:b")._epoch_order(0) != one._epoch_order(0)  # per adapter
+    assert one._epoch_order(0) != one._epoch_order(1)
+
+
+@pytest.mark.parametrize("consumed", [0, 3, 5, 12])
+async def test_restored_position_continues_exactly_where_the_stream_stopped(files, consumed):
+    """Consume k prompts, take the position, build a fresh data source (as after a
+    restart), restore: the next prompts are those an uninterrupted source gives."""
+    run = make_run("a", 0, data=files["jsonl"], input_key="text", label_key="label")
+    snapshot = MultiLoRASnapshot(active={"a": run})
+    uninterrupted, _ = data_source(seed=3)
+    uninterrupted.sync(snapshot)
+    await wait_ready(uninterrupted, [run])
+    expected = [uninterrupted.next_prompt(run) for _ in range(consumed + 8)]
+
+    first, _ = data_source(seed=3)
+    first.sync(snapshot)
+    await wait_ready(first, [run])
+    for _ in range(consumed):
+        first.next_prompt(run)
+    position = first.positions()["a"]
+    assert position == DataPosition(epoch=consumed // 5, index=consumed % 5)
+    saved = json.loads(json.dumps(position.to_dict()))  # as trainer_state.json holds it
+    await first.close()
+
+    resumed, _ = data_source(seed=3)
+    resumed.restore("a", run.registration_id, DataPosition.from_dict(saved))  # before the dataset loads
+    assert resumed.positions() == {"a": position}
+    resumed.sync(MultiLoRASnapshot(pending={"a": run}))  # registered, not sampleable yet
+    await wait_ready(resumed, [run])
+    resumed.sync(snapshot)
+    got = [resumed.next_prompt(run) for _ in range(8)]
+    assert [(i.prompt, i.label, i.group_index) for i in got] == \
+        [(i.prompt, i.label, i.group_index) for i in expected[consumed:]]
+
+
+async def test_restore_after_the_dataset_loaded_and_for_another_registration(files):
+    run = make_run("a", 0, data=files["jsonl"], input_key="text", label_key="label")
+    source, _ = data_source(seed=3)
+    source.sync(MultiLoRASnapshot(pending={"a": run}))
+    await wait_ready(source, [run])
+    source.restore("a", "some-other-registration", DataPosition(epoch=4, index=1))
+    assert source.positions()["a"] == DataPosition(epoch=0, index=0)  # not this registration's
+    source.restore("a", run.registration_id, DataPosition(epoch=1, index=4))
+    assert source.positions()["a"] == DataPosition(epoch=1, index=4)
+    item = source.next_prompt(run)
+    assert item.group_index == 9
+    assert source.positions()["a"] == DataPosition(epoch=2, index=0)
+
+
+async def test_position_of_an_adapter_that_left_is_kept_until_its_name_is_registered_again(files):
+    run = make_run("a", 0, data=files["jsonl"], input_key="text", label_key="label")
+    source, _ = data_source()
+    source.sync(MultiLoRASnapshot(active={"a": run}))
+    await wait_ready(source, [run])
+    for _ in range(2):
+        source.next_prompt(run)
+    source.sync(MultiLoRASnapshot())  # retired: its final save still asks where it stopped
+    assert source.positions() == {"a": DataPosition(epoch=0, index=2)}
+    again = dataclasses.replace(run, registration_id="second")
+    source.sync(MultiLoRASnapshot(pending={"a": again}))
+    assert source.positions() == {}  # the old registration's position is not the new one's
+    await wait_ready(source, [again])
+    assert source.positions() == {"a": DataPosition(epoch=0, index=0)}
+    await source.close()
+
+
+def test_data_position_round_trips_and_rejects_bad_input():
+    assert DataPosition.from_dict(DataPosition(3, 7).to_dict()) == DataPosition(epoch=3, index=7)
+    for bad in ({"epoch": 1}, {"epoch": "1", "index": 0}, {"epoch": 1, "index": True}, [1, 2],
+                {"epoch": 0, "index": 0, "row": 1}):
+        with pytest.raises(ValueError, match="a data position is"):
+            DataPosition.from_dict(bad)
+    with pytest.raises(ValueError, match="epoch >= 0"):
+        DataPosition(epoch=-1, index=0)

@@ -1,6 +1,7 @@
 """The RolloutManager actor end to end on CPU: real controller actor, builtin engine
-and router from the engine fleet, two registered adapters, one train batch with exact
-accounting, and an idempotent dispose that takes the router down."""
+and router from the engine fleet, two registered adapters (one resuming its data
+stream from a saved position), one train batch with exact accounting and typed
+per-adapter stats, and an idempotent dispose that takes the router down."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import json
 import httpx
 import pytest
 
+from miles.rollout.data_source import AdapterDataset
 from miles.utils.arguments import MilesConfig
-from miles.utils.types import engine_lora_name
+from miles.utils.types import AdapterRolloutStats, DataPosition, engine_lora_name
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +43,8 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
     from miles.rollout.manager import RolloutManager
 
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"text": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(6)))
+    rows = [{"text": f"{i}+{i}=", "label": str(2 * i)} for i in range(6)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     cfg = MilesConfig(
         hf_checkpoint=str(tiny_model_dir), device="cpu", multi_lora_n_adapters=2, lora_rank=8,
         rollout_num_engines=1, rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=8,
@@ -56,6 +59,9 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
         assert await manager.get_router_address.remote() == router
         assert len(await manager.engines.remote()) == 1
         slots = {name: await controller.register_adapter.remote(name, {"data": str(data)}) for name in ("a", "b")}
+        # a resumes its stream at row 2 of epoch 1 (stream index 8) while still PENDING.
+        registration_a = (await controller.snapshot.remote()).pending["a"].registration_id
+        await manager.restore_data_position.remote("a", registration_a, DataPosition(epoch=1, index=2))
         for url in await worker_urls(router):
             async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
                 for seed, (name, slot) in enumerate(sorted(slots.items())):
@@ -72,7 +78,19 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
         assert [(s.adapter, s.slot) for s in batch.samples] == [("a", 0)] * 4 + [("b", 1)] * 4
         assert all(len(s.rollout_logprobs) == len(s.response_ids) <= 6 for s in batch.samples)
         assert any(s.response_ids for s in batch.samples)
-        assert set(batch.metrics) >= {"a/raw_reward_mean", "b/response_len_mean", "perf/rollout/queue_length"}
+        resumed = AdapterDataset(rows, f"{cfg.seed}:a")
+        resumed.seek(DataPosition(epoch=1, index=2))
+        expected_a = [resumed.next_row() for _ in range(2)]
+        groups_a = sorted({(s.group_index, s.prompt) for s in batch.samples if s.adapter == "a"})
+        assert groups_a == [(index, row["text"]) for index, row in expected_a]
+        assert sorted({s.group_index for s in batch.samples if s.adapter == "b"}) == [0, 1]
+        assert set(batch.per_adapter) == {"a", "b"}
+        assert all(isinstance(stats, AdapterRolloutStats) and stats.groups == 2 and stats.raw_reward_mean is not None
+                   and stats.generation.produced >= 2 for stats in batch.per_adapter.values())
+        assert batch.stats.batch_n_samples == 8 and batch.stats.generation.submitted >= 4
+        positions = await manager.data_positions.remote()
+        stream_index = {name: p.epoch * len(rows) + p.index for name, p in positions.items()}
+        assert 10 <= stream_index["a"] <= 12 and 2 <= stream_index["b"] <= 4  # at most one step drawn ahead
         assert await controller.mark_batch_trained.remote(0) == ["a", "b"]
     finally:
         await manager.dispose.remote()

@@ -95,7 +95,7 @@ async def test_two_adapters_then_deregistration_aborts_only_its_requests(router_
     controller = FakeController(active(a, b))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     source = MultiLoRADataSource(DataSourceConfig(seed=0, apply_chat_template=False, default_rm_type=None),
-                                 tokenizer, controller)
+                                 tokenizer)
     # Greedy and long, so requests are still decoding when the abort arrives.
     config = ProducerConfig(max_groups_in_flight=4, max_new_tokens=48, temperature=0.0, top_p=1.0, top_k=1,
                             snapshot_poll_s=0.05)
