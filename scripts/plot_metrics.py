@@ -2,7 +2,7 @@
 
     python scripts/plot_metrics.py runs/demo/metrics.jsonl --out runs/demo/rewards.png
 
-Each adapter's `{adapter}/raw_reward_mean` is plotted against its own `{adapter}/step`.
+Each adapter's `raw_reward_mean` (from its adapter records) is plotted against its own step.
 Needs matplotlib (`pip install matplotlib`, included in the `dev` extra).
 """
 
@@ -12,19 +12,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from miles.utils.tracking import read_metrics
+from miles.utils.tracking import adapter_series, read_metrics
 
 
 def reward_curves(records: list[dict], key: str = "raw_reward_mean") -> dict[str, list[tuple[float, float]]]:
-    """adapter -> [(step, reward)] from records logged with step key `{adapter}/step`."""
-    curves: dict[str, list[tuple[float, float]]] = {}
-    for record in records:
-        for name, value in record.items():
-            adapter, _, metric = name.partition("/")
-            step = record.get(f"{adapter}/step")
-            if metric == key and step is not None:
-                curves.setdefault(adapter, []).append((step, value))
-    return curves
+    """adapter -> [(step, value)] of one per-adapter metric."""
+    return adapter_series(records, key)
 
 
 def plot(curves: dict[str, list[tuple[float, float]]], out: Path) -> None:
@@ -53,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     curves = reward_curves(read_metrics(args.metrics), args.key)
     if not curves:
-        print(f"no '{{adapter}}/{args.key}' metrics in {args.metrics}", file=sys.stderr)
+        print(f"no adapter records with '{args.key}' in {args.metrics}", file=sys.stderr)
         return 1
     out = args.out or args.metrics.with_name(f"{args.key}.png")
     plot(curves, out)

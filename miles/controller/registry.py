@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles.utils.adapter_config import AdapterConfigError, AdapterRunConfig, validate_adapter_name
-from miles.utils.types import AdapterRun, AdapterState, AdapterStatus, MultiLoRASnapshot
+from miles.utils.types import AdapterRun, AdapterState, AdapterStatus, MultiLoRASnapshot, next_slot_version
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class AdapterRegistry:
             if record is None:
                 logger.warning("Weight update recorded for adapter '%s', which holds no slot; ignored", name)
                 continue
-            self._slot_versions[record.slot] += 1
+            self._slot_versions[record.slot] = next_slot_version(self._slot_versions[record.slot])
             versions[name] = self._slot_versions[record.slot]
             if record.state is AdapterState.PENDING:
                 record.state = AdapterState.ACTIVE

@@ -1,7 +1,8 @@
 """Start and stop everything a trainer needs: Ray, the controller, engines, train ranks.
 
-Both drivers (`train_multi_lora_async`, `train_async`) call `launch()` and
-`shutdown()`; the drivers themselves hold only their loops.
+Both drivers (`train_multi_lora_async`, `train_async`) enter `trainer_run(cfg)`, which
+launches the components and, however the loop ends, saves every loaded adapter and
+stops every process; the drivers themselves hold only their loops.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import ray
 
+from miles.backends.base import TrainingBackend
+from miles.main.adapter_sync import AdapterSync
 from miles.main.progress import RunProgress
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
@@ -59,13 +62,15 @@ class Components:
     """MultiLoRAController actor handle."""
     rollout_manager: Any
     """RolloutManager actor handle."""
-    train_group: Any
-    """TrainGroup (driver-side) over the train rank actors."""
+    backend: TrainingBackend
+    """The training backend (the torch `TrainGroup` over its rank actors)."""
+    sync: AdapterSync
+    """The adapter lifecycle over the three above."""
 
 
 async def launch(cfg: MilesConfig) -> Components:
     """Controller first (it owns the adapter registry), then engines + router, then trainers."""
-    from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
+    from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig  # the one backend built here
     from miles.controller.actor import create_multilora_controller
     from miles.rollout.manager import RolloutManager
 
@@ -75,14 +80,15 @@ async def launch(cfg: MilesConfig) -> Components:
         )
     controller = create_multilora_controller(cfg, router_url=None)  # logs its URL
     rollout_manager = RolloutManager.options(name="miles_rollout_manager").remote(cfg)
-    train_group = TrainGroup(TrainGroupConfig.from_config(cfg), controller)
+    backend = TrainGroup(TrainGroupConfig.from_config(cfg))
     # Engines and train ranks load the base model in parallel.
-    await asyncio.gather(rollout_manager.start.remote(controller), train_group.start())
+    await asyncio.gather(rollout_manager.start.remote(controller), backend.start())
     router_url = await rollout_manager.get_router_address.remote()
     await controller.set_router_url.remote(router_url)
-    train_group.set_weight_receivers(await rollout_manager.engines.remote())
+    sync = AdapterSync(backend, controller, rollout_manager, save_interval=cfg.save_interval,
+                       receivers=await rollout_manager.engines.remote())
     logger.info("Router at %s", router_url)
-    return Components(controller, rollout_manager, train_group)
+    return Components(controller, rollout_manager, backend, sync)
 
 
 async def register_initial_adapters(cfg: MilesConfig, controller: Any) -> None:
@@ -93,15 +99,15 @@ async def register_initial_adapters(cfg: MilesConfig, controller: Any) -> None:
 
 
 async def shutdown(components: Components) -> None:
-    """Stop generating, save every loaded adapter, then stop the controller."""
-    logger.info("Shutting down: stopping rollout, saving adapters")
+    """Save every loaded adapter (with its data position), then stop rollout, ranks, controller."""
+    logger.info("Shutting down: saving adapters, stopping rollout")
     try:
-        await components.rollout_manager.dispose.remote()
+        await components.sync.save_all()
     finally:
         try:
-            await components.train_group.save_all()
+            await components.rollout_manager.dispose.remote()
         finally:
-            await components.train_group.shutdown()
+            await components.backend.shutdown()
             await components.controller.stop.remote()
 
 

@@ -1,8 +1,10 @@
 """What the trainer shows a person while it runs, and the table it ends with.
 
 One line per trained batch (adapters in it, their steps and rewards, stage times),
-metrics fanned out through `MetricsLogger`, and at exit a per-adapter table: reward of
-the first and last batches, steps taken, and the latest checkpoint.
+metrics fanned out through `MetricsLogger` (a loop record per rollout, an adapter record
+per adapter in the batch), and at exit a per-adapter table: reward of the first and last
+batches, steps taken, and the latest checkpoint. Steps and `num_step` are read from the
+snapshot the driver hands in; nothing is counted here.
 """
 
 from __future__ import annotations
@@ -12,21 +14,22 @@ import time
 from dataclasses import dataclass, field
 
 from miles.backends.torch.checkpoint import latest_checkpoint
-from miles.utils.tracking import MetricsLogger, split_adapter_metrics
+from miles.main.adapter_sync import TrainedBatch
+from miles.utils.tracking import MetricsLogger
 from miles.utils.types import MultiLoRASnapshot, RolloutBatch
 
 logger = logging.getLogger(__name__)
-
-REWARD_KEY = "raw_reward_mean"
 
 
 @dataclass
 class AdapterProgress:
     name: str
+    registration_id: str
     save_dir: str | None
     num_step: int | None
     step: int = 0
     rewards: list[float] = field(default_factory=list)
+    """Mean reward of each batch it had groups in (all its registrations)."""
 
 
 class RunProgress:
@@ -37,13 +40,17 @@ class RunProgress:
         self._start = time.monotonic()
 
     def declare(self, snapshot: MultiLoRASnapshot) -> None:
-        """Start tracking adapters seen for the first time (or re-registered)."""
+        """Follow the snapshot: new adapters, re-registrations (new num_step, save), steps."""
         for name, run in snapshot.live.items():
-            known = self.adapters.get(name)
-            if known is None or known.save_dir != str(run.config.save):
-                self.adapters[name] = AdapterProgress(name, str(run.config.save), run.config.num_step)
-                logger.info("Adapter %r in slot %d (save: %s)", name, run.slot, run.config.save)
-            self.adapters[name].step = run.step
+            entry = self.adapters.get(name)
+            save_dir = None if run.config.save is None else str(run.config.save)
+            if entry is None:
+                entry = self.adapters[name] = AdapterProgress(name, run.registration_id, save_dir, run.config.num_step)
+                logger.info("Adapter %r in slot %d (save: %s)", name, run.slot, save_dir)
+            elif entry.registration_id != run.registration_id:
+                logger.info("Adapter %r registered again in slot %d (save: %s)", name, run.slot, save_dir)
+            entry.registration_id, entry.save_dir, entry.num_step = run.registration_id, save_dir, run.config.num_step
+            entry.step = run.step
 
     def idle(self, poll_s: float) -> None:
         now = time.monotonic()
@@ -52,24 +59,28 @@ class RunProgress:
                         "Register one with POST /adapter_runs.", poll_s)
             self._last_idle_log = now
 
-    def record(self, rollout_id: int, rollout: RolloutBatch, train_metrics: dict[str, float],
-               stepped: list[str], perf: dict[str, float]) -> None:
-        rollout_metrics = {f"{name}/{key}": value for name, stats in rollout.per_adapter.items()
-                           for key, value in stats.to_metrics().items()}
-        merged = {**rollout.stats.to_metrics(), **rollout_metrics, **train_metrics}
-        for name in stepped:
-            if name in self.adapters:
-                self.adapters[name].step += 1
-        per_adapter, shared = split_adapter_metrics(merged, list(self.adapters))
-        for name, own in per_adapter.items():
-            if not own:
+    def record(self, rollout_id: int, rollout: RolloutBatch, trained: TrainedBatch,
+               snapshot: MultiLoRASnapshot, perf: dict[str, float]) -> None:
+        """Log one trained batch; `snapshot` is the one taken after the commit."""
+        self.declare(snapshot)
+        names = set(rollout.per_adapter) | set(trained.result.adapters) | set(trained.steps)
+        for name in sorted(names):
+            entry = self.adapters.get(name)
+            if entry is None:
                 continue
-            entry = self.adapters[name]
-            reward = own.get(f"{name}/{REWARD_KEY}")
-            if reward is not None and name in rollout.groups_per_adapter:
-                entry.rewards.append(reward)
-            self.metrics.log_adapter(name, own, step=entry.step)
-        self.metrics.log({**shared, **perf}, step=rollout_id)
+            metrics: dict[str, float] = {}
+            stats = rollout.per_adapter.get(name)
+            if stats is not None:
+                metrics.update(stats.to_metrics())
+                if stats.raw_reward_mean is not None and stats.groups > 0:
+                    entry.rewards.append(stats.raw_reward_mean)
+            if name in trained.result.adapters:
+                metrics.update(trained.result.adapters[name].to_metrics())
+            if name in trained.steps:
+                metrics.update(trained.steps[name].to_metrics())
+            self.metrics.log_adapter(name, metrics, step=entry.step)
+        loop = {**rollout.stats.to_metrics(), "perf/train_samples": float(trained.result.samples), **perf}
+        self.metrics.log_loop(loop, rollout_id=rollout_id)
         logger.info("rollout %d | %s | %s", rollout_id, self._adapters_line(rollout),
                     " ".join(f"{k.removeprefix('perf/').removesuffix('_time')}={v:.2f}s" for k, v in perf.items()))
 
@@ -122,4 +133,3 @@ def _mean_tail(values: list[float]) -> float | None:
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
-

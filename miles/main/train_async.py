@@ -14,6 +14,7 @@ a service driven by the controller's snapshots.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 from typing import Any
@@ -23,6 +24,7 @@ from miles.main.progress import RunProgress
 from miles.main.train_multi_lora_async import is_empty_batch_timeout
 from miles.utils.arguments import MilesConfig, parse_args
 from miles.utils.tracking import StageTimer
+from miles.utils.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +32,12 @@ POLICY = "policy"
 NEVER_RETIRE = 10**9
 
 
-async def generate(c: Components, rollout_id: int) -> Any:
-    """One rollout; an empty-batch timeout is retried (the engines may still be warming up)."""
+async def generate(c: Components, rollout_id: int) -> RolloutBatch:
+    """One rollout; an empty-batch timeout is retried (the engines may still be warming up).
+
+    No snapshot is handed over: this runs one rollout ahead of the loop, so the batch is
+    collected against the registry as it is when collection starts.
+    """
     while True:
         try:
             return await c.rollout_manager.generate.remote(rollout_id)
@@ -41,35 +47,43 @@ async def generate(c: Components, rollout_id: int) -> Any:
             logger.warning("No batch for rollout %d yet (%s); retrying", rollout_id, exc)
 
 
-async def push_weights(c: Components) -> None:
-    pushed = await c.train_group.update_weights()
-    if pushed:
-        await c.controller.record_weight_update.remote(pushed)
-
-
 async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progress: RunProgress) -> None:
     timer = StageTimer()
-    await c.train_group.reconcile_adapters()  # loads the policy (resuming from its checkpoint)
-    await push_weights(c)
+    snapshot = await c.controller.snapshot.remote()
+    snapshot = await c.sync.reconcile(snapshot)  # loads the policy (resuming from its checkpoint)
+    snapshot = await c.sync.update_weights(snapshot)
     next_rollout = asyncio.ensure_future(generate(c, cfg.start_rollout_id))
-    for rollout_id in range(cfg.start_rollout_id, cfg.num_rollout):
-        with timer("generate"):
-            rollout = await next_rollout
-        if rollout_id + 1 < cfg.num_rollout and not stop.is_set():
-            next_rollout = asyncio.ensure_future(generate(c, rollout_id + 1))
-        with timer("train"):
-            train_metrics = await c.train_group.train(rollout_id, rollout)
-        stepped = await c.controller.mark_batch_trained.remote(rollout_id)
-        if (rollout_id + 1) % cfg.update_weights_interval == 0:
-            with timer("update_weights"):
-                await push_weights(c)
-        with timer("save"):
-            await c.train_group.save_model(rollout_id)
-        progress.record(rollout_id, rollout, train_metrics, stepped, timer.pop_metrics())
-        if stop.is_set():
-            break
-    if not next_rollout.done():
-        next_rollout.cancel()
+    try:
+        for rollout_id in range(cfg.start_rollout_id, cfg.num_rollout):
+            with timer("generate"):
+                rollout = await next_rollout
+            if rollout_id + 1 < cfg.num_rollout and not stop.is_set():
+                next_rollout = asyncio.ensure_future(generate(c, rollout_id + 1))
+            with timer("train"):
+                trained = await c.sync.train(rollout_id, rollout)
+            with timer("commit"):
+                snapshot = await c.sync.commit(rollout_id)
+            if (rollout_id + 1) % cfg.update_weights_interval == 0:
+                with timer("update_weights"):
+                    snapshot = await c.sync.update_weights(snapshot)
+            with timer("save"):
+                await c.sync.save(snapshot)
+            progress.record(rollout_id, rollout, trained, snapshot, timer.pop_metrics())
+            if stop.is_set():
+                break
+    finally:
+        await cancel_and_wait(next_rollout)
+
+
+async def cancel_and_wait(task: asyncio.Future) -> None:
+    """Stop a prefetch that is still running and wait until it has stopped."""
+    if task.done():
+        if not task.cancelled():
+            task.exception()  # retrieved: an error here is secondary to the one ending the loop
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def policy_config(cfg: MilesConfig) -> dict[str, Any]:

@@ -3,7 +3,8 @@
     python -m miles.main.train_multi_lora_async --config configs/tiny-multi-lora.yaml
     curl -X POST localhost:8068/adapter_runs -d '{"name": "a", "yaml_path": "a.yaml"}'
 
-Every iteration acts on a snapshot of the controller's registry (DESIGN §1):
+Every iteration acts on one snapshot of the controller's registry (DESIGN §1), handed
+from stage to stage (`miles.main.adapter_sync` does the lifecycle stages):
 snapshot -> reconcile adapters with slots -> push changed LoRA weights -> generate a
 batch of whole prompt groups -> train (per-adapter accumulation and steps) -> commit
 the batch -> save on each adapter's cadence. In service mode (the default) it idles
@@ -21,6 +22,7 @@ from miles.main.progress import RunProgress
 from miles.rollout.collection import EmptyBatchTimeoutError
 from miles.utils.arguments import MilesConfig, parse_args
 from miles.utils.tracking import StageTimer
+from miles.utils.types import MultiLoRASnapshot, RolloutBatch
 
 logger = logging.getLogger(__name__)
 
@@ -47,28 +49,34 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             await sleep_unless(stop, cfg.multi_lora_idle_poll_s)
             continue
         with timer("reconcile"):
-            await c.train_group.reconcile_adapters()
+            snapshot = await c.sync.reconcile(snapshot)
         with timer("update_weights"):
-            pushed = await c.train_group.update_weights()
-            if pushed:
-                await c.controller.record_weight_update.remote(pushed)
-        if not (await c.controller.snapshot.remote()).sampleable:
+            snapshot = await c.sync.update_weights(snapshot)
+        if not snapshot.sampleable:
             continue
         with timer("generate"):
-            try:
-                rollout = await c.rollout_manager.generate.remote(rollout_id)
-            except Exception as exc:
-                if not is_empty_batch_timeout(exc):
-                    raise
-                logger.warning("No batch this round (%s); retrying", exc)
-                continue
+            rollout = await generate_or_none(c, rollout_id, snapshot)
+        if rollout is None:
+            continue
         with timer("train"):
-            train_metrics = await c.train_group.train(rollout_id, rollout)
-        stepped = await c.controller.mark_batch_trained.remote(rollout_id)
+            trained = await c.sync.train(rollout_id, rollout)
+        with timer("commit"):
+            snapshot = await c.sync.commit(rollout_id)
         with timer("save"):
-            await c.train_group.save_model(rollout_id)
-        progress.record(rollout_id, rollout, train_metrics, stepped, timer.pop_metrics())
+            await c.sync.save(snapshot)
+        progress.record(rollout_id, rollout, trained, snapshot, timer.pop_metrics())
         rollout_id += 1
+
+
+async def generate_or_none(c: Components, rollout_id: int, snapshot: MultiLoRASnapshot) -> RolloutBatch | None:
+    """One batch, or None when nothing arrived in time (the loop goes round again)."""
+    try:
+        return await c.rollout_manager.generate.remote(rollout_id, snapshot)
+    except Exception as exc:
+        if not is_empty_batch_timeout(exc):
+            raise
+        logger.warning("No batch this round (%s); retrying", exc)
+        return None
 
 
 async def main(cfg: MilesConfig) -> int:

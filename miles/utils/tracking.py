@@ -1,16 +1,26 @@
 """Metrics and stage timing for the drivers.
 
-`MetricsLogger` writes every record to `{run_dir}/metrics.jsonl` (always), to
-TensorBoard when it is installed, and to Weights & Biases with `--use-wandb`.
-Per-adapter metrics use the key prefix `{adapter}/` and are stepped on the key
-`{adapter}/step`; loop-wide ones use `perf/` and the rollout id.
+Two kinds of record, never mixed, so no adapter name can land on a loop metric:
+- loop records (`MetricsLogger.log_loop`): the loop's own metrics (`perf/...`), one per
+  rollout, stepped on the rollout id;
+- adapter records (`MetricsLogger.log_adapter`): one adapter's metrics, stepped on that
+  adapter's own step; the adapter is a field of the record, not part of a name.
+
+`{run_dir}/metrics.jsonl` (always) holds one JSON object per record:
+
+    {"kind": "loop", "rollout_id": 7, "time": ..., "metrics": {"perf/train_time": 1.2}}
+    {"kind": "adapter", "adapter": "perf", "step": 3, "time": ..., "metrics": {"raw_reward_mean": 0.5}}
+
+TensorBoard (when installed) and W&B (`--use-wandb`) need flat names: loop metrics keep
+theirs, adapter metrics become `adapters/{adapter}/{metric}` on the step key
+`adapters/{adapter}/step`; a loop metric may not start with `adapters/`.
 
 `StageTimer` names and times each stage of a loop iteration:
 
     timer = StageTimer()
     with timer("generate"):
         rollout = await manager.generate.remote(rollout_id)
-    logger.log(timer.pop_metrics(), step=rollout_id)   # {"perf/generate_time": 1.23}
+    logger.log_loop(timer.pop_metrics(), rollout_id=rollout_id)   # {"perf/generate_time": 1.23}
 """
 
 from __future__ import annotations
@@ -25,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+ADAPTER_NAMESPACE = "adapters/"
+"""Flat names of adapter metrics start with it; loop metrics never do."""
 
 
 class StageTimer:
@@ -69,6 +82,7 @@ class MetricsLogger:
         self._file = self.path.open("a", buffering=1)
         self._tb = self._open_tensorboard()
         self._wandb = self._open_wandb(wandb_project, run_name) if use_wandb else None
+        self._wandb_adapters: set[str] = set()
 
     def _open_tensorboard(self) -> Any:
         try:
@@ -85,22 +99,41 @@ class MetricsLogger:
         wandb.init(project=project or "miles-multi-lora", name=run_name, dir=str(self.run_dir))
         return wandb
 
-    def log(self, metrics: dict[str, Any], *, step: int, step_key: str = "rollout_id") -> None:
+    def log_loop(self, metrics: dict[str, Any], *, rollout_id: int) -> None:
+        """The loop's own metrics of one rollout."""
+        values = _clean(metrics)
+        clashing = sorted(k for k in values if k.startswith(ADAPTER_NAMESPACE))
+        if clashing:
+            raise ValueError(f"loop metrics may not start with {ADAPTER_NAMESPACE!r}: {clashing}")
+        if not values:
+            return
+        self._write({"kind": "loop", "rollout_id": rollout_id, "time": time.time(), "metrics": values})
+        if self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, global_step=rollout_id)
+        if self._wandb is not None:
+            self._wandb.log({**values, "rollout_id": rollout_id})
+
+    def log_adapter(self, adapter: str, metrics: dict[str, Any], *, step: int) -> None:
+        """One adapter's metrics (names without the adapter) at the adapter's step."""
         values = _clean(metrics)
         if not values:
             return
-        record = {step_key: step, "time": time.time(), **values}
-        self._file.write(json.dumps(record) + "\n")
+        self._write({"kind": "adapter", "adapter": adapter, "step": step, "time": time.time(), "metrics": values})
+        flat = {adapter_metric_name(adapter, key): value for key, value in values.items()}
         if self._tb is not None:
-            for key, value in values.items():
+            for key, value in flat.items():
                 self._tb.add_scalar(key, value, global_step=step)
         if self._wandb is not None:
-            self._wandb.log({**values, step_key: step})
+            step_key = adapter_metric_name(adapter, "step")
+            if adapter not in self._wandb_adapters:
+                self._wandb.define_metric(step_key)
+                self._wandb.define_metric(adapter_metric_name(adapter, "*"), step_metric=step_key)
+                self._wandb_adapters.add(adapter)
+            self._wandb.log({**flat, step_key: step})
 
-    def log_adapter(self, adapter: str, metrics: dict[str, Any], *, step: int) -> None:
-        """Metrics of one adapter, keyed `{adapter}/...` on the step key `{adapter}/step`."""
-        prefixed = {k if k.startswith(f"{adapter}/") else f"{adapter}/{k}": v for k, v in metrics.items()}
-        self.log(prefixed, step=step, step_key=f"{adapter}/step")
+    def _write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self._file.close()
@@ -110,20 +143,21 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def split_adapter_metrics(metrics: dict[str, float], adapters: list[str]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """Split a flat metric dict into per-adapter dicts and the rest."""
-    per_adapter: dict[str, dict[str, float]] = {name: {} for name in adapters}
-    rest: dict[str, float] = {}
-    for key, value in metrics.items():
-        head, _, tail = key.partition("/")
-        if tail and head in per_adapter:
-            per_adapter[head][key] = value
-        else:
-            rest[key] = value
-    return per_adapter, rest
+def adapter_metric_name(adapter: str, metric: str) -> str:
+    """The flat name of an adapter's metric (TensorBoard, W&B)."""
+    return f"{ADAPTER_NAMESPACE}{adapter}/{metric}"
 
 
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl (for plots and end-of-run tables)."""
     with Path(path).open() as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def adapter_series(records: list[dict[str, Any]], metric: str) -> dict[str, list[tuple[int, float]]]:
+    """adapter -> [(step, value)] of one adapter metric, from `read_metrics` records."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for record in records:
+        if record.get("kind") == "adapter" and metric in record["metrics"]:
+            series.setdefault(record["adapter"], []).append((record["step"], record["metrics"][metric]))
+    return series

@@ -10,7 +10,8 @@ at the HTTP edge); nothing is a string-keyed dict.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,6 +51,11 @@ class AdapterState(str, enum.Enum):
 def engine_lora_name(slot: int) -> str:
     """The engine-side name of a slot's LoRA (`lora_path` in SGLang requests)."""
     return f"__miles_slot_{slot}"
+
+
+def next_slot_version(version: int) -> int:
+    """The slot version a push makes of `version` (the registry's rule, used by the push too)."""
+    return version + 1
 
 
 def adapter_rid(adapter: str, unique: str) -> str:
@@ -104,6 +110,43 @@ class MultiLoRASnapshot:
     def all_adapters_cleaned_up(self) -> bool:
         """True when no adapter holds a slot any more."""
         return not (self.pending or self.active or self.retiring or self.cleanup)
+
+    # The driver changes the registry between snapshots only through the calls below;
+    # each returns the snapshot as it is after that call, built from the registry's answer.
+
+    def after_retire(self, names: list[str]) -> MultiLoRASnapshot:
+        """`retire_adapters()` answered `names`: they moved to CLEANUP."""
+        gone = set(names)
+        keep = lambda views: {n: r for n, r in views.items() if n not in gone}  # noqa: E731
+        return replace(self, pending=keep(self.pending), active=keep(self.active), retiring=keep(self.retiring),
+                       cleanup=self.cleanup | gone)
+
+    def after_free(self, names: list[str]) -> MultiLoRASnapshot:
+        """`free_slot(name)` returned a slot for each of `names`: COMPLETED."""
+        freed = set(names)
+        return replace(self, cleanup=self.cleanup - freed, completed=self.completed | freed)
+
+    def with_step(self, name: str, step: int) -> MultiLoRASnapshot:
+        """`set_adapter_step(name, step)` (a resume) was applied."""
+        return self._with_run(name, lambda run: replace(run, step=step))
+
+    def after_push(self, versions: dict[str, int]) -> MultiLoRASnapshot:
+        """`record_weight_update` answered `versions`: new slot versions, PENDING -> ACTIVE."""
+        out = self
+        for name, version in versions.items():
+            out = out._with_run(name, lambda run, v=version: replace(run, version=v))
+        promoted = {n: r for n, r in out.pending.items() if n in versions}
+        if not promoted:
+            return out
+        return replace(out, pending={n: r for n, r in out.pending.items() if n not in versions},
+                       active={**out.active, **promoted})
+
+    def _with_run(self, name: str, change: Callable[[AdapterRun], AdapterRun]) -> MultiLoRASnapshot:
+        for view in ("pending", "active", "retiring"):
+            runs: dict[str, AdapterRun] = getattr(self, view)
+            if name in runs:
+                return replace(self, **{view: {**runs, name: change(runs[name])}})
+        return self
 
 
 # --------------------------------------------------------------------------------------

@@ -21,12 +21,12 @@ def test_reward_curves_and_png(tmp_path):
     logger = MetricsLogger(tmp_path)
     for step, (a, b) in enumerate([(0.1, 0.5), (0.3, 0.4), (0.6, 0.2)]):
         logger.log_adapter("a", {"raw_reward_mean": a}, step=step)
-        logger.log_adapter("b", {"raw_reward_mean": b}, step=step)
-    logger.log({"perf/train_time": 1.0}, step=0)
+        logger.log_adapter("perf", {"raw_reward_mean": b}, step=step)  # named like the loop's metrics
+    logger.log_loop({"perf/train_time": 1.0, "perf/raw_reward_mean": 9.0}, rollout_id=0)
     logger.close()
     module = load_script()
     curves = module.reward_curves(read_metrics(tmp_path / "metrics.jsonl"))
-    assert curves == {"a": [(0, 0.1), (1, 0.3), (2, 0.6)], "b": [(0, 0.5), (1, 0.4), (2, 0.2)]}
+    assert curves == {"a": [(0, 0.1), (1, 0.3), (2, 0.6)], "perf": [(0, 0.5), (1, 0.4), (2, 0.2)]}
     out = tmp_path / "r.png"
     assert module.main([str(tmp_path / "metrics.jsonl"), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

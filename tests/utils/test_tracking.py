@@ -1,11 +1,13 @@
-"""Metrics reach metrics.jsonl with the right keys and step keys; stages are timed."""
+"""Metrics reach metrics.jsonl as typed records; adapter names never meet loop metrics."""
 
 from __future__ import annotations
 
 import math
 import time
 
-from miles.utils.tracking import MetricsLogger, StageTimer, read_metrics, split_adapter_metrics
+import pytest
+
+from miles.utils.tracking import MetricsLogger, StageTimer, adapter_metric_name, adapter_series, read_metrics
 
 
 def test_stage_timer_accumulates_and_resets():
@@ -23,22 +25,29 @@ def test_stage_timer_accumulates_and_resets():
     assert timer.pop_metrics() == {}
 
 
-def test_logger_writes_adapter_step_keys_and_drops_non_finite(tmp_path):
+def test_loop_and_adapter_records_are_separate_and_drop_non_finite(tmp_path):
     logger = MetricsLogger(tmp_path)
-    logger.log_adapter("add", {"reward_mean": 0.5, "add/grad_norm": 2.0, "bad": math.nan}, step=3)
-    logger.log({"perf/train_time": 1.5, "note": "text"}, step=7)
+    logger.log_adapter("add", {"reward_mean": 0.5, "grad_norm": 2.0, "bad": math.nan}, step=3)
+    logger.log_loop({"perf/train_time": 1.5, "note": "text"}, rollout_id=7)
+    logger.close()
+    adapter, loop = read_metrics(tmp_path / "metrics.jsonl")
+    assert adapter["kind"] == "adapter" and adapter["adapter"] == "add" and adapter["step"] == 3
+    assert adapter["metrics"] == {"reward_mean": 0.5, "grad_norm": 2.0}
+    assert loop["kind"] == "loop" and loop["rollout_id"] == 7
+    assert loop["metrics"] == {"perf/train_time": 1.5}
+
+
+def test_an_adapter_named_like_loop_metrics_cannot_collide_with_them(tmp_path):
+    logger = MetricsLogger(tmp_path)
+    logger.log_loop({"perf/train_time": 1.0, "perf/rollout/queue_length": 4.0}, rollout_id=0)
+    for name in ("perf", "rollout", "adapters"):
+        logger.log_adapter(name, {"train_time": 99.0, "rollout/queue_length": 99.0}, step=1)
     logger.close()
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert records[0]["add/step"] == 3
-    assert records[0]["add/reward_mean"] == 0.5
-    assert records[0]["add/grad_norm"] == 2.0
-    assert "add/bad" not in records[0]
-    assert records[1]["rollout_id"] == 7
-    assert records[1]["perf/train_time"] == 1.5
-    assert "note" not in records[1]
-
-
-def test_split_adapter_metrics():
-    per, rest = split_adapter_metrics({"a/x": 1.0, "b/y": 2.0, "perf/t": 3.0, "c/z": 4.0}, ["a", "b"])
-    assert per == {"a": {"a/x": 1.0}, "b": {"b/y": 2.0}}
-    assert rest == {"perf/t": 3.0, "c/z": 4.0}
+    loop = [r for r in records if r["kind"] == "loop"]
+    assert [r["metrics"] for r in loop] == [{"perf/train_time": 1.0, "perf/rollout/queue_length": 4.0}]
+    assert adapter_series(records, "train_time") == {"perf": [(1, 99.0)], "rollout": [(1, 99.0)], "adapters": [(1, 99.0)]}
+    # The flat names (TensorBoard, W&B) live under a namespace the loop may not use.
+    assert adapter_metric_name("perf", "train_time") == "adapters/perf/train_time"
+    with pytest.raises(ValueError, match="adapters/"):
+        MetricsLogger(tmp_path / "other").log_loop({"adapters/perf/train_time": 1.0}, rollout_id=0)

@@ -1,7 +1,7 @@
 """The torch training backend: frozen HF base + slot page-table LoRA + one AdamW per slot.
 
     from miles.backends.torch import TrainGroup, TrainGroupConfig
-    group = TrainGroup(TrainGroupConfig.from_config(cfg), controller)
+    group = TrainGroup(TrainGroupConfig.from_config(cfg))   # a `TrainingBackend`
     await group.start()
 
 Modules: `loss` (GRPO advantages, PPO-clip/TIS/KL), `optimizer` (per-slot AdamW),
@@ -10,20 +10,19 @@ Modules: `loss` (GRPO advantages, PPO-clip/TIS/KL), `optimizer` (per-slot AdamW)
 (one DP rank), `train_group` (the DP group the driver talks to).
 """
 
-from miles.backends.torch.actor import AdapterSpec, TorchTrainActor, TrainActorConfig
+from miles.backends.base import AdapterSpec
+from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
 from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles.backends.torch.loss import LossConfig, grpo_advantages, policy_loss
-from miles.backends.torch.train_group import ReconcileResult, TrainGroup, TrainGroupConfig, WeightReceiver
+from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
 
 __all__ = [
     "AdapterSpec",
     "LossConfig",
-    "ReconcileResult",
     "TorchTrainActor",
     "TrainActorConfig",
     "TrainGroup",
     "TrainGroupConfig",
-    "WeightReceiver",
     "grpo_advantages",
     "latest_checkpoint",
     "policy_loss",

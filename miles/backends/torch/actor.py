@@ -12,7 +12,9 @@ rank as a Ray actor; it is a plain class, so a single rank can be driven in-proc
 Every sample enters the gradient with weight 1 and a slot's gradients persist across
 train calls until that adapter steps; at step time the stepping slots' gradients are
 summed over ranks, scaled by `1 / adapter_global_batch_size`, clipped by the slot's own
-norm and applied to that slot only.
+norm and applied to that slot only. A rank counts no adapter steps (the registry owns
+them; a save is named by the step it is given); only AdamW's bias-correction count and
+the LR schedule's sample clock live here.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import datetime
 import hashlib
 import socket
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +42,14 @@ from miles.backends.lora import (
     peft_adapter_config,
     use_slots,
 )
+from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult
 from miles.backends.torch.batching import MicroBatch, make_micro_batches, next_token_logprobs, response_logprobs
 from miles.backends.torch.checkpoint import OptimizerState, TrainerState, read_checkpoint, write_checkpoint
 from miles.backends.torch.loss import LossConfig, policy_loss
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW
 from miles.utils.arguments import MilesConfig
-from miles.utils.types import AdapterRun, Sample
+from miles.utils.types import DataPosition, Sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -90,38 +93,8 @@ class TrainActorConfig:
         )
 
 
-@dataclass(frozen=True)
-class AdapterSpec:
-    """One adapter as a train rank sees it: its slot, LoRA shape and optimizer settings."""
-
-    name: str
-    slot: int
-    rank: int
-    alpha: float
-    global_batch_size: int
-    """rollout_batch_size * n_samples_per_prompt: the gradient is divided by it at step."""
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    lr_decay_style: str = "constant"
-    lr_warmup_steps: int = 0
-    num_step: int | None = None
-    registration_id: str = ""
-    save_dir: str | None = None
-
-    @classmethod
-    def from_run(cls, run: AdapterRun) -> AdapterSpec:
-        cfg = run.config
-        return cls(
-            name=run.name, slot=run.slot, rank=cfg.rank, alpha=float(cfg.alpha),
-            global_batch_size=cfg.rollout_batch_size * cfg.n_samples_per_prompt,
-            lr=cfg.lr, weight_decay=cfg.weight_decay, lr_decay_style=cfg.lr_decay_style,
-            lr_warmup_steps=cfg.lr_warmup_steps, num_step=cfg.num_step,
-            registration_id=run.registration_id, save_dir=None if cfg.save is None else str(cfg.save),
-        )
-
-
 @dataclass
-class AdapterTrainStats:
+class LossSums:
     """Sums over one rank's samples of one adapter; `TrainGroup` adds ranks and divides."""
 
     loss_sum: float = 0.0
@@ -131,23 +104,17 @@ class AdapterTrainStats:
     kl_sum: float = 0.0
     tis_sum: float = 0.0
 
-
-@dataclass(frozen=True)
-class AdapterStepStats:
-    grad_norm: float
-    """Norm of the scaled gradient before clipping."""
-    lr: float
-    step: int
-    """The adapter's step count after this step."""
+    def __add__(self, other: LossSums) -> LossSums:
+        return LossSums(
+            self.loss_sum + other.loss_sum, self.samples + other.samples, self.clipped_tokens + other.clipped_tokens,
+            self.tokens + other.tokens, self.kl_sum + other.kl_sum, self.tis_sum + other.tis_sum,
+        )
 
 
 @dataclass
 class _Loaded:
     spec: AdapterSpec
     schedule: LRSchedule
-    step: int
-    start_step: int
-    """Step at load time: `num_step` counts from here."""
 
 
 def adapter_seed(seed: int, name: str) -> int:
@@ -216,23 +183,24 @@ class TorchTrainActor:
 
     # ---- adapters in slots ----------------------------------------------------------
 
-    def load_adapter(self, spec: AdapterSpec, checkpoint: str | None = None) -> int:
+    def load_adapter(self, spec: AdapterSpec, checkpoint: str | None = None) -> LoadResult:
         """Put an adapter into its slot, fresh (A seeded by seed and name, B zero) or resumed
-        from a checkpoint directory; returns its step (0 when fresh)."""
+        from a checkpoint directory; says which step and data position it resumed at."""
         self._check_free(spec)
         self.optimizer.reset_slot(spec.slot)
         schedule = self._new_schedule(spec)
-        step = 0
+        result = LoadResult()
         if checkpoint is None:
             generator = torch.Generator().manual_seed(adapter_seed(self.config.seed, spec.name))
             init_slot(self.model, spec.slot, rank=spec.rank, alpha=spec.alpha, generator=generator)
         else:
-            step, schedule = self._resume(spec, Path(checkpoint), schedule)
+            result, schedule = self._resume(spec, Path(checkpoint), schedule)
         self.optimizer.configure_slot(spec.slot, rank=spec.rank, lr=spec.lr, weight_decay=spec.weight_decay)
         if spec.num_step is not None:
-            schedule.total_steps = step + spec.num_step
-        self.adapters[spec.name] = _Loaded(spec=spec, schedule=schedule, step=step, start_step=step)
-        return step
+            # `num_step` counts from the step this registration starts at.
+            schedule.total_steps = result.step + spec.num_step
+        self.adapters[spec.name] = _Loaded(spec=spec, schedule=schedule)
+        return result
 
     def _check_free(self, spec: AdapterSpec) -> None:
         if spec.name in self.adapters:
@@ -249,7 +217,7 @@ class TorchTrainActor:
             warmup_steps=spec.lr_warmup_steps, min_lr=self.config.min_lr,
         )
 
-    def _resume(self, spec: AdapterSpec, path: Path, fresh: LRSchedule) -> tuple[int, LRSchedule]:
+    def _resume(self, spec: AdapterSpec, path: Path, fresh: LRSchedule) -> tuple[LoadResult, LRSchedule]:
         ckpt = read_checkpoint(path)
         if ckpt.trainer_state.rank != spec.rank or abs(ckpt.trainer_state.alpha - spec.alpha) > 1e-6:
             raise ValueError(
@@ -264,7 +232,12 @@ class TorchTrainActor:
         # The clock comes from the checkpoint; the schedule's settings from today's config.
         saved = LRSchedule.from_state_dict(ckpt.scheduler)
         schedule = replace(fresh, samples_seen=saved.samples_seen, samples_at_last_step=saved.samples_at_last_step)
-        return ckpt.trainer_state.step, schedule
+        position = ckpt.trainer_state.data_position
+        result = LoadResult(
+            checkpoint=path, step=ckpt.trainer_state.step,
+            data_position=None if position is None else DataPosition.from_dict(position),
+        )
+        return result, schedule
 
     def _pad_moments(self, tensors: dict[str, Tensor], spec: AdapterSpec, path: Path) -> list[Tensor]:
         out = []
@@ -278,12 +251,6 @@ class TorchTrainActor:
             region.copy_(tensors[name])
             out.append(full)
         return out
-
-    def set_num_step(self, name: str, num_step: int | None) -> None:
-        """The adapter's `num_step` became known: decaying schedules end `num_step` steps after load."""
-        loaded = self._loaded(name)
-        loaded.spec = replace(loaded.spec, num_step=num_step)
-        loaded.schedule.total_steps = None if num_step is None else loaded.start_step + num_step
 
     def cleanup_adapter(self, name: str) -> None:
         """Empty the adapter's slot: weights, moments, step counter, retained grads, schedule."""
@@ -304,7 +271,7 @@ class TorchTrainActor:
 
     def train(
         self, samples: Sequence[Sample], advantages: Sequence[float], samples_per_adapter: dict[str, int]
-    ) -> dict[str, dict[str, float]]:
+    ) -> dict[str, LossSums]:
         """Forward and backward this rank's samples (gradients accumulate per slot).
 
         `samples_per_adapter` counts each adapter's samples in the whole (all-rank)
@@ -316,7 +283,7 @@ class TorchTrainActor:
                 raise ValueError(f"sample of adapter '{sample.adapter}' names slot {sample.slot}, but the adapter is in slot {loaded.spec.slot}")
         for name in samples_per_adapter:
             self._loaded(name)
-        stats: dict[str, AdapterTrainStats] = {}
+        stats: dict[str, LossSums] = {}
         batches = make_micro_batches(
             samples, advantages, self.config.micro_batch_size, need_rollout_logprobs=self.config.loss.use_tis
         )
@@ -324,7 +291,7 @@ class TorchTrainActor:
             self._train_micro_batch(batch.to(self.device), stats)
         for name, n in samples_per_adapter.items():
             self.adapters[name].schedule.add_samples(n)
-        return {name: asdict(s) for name, s in stats.items()}
+        return stats
 
     def _forward_logprobs(self, batch: MicroBatch, slots: list[int]) -> Tensor:
         with use_slots(self.model, slots):
@@ -333,7 +300,7 @@ class TorchTrainActor:
             ).logits
         return next_token_logprobs(logits, batch.input_ids_BL)
 
-    def _train_micro_batch(self, batch: MicroBatch, stats: dict[str, AdapterTrainStats]) -> None:
+    def _train_micro_batch(self, batch: MicroBatch, stats: dict[str, LossSums]) -> None:
         loss_cfg = self.config.loss
         ref = None
         if loss_cfg.kl_coef > 0:
@@ -348,7 +315,7 @@ class TorchTrainActor:
         rows = zip(batch.adapters, out.loss_B.tolist(), out.clipped_tokens_B.tolist(), out.tokens_B.tolist(),
                    out.kl_B.tolist(), out.tis_B.tolist())
         for adapter, loss, clipped, tokens, kl, tis in rows:
-            s = stats.setdefault(adapter, AdapterTrainStats())
+            s = stats.setdefault(adapter, LossSums())
             s.loss_sum += loss
             s.samples += 1
             s.clipped_tokens += clipped
@@ -356,7 +323,7 @@ class TorchTrainActor:
             s.kl_sum += kl
             s.tis_sum += tis
 
-    def step_adapters(self, names: Sequence[str]) -> dict[str, dict[str, float]]:
+    def step_adapters(self, names: Sequence[str]) -> dict[str, AdapterStepStats]:
         """Optimizer step of the given adapters only; every rank must call it with the same names."""
         names = sorted(names)
         loaded = [self._loaded(name) for name in names]
@@ -370,8 +337,7 @@ class TorchTrainActor:
             lr = a.schedule.begin_step()
             self.optimizer.step_slot(slot, lr)
             self.optimizer.zero_slot_grad(slot)
-            a.step += 1
-            out[a.spec.name] = asdict(AdapterStepStats(grad_norm=grad_norm, lr=lr, step=a.step))
+            out[a.spec.name] = AdapterStepStats(grad_norm=grad_norm, lr=lr)
         return out
 
     def _all_reduce_slot_grads(self, slots: list[int]) -> None:
@@ -419,24 +385,24 @@ class TorchTrainActor:
         hyper = {"lr": spec.lr, "weight_decay": spec.weight_decay, "betas": list(self.optimizer.betas), "eps": self.optimizer.eps}
         return OptimizerState(exp_avg=sliced(exp_avg), exp_avg_sq=sliced(exp_avg_sq), step=step, hyper=hyper)
 
-    def adapter_step(self, name: str) -> int:
-        return self._loaded(name).step
-
     def schedule_state(self, name: str) -> dict[str, Any]:
         return self._loaded(name).schedule.state_dict()
 
-    def save_adapter(self, name: str, data_position: dict[str, Any] | None = None) -> str:
-        """Write `{save}/checkpoints/step_{step}` for the adapter; returns its path."""
+    def save_adapter(self, name: str, step: int, data_position: DataPosition | None = None) -> str:
+        """Write `{save}/checkpoints/step_{step}` for the adapter; returns its path.
+
+        `step` is the adapter's step as the registry counts it; this rank keeps none.
+        """
         a = self._loaded(name)
         spec = a.spec
         if spec.save_dir is None:
             raise ValueError(f"adapter '{name}' has no save directory: set 'save' in its config or --save")
         state = TrainerState(
-            name=name, step=a.step, registration_id=spec.registration_id, rank=spec.rank, alpha=spec.alpha,
-            data_position=data_position,
+            name=name, step=step, registration_id=spec.registration_id, rank=spec.rank, alpha=spec.alpha,
+            data_position=None if data_position is None else data_position.to_dict(),
         )
         path = write_checkpoint(
-            spec.save_dir, a.step,
+            spec.save_dir, step,
             write_adapter=lambda p: export_peft_adapter(self.model, spec.slot, p, rank=spec.rank, alpha=spec.alpha),
             optimizer=self.optimizer_state(name), scheduler=a.schedule.state_dict(), trainer_state=state,
         )

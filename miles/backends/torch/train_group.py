@@ -1,21 +1,19 @@
-"""The data-parallel group of torch train actors, driven from the trainer's event loop.
+"""The torch training backend: a data-parallel group of train actors behind the contract.
 
-`TrainGroup` lives in the driver process and owns N `TorchTrainActor` Ray actors (one
-per DP rank, torch.distributed over gloo on CPU or nccl on GPU). One driver iteration
-calls, in this order (DESIGN §1):
+`TrainGroup` implements `miles.backends.base.TrainingBackend`. It lives in the driver
+process and owns N `TorchTrainActor` Ray actors (one per DP rank, torch.distributed
+over gloo on CPU or nccl on GPU):
 
-    group = TrainGroup(TrainGroupConfig.from_config(cfg), controller)
+    group = TrainGroup(TrainGroupConfig.from_config(cfg))
     await group.start()
-    await group.reconcile_adapters()       # retire, clean up, load (resume) adapters
-    pushed = await group.update_weights()  # stale adapters -> every weight receiver
-    await group.train(rollout_id, rollout)
-    await group.save_model(rollout_id)     # per-adapter `step % save_interval == 0`
-    ...
-    await group.save_all(); await group.shutdown()
+    await group.load_adapter(spec)                  # every rank; resumes from a checkpoint
+    result = await group.train(rollout_id, batch)   # groups split whole over the ranks
+    await group.step_adapters(batch.step_names)
+    export = await group.export_adapter(name)       # rank 0's tensors, for a weight push
+    await group.save_adapter(SaveRequest(name, step)); await group.shutdown()
 
-`controller` is the controller actor handle; this class calls its `snapshot`,
-`retire_adapters`, `free_slot` and `set_adapter_step`. Weight receivers (the engine
-actors) expose `load_lora(lora_name, version, peft_config, tensors)`.
+It never calls the controller: which adapters to load, push and save, and under which
+step, is decided by `miles.main.adapter_sync`.
 """
 
 from __future__ import annotations
@@ -23,29 +21,28 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from miles.backends.torch.actor import AdapterSpec, TorchTrainActor, TrainActorConfig
+from miles.backends.base import (
+    AdapterSpec,
+    AdapterStepStats,
+    AdapterTrainStats,
+    LoadResult,
+    LoraExport,
+    SaveRequest,
+    TrainResult,
+)
+from miles.backends.torch.actor import LossSums, TorchTrainActor, TrainActorConfig
 from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.backends.torch.loss import grpo_advantages
 from miles.utils.arguments import MilesConfig
-from miles.utils.types import MultiLoRASnapshot, RolloutBatch, engine_lora_name
+from miles.utils.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
-
-
-class WeightReceiver(Protocol):
-    """What a weight push targets (an engine actor handle in production).
-
-    Called as `receiver.load_lora.remote(lora_name, version, peft_config, tensors_ref)`;
-    Ray resolves the top-level ObjectRef, so the receiver gets the `{PEFT name: tensor}`
-    dict (rank-sliced LoRA tensors only, never base weights).
-    """
-
-    def load_lora(self, lora_name: str, version: int, peft_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +50,6 @@ class TrainGroupConfig:
     actor: TrainActorConfig
     n_workers: int = 1
     """Data-parallel ranks (`--actor-num-workers`)."""
-    save_interval: int | None = None
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 0.0
     master_host: str = "127.0.0.1"
@@ -67,30 +63,8 @@ class TrainGroupConfig:
     def from_config(cls, cfg: MilesConfig) -> TrainGroupConfig:
         actor = TrainActorConfig.from_config(cfg)
         return cls(
-            actor=actor, n_workers=cfg.actor_num_workers, save_interval=cfg.save_interval,
-            num_gpus_per_worker=1.0 if actor.device == "cuda" else 0.0,
+            actor=actor, n_workers=cfg.actor_num_workers, num_gpus_per_worker=1.0 if actor.device == "cuda" else 0.0,
         )
-
-
-@dataclass
-class _Entry:
-    spec: AdapterSpec
-    step: int
-    saved_step: int
-    """Step of the last checkpoint written or loaded (no second save at the same step)."""
-    stale: bool = True
-    """Engines do not serve the current weights yet (newly loaded or stepped since the last push)."""
-
-
-@dataclass(frozen=True)
-class ReconcileResult:
-    retired: list[str] = field(default_factory=list)
-    """Adapters the controller moved from RETIRING to CLEANUP."""
-    cleaned: list[str] = field(default_factory=list)
-    """Adapters whose slot was cleared (and freed on the controller)."""
-    loaded: list[str] = field(default_factory=list)
-    resumed: dict[str, int] = field(default_factory=dict)
-    """Loaded adapters that resumed from a checkpoint, with their step."""
 
 
 def split_prompt_groups(group_sizes: Sequence[int], n_ranks: int) -> list[list[int]]:
@@ -108,12 +82,13 @@ def split_prompt_groups(group_sizes: Sequence[int], n_ranks: int) -> list[list[i
 
 
 class TrainGroup:
-    def __init__(self, config: TrainGroupConfig, controller: Any) -> None:
+    """The torch `TrainingBackend`: N `TorchTrainActor` ranks driven as one."""
+
+    def __init__(self, config: TrainGroupConfig) -> None:
         self.config = config
-        self.controller = controller
         self._actors: list[Any] = []
-        self._receivers: list[Any] = []
-        self._adapters: dict[str, _Entry] = {}
+        self._specs: dict[str, AdapterSpec] = {}
+        """Loaded adapters (what every rank holds)."""
 
     @property
     def actors(self) -> list[Any]:
@@ -122,10 +97,7 @@ class TrainGroup:
     @property
     def loaded_adapters(self) -> dict[str, int]:
         """Loaded adapters and their slots."""
-        return {name: entry.spec.slot for name, entry in self._adapters.items()}
-
-    def adapter_step(self, name: str) -> int:
-        return self._adapters[name].step
+        return {name: spec.slot for name, spec in self._specs.items()}
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
         return await asyncio.gather(*(getattr(actor, method).remote(*args) for actor in self._actors))
@@ -147,149 +119,59 @@ class TrainGroup:
             await self._all("init_process_group", address)
         logger.info("Started %d torch train rank(s)", n)
 
-    def set_weight_receivers(self, handles: Sequence[Any]) -> None:
-        self._receivers = list(handles)
+    # ---- adapters in slots -------------------------------------------------------------
 
-    # ---- reconcile -------------------------------------------------------------------
+    async def load_adapter(self, spec: AdapterSpec) -> LoadResult:
+        """Every rank loads the adapter, from its latest complete checkpoint if any."""
+        checkpoint = latest_checkpoint(spec.save_dir) if spec.save_dir else None
+        results = await self._all("load_adapter", spec, None if checkpoint is None else str(checkpoint))
+        self._specs[spec.name] = spec
+        return results[0]
 
-    async def reconcile_adapters(self) -> ReconcileResult:
-        """Retire, clean up and load so the trainer holds exactly the live adapters."""
-        retired = await self.controller.retire_adapters.remote()
-        snapshot: MultiLoRASnapshot = await self.controller.snapshot.remote()
-        cleaned = await self._cleanup_gone(snapshot)
-        loaded, resumed = await self._load_new(snapshot)
-        return ReconcileResult(retired=list(retired), cleaned=cleaned, loaded=loaded, resumed=resumed)
-
-    async def _cleanup_gone(self, snapshot: MultiLoRASnapshot) -> list[str]:
-        live = snapshot.live
-        cleaned = []
-        for name in sorted(self._adapters):
-            run = live.get(name)
-            if run is not None and run.registration_id == self._adapters[name].spec.registration_id:
-                continue
-            await self._cleanup(name)
-            if name in snapshot.cleanup:
-                await self.controller.free_slot.remote(name)
-            cleaned.append(name)
-        for name in sorted(snapshot.cleanup - set(cleaned)):
-            await self.controller.free_slot.remote(name)  # never loaded here: nothing to save
-            cleaned.append(name)
-        return cleaned
-
-    async def _cleanup(self, name: str) -> None:
-        """Final checkpoint, then empty the slot on every rank (weights, moments, grads, schedule)."""
-        await self._save(name)
+    async def cleanup_adapter(self, name: str) -> None:
         await self._all("cleanup_adapter", name)
-        del self._adapters[name]
-        logger.info("Adapter '%s' cleaned up", name)
+        del self._specs[name]
 
-    async def _load_new(self, snapshot: MultiLoRASnapshot) -> tuple[list[str], dict[str, int]]:
-        loaded, resumed = [], {}
-        for name, run in sorted(snapshot.live.items()):
-            spec = AdapterSpec.from_run(run)
-            if name in self._adapters:
-                await self._refresh_num_step(name, spec.num_step)
-                continue
-            checkpoint = latest_checkpoint(spec.save_dir) if spec.save_dir else None
-            steps = await self._all("load_adapter", spec, None if checkpoint is None else str(checkpoint))
-            step = steps[0]
-            if checkpoint is not None:
-                await self.controller.set_adapter_step.remote(name, step)
-                resumed[name] = step
-                logger.info("Adapter '%s' resumed from %s (step %d)", name, checkpoint, step)
-            self._adapters[name] = _Entry(spec=spec, step=step, saved_step=step)
-            loaded.append(name)
-        return loaded, resumed
-
-    async def _refresh_num_step(self, name: str, num_step: int | None) -> None:
-        entry = self._adapters[name]
-        if num_step != entry.spec.num_step:
-            await self._all("set_num_step", name, num_step)
-            entry.spec = replace(entry.spec, num_step=num_step)
-
-    # ---- weight push -----------------------------------------------------------------
-
-    async def update_weights(self) -> list[str]:
-        """Push the stale adapters to every receiver; returns the names pushed.
-
-        Rank 0 exports each adapter once; its result sits in the object store once and
-        every receiver reads it from there. The version sent is the adapter's current
-        slot version + 1, i.e. what `record_weight_update` will make it.
-        """
-        stale = sorted(name for name, entry in self._adapters.items() if entry.stale)
-        if not stale:
-            return []
-        live = (await self.controller.snapshot.remote()).live
-        names = [name for name in stale if name in live]
-        calls = []
-        if self._receivers:
-            for name in names:
-                tensors_ref = self._actors[0].export_adapter.remote(name)
-                peft_config = await self._actors[0].peft_config.remote(name)
-                lora_name, version = engine_lora_name(live[name].slot), live[name].version + 1
-                calls += [r.load_lora.remote(lora_name, version, peft_config, tensors_ref) for r in self._receivers]
-        await asyncio.gather(*calls)
-        for name in names:
-            self._adapters[name].stale = False
-        return names
+    async def export_adapter(self, name: str) -> LoraExport:
+        """Rank 0 exports once; the tensors stay in the object store for every engine."""
+        tensors_ref = self._actors[0].export_adapter.remote(name)
+        peft_config = await self._actors[0].peft_config.remote(name)
+        return LoraExport(peft_config=peft_config, tensors=tensors_ref)
 
     # ---- training --------------------------------------------------------------------
 
-    async def train(self, rollout_id: int, rollout: RolloutBatch) -> dict[str, float]:
-        """Advantages over whole groups, split groups over ranks, backward, step `step_names`."""
-        samples = rollout.samples
+    async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
+        """Advantages over whole groups, groups split over ranks, forward and backward."""
+        samples = batch.samples
         if not samples:
-            return {}
-        missing = sorted({s.adapter for s in samples} - set(self._adapters))
+            return TrainResult()
+        missing = sorted({s.adapter for s in samples} - set(self._specs))
         if missing:
             raise RuntimeError(f"rollout {rollout_id} has samples of adapters not loaded on the trainer: {missing}; "
-                               "reconcile_adapters must run before generation")
-        advantages = grpo_advantages(torch.tensor([s.reward for s in samples]), rollout.prompt_group_sizes).tolist()
+                               "adapters must be loaded before generation")
+        advantages = grpo_advantages(torch.tensor([s.reward for s in samples]), batch.prompt_group_sizes).tolist()
         counts: dict[str, int] = {}
         for sample in samples:
             counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
-        parts = split_prompt_groups(rollout.prompt_group_sizes, len(self._actors))
-        per_rank = await asyncio.gather(*(
+        parts = split_prompt_groups(batch.prompt_group_sizes, len(self._actors))
+        per_rank: list[dict[str, LossSums]] = await asyncio.gather(*(
             actor.train.remote([samples[i] for i in part], [advantages[i] for i in part], counts)
             for actor, part in zip(self._actors, parts)
         ))
-        step_names = sorted(set(rollout.step_names))
-        stepped = (await self._all("step_adapters", step_names))[0] if step_names else {}
-        for name, stats in stepped.items():
-            self._adapters[name].step = int(stats["step"])
-            self._adapters[name].stale = True
-        return _metrics(per_rank, stepped, len(samples))
+        return TrainResult(samples=len(samples), adapters=_adapter_stats(per_rank))
+
+    async def step_adapters(self, names: list[str]) -> dict[str, AdapterStepStats]:
+        """Every rank steps the same adapters (their gradients are summed over ranks first)."""
+        names = sorted(set(names))
+        if not names:
+            return {}
+        return (await self._all("step_adapters", names))[0]
 
     # ---- checkpoints -------------------------------------------------------------------
 
-    async def save_model(self, rollout_id: int, data_positions: dict[str, dict[str, Any]] | None = None) -> list[str]:
-        """Save every adapter whose step is a positive multiple of `save_interval` (once per step).
-
-        `data_positions` (adapter -> where its data stream is) goes into `trainer_state.json`.
-        """
-        interval = self.config.save_interval
-        if interval is None:
-            return []
-        due = [name for name, e in sorted(self._adapters.items()) if e.step > 0 and e.step % interval == 0]
-        positions = data_positions or {}
-        return [name for name in due if await self._save(name, positions.get(name))]
-
-    async def save_all(self, data_positions: dict[str, dict[str, Any]] | None = None) -> list[str]:
-        """Shutdown save of every loaded adapter that stepped since its last checkpoint."""
-        positions = data_positions or {}
-        return [name for name in sorted(self._adapters) if await self._save(name, positions.get(name))]
-
-    async def _save(self, name: str, data_position: dict[str, Any] | None = None) -> bool:
-        entry = self._adapters[name]
-        if entry.step == entry.saved_step or entry.step == 0:
-            return False
-        if entry.spec.save_dir is None:
-            logger.warning("Adapter '%s' has no save directory; its step %d is not saved", name, entry.step)
-            return False
-        path = await self._actors[0].save_adapter.remote(name, data_position)
-        entry.saved_step = entry.step
-        logger.info("Adapter '%s' saved at step %d to %s", name, entry.step, path)
-        return True
+    async def save_adapter(self, request: SaveRequest) -> Path:
+        path = await self._actors[0].save_adapter.remote(request.name, request.step, request.data_position)
+        return Path(path)
 
     async def shutdown(self) -> None:
         import ray
@@ -300,25 +182,19 @@ class TrainGroup:
         for actor in self._actors:
             ray.kill(actor)
         self._actors = []
+        self._specs.clear()
 
 
-def _metrics(per_rank: list[dict[str, dict[str, float]]], stepped: dict[str, dict[str, float]], n_samples: int) -> dict[str, float]:
-    totals: dict[str, dict[str, float]] = {}
+def _adapter_stats(per_rank: list[dict[str, LossSums]]) -> dict[str, AdapterTrainStats]:
+    totals: dict[str, LossSums] = {}
     for rank_stats in per_rank:
-        for name, stats in rank_stats.items():
-            into = totals.setdefault(name, {})
-            for key, value in stats.items():
-                into[key] = into.get(key, 0.0) + value
-    out: dict[str, float] = {"perf/train_samples": float(n_samples)}
+        for name, sums in rank_stats.items():
+            totals[name] = totals.get(name, LossSums()) + sums
+    out = {}
     for name, t in sorted(totals.items()):
-        n = max(t["samples"], 1.0)
-        out[f"{name}/loss"] = t["loss_sum"] / n
-        out[f"{name}/clip_fraction"] = t["clipped_tokens"] / max(t["tokens"], 1.0)
-        out[f"{name}/kl"] = t["kl_sum"] / n
-        out[f"{name}/tis_weight"] = t["tis_sum"] / n
-        out[f"{name}/train_samples"] = t["samples"]
-    for name, s in sorted(stepped.items()):
-        out[f"{name}/grad_norm"] = s["grad_norm"]
-        out[f"{name}/lr"] = s["lr"]
-        out[f"{name}/step"] = s["step"]
+        n = max(t.samples, 1)
+        out[name] = AdapterTrainStats(
+            samples=t.samples, loss=t.loss_sum / n, clip_fraction=t.clipped_tokens / max(t.tokens, 1.0),
+            kl=t.kl_sum / n, tis_weight=t.tis_sum / n,
+        )
     return out

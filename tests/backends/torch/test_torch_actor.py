@@ -13,7 +13,9 @@ import torch
 from torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
 
 from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.backends.base import LoadResult
 from miles.backends.torch.loss import LossConfig
+from miles.utils.types import DataPosition
 
 LOSS = LossConfig(eps_clip=0.2, eps_clip_high=0.28, use_tis=True, tis_clip=2.0, kl_coef=0.05)
 
@@ -41,9 +43,9 @@ def test_co_trained_adapter_equals_adapter_trained_alone(tiny_model_dir):
         stats, stepped = _train_step(mixed, batch, ["a", "b", "c"] if step < 2 else ["a"])
         a_alone = [[dataclasses.replace(s, slot=3) for s in g] for g in a]
         stats_alone, stepped_alone = _train_step(alone, a_alone, ["a"])
-        assert abs(stats["a"]["loss_sum"] - stats_alone["a"]["loss_sum"]) < 1e-5
-        assert abs(stepped["a"]["grad_norm"] - stepped_alone["a"]["grad_norm"]) < 1e-5
-        assert stepped["a"]["lr"] == stepped_alone["a"]["lr"]
+        assert abs(stats["a"].loss_sum - stats_alone["a"].loss_sum) < 1e-5
+        assert abs(stepped["a"].grad_norm - stepped_alone["a"].grad_norm) < 1e-5
+        assert stepped["a"].lr == stepped_alone["a"].lr
     trained = mixed.export_adapter("a")
     assert max_abs_diff(trained, alone.export_adapter("a")) <= 1e-5
     assert max_abs_diff(trained, initial) > 1e-3  # it did learn something
@@ -86,8 +88,8 @@ def test_accumulating_over_two_calls_equals_one_call(tiny_model_dir):
         split.train(second[0], second[1], counts(second[0]))
         split_stats = split.step_adapters(["a"])
         _, whole_stats = _train_step(whole, step_groups, ["a"])
-        assert split_stats["a"]["lr"] == whole_stats["a"]["lr"]
-        lrs.append(split_stats["a"]["lr"])
+        assert split_stats["a"].lr == whole_stats["a"].lr
+        lrs.append(split_stats["a"].lr)
     assert lrs == [0.01, 0.02]  # two warmup steps; the clock counts samples, not train calls
     assert max_abs_diff(split.export_adapter("a"), whole.export_adapter("a")) <= 1e-5
     assert split.schedule_state("a") == whole.schedule_state("a")
@@ -117,7 +119,7 @@ def test_resume_equals_uninterrupted_training(tiny_model_dir, tmp_path):
     for i, batch in enumerate(batches):
         _train_step(straight, batch, ["a", "b"])
         if i == 1:
-            straight.save_adapter("a")
+            straight.save_adapter("a", step=2, data_position=DataPosition(epoch=1, index=5))
             probe = [s for g in make_groups("a", 0, 2, 2, seed=99) for s in g]
             saved_logprobs = straight.logprobs(probe)
     checkpoint = latest_checkpoint(tmp_path / "a")
@@ -128,11 +130,11 @@ def test_resume_equals_uninterrupted_training(tiny_model_dir, tmp_path):
     assert max(abs(x - y) for x, y in zip(base, flat(saved_logprobs))) > 1e-4  # the adapter matters
 
     resumed = new_actor(tiny_model_dir, micro_batch_size=3)
-    assert resumed.load_adapter(spec("a", 0, save_dir=tmp_path / "a", lr_decay_style="cosine", num_step=3), str(checkpoint)) == 2
+    loaded = resumed.load_adapter(spec("a", 0, save_dir=tmp_path / "a", lr_decay_style="cosine", num_step=3), str(checkpoint))
+    assert loaded == LoadResult(checkpoint=checkpoint, step=2, data_position=DataPosition(epoch=1, index=5))
     resumed.load_adapter(spec("b", 1, rank=2))
     a_groups = [g for g in batches[2] if g[0].adapter == "a"]
     _train_step(resumed, a_groups, ["a"])
-    assert resumed.adapter_step("a") == straight.adapter_step("a") == 3
     assert max_abs_diff(resumed.export_adapter("a"), straight.export_adapter("a")) <= 1e-6
     got, want = resumed.optimizer_state("a"), straight.optimizer_state("a")
     assert got.step == want.step == 3

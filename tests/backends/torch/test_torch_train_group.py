@@ -1,7 +1,9 @@
-"""The DP train group over real Ray actors: DP=2 equals DP=1, weight push, reconcile, saves.
+"""The torch backend's DP group over real Ray actors, orchestrated by `AdapterSync`.
 
-The controller side is the real `AdapterRegistry` in a minimal Ray actor; the weight
-receiver is an in-memory actor that records what it was sent.
+DP=2 equals DP=1; a push sends only stale adapters' LoRA tensors; cleanup saves and
+frees the slot; a new trainer resumes from the latest checkpoint with its step and data
+position. The controller side is the real `AdapterRegistry` in a minimal Ray actor; the
+weight receiver and the rollout manager are in-memory actors that record what they get.
 """
 
 from __future__ import annotations
@@ -14,20 +16,22 @@ import ray
 import torch
 from torch_backend_data import make_groups, max_abs_diff, new_actor
 
-from miles.backends.torch.actor import AdapterSpec, TrainActorConfig
+from miles.backends.base import AdapterSpec, TrainingBackend
+from miles.backends.torch.actor import TrainActorConfig
 from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
 from miles.backends.torch.loss import LossConfig
 from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig, split_prompt_groups
 from miles.controller.registry import AdapterRegistry
+from miles.main.adapter_sync import AdapterSync
 from miles.utils.adapter_config import AdapterDefaults, resolve_adapter_config
-from miles.utils.types import AdapterState, RolloutBatch
+from miles.utils.types import AdapterState, DataPosition, RolloutBatch
 
 pytestmark = pytest.mark.slow
 
 
 @ray.remote(num_cpus=0)
 class RegistryActor:
-    """The controller methods the train group calls, over the real registry."""
+    """The controller methods the adapter sync calls, over the real registry."""
 
     def __init__(self, n_slots: int) -> None:
         self.registry = AdapterRegistry(n_slots)
@@ -53,11 +57,35 @@ class RegistryActor:
     def record_weight_update(self, names):
         return self.registry.record_weight_update(names)
 
+    def record_batch_adapters(self, rollout_id, groups, step_names):
+        self.registry.record_batch_adapters(rollout_id, groups, step_names)
+
+    def mark_batch_trained(self, rollout_id):
+        return self.registry.mark_batch_trained(rollout_id)
+
     def state(self, name):
         return self.registry.state(name)
 
     def step(self, name):
         return self.registry.step(name)
+
+
+@ray.remote(num_cpus=0)
+class RecordingRollout:
+    """Data positions as a rollout manager reports and restores them."""
+
+    def __init__(self, positions):
+        self.positions = dict(positions)
+        self.restored = []
+
+    def data_positions(self):
+        return dict(self.positions)
+
+    def restore_data_position(self, name, registration_id, position):
+        self.restored.append((name, registration_id, position))
+
+    def take_restored(self):
+        return self.restored
 
 
 @ray.remote(num_cpus=0)
@@ -100,19 +128,21 @@ def _batch(rollout_id, groups, step_names):
 def _group_config(model_dir, n_workers):
     actor = TrainActorConfig(hf_checkpoint=str(model_dir), n_slots=4, lora_rank=4, micro_batch_size=3,
                              loss=LossConfig(kl_coef=0.05))
-    return TrainGroupConfig(actor=actor, n_workers=n_workers, save_interval=1, num_cpus_per_worker=0)
+    return TrainGroupConfig(actor=actor, n_workers=n_workers, num_cpus_per_worker=0)
 
 
-async def _started(model_dir, tmp_path, n_workers, receivers=()):
+async def _started(model_dir, tmp_path, n_workers, receivers=(), positions=None):
     registry = RegistryActor.remote(4)
     for name, rank in (("a", 4), ("b", 2)):
         await registry.register.remote(name, _adapter_config(tmp_path / f"dp{n_workers}", name, rank))
-    group = TrainGroup(_group_config(model_dir, n_workers), registry)
+    group = TrainGroup(_group_config(model_dir, n_workers))
+    assert isinstance(group, TrainingBackend)
     await group.start()
-    group.set_weight_receivers(list(receivers))
-    result = await group.reconcile_adapters()
-    assert result.loaded == ["a", "b"] and result.resumed == {}
-    return registry, group
+    sync = AdapterSync(group, registry, RecordingRollout.remote(positions or {}), save_interval=1,
+                       receivers=list(receivers))
+    snapshot = await sync.reconcile(await registry.snapshot.remote())
+    assert sync.loaded == ["a", "b"] and {r.step for r in snapshot.live.values()} == {0}
+    return registry, group, sync
 
 
 def _batches(slots):
@@ -123,15 +153,23 @@ def _batches(slots):
     ]
 
 
+async def _train_and_commit(registry, sync, batch):
+    """What one driver iteration does after generation (the collector records the batch)."""
+    await registry.record_batch_adapters.remote(batch.rollout_id, batch.groups_per_adapter, batch.step_names)
+    trained = await sync.train(batch.rollout_id, batch)
+    return trained, await sync.commit(batch.rollout_id)
+
+
 async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, tiny_model_dir, tmp_path):
     receiver = RecordingReceiver.remote()
-    (reg1, dp1), (reg2, dp2) = await asyncio.gather(
+    (reg1, dp1, sync1), (reg2, dp2, sync2) = await asyncio.gather(
         _started(tiny_model_dir, tmp_path, 1), _started(tiny_model_dir, tmp_path, 2, receivers=[receiver])
     )
     slots = dp2.loaded_adapters
     assert slots == {"a": 0, "b": 1}
 
-    assert await dp2.update_weights() == ["a", "b"]
+    snapshot = await sync2.update_weights(await reg2.snapshot.remote())
+    assert set(snapshot.active) == {"a", "b"} and snapshot == await reg2.snapshot.remote()
     pushed = await receiver.take.remote()
     reference = new_actor(tiny_model_dir)  # a fresh adapter is seeded by name: same tensors anywhere
     for name, rank in (("a", 4), ("b", 2)):
@@ -143,21 +181,25 @@ async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, ti
         assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in tensors)
         assert all(torch.equal(tensors[k], expected[k]) for k in tensors)
         assert peft_config["r"] == reference.adapters[name].spec.rank
-    await reg2.record_weight_update.remote(["a", "b"])
-    assert await dp2.update_weights() == []  # nothing changed since
+    assert await sync2.update_weights(snapshot) == snapshot  # nothing changed since
+    assert await receiver.take.remote() == []
+    await sync1.update_weights(await reg1.snapshot.remote())
 
     for batch in _batches(slots):
-        m1 = await dp1.train(batch.rollout_id, batch)
-        m2 = await dp2.train(batch.rollout_id, batch)
-        for key in ("a/loss", "a/grad_norm", "a/kl", "a/clip_fraction"):
-            assert m1[key] == pytest.approx(m2[key], abs=1e-5)
-        assert m2["a/lr"] == m1["a/lr"] and m2["a/train_samples"] == 4.0
+        t1, _ = await _train_and_commit(reg1, sync1, batch)
+        t2, snapshot = await _train_and_commit(reg2, sync2, batch)
+        a1, a2 = t1.result.adapters["a"], t2.result.adapters["a"]
+        for field_name in ("loss", "kl", "clip_fraction"):
+            assert getattr(a1, field_name) == pytest.approx(getattr(a2, field_name), abs=1e-5)
+        assert t1.steps["a"].grad_norm == pytest.approx(t2.steps["a"].grad_norm, abs=1e-5)
+        assert t2.steps["a"].lr == t1.steps["a"].lr and a2.samples == 4
+        assert set(t2.steps) == set(batch.step_names)
         if batch.rollout_id == 0:
-            assert await dp2.update_weights() == ["a"]  # only the adapter that stepped
+            assert snapshot.active["a"].step == 1 and snapshot.active["b"].step == 0
+            snapshot = await sync2.update_weights(snapshot)  # only the adapter that stepped
             (lora_name, version, _, tensors), = await receiver.take.remote()
-            assert (lora_name, version) == ("__miles_slot_0", 2)
+            assert (lora_name, version) == ("__miles_slot_0", 2) and snapshot.active["a"].version == 2
             assert max_abs_diff(tensors, await dp2.actors[1].export_adapter.remote("a")) == 0.0
-            await reg2.record_weight_update.remote(["a"])
     for name in ("a", "b"):
         w1 = await dp1.actors[0].export_adapter.remote(name)
         w2 = await dp2.actors[0].export_adapter.remote(name)
@@ -168,38 +210,46 @@ async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, ti
 
 
 async def test_reconcile_saves_cleans_up_and_resumes(ray_session, tiny_model_dir, tmp_path):
-    registry, group = await _started(tiny_model_dir, tmp_path, 1)
+    positions = {"a": DataPosition(epoch=0, index=4), "b": DataPosition(epoch=1, index=0)}
+    registry, group, sync = await _started(tiny_model_dir, tmp_path, 1, positions=positions)
+    await sync.update_weights(await registry.snapshot.remote())
     batches = _batches(group.loaded_adapters)
-    await group.train(0, batches[0])
-    assert await group.save_model(0) == ["a"]  # a is at step 1
-    assert await group.save_model(0) == []     # once per step
-    await group.train(1, batches[1])
-    assert await group.save_model(1, data_positions={"a": {"epoch": 0, "row": 4}}) == ["a", "b"]
+    _, snapshot = await _train_and_commit(registry, sync, batches[0])
+    assert await sync.save(snapshot) == ["a"]  # a is at step 1
+    assert await sync.save(snapshot) == []     # once per step
+    _, snapshot = await _train_and_commit(registry, sync, batches[1])
+    assert await sync.save(snapshot) == ["a", "b"]
     save_a = tmp_path / "dp1" / "a"
     assert latest_checkpoint(save_a).name == "step_2"
     weights_a = await group.actors[0].export_adapter.remote("a")
 
     # Retire b while it holds retained gradient of a partial batch.
-    await group.train(2, _batch(2, make_groups("b", 1, 1, 2, seed=9), []))
+    await _train_and_commit(registry, sync, _batch(2, make_groups("b", 1, 1, 2, seed=9), []))
     await registry.deregister.remote("b")
-    result = await group.reconcile_adapters()
-    assert result.retired == ["b"] and result.cleaned == ["b"] and result.loaded == []
+    snapshot = await sync.reconcile(await registry.snapshot.remote())
+    assert set(snapshot.live) == {"a"} and snapshot.completed == {"b"}
+    assert snapshot == await registry.snapshot.remote()
     assert await registry.state.remote("b") is AdapterState.COMPLETED
-    assert group.loaded_adapters == {"a": 0}
+    assert group.loaded_adapters == {"a": 0} and sync.loaded == ["a"]
     assert await group.actors[0].loaded_adapters.remote() == {"a": 0}
     await group.shutdown()
 
     # A new trainer with a new controller resumes a from its latest checkpoint.
     registry2 = RegistryActor.remote(4)
     await registry2.register.remote("a", _adapter_config(tmp_path / "dp1", "a", 4))
-    group2 = TrainGroup(_group_config(tiny_model_dir, 1), registry2)
+    group2 = TrainGroup(_group_config(tiny_model_dir, 1))
     await group2.start()
-    result = await group2.reconcile_adapters()
-    assert result.resumed == {"a": 2}
-    assert await registry2.step.remote("a") == 2
+    rollout2 = RecordingRollout.remote({})
+    sync2 = AdapterSync(group2, registry2, rollout2, save_interval=1)
+    snapshot = await sync2.reconcile(await registry2.snapshot.remote())
+    assert snapshot.pending["a"].step == 2 and await registry2.step.remote("a") == 2
+    registration = snapshot.pending["a"].registration_id
+    assert await rollout2.take_restored.remote() == [("a", registration, DataPosition(epoch=0, index=4))]
     assert max_abs_diff(await group2.actors[0].export_adapter.remote("a"), weights_a) == 0.0
     state = read_checkpoint(latest_checkpoint(save_a))
     assert state.trainer_state.step == 2 and state.trainer_state.rank == 4
-    assert state.trainer_state.data_position == {"epoch": 0, "row": 4}
-    assert await group2.save_all() == []  # nothing new since the checkpoint it resumed from
+    assert state.trainer_state.data_position == {"epoch": 0, "index": 4}
+    assert read_checkpoint(latest_checkpoint(tmp_path / "dp1" / "b")).trainer_state.data_position == \
+        {"epoch": 1, "index": 0}
+    assert await sync2.save_all() == []  # nothing new since the checkpoint it resumed from
     await group2.shutdown()

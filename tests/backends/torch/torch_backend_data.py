@@ -6,7 +6,8 @@ import random
 
 import torch
 
-from miles.backends.torch.actor import AdapterSpec, TorchTrainActor, TrainActorConfig
+from miles.backends.base import AdapterSpec
+from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
 from miles.backends.torch.loss import LossConfig, grpo_advantages
 from miles.utils.types import Sample
 

@@ -1,0 +1,170 @@
+"""The contract between the driver and a training backend: all the driver knows of one.
+
+A training backend holds the frozen base model, the slot page table and one optimizer
+per slot, spread over its ranks. It does the math and nothing else: it never talks to
+the controller, keeps no lifecycle state and counts no steps for anyone. The adapter
+lifecycle (which adapter goes in which slot, when to push, when to save, under which
+step number) is orchestrated once, backend-neutral, by `miles.main.adapter_sync` on the
+iteration's snapshot.
+
+    backend: TrainingBackend = TrainGroup(TrainGroupConfig.from_config(cfg))
+    await backend.start()
+    loaded = await backend.load_adapter(AdapterSpec.from_run(run))   # fresh or resumed
+    result = await backend.train(rollout_id, batch)                  # forward + backward
+    steps = await backend.step_adapters(batch.step_names)            # those slots only
+    export = await backend.export_adapter(name)                      # for a weight push
+    await backend.save_adapter(SaveRequest(name, step, data_position))
+    await backend.cleanup_adapter(name)
+    await backend.shutdown()
+
+Arguments and results are the dataclasses below (picklable; never string-keyed dicts).
+To add a backend (e.g. Megatron), implement `TrainingBackend` and build it in
+`miles.main.launch.launch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from miles.utils.types import DataPosition, RolloutBatch
+
+if TYPE_CHECKING:
+    from miles.utils.types import AdapterRun
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One adapter as a backend sees it: its slot, LoRA shape and optimizer settings."""
+
+    name: str
+    slot: int
+    rank: int
+    alpha: float
+    global_batch_size: int
+    """rollout_batch_size * n_samples_per_prompt: the gradient is divided by it at step."""
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    lr_decay_style: str = "constant"
+    lr_warmup_steps: int = 0
+    num_step: int | None = None
+    """Steps this registration trains for (decaying schedules end there)."""
+    registration_id: str = ""
+    save_dir: str | None = None
+    """Where its checkpoints live (`{save_dir}/checkpoints/step_N`); None: never saved."""
+
+    @classmethod
+    def from_run(cls, run: AdapterRun) -> AdapterSpec:
+        cfg = run.config
+        return cls(
+            name=run.name, slot=run.slot, rank=cfg.rank, alpha=float(cfg.alpha),
+            global_batch_size=cfg.rollout_batch_size * cfg.n_samples_per_prompt,
+            lr=cfg.lr, weight_decay=cfg.weight_decay, lr_decay_style=cfg.lr_decay_style,
+            lr_warmup_steps=cfg.lr_warmup_steps, num_step=cfg.num_step,
+            registration_id=run.registration_id, save_dir=None if cfg.save is None else str(cfg.save),
+        )
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What loading an adapter into its slot found."""
+
+    checkpoint: Path | None = None
+    """The checkpoint it resumed from; None when it started fresh."""
+    step: int = 0
+    """The step recorded in that checkpoint (0 when fresh): the registry takes it over."""
+    data_position: DataPosition | None = None
+    """Where its dataset stood at that checkpoint; None when fresh or not recorded."""
+
+
+@dataclass(frozen=True)
+class AdapterTrainStats:
+    """One adapter's share of one train call, over all ranks (means per sample)."""
+
+    samples: int
+    loss: float
+    clip_fraction: float
+    """Fraction of response tokens whose ratio was clipped."""
+    kl: float
+    tis_weight: float
+
+    def to_metrics(self) -> dict[str, float]:
+        return {"loss": self.loss, "clip_fraction": self.clip_fraction, "kl": self.kl,
+                "tis_weight": self.tis_weight, "train_samples": float(self.samples)}
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One train call (forward and backward; no optimizer step)."""
+
+    samples: int = 0
+    adapters: dict[str, AdapterTrainStats] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AdapterStepStats:
+    """One adapter's optimizer step."""
+
+    grad_norm: float
+    """Norm of the scaled gradient before clipping."""
+    lr: float
+
+    def to_metrics(self) -> dict[str, float]:
+        return {"grad_norm": self.grad_norm, "lr": self.lr}
+
+
+@dataclass(frozen=True)
+class LoraExport:
+    """A slot's LoRA weights, ready to push to the engines.
+
+    `tensors` is a `{PEFT parameter name: tensor}` dict (rank-sliced, never base
+    weights) or a Ray ObjectRef to one, so every engine reads it from the object store.
+    """
+
+    peft_config: dict[str, Any]
+    """Contents of `adapter_config.json`."""
+    tensors: Any
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """Write `{save_dir}/checkpoints/step_{step}` of a loaded adapter."""
+
+    name: str
+    step: int
+    """The adapter's step as the registry counts it (the snapshot's `AdapterRun.step`)."""
+    data_position: DataPosition | None = None
+    """Recorded in `trainer_state.json` so a resume continues the dataset there."""
+
+
+@runtime_checkable
+class TrainingBackend(Protocol):
+    """What the driver calls on a training backend. Every method is a coroutine."""
+
+    async def start(self) -> None:
+        """Create the ranks and load the base model."""
+
+    async def load_adapter(self, spec: AdapterSpec) -> LoadResult:
+        """Put an adapter into `spec.slot` (which must be empty): from the latest complete
+        checkpoint under `spec.save_dir` if there is one, else fresh (A random, B zero)."""
+
+    async def cleanup_adapter(self, name: str) -> None:
+        """Empty the adapter's slot: weights, optimizer moments and counters, retained
+        gradients, LR schedule. Saving first is the caller's business."""
+
+    async def export_adapter(self, name: str) -> LoraExport:
+        """The adapter's current LoRA tensors for a weight push."""
+
+    async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
+        """Forward and backward of a batch (every adapter in it must be loaded); the
+        gradients accumulate per slot until that adapter steps."""
+
+    async def step_adapters(self, names: list[str]) -> dict[str, AdapterStepStats]:
+        """Optimizer step of exactly these adapters; every other slot is untouched."""
+
+    async def save_adapter(self, request: SaveRequest) -> Path:
+        """Write a checkpoint of a loaded adapter; returns its directory."""
+
+    async def shutdown(self) -> None:
+        """Stop the ranks."""

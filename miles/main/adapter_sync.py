@@ -1,0 +1,218 @@
+"""The adapter lifecycle, orchestrated once for any training backend (DESIGN §1, §6).
+
+`AdapterSync` is the only component that moves adapters between the registry (the
+controller actor), the training backend (`miles.backends.base.TrainingBackend`) and the
+engines. Each stage works on the iteration's snapshot and returns the snapshot as it is
+after the stage's own calls, so the driver passes one snapshot down the loop:
+
+    snapshot = await controller.snapshot.remote()
+    snapshot = await sync.reconcile(snapshot)       # retire -> clean up -> load (resume)
+    snapshot = await sync.update_weights(snapshot)  # push stale adapters, record versions
+    batch = await rollout_manager.generate.remote(rollout_id, snapshot)
+    trained = await sync.train(rollout_id, batch)   # backend train + step
+    snapshot = await sync.commit(rollout_id)        # registry steps; re-read
+    await sync.save(snapshot)                       # on each adapter's save_interval
+    ...
+    await sync.save_all()                           # at shutdown
+
+Who owns what: an adapter's step and a slot's version live in the registry and are read
+from snapshots; the backend holds weights and optimizer state and counts nothing for
+the lifecycle; the rollout manager owns each adapter's data position, which a save
+records in `trainer_state.json` and a resume hands back.
+
+`controller` is the controller actor handle (`snapshot`, `retire_adapters`,
+`free_slot`, `set_adapter_step`, `record_weight_update`, `mark_batch_trained`);
+`rollout_manager` the rollout manager's (`data_positions`, `restore_data_position`);
+`receivers` the engine handles, each with `load_lora(lora_name, version, peft_config,
+tensors)`. Every call is `await handle.method.remote(...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.backends.base import AdapterSpec, AdapterStepStats, SaveRequest, TrainingBackend, TrainResult
+from miles.utils.types import DataPosition, MultiLoRASnapshot, RolloutBatch, engine_lora_name, next_slot_version
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Loaded:
+    """An adapter the backend holds."""
+
+    registration_id: str
+    saves: bool
+    """It has a save directory."""
+    step: int
+    """The registry's step as of the latest snapshot (a copy, never counted here)."""
+    saved_step: int
+    """Step of the checkpoint last written or resumed from (no second save of a step)."""
+    stale: bool = True
+    """The engines do not serve its current weights (newly loaded, or stepped since)."""
+
+
+@dataclass(frozen=True)
+class TrainedBatch:
+    """What one train stage did."""
+
+    result: TrainResult
+    steps: dict[str, AdapterStepStats] = field(default_factory=dict)
+    """Adapters that took an optimizer step with this batch."""
+
+
+class AdapterSync:
+    def __init__(self, backend: TrainingBackend, controller: Any, rollout_manager: Any, *,
+                 save_interval: int | None = None, receivers: Sequence[Any] = ()) -> None:
+        self.backend = backend
+        self.controller = controller
+        self.rollout_manager = rollout_manager
+        self.save_interval = save_interval
+        self.receivers = list(receivers)
+        self._loaded: dict[str, _Loaded] = {}
+
+    @property
+    def loaded(self) -> list[str]:
+        return sorted(self._loaded)
+
+    def _observe(self, snapshot: MultiLoRASnapshot) -> None:
+        live = snapshot.live
+        for name, entry in self._loaded.items():
+            run = live.get(name)
+            if run is not None and run.registration_id == entry.registration_id:
+                entry.step = run.step
+
+    # ---- reconcile --------------------------------------------------------------------
+
+    async def reconcile(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
+        """Retire RETIRING adapters, clean up those that left, load the new ones."""
+        self._observe(snapshot)
+        retired = await self.controller.retire_adapters.remote()
+        snapshot = snapshot.after_retire(retired)
+        snapshot = await self._cleanup(snapshot)
+        return await self._load(snapshot)
+
+    async def _cleanup(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
+        live = snapshot.live
+        gone = [name for name, entry in sorted(self._loaded.items())
+                if name not in live or live[name].registration_id != entry.registration_id]
+        positions = await self._data_positions() if gone else {}
+        freed = []
+        for name in gone:
+            await self._save(name, positions.get(name))
+            await self.backend.cleanup_adapter(name)
+            del self._loaded[name]
+            logger.info("Adapter '%s' cleaned up", name)
+        for name in sorted(snapshot.cleanup):  # also those never loaded here: nothing to save
+            if await self.controller.free_slot.remote(name) >= 0:
+                freed.append(name)
+        return snapshot.after_free(freed)
+
+    async def _load(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
+        for name, run in sorted(snapshot.live.items()):
+            if name in self._loaded:
+                continue
+            spec = AdapterSpec.from_run(run)
+            loaded = await self.backend.load_adapter(spec)
+            if loaded.checkpoint is not None:
+                await self.controller.set_adapter_step.remote(name, loaded.step)
+                snapshot = snapshot.with_step(name, loaded.step)
+                logger.info("Adapter '%s' resumed from %s (step %d)", name, loaded.checkpoint, loaded.step)
+            if loaded.data_position is not None:
+                # Before its first push: the adapter is PENDING, so nothing was sampled yet.
+                await self.rollout_manager.restore_data_position.remote(name, run.registration_id,
+                                                                        loaded.data_position)
+            self._loaded[name] = _Loaded(registration_id=run.registration_id, saves=spec.save_dir is not None,
+                                         step=loaded.step, saved_step=loaded.step)
+        return snapshot
+
+    # ---- weight push ------------------------------------------------------------------
+
+    async def update_weights(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
+        """Push the stale adapters to every engine, then record the new slot versions."""
+        live = snapshot.live
+        names = [name for name, entry in sorted(self._loaded.items()) if entry.stale and name in live]
+        if not names:
+            return snapshot
+        exports = await asyncio.gather(*(self.backend.export_adapter(name) for name in names))
+        pushed = {name: next_slot_version(live[name].version) for name in names}
+        await asyncio.gather(*(
+            receiver.load_lora.remote(engine_lora_name(live[name].slot), pushed[name], export.peft_config,
+                                      export.tensors)
+            for name, export in zip(names, exports) for receiver in self.receivers
+        ))
+        versions = await self.controller.record_weight_update.remote(names)
+        for name in names:
+            self._loaded[name].stale = False
+            if versions.get(name) != pushed[name]:
+                logger.warning("Adapter '%s' was pushed as version %s but the registry recorded %s",
+                               name, pushed[name], versions.get(name))
+        return snapshot.after_push(versions)
+
+    # ---- train and commit ---------------------------------------------------------------
+
+    async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainedBatch:
+        """Forward and backward of the batch, then the optimizer step of `step_names`."""
+        result = await self.backend.train(rollout_id, batch)
+        steps = await self.backend.step_adapters(sorted(set(batch.step_names)))
+        for name in steps:
+            self._loaded[name].stale = True
+        return TrainedBatch(result, steps)
+
+    async def commit(self, rollout_id: int) -> MultiLoRASnapshot:
+        """The batch trained: the registry adds its groups and steps; returns a fresh snapshot.
+
+        Re-read rather than derived: the commit applies rules the driver does not mirror
+        (accumulation, retirement at `num_step`), and saves are named by committed steps.
+        """
+        await self.controller.mark_batch_trained.remote(rollout_id)
+        snapshot = await self.controller.snapshot.remote()
+        self._observe(snapshot)
+        return snapshot
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    async def save(self, snapshot: MultiLoRASnapshot) -> list[str]:
+        """Save every loaded adapter whose step is a positive multiple of `save_interval`."""
+        self._observe(snapshot)
+        interval = self.save_interval
+        if interval is None:
+            return []
+        due = [name for name, e in sorted(self._loaded.items())
+               if e.saves and e.step > 0 and e.step % interval == 0 and e.step != e.saved_step]
+        if not due:
+            return []
+        positions = await self._data_positions()
+        return [name for name in due if await self._save(name, positions.get(name))]
+
+    async def save_all(self) -> list[str]:
+        """Shutdown: save every loaded adapter that stepped since its last checkpoint."""
+        if not self._loaded:
+            return []
+        # Re-read: shutdown may come at any stage of an iteration.
+        self._observe(await self.controller.snapshot.remote())
+        try:
+            positions = await self._data_positions()
+        except Exception as exc:  # a dead rollout manager must not cost the adapters' weights
+            logger.warning("Data positions unavailable (%s); saving without them", exc)
+            positions = {}
+        return [name for name in sorted(self._loaded) if await self._save(name, positions.get(name))]
+
+    async def _save(self, name: str, data_position: DataPosition | None) -> bool:
+        entry = self._loaded[name]
+        if entry.step == entry.saved_step or entry.step == 0:
+            return False
+        if not entry.saves:
+            logger.warning("Adapter '%s' has no save directory; its step %d is not saved", name, entry.step)
+            return False
+        path = await self.backend.save_adapter(SaveRequest(name, entry.step, data_position))
+        entry.saved_step = entry.step
+        logger.info("Adapter '%s' saved at step %d to %s", name, entry.step, path)
+        return True
+
+    async def _data_positions(self) -> dict[str, DataPosition]:
+        return await self.rollout_manager.data_positions.remote()
