@@ -2,12 +2,18 @@
 
 Every reward has the signature of a user reward, `fn(args, sample) -> float`, where
 `args` is the frozen `MilesConfig` and `sample` a `Sample` (its `response` and `label`
-are what the built-ins read). Labels and answers are plain strings; a missing label or
-an answer that cannot be parsed scores 0.0, never an exception.
+are what the built-ins read). Labels and answers are plain strings; a missing label
+(`label_key: null`) or an answer that cannot be parsed scores 0.0, never an exception.
+
+Miles' names keep Miles' meaning: `math`, `deepscaler`, `gemma_math`, `dapo`
+(`math_rewards.py`), `gpqa` (`choice.py`), `f1`, `remote_rm` (`remote.py`), `random`,
+`deterministic_random`. Ours besides: `final_number` (the boxed answer, else the final
+number of the response, equals the label numerically), `boxed_math`, `exact`,
+`boxed_exact`, `boxed_f1`.
 
     >>> from miles.utils.types import Sample
-    >>> s = Sample("a", 0, 0, 0, "2*6=?", "12", {}, [], response="So it is \\\\boxed{12.0}")
-    >>> math_reward(None, s), exact_reward(None, s), boxed_exact_reward(None, s)
+    >>> s = Sample("a", 0, 0, 0, "2*6=?", "12", {}, [], response="So it is 12.0")
+    >>> final_number_reward(None, s), math_reward(None, s), exact_reward(None, s)
     (1.0, 0.0, 0.0)
 """
 
@@ -25,6 +31,9 @@ from miles.rollout.rewards.answers import (
     numbers_equal,
     parse_number,
 )
+from miles.rollout.rewards.choice import gpqa_reward
+from miles.rollout.rewards.math_rewards import dapo_reward, deepscaler_reward, gemma_math_reward, math_reward
+from miles.rollout.rewards.remote import remote_rm
 from miles.utils.types import Sample
 
 RewardFn = Callable[[Any, Sample], Any]
@@ -53,7 +62,7 @@ def _math_match(answer: str | None, label: str | None) -> float:
     return float(numbers_equal(parse_number(answer), expected))
 
 
-def math_reward(args: Any, sample: Sample) -> float:
+def final_number_reward(args: Any, sample: Sample) -> float:
     """1.0 when the boxed answer, else the final number of the response, equals the label."""
     response = sample.response
     answer = extract_boxed(response)
@@ -64,7 +73,7 @@ def math_reward(args: Any, sample: Sample) -> float:
 
 
 def boxed_math_reward(args: Any, sample: Sample) -> float:
-    """Like `math`, but only a `\\boxed{}` answer counts."""
+    """Like `final_number`, but only a `\\boxed{}` answer counts."""
     return _math_match(extract_boxed(sample.response), _label(sample))
 
 
@@ -80,11 +89,19 @@ def boxed_exact_reward(args: Any, sample: Sample) -> float:
     return float(label is not None and boxed is not None and boxed.strip() == label.strip())
 
 
+_YES_NO = ("yes", "no", "noanswer")
+
+
 def token_f1(prediction: str, reference: str) -> float:
-    """SQuAD-style token F1 after lower-casing and dropping punctuation and articles."""
-    pred, ref = normalize_text(prediction).split(), normalize_text(reference).split()
-    if not pred or not ref:
-        return float(pred == ref)
+    """SQuAD-style token F1 after lower-casing and dropping punctuation and articles.
+
+    As Miles (HotpotQA's rule): a yes / no / noanswer on either side scores 0 unless both
+    sides are the same; no common token (an empty side included) scores 0.
+    """
+    norm_pred, norm_ref = normalize_text(prediction), normalize_text(reference)
+    if (norm_pred in _YES_NO or norm_ref in _YES_NO) and norm_pred != norm_ref:
+        return 0.0
+    pred, ref = norm_pred.split(), norm_ref.split()
     common = sum((Counter(pred) & Counter(ref)).values())
     if common == 0:
         return 0.0
@@ -117,6 +134,12 @@ def deterministic_random_reward(args: Any, sample: Sample) -> float:
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math": math_reward,
+    "deepscaler": deepscaler_reward,
+    "gemma_math": gemma_math_reward,
+    "dapo": dapo_reward,
+    "gpqa": gpqa_reward,
+    "remote_rm": remote_rm,
+    "final_number": final_number_reward,
     "boxed_math": boxed_math_reward,
     "exact": exact_reward,
     "boxed_exact": boxed_exact_reward,
@@ -125,3 +148,6 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "random": random_reward,
     "deterministic_random": deterministic_random_reward,
 }
+
+THREADED_BUILTINS = frozenset({math_reward, deepscaler_reward, gemma_math_reward})
+"""Built-ins that may run sympy for a while: called in a worker thread, off the event loop."""

@@ -24,23 +24,44 @@ def sample(response: str, label: str | None, prompt: str = "q", metadata: dict |
 
 CASES = [
     # rm_type, response, label, expected
-    ("math", "12", "12", 1.0),
-    ("math", "12.0", "12", 1.0),
-    ("math", "The answer is 12", "12", 1.0),
-    ("math", "3 apples and 4 pears make 7.", "7", 1.0),
+    # Miles' `math`: the last boxed answer, equivalent to the (boxed or bare) label
     ("math", "so \\boxed{12} and later 13", "12", 1.0),
+    ("math", "first \\boxed{3} then \\boxed{12}", "12", 1.0),
     ("math", "\\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("math", "total 1,200 dollars", "1200", 1.0),
-    ("math", "It is 12.", "#### 12", 1.0),
-    ("math", "-3", "-3", 1.0),
-    ("math", "The answer is 13", "12", 0.0),
-    ("math", "12 then 11", "12", 0.0),
-    ("math", "no number here", "12", 0.0),
-    ("math", "\\boxed{12", "12", 1.0),  # unclosed box: falls back to the final number
-    ("math", "\\boxed{}", "12", 0.0),
-    ("math", "", "12", 0.0),
-    ("math", "12", None, 0.0),
-    ("math", "1/0", "12", 0.0),
+    ("math", "\\boxed{0.5}", "\\boxed{\\frac{1}{2}}", 1.0),
+    ("math", "\\boxed{x(x+2)}", "x^2+2x", 1.0),
+    ("math", "\\boxed{1,000}", "1000", 1.0),
+    ("math", "\\boxed{[1, 2)}", "[1,2)", 1.0),
+    ("math", "\\boxed{13}", "12", 0.0),
+    ("math", "The answer is 12", "12", 0.0),  # no box, no answer
+    ("math", "\\boxed{12", "12", 0.0),
+    ("math", "\\boxed{12}", "", 0.0),
+    ("math", "\\boxed{12}", None, 0.0),
+    # `deepscaler`: the same check after the reasoning only
+    ("deepscaler", "<think>\\boxed{1}</think>So \\boxed{72}", "72", 1.0),
+    ("deepscaler", "<think>\\boxed{72}</think>So \\boxed{1}", "72", 0.0),
+    ("deepscaler", "So \\boxed{72}", "72", 0.0),  # no </think> and no ###Response
+    ("deepscaler", "###Response \\boxed{\\frac{3}{4}}", "0.75", 1.0),
+    ("gemma_math", "\\boxed{1}<channel|>\\boxed{2}", "2", 1.0),
+    ("gemma_math", "\\boxed{2}", "2", 1.0),
+    # `final_number` (ours, the old `math`): the boxed answer, else the final number
+    ("final_number", "12", "12", 1.0),
+    ("final_number", "12.0", "12", 1.0),
+    ("final_number", "The answer is 12", "12", 1.0),
+    ("final_number", "3 apples and 4 pears make 7.", "7", 1.0),
+    ("final_number", "so \\boxed{12} and later 13", "12", 1.0),
+    ("final_number", "\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("final_number", "total 1,200 dollars", "1200", 1.0),
+    ("final_number", "It is 12.", "#### 12", 1.0),
+    ("final_number", "-3", "-3", 1.0),
+    ("final_number", "The answer is 13", "12", 0.0),
+    ("final_number", "12 then 11", "12", 0.0),
+    ("final_number", "no number here", "12", 0.0),
+    ("final_number", "\\boxed{12", "12", 1.0),  # unclosed box: falls back to the final number
+    ("final_number", "\\boxed{}", "12", 0.0),
+    ("final_number", "", "12", 0.0),
+    ("final_number", "12", None, 0.0),
+    ("final_number", "1/0", "12", 0.0),
     ("boxed_math", "\\boxed{12.00}", "12", 1.0),
     ("boxed_math", "12", "12", 0.0),
     ("boxed_math", "\\boxed{x^{2}}", "12", 0.0),
@@ -53,6 +74,10 @@ CASES = [
     ("f1", "a dog", "the cat", 0.0),
     ("f1", "cat dog", "cat", 2 / 3),
     ("f1", "", "cat", 0.0),
+    ("f1", "", "", 0.0),  # no common token, as Miles
+    ("f1", "yes", "yes it is", 0.0),  # yes / no / noanswer only match themselves
+    ("f1", "Yes.", "yes", 1.0),
+    ("f1", "no", "no way", 0.0),
     ("f1", "Cat, SAT!", "cat sat", 1.0),
     ("boxed_f1", "\\boxed{red fox}", "red fox jumps", 0.8),
     ("boxed_f1", "red fox", "red fox", 0.0),
@@ -62,6 +87,59 @@ CASES = [
 @pytest.mark.parametrize(("rm_type", "response", "label", "expected"), CASES)
 def test_builtin_reward_table(rm_type, response, label, expected):
     assert get_reward_fn(rm_type)(None, sample(response, label)) == pytest.approx(expected)
+
+
+DAPO_CASES = [
+    # response, label, score, pred
+    ("Work...\nAnswer: 72", "72", 1.0, "72"),
+    ("Answer: 1,200 dollars", "1200", 1.0, "1200"),
+    ("Answer: $\\boxed{34}$", "34.0", 1.0, "34"),
+    ("Answer: x = 5", "5", 1.0, "5"),
+    ("Answer: 3\nthen Answer: 4", "3", -1.0, "4"),  # the last Answer line counts
+    ("The result is 72", "72", -1.0, "[INVALID]"),
+    ("Answer: 72" + " padding" * 40, "72", -1.0, "[INVALID]"),  # beyond the last 300 characters
+    ("Answer: \\frac12", "\\frac{1}{2}", 1.0, "\\frac{1}{2}"),  # a non-integer label: text match
+]
+
+
+@pytest.mark.parametrize(("response", "label", "score", "pred"), DAPO_CASES)
+def test_dapo_returns_miles_score_dict(response, label, score, pred):
+    out = get_reward_fn("dapo")(None, sample(response, label))
+    assert out == {"score": score, "acc": score == 1.0, "pred": pred}
+
+
+GPQA_CASES = [
+    # response, label, metadata, expected
+    ("The answer is C.", "C", {}, 1.0),
+    ("The answer is B.", "C", {}, 0.0),
+    ("<think>maybe A</think> C is correct", "C", {}, 1.0),
+    ("final answer: D", 3, {}, 1.0),  # an integer label indexes the letters
+    ("I think B", "photosynthesis", {"choices": ["respiration", "photosynthesis"]}, 1.0),
+    ("It must be photosynthesis", "photosynthesis", {"choices": ["respiration", "photosynthesis"]}, 1.0),
+    ("It must be respiration", "photosynthesis", {"choices": ["respiration", "photosynthesis"]}, 0.0),
+    ("The answer is E, not B", "B", {"valid_letters": ["A", "B", "C", "D"]}, 1.0),  # E is no option: B
+    ("The answer is E, not B", "B", {}, 0.0),  # A-H by default: E
+    ("answer: a", "x", {"correct_letter": "a"}, 1.0),
+    ("", "A", {}, 0.0),
+]
+
+
+@pytest.mark.parametrize(("response", "label", "metadata", "expected"), GPQA_CASES)
+def test_gpqa_picks_the_option_letter_or_its_text(response, label, metadata, expected):
+    s = sample(response, None, metadata=metadata)
+    s.label = label
+    assert get_reward_fn("gpqa")(None, s) == expected
+
+
+def test_math_equivalence_works_off_the_main_thread():
+    # math-verify's own time bound needs the main thread; elsewhere it must still answer
+    import threading
+
+    out = []
+    worker = threading.Thread(target=lambda: out.append(get_reward_fn("math")(None, sample("\\boxed{2/4}", "0.5"))))
+    worker.start()
+    worker.join(timeout=60)
+    assert out == [1.0]
 
 
 def test_random_rewards_are_binary_and_deterministic_random_is_repeatable():
