@@ -3,11 +3,13 @@
 `MultiLoRAController` wraps a `MultiLoRABackend` (the lifecycle) and a
 `MultiLoRAHTTPServer` (the control plane on `--multi-lora-api-host/port`); every method
 is `async`, so actor calls and HTTP handlers share one event loop and never race. The
-trainer creates it once; everything else finds it by name:
+trainer creates it once, handing it the checks it cannot import itself, and passes the
+handle to whoever needs it:
 
-    controller = create_multilora_controller(cfg, router_url=None)   # starts the server
+    hooks = ControllerHooks(validate_dataset=validate_dataset, validate_reward=validate_reward_spec)
+    controller = create_multilora_controller(cfg, router_url=None, hooks=hooks)  # starts the server
     ray.get(controller.set_router_url.remote("http://127.0.0.1:30000"))
-    snapshot = ray.get(get_multi_lora_controller().snapshot.remote())
+    snapshot = ray.get(controller.snapshot.remote())
 
 It also runs without Ray (`python -m miles.controller`), as a plain object whose
 `start()` serves on the running loop.
@@ -15,15 +17,15 @@ It also runs without Ray (`python -m miles.controller`), as a plain object whose
 
 from __future__ import annotations
 
-import importlib
-import socket
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from miles.controller.backend import MultiLoRABackend
+from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
 from miles.utils.adapter_config import AdapterDefaults
+from miles.utils.plugins import load_subclass
 from miles.utils.types import AdapterState, AdapterStatus, MultiLoRASnapshot
 
 if TYPE_CHECKING:
@@ -34,24 +36,6 @@ logger = logging.getLogger(__name__)
 CONTROLLER_NAME = "miles_multi_lora_controller"
 CONTROLLER_NAMESPACE = "miles"
 
-T = TypeVar("T")
-
-
-def load_subclass(path: str | None, base: type[T], flag: str) -> type[T]:
-    """`base` itself when `path` is None, else the class at dotted `path`, which must subclass it."""
-    if path is None:
-        return base
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{flag} {path!r}: expected a dotted path such as my_pkg.my_module.MyClass")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{flag} {path!r}: cannot load it ({exc})") from exc
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ValueError(f"{flag} {path!r}: must be a subclass of {base.__module__}.{base.__qualname__}")
-    return cls
-
 
 @dataclass(frozen=True)
 class ControllerConfig:
@@ -60,15 +44,17 @@ class ControllerConfig:
     server: HTTPServerConfig
     backend_path: str | None = None
     http_server_path: str | None = None
+    hooks: ControllerHooks = field(default_factory=ControllerHooks)
+    """Dataset and reward checks and the prefix abort, handed in at launch."""
 
     @classmethod
-    def from_config(cls, cfg: MilesConfig) -> ControllerConfig:
+    def from_config(cls, cfg: MilesConfig, hooks: ControllerHooks | None = None) -> ControllerConfig:
         if cfg.multi_lora_n_adapters <= 0:
             raise ValueError("the multi-LoRA controller needs slots: set --multi-lora-n-adapters > 0")
         return cls(
             n_slots=cfg.multi_lora_n_adapters, defaults=AdapterDefaults.from_config(cfg),
             server=HTTPServerConfig.from_config(cfg), backend_path=cfg.multi_lora_backend_path,
-            http_server_path=cfg.multi_lora_http_server_path,
+            http_server_path=cfg.multi_lora_http_server_path, hooks=hooks or ControllerHooks(),
         )
 
 
@@ -77,7 +63,7 @@ class MultiLoRAController:
         backend_cls = load_subclass(config.backend_path, MultiLoRABackend, "--multi-lora-backend-path")
         server_cls = load_subclass(config.http_server_path, MultiLoRAHTTPServer, "--multi-lora-http-server-path")
         self.config = config
-        self.backend = backend_cls(config.n_slots, config.defaults, router_url)
+        self.backend = backend_cls(config.n_slots, config.defaults, router_url, config.hooks)
         self.server = server_cls(self.backend, config.server)
 
     # ---- serving -------------------------------------------------------------------
@@ -111,7 +97,7 @@ class MultiLoRAController:
 
     async def register_adapter(self, name: str, config: dict[str, Any] | None = None,
                                yaml_path: str | None = None) -> int:
-        return self.backend.register(name, config=config, yaml_path=yaml_path)
+        return await self.backend.register(name, config=config, yaml_path=yaml_path)
 
     async def deregister_adapter(self, name: str) -> AdapterState:
         return self.backend.deregister(name)
@@ -131,9 +117,6 @@ class MultiLoRAController:
     async def mark_batch_trained(self, rollout_id: int) -> list[str]:
         return self.backend.mark_batch_trained(rollout_id)
 
-    async def resolve_num_step(self, name: str, dataset_rows: int) -> int:
-        return self.backend.resolve_num_step(name, dataset_rows)
-
     async def set_adapter_step(self, name: str, step: int) -> None:
         self.backend.set_adapter_step(name, step)
 
@@ -150,16 +133,18 @@ class MultiLoRAController:
 _cached_handle: Any = None
 
 
-def create_multilora_controller(config: MilesConfig, router_url: str | None = None) -> Any:
+def create_multilora_controller(config: MilesConfig, router_url: str | None = None, *,
+                                hooks: ControllerHooks | None = None) -> Any:
     """Create the named controller actor on this (the head) node, start its server, return it.
 
-    A controller left over from an earlier run in the same Ray session is replaced.
+    `hooks` carries the dataset and reward checks (see `ControllerHooks`). A controller
+    left over from an earlier run in the same Ray session is replaced.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     global _cached_handle
-    controller_config = ControllerConfig.from_config(config)
+    controller_config = ControllerConfig.from_config(config, hooks)
     try:
         stale = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
     except ValueError:

@@ -1,9 +1,15 @@
 """The multi-LoRA backend: the registry plus everything around it that has side effects.
 
 `register` resolves an adapter's config against the process defaults, runs the
-`validate_adapter` hook (reward spec and dataset by default) and hands the result to the
+`validate_adapter` hook (the reward spec by default), reads the dataset once off the
+event loop (its row count fixes `num_step` when unset) and hands the result to the
 `AdapterRegistry`; `retire_adapters` and `free_slot` also abort the adapter's in-flight
 requests on every inference worker behind the router (prefix abort on `"{name}::"`).
+
+The controller knows no dataset format, reward or engine: the checks and the abort are
+`ControllerHooks` handed in at launch (`miles/main/launch.py` passes the rollout side's
+`validate_dataset` and `validate_reward_spec`). Without a dataset hook the dataset is
+only checked to exist and an unset `num_step` stays unset (train until deregistered).
 
 Subclass it to add checks or side effects and select the subclass with
 `--multi-lora-backend-path my_pkg.my_module.MyBackend`:
@@ -19,11 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.controller.registry import AdapterRegistry, AdapterValidationError
-from miles.utils.router_workers import abort_on_workers
 from miles.utils.adapter_config import (
     AdapterConfigError,
     AdapterDefaults,
@@ -31,8 +38,10 @@ from miles.utils.adapter_config import (
     check_within_roots,
     parse_adapter_run_yaml,
     resolve_adapter_config,
+    resolve_num_step,
     validate_adapter_name,
 )
+from miles.utils.router_workers import abort_on_workers
 from miles.utils.types import AdapterState, AdapterStatus, MultiLoRASnapshot, adapter_rid_prefix
 
 if TYPE_CHECKING:
@@ -40,32 +49,55 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+DatasetValidator = Callable[[str, str, "str | None"], int]
+"""`(path, input_key, label_key) -> row count`; ValueError saying what is wrong with the file."""
+RewardValidator = Callable[["str | None", "str | None"], None]
+"""`(rm_type, custom_rm_path)`; ValueError if no reward function can be found from them."""
+PrefixAbort = Callable[[str, str], Awaitable[list[str]]]
+"""`(router_url, rid_prefix) -> worker URLs reached`; best effort, never raises."""
+
+
+@dataclass(frozen=True)
+class ControllerHooks:
+    """What the controller is handed at launch instead of importing rollout or engine code.
+
+    Plain module-level functions, so the hooks travel to the controller's Ray actor."""
+
+    validate_dataset: DatasetValidator | None = None
+    """Runs in a worker thread at registration; None: the dataset is not read."""
+    validate_reward: RewardValidator | None = None
+    """None: only "some reward is set (adapter or CLI)" is checked."""
+    abort_prefix: PrefixAbort = abort_on_workers
+
 
 class MultiLoRABackend:
-    def __init__(self, n_slots: int, defaults: AdapterDefaults, router_url: str | None = None) -> None:
+    def __init__(self, n_slots: int, defaults: AdapterDefaults, router_url: str | None = None,
+                 hooks: ControllerHooks | None = None) -> None:
         self.registry = AdapterRegistry(n_slots)
         self.defaults = defaults
         self.router_url = router_url
+        self.hooks = hooks or ControllerHooks()
         self.registrations_total = 0
         self.deregistrations_total = 0
 
     @classmethod
-    def from_config(cls, cfg: MilesConfig, router_url: str | None = None) -> MultiLoRABackend:
-        return cls(cfg.multi_lora_n_adapters, AdapterDefaults.from_config(cfg), router_url)
+    def from_config(cls, cfg: MilesConfig, router_url: str | None = None,
+                    hooks: ControllerHooks | None = None) -> MultiLoRABackend:
+        return cls(cfg.multi_lora_n_adapters, AdapterDefaults.from_config(cfg), router_url, hooks)
 
     # ---- registration ------------------------------------------------------------
 
-    def register(
+    async def register(
         self,
         name: str,
         config: dict[str, Any] | AdapterRunConfig | None = None,
         yaml_path: str | None = None,
         allowed_roots: list[Path] | None = None,
     ) -> int:
-        """Resolve → `validate_adapter` → registry; returns the slot.
+        """Resolve → `validate_adapter` → read the dataset (off the loop) → registry; returns the slot.
 
         With `allowed_roots` (requests from the network), `yaml_path`, `data` and `save`
-        must resolve inside one of them.
+        must resolve inside one of them. Nothing changes unless every check passes.
         """
         if (config is None) == (yaml_path is None):
             raise AdapterValidationError(f"Adapter '{name}': give exactly one of 'config' or 'yaml_path'")
@@ -74,8 +106,12 @@ class MultiLoRABackend:
             resolved = self._resolve(name, config, yaml_path, allowed_roots)
         except AdapterConfigError as exc:
             raise AdapterValidationError(str(exc)) from None
+        self.registry.check_can_register(name, resolved)  # fail fast, before reading the dataset
         self.validate_adapter(name, resolved)
-        slot = self.registry.register(name, resolved)
+        rows = await self.read_dataset(name, resolved)
+        if rows is not None:
+            resolved = resolve_num_step(resolved, rows)
+        slot = self.registry.register(name, resolved)  # checks again: the loop ran meanwhile
         self.registrations_total += 1
         return slot
 
@@ -100,18 +136,24 @@ class MultiLoRABackend:
     def validate_adapter(self, name: str, config: AdapterRunConfig) -> None:
         """Checks beyond the config's own rules; raise `AdapterValidationError` to reject.
 
-        By default: the reward spec can be loaded and the dataset can be read and has
-        the configured keys.
+        Runs on the event loop, so keep it quick. By default: the reward can be found
+        (the adapter's, else `--rm-type`, else the custom path).
         """
-        from miles.rollout.data_source import validate_dataset
-        from miles.rollout.rewards import validate_reward_spec
-
+        if self.hooks.validate_reward is None:
+            return
         try:
-            validate_reward_spec(config.rm_type, config.custom_rm_path)
+            self.hooks.validate_reward(config.rm_type or self.defaults.rm_type, config.custom_rm_path)
         except ValueError as exc:
             raise AdapterValidationError(f"Adapter '{name}': reward: {exc}") from None
+
+    async def read_dataset(self, name: str, config: AdapterRunConfig) -> int | None:
+        """Row count of the adapter's dataset, checked in a worker thread (a large file
+        never stalls the HTTP server or the actor's other calls); None without a hook."""
+        validate = self.hooks.validate_dataset
+        if validate is None:
+            return None
         try:
-            validate_dataset(config.data, config.input_key, config.label_key)
+            return await asyncio.to_thread(validate, config.data, config.input_key, config.label_key)
         except ValueError as exc:
             raise AdapterValidationError(f"Adapter '{name}': dataset: {exc}") from None
 
@@ -143,7 +185,7 @@ class MultiLoRABackend:
         if self.router_url is None:
             logger.info("No router known yet; no requests of adapter '%s' to abort", name)
             return []
-        return await abort_on_workers(self.router_url, adapter_rid_prefix(name))
+        return await self.hooks.abort_prefix(self.router_url, adapter_rid_prefix(name))
 
     # ---- delegation to the registry ---------------------------------------------------
 
@@ -155,9 +197,6 @@ class MultiLoRABackend:
 
     def mark_batch_trained(self, rollout_id: int) -> list[str]:
         return self.registry.mark_batch_trained(rollout_id)
-
-    def resolve_num_step(self, name: str, dataset_rows: int) -> int:
-        return self.registry.resolve_num_step(name, dataset_rows)
 
     def set_adapter_step(self, name: str, step: int) -> None:
         self.registry.set_step(name, step)

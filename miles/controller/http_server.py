@@ -2,15 +2,17 @@
 
 Routes: `GET /health`, `GET /adapter_runs`, `GET /adapter_runs/state?names=..`,
 `GET /adapter_runs/{name}`, `POST /adapter_runs`, `DELETE /adapter_runs/{name}`,
-`GET /metrics` (Prometheus); OpenAPI at `/docs`. Errors map by exception type:
-validation → 400, unknown adapter → 404, no free slot → 409, malformed body → 422,
-missing or wrong bearer token → 401.
+`GET /metrics` (Prometheus); OpenAPI at `/docs` (with the adapter config's schema).
+Errors map by exception type: validation → 400, unknown adapter → 404, no free slot →
+409, body over `max_body_bytes` → 413, malformed body or a config field of the wrong
+type → 422 (naming the field), missing or wrong bearer token → 401.
 
     curl -s localhost:8068/adapter_runs -H "Authorization: Bearer $MILES_API_TOKEN" \\
          -d '{"name": "math", "config": {"data": "data/math.jsonl"}}'
 
 Handlers are `async def`, so they run on the same event loop as the controller actor's
-methods and never touch the registry concurrently. Subclasses may override
+methods; a registration reads its dataset in a worker thread, so the server keeps
+answering meanwhile. YAML bodies are parsed without anchors or aliases. Subclasses may override
 `create_app()` and `add_routes(app)`; select one with `--multi-lora-http-server-path`.
 """
 
@@ -40,6 +42,8 @@ from starlette.routing import Match
 
 from miles.controller.backend import MultiLoRABackend
 from miles.controller.registry import AdapterNotFoundError, AdapterValidationError, NoFreeSlotError
+from miles.utils.adapter_config import AdapterRunConfig
+from miles.utils.safe_yaml import load_yaml
 from miles.utils.types import AdapterState, RegisterAdapterRequest
 
 if TYPE_CHECKING:
@@ -48,6 +52,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 UNAUTHENTICATED_PATHS = frozenset({"/health"})
+MAX_BODY_BYTES = 1024 * 1024
+
+
+class RequestBodyTooLargeError(Exception):
+    """A request body over the server's `max_body_bytes` (HTTP 413)."""
+
+
+class RegisterAdapterBody(RegisterAdapterRequest):
+    """`POST /adapter_runs` as received: the inline config is checked field by field."""
+
+    config: AdapterRunConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,8 @@ class HTTPServerConfig:
     token: str | None = None
     allowed_roots: tuple[Path, ...] = ()
     """Paths in requests must resolve inside one of these (default: cwd and --save)."""
+    max_body_bytes: int = MAX_BODY_BYTES
+    """Larger request bodies are refused with 413 before they are parsed."""
 
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> HTTPServerConfig:
@@ -132,6 +149,7 @@ class MultiLoRAHTTPServer:
         app.add_exception_handler(AdapterValidationError, handler(400))
         app.add_exception_handler(AdapterNotFoundError, handler(404))
         app.add_exception_handler(NoFreeSlotError, handler(409))
+        app.add_exception_handler(RequestBodyTooLargeError, handler(413))
 
     async def _check_token(self, request: Request, call_next: Any) -> Response:
         token = self.config.token
@@ -173,8 +191,8 @@ class MultiLoRAHTTPServer:
         @app.post("/adapter_runs", openapi_extra=_register_openapi())
         async def register(request: Request) -> dict[str, Any]:
             body = await self._parse_register_body(request)
-            slot = backend.register(body.name, config=body.config, yaml_path=body.yaml_path,
-                                    allowed_roots=list(self.config.allowed_roots))
+            slot = await backend.register(body.name, config=body.config, yaml_path=body.yaml_path,
+                                          allowed_roots=list(self.config.allowed_roots))
             return {"name": body.name, "slot": slot}
 
         @app.delete("/adapter_runs/{name}")
@@ -186,18 +204,37 @@ class MultiLoRAHTTPServer:
         async def metrics() -> Response:
             return Response(generate_latest(self.metrics), media_type=CONTENT_TYPE_LATEST)
 
-    async def _parse_register_body(self, request: Request) -> RegisterAdapterRequest:
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused as soon as it passes `max_body_bytes` (declared or streamed)."""
+        limit = self.config.max_body_bytes
+        too_large = RequestBodyTooLargeError(
+            f"Request body larger than {limit} bytes; send a smaller config (or put large settings in a yaml_path file)"
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _parse_register_body(self, request: Request) -> RegisterAdapterBody:
         """JSON, or YAML when the content type says so; both parsed safely, never unpickled."""
-        raw = await request.body()
+        raw = await self._read_body(request)
         content_type = request.headers.get("content-type", "")
         try:
-            data = yaml.safe_load(raw) if "yaml" in content_type else json.loads(raw or b"null")
+            data = load_yaml(raw) if "yaml" in content_type else json.loads(raw or b"null")
         except (ValueError, yaml.YAMLError) as exc:
             raise RequestValidationError([{"type": "value_error", "loc": ("body",), "msg": f"Malformed body: {exc}", "input": None}]) from None
         try:
-            return RegisterAdapterRequest.model_validate(data)
+            return RegisterAdapterBody.model_validate(data)
         except ValidationError as exc:
-            raise RequestValidationError(exc.errors(include_url=False, include_context=False)) from None
+            # No `input` in the answer: it would echo the (possibly large) body back.
+            errors = exc.errors(include_url=False, include_context=False, include_input=False)
+            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
 
     # ---- serving -----------------------------------------------------------------------
 
@@ -249,6 +286,24 @@ def _route_label(request: Request) -> str:
 
 
 def _register_openapi() -> dict[str, Any]:
-    schema = RegisterAdapterRequest.model_json_schema()
+    schema = _inline_refs(RegisterAdapterBody.model_json_schema())
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema},
                                                           "application/yaml": {"schema": schema}}}}
+
+
+def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with its `$defs` substituted in place (an OpenAPI request body cannot
+    carry `$defs` of its own)."""
+    defs = schema.pop("$defs", {})
+
+    def expand(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return expand(defs[ref.removeprefix("#/$defs/")])
+            return {key: expand(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [expand(item) for item in node]
+        return node
+
+    return expand(schema)

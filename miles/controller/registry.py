@@ -14,7 +14,6 @@ rule here is testable alone:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 from collections import OrderedDict
@@ -95,6 +94,17 @@ class AdapterRegistry:
 
     def register(self, name: str, config: AdapterRunConfig) -> int:
         """Give a new adapter the lowest free slot in PENDING; returns the slot."""
+        self.check_can_register(name, config)
+        slot = min(self._free_slots)
+        self._free_slots.remove(slot)
+        self._completed.pop(name, None)
+        self._live[name] = _Record(name=name, config=config, slot=slot, registration_id=uuid.uuid4().hex)
+        logger.info("Adapter '%s' registered in slot %d", name, slot)
+        return slot
+
+    def check_can_register(self, name: str, config: AdapterRunConfig) -> None:
+        """Raise what `register` would raise now (bad or taken name, shared save
+        directory, no free slot); lets callers fail fast before slow checks."""
         try:
             validate_adapter_name(name)
         except AdapterConfigError as exc:
@@ -106,12 +116,6 @@ class AdapterRegistry:
                 f"No free slot for adapter '{name}': all {self.n_slots} slots are in use; "
                 "retry after an adapter completes or raise --multi-lora-n-adapters"
             )
-        slot = min(self._free_slots)
-        self._free_slots.remove(slot)
-        self._completed.pop(name, None)
-        self._live[name] = _Record(name=name, config=config, slot=slot, registration_id=uuid.uuid4().hex)
-        logger.info("Adapter '%s' registered in slot %d", name, slot)
-        return slot
 
     def _check_name_free(self, name: str) -> None:
         record = self._live.get(name)
@@ -224,16 +228,6 @@ class AdapterRegistry:
             record.state = AdapterState.RETIRING
             logger.info("Adapter '%s' reached num_step=%d (step %d): RETIRING", record.name, num_step, record.step)
 
-    def resolve_num_step(self, name: str, dataset_rows: int) -> int:
-        """Fix `num_step` from the dataset size when the config left it unset."""
-        record = self._record(name)
-        if record.config.num_step is None:
-            assert record.config.rollout_batch_size is not None
-            num_step = max(1, (record.config.num_epoch or 1) * dataset_rows // record.config.rollout_batch_size)
-            record.config = dataclasses.replace(record.config, num_step=num_step)
-        assert record.config.num_step is not None
-        return record.config.num_step
-
     def set_step(self, name: str, step: int) -> None:
         """Resume: the adapter continues at `step`; `num_step` counts from here."""
         if step < 0:
@@ -287,6 +281,7 @@ class AdapterRegistry:
                 name=record.name, config=record.config, slot=record.slot,
                 version=self._slot_versions[record.slot], step=record.step,
                 accumulated_groups=record.accumulated_groups, registration_id=record.registration_id,
+                start_step=record.start_step,
             )
         return MultiLoRASnapshot(
             pending=views[AdapterState.PENDING], active=views[AdapterState.ACTIVE],

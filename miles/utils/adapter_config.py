@@ -7,21 +7,27 @@ required, every other field defaults to the trainer's flag of the same meaning:
     raw = parse_adapter_run_yaml("configs/adapters/math.yaml")
     cfg = resolve_adapter_config("math", raw, AdapterDefaults.from_config(miles_cfg))
 
-Resolution fills every default and applies every rule of DESIGN §4; each error names the
-adapter and says what to change. Unknown keys are an error, so a typo never trains
-silently with a default.
+`AdapterRunConfig` is a frozen pydantic model: field types and bounds are checked by
+pydantic (so the control plane's `/docs` shows the schema), unknown keys are an error (a
+typo never trains silently with a default), and numbers are never read from strings.
+Resolution fills the defaults and applies the rules that need the trainer's flags
+(DESIGN §4); each error names the adapter and says what to change.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from miles.utils.safe_yaml import load_yaml
 
 if TYPE_CHECKING:
     from miles.utils.arguments import MilesConfig
@@ -29,45 +35,69 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ADAPTER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]+$")
+MAX_ADAPTER_NAME_LENGTH = 64
+"""Names become directory names and request-id prefixes; 64 keeps every path short."""
+MAX_METADATA_BYTES = 64 * 1024
+"""`metadata` is copied into every sample and echoed by every status call."""
+MAX_CONFIG_FILE_BYTES = 1024 * 1024
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
 class AdapterConfigError(ValueError):
     """An adapter config that cannot be used; the message names the adapter and the fix."""
 
 
-@dataclass(frozen=True)
-class AdapterRunConfig:
+class AdapterRunConfig(BaseModel):
     """One adapter's run settings. `None` means "use the trainer's default" until
-    `resolve_adapter_config` fills it; after resolution only `num_step`, `num_epoch`
-    and one of `rm_type` / `custom_rm_path` may remain None."""
+    `resolve_adapter_config` fills it; after resolution only `num_step`, `num_epoch`,
+    `rm_type` and `custom_rm_path` may remain None (the reward then comes from the
+    sample's metadata or `--rm-type`)."""
 
-    data: str
-    """Dataset file (jsonl, json or parquet); absolute after resolution."""
-    rank: int | None = None
-    """LoRA rank, at most `--lora-rank` (the slot width)."""
-    alpha: float | None = None
-    rollout_batch_size: int | None = None
-    """Prompt groups per optimizer step of this adapter."""
-    n_samples_per_prompt: int | None = None
-    save: Path | None = None
-    """Save directory; default `{--save}/adapters/{name}`; absolute after resolution."""
-    input_key: str | None = None
-    label_key: str | None = None
-    metadata_key: str | None = None
-    rm_type: str | None = None
-    custom_rm_path: str | None = None
-    num_step: int | None = None
-    """Optimizer steps to train, counted from the step the adapter (re)started at."""
-    num_epoch: int | None = None
-    """Epochs over the dataset; turned into `num_step` once the dataset is loaded."""
-    metadata: dict[str, Any] = field(default_factory=dict)
-    """Merged into every sample's metadata (the sample's own keys win)."""
-    lr: float | None = None
-    weight_decay: float | None = None
-    lr_decay_style: str | None = None
-    lr_warmup_steps: int | None = None
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    data: NonEmptyStr = Field(description="Dataset file (jsonl, json or parquet); absolute after resolution.")
+    rank: PositiveInt | None = Field(None, description="LoRA rank, at most --lora-rank (the slot width).")
+    alpha: PositiveFloat | None = Field(None, description="LoRA alpha (scaling = alpha / rank).")
+    rollout_batch_size: PositiveInt | None = Field(None, description="Prompt groups per optimizer step.")
+    n_samples_per_prompt: PositiveInt | None = Field(None, description="Responses per prompt.")
+    save: Annotated[Path, Field(strict=False)] | None = Field(
+        None, description="Save directory; default {--save}/adapters/{name}; absolute after resolution.")
+    input_key: NonEmptyStr | None = Field(None, description="Prompt key of dataset rows.")
+    label_key: NonEmptyStr | None = Field(None, description="Label key of dataset rows.")
+    metadata_key: NonEmptyStr | None = Field(None, description="Metadata key of dataset rows.")
+    rm_type: NonEmptyStr | None = Field(
+        None, description="Built-in reward; unset: the sample's metadata rm_type, then --rm-type.")
+    custom_rm_path: NonEmptyStr | None = Field(None, description="Dotted path to fn(args, sample) -> float.")
+    num_step: PositiveInt | None = Field(
+        None, description="Optimizer steps to train, counted from the step the adapter (re)started at; "
+                          "unset: num_epoch (default 1) passes over the dataset.")
+    num_epoch: PositiveInt | None = Field(None, description="Epochs over the dataset (num_step wins if both).")
+    metadata: dict[str, Any] = Field(
+        default_factory=dict, description="Merged into every sample's metadata (the sample's keys win).")
+    lr: NonNegativeFloat | None = Field(None, description="Learning rate.")
+    weight_decay: NonNegativeFloat | None = Field(None, description="AdamW weight decay.")
+    lr_decay_style: Literal["constant", "linear", "cosine"] | None = Field(None, description="LR schedule.")
+    lr_warmup_steps: NonNegativeInt | None = Field(None, description="Warmup in optimizer steps.")
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _empty_metadata(cls, value: Any) -> Any:
+        return {} if value is None else value  # `metadata:` with nothing after it in YAML
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, value: dict[str, Any]) -> dict[str, Any]:
+        size = len(json.dumps(value, default=str).encode())
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata is {size} bytes as JSON; at most {MAX_METADATA_BYTES} are accepted")
+        return value
 
     @property
     def adapter_global_batch_size(self) -> int:
@@ -78,12 +108,12 @@ class AdapterRunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (`save` as a string)."""
-        out = dataclasses.asdict(self)
+        out = self.model_dump()
         out["save"] = None if self.save is None else str(self.save)
         return out
 
 
-ADAPTER_CONFIG_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(AdapterRunConfig))
+ADAPTER_CONFIG_KEYS: tuple[str, ...] = tuple(AdapterRunConfig.model_fields)
 
 
 @dataclass(frozen=True)
@@ -146,8 +176,13 @@ def validate_adapter_name(name: Any) -> str:
     """Names become path components and request-id prefixes (`{name}::...`)."""
     if not isinstance(name, str) or not ADAPTER_NAME_PATTERN.fullmatch(name) or name in (".", ".."):
         raise AdapterConfigError(
-            f"Invalid adapter name {name!r}: use only letters, digits, '.', '_' and '-' "
+            f"Invalid adapter name {_short_repr(name)}: use only letters, digits, '.', '_' and '-' "
             "(not '.' or '..' alone, no '/', '::' or spaces)"
+        )
+    if len(name) > MAX_ADAPTER_NAME_LENGTH:
+        raise AdapterConfigError(
+            f"Invalid adapter name {_short_repr(name)} ({len(name)} characters): "
+            f"use at most {MAX_ADAPTER_NAME_LENGTH} characters"
         )
     return name
 
@@ -156,27 +191,40 @@ def config_from_mapping(name: str, raw: Any, source: str = "config") -> AdapterR
     """Build an unresolved config from a mapping (parsed YAML or JSON)."""
     if not isinstance(raw, dict):
         raise AdapterConfigError(f"Adapter '{name}': {source} must be a mapping of fields, got {type(raw).__name__}")
-    unknown = sorted(str(k) for k in raw if k not in ADAPTER_CONFIG_KEYS)
+    try:
+        return AdapterRunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise AdapterConfigError(describe_config_errors(name, source, exc)) from None
+
+
+def describe_config_errors(name: str, source: str, exc: ValidationError) -> str:
+    """One message naming the adapter and every bad field (unknown keys listed first)."""
+    errors = exc.errors(include_url=False)
+    unknown = sorted(str(e["loc"][-1]) for e in errors if e["type"] == "extra_forbidden")
+    parts = []
     if unknown:
-        raise AdapterConfigError(
-            f"Adapter '{name}': unknown key(s) {unknown} in {source}; valid keys are {list(ADAPTER_CONFIG_KEYS)}"
-        )
-    if raw.get("data") in (None, ""):
-        raise AdapterConfigError(f"Adapter '{name}': 'data' is required in {source} (path to a jsonl, json or parquet file)")
-    values = dict(raw)
-    if values.get("metadata") is None:
-        values["metadata"] = {}
-    if values.get("save") is not None:
-        values["save"] = Path(str(values["save"]))
-    return AdapterRunConfig(**values)
+        parts.append(f"unknown key(s) {unknown} in {source}; valid keys are {list(ADAPTER_CONFIG_KEYS)}")
+    for error in errors:
+        field = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            continue
+        if error["type"] == "missing" and field == "data":
+            parts.append(f"'data' is required in {source} (path to a jsonl, json or parquet file)")
+        else:
+            parts.append(f"{field}: {error['msg']}, got {_short_repr(error.get('input'))}")
+    return f"Adapter '{name}': " + "; ".join(parts)
 
 
 def parse_adapter_run_yaml(path: str | Path, name: str | None = None) -> AdapterRunConfig:
-    """Read an `adapter.yaml` (safe loader); the adapter name defaults to the file stem."""
+    """Read an `adapter.yaml` (safe loader, no aliases); the adapter name defaults to the file stem."""
     path = Path(path)
     name = name or path.stem
     try:
-        raw = yaml.safe_load(path.read_text())
+        if path.stat().st_size > MAX_CONFIG_FILE_BYTES:
+            raise AdapterConfigError(
+                f"Adapter '{name}': config file {path} is larger than {MAX_CONFIG_FILE_BYTES} bytes"
+            )
+        raw = load_yaml(path.read_bytes())
     except FileNotFoundError:
         raise AdapterConfigError(f"Adapter '{name}': config file {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -189,32 +237,51 @@ def parse_adapter_run_yaml(path: str | Path, name: str | None = None) -> Adapter
 def resolve_adapter_config(
     name: str, raw: dict[str, Any] | AdapterRunConfig, defaults: AdapterDefaults
 ) -> AdapterRunConfig:
-    """Fill every default from the process flags and apply every validation rule."""
+    """Fill the defaults from the process flags and apply every validation rule.
+
+    The reward is not copied from `--rm-type`: an adapter without `rm_type` takes the
+    sample's `metadata["rm_type"]` first, then `--rm-type` (resolved per sample). An
+    adapter naming no reward at all gets `--custom-rm-path`, if set.
+    """
     validate_adapter_name(name)
     cfg = raw if isinstance(raw, AdapterRunConfig) else config_from_mapping(name, raw)
-    filled = dataclasses.replace(
-        cfg,
-        data=str(_resolve_data(name, cfg.data)),
-        rank=_positive_int(name, "rank", _default(cfg.rank, defaults.lora_rank)),
-        alpha=_positive_number(name, "alpha", _default(cfg.alpha, defaults.lora_alpha)),
-        rollout_batch_size=_positive_int(name, "rollout_batch_size", _default(cfg.rollout_batch_size, defaults.rollout_batch_size)),
-        n_samples_per_prompt=_positive_int(name, "n_samples_per_prompt", _default(cfg.n_samples_per_prompt, defaults.n_samples_per_prompt)),
-        save=_resolve_save(name, cfg.save, defaults.save),
-        input_key=_string(name, "input_key", _default(cfg.input_key, defaults.input_key)),
-        label_key=_string(name, "label_key", _default(cfg.label_key, defaults.label_key)),
-        metadata_key=_string(name, "metadata_key", _default(cfg.metadata_key, defaults.metadata_key)),
-        rm_type=_optional_string(name, "rm_type", _default(cfg.rm_type, defaults.rm_type)),
-        custom_rm_path=_optional_string(name, "custom_rm_path", _default(cfg.custom_rm_path, defaults.custom_rm_path)),
-        num_step=None if cfg.num_step is None else _positive_int(name, "num_step", cfg.num_step),
-        num_epoch=None if cfg.num_epoch is None else _positive_int(name, "num_epoch", cfg.num_epoch),
-        metadata=_mapping(name, "metadata", cfg.metadata),
-        lr=_non_negative_number(name, "lr", _default(cfg.lr, defaults.lr)),
-        weight_decay=_non_negative_number(name, "weight_decay", _default(cfg.weight_decay, defaults.weight_decay)),
-        lr_decay_style=_choice(name, "lr_decay_style", _default(cfg.lr_decay_style, defaults.lr_decay_style), LR_DECAY_STYLES),
-        lr_warmup_steps=_non_negative_int(name, "lr_warmup_steps", _default(cfg.lr_warmup_steps, defaults.lr_warmup_steps)),
-    )
+    fallbacks = {
+        "rank": defaults.lora_rank, "alpha": defaults.lora_alpha,
+        "rollout_batch_size": defaults.rollout_batch_size, "n_samples_per_prompt": defaults.n_samples_per_prompt,
+        "input_key": defaults.input_key, "label_key": defaults.label_key, "metadata_key": defaults.metadata_key,
+        "lr": defaults.lr, "weight_decay": defaults.weight_decay, "lr_decay_style": defaults.lr_decay_style,
+        "lr_warmup_steps": defaults.lr_warmup_steps,
+    }
+    values = cfg.model_dump()
+    for key, fallback in fallbacks.items():
+        if values[key] is None:
+            values[key] = fallback
+    if cfg.rm_type is None and cfg.custom_rm_path is None:
+        values["custom_rm_path"] = defaults.custom_rm_path
+    values["data"] = str(_resolve_data(name, cfg.data))
+    values["save"] = _resolve_save(name, cfg.save, defaults.save)
+    try:
+        filled = AdapterRunConfig.model_validate(values)
+    except ValidationError as exc:  # a default out of range (flags are checked, code may not be)
+        raise AdapterConfigError(describe_config_errors(name, "the trainer's defaults", exc)) from None
     _check_combination(name, filled, defaults)
     return filled
+
+
+def resolve_num_step(config: AdapterRunConfig, dataset_rows: int) -> AdapterRunConfig:
+    """Fix `num_step` from the dataset's row count when the config left it unset:
+    `max(1, (num_epoch or 1) * rows // rollout_batch_size)`.
+
+    >>> cfg = AdapterRunConfig(data="d.jsonl", rollout_batch_size=4, num_epoch=3)
+    >>> resolve_num_step(cfg, 10).num_step
+    7
+    """
+    if config.num_step is not None:
+        return config
+    if config.rollout_batch_size is None:
+        raise AdapterConfigError("resolve_num_step needs a resolved config (call resolve_adapter_config)")
+    num_step = max(1, (config.num_epoch or 1) * dataset_rows // config.rollout_batch_size)
+    return config.model_copy(update={"num_step": num_step})
 
 
 def _check_combination(name: str, cfg: AdapterRunConfig, defaults: AdapterDefaults) -> None:
@@ -241,7 +308,7 @@ def _check_combination(name: str, cfg: AdapterRunConfig, defaults: AdapterDefaul
             f"--multi-lora-max-adapter-global-batch-size {defaults.max_adapter_global_batch_size}; "
             "lower rollout_batch_size or n_samples_per_prompt"
         )
-    if cfg.rm_type is None and cfg.custom_rm_path is None:
+    if not (cfg.rm_type or cfg.custom_rm_path or defaults.rm_type or defaults.custom_rm_path):
         raise AdapterConfigError(
             f"Adapter '{name}': no reward: set rm_type or custom_rm_path in the adapter config "
             "(or start the trainer with --rm-type / --custom-rm-path)"
@@ -263,10 +330,6 @@ def check_within_roots(name: str, what: str, path: str | Path, roots: list[Path]
             f"Adapter '{name}': {what} {str(path)!r} is outside the allowed roots "
             f"{[str(r) for r in roots]}; move it inside one of them or start with --multi-lora-allowed-roots"
         )
-
-
-def _default(value: Any, fallback: Any) -> Any:
-    return fallback if value is None else value
 
 
 def _resolve_data(name: str, data: Any) -> Path:
@@ -292,51 +355,27 @@ def _resolve_save(name: str, save: Path | None, default_root: str | None) -> Pat
     return (Path(default_root).expanduser() / "adapters" / name).resolve()
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...'"
 
 
-def _positive_int(name: str, key: str, value: Any) -> int:
-    if not _is_int(value) or value <= 0:
-        raise AdapterConfigError(f"Adapter '{name}': {key} must be an integer > 0, got {value!r}")
-    return value
+def _resolve_data(name: str, data: str) -> Path:
+    path = Path(data).expanduser().resolve()
+    if path.suffix.lower() not in DATA_SUFFIXES:
+        raise AdapterConfigError(
+            f"Adapter '{name}': data {data!r} must be a .jsonl, .json or .parquet file"
+        )
+    if not path.is_file():
+        raise AdapterConfigError(f"Adapter '{name}': data file {data!r} does not exist (resolved to {path})")
+    return path
 
 
-def _non_negative_int(name: str, key: str, value: Any) -> int:
-    if not _is_int(value) or value < 0:
-        raise AdapterConfigError(f"Adapter '{name}': {key} must be an integer >= 0, got {value!r}")
-    return value
-
-
-def _positive_number(name: str, key: str, value: Any) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise AdapterConfigError(f"Adapter '{name}': {key} must be a number > 0, got {value!r}")
-    return float(value)
-
-
-def _non_negative_number(name: str, key: str, value: Any) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-        raise AdapterConfigError(f"Adapter '{name}': {key} must be a number >= 0, got {value!r}")
-    return float(value)
-
-
-def _string(name: str, key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise AdapterConfigError(f"Adapter '{name}': {key} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _optional_string(name: str, key: str, value: Any) -> str | None:
-    return None if value is None else _string(name, key, value)
-
-
-def _choice(name: str, key: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise AdapterConfigError(f"Adapter '{name}': {key} must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def _mapping(name: str, key: str, value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise AdapterConfigError(f"Adapter '{name}': {key} must be a mapping, got {type(value).__name__}")
-    return dict(value)
+def _resolve_save(name: str, save: Path | None, default_root: str | None) -> Path:
+    if save is not None:
+        return Path(save).expanduser().resolve()
+    if default_root is None:
+        raise AdapterConfigError(
+            f"Adapter '{name}': no save directory: set 'save' in the adapter config or start the trainer with --save"
+        )
+    return (Path(default_root).expanduser() / "adapters" / name).resolve()

@@ -12,8 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from miles.controller.actor import ControllerConfig, MultiLoRAController
+from miles.controller.backend import ControllerHooks
 from miles.controller.http_server import HTTPServerConfig
+from miles.rollout.datasets import validate_dataset
+from miles.rollout.rewards import validate_reward_spec
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig
+
+ROLLOUT_HOOKS = ControllerHooks(validate_dataset=validate_dataset, validate_reward=validate_reward_spec)
+"""The checks the trainer hands the controller at launch."""
 
 
 def write_dataset(path: Path, rows: int = 4) -> Path:
@@ -129,6 +135,7 @@ class ThreadedController:
 
 
 def controller_config(data_root: Path, defaults: AdapterDefaults, n_slots: int = 2, token: str | None = None,
-                      **extra: Any) -> ControllerConfig:
-    server = HTTPServerConfig(host="127.0.0.1", port=0, token=token, allowed_roots=(data_root.resolve(),))
-    return ControllerConfig(n_slots=n_slots, defaults=defaults, server=server, **extra)
+                      hooks: ControllerHooks = ROLLOUT_HOOKS, **extra: Any) -> ControllerConfig:
+    server = HTTPServerConfig(host="127.0.0.1", port=0, token=token, allowed_roots=(data_root.resolve(),),
+                              **{k: extra.pop(k) for k in ["max_body_bytes"] if k in extra})
+    return ControllerConfig(n_slots=n_slots, defaults=defaults, server=server, hooks=hooks, **extra)

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from controller_fakes import LoopbackRouter, write_dataset
+from controller_fakes import ROLLOUT_HOOKS, LoopbackRouter, write_dataset
 
-from miles.controller.backend import MultiLoRABackend
+from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.controller.registry import AdapterValidationError
 from miles.utils.router_workers import abort_on_workers, discover_workers
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig
@@ -23,24 +25,26 @@ from miles.utils.types import AdapterState
 
 
 def make_backend(defaults: AdapterDefaults, router_url: str | None = None, n_slots: int = 2) -> MultiLoRABackend:
-    return MultiLoRABackend(n_slots, defaults, router_url)
+    return MultiLoRABackend(n_slots, defaults, router_url, ROLLOUT_HOOKS)
 
 
-def test_register_resolves_and_validates(data_root: Path, defaults: AdapterDefaults) -> None:
+async def test_register_resolves_and_validates(data_root: Path, defaults: AdapterDefaults) -> None:
     backend = make_backend(defaults)
     data = str(data_root / "data" / "train.jsonl")
-    assert backend.register("a", config={"data": data, "rank": 2}) == 0
+    assert await backend.register("a", config={"data": data, "rank": 2}) == 0
     run = backend.snapshot().pending["a"]
-    assert (run.config.rank, run.config.rollout_batch_size, run.config.rm_type) == (2, 4, "math")
+    # --rm-type is not copied into the adapter: it stays the last resort after the sample's metadata.
+    assert (run.config.rank, run.config.rollout_batch_size, run.config.rm_type) == (2, 4, None)
+    assert run.config.num_step == 1  # 4 rows, 4 groups per step, one epoch
     assert run.config.save == (data_root / "save" / "adapters" / "a").resolve()
     assert backend.registrations_total == 1
 
 
-def test_register_from_yaml(data_root: Path, defaults: AdapterDefaults) -> None:
+async def test_register_from_yaml(data_root: Path, defaults: AdapterDefaults) -> None:
     yaml_path = data_root / "b.yaml"
     yaml_path.write_text(f"data: {data_root / 'data' / 'train.jsonl'}\nnum_step: 3\n")
     backend = make_backend(defaults)
-    assert backend.register("b", yaml_path=str(yaml_path)) == 0
+    assert await backend.register("b", yaml_path=str(yaml_path)) == 0
     assert backend.snapshot().pending["b"].config.num_step == 3
 
 
@@ -50,24 +54,24 @@ def test_register_from_yaml(data_root: Path, defaults: AdapterDefaults) -> None:
     ({"input_key": "prompt"}, ["Adapter 'x': dataset:", "prompt"]),
     ({"rank": 99}, ["Adapter 'x': rank 99 exceeds"]),
 ])
-def test_validation_failures_leave_the_registry_empty(config: dict, words: list[str], data_root: Path,
+async def test_validation_failures_leave_the_registry_empty(config: dict, words: list[str], data_root: Path,
                                                       defaults: AdapterDefaults) -> None:
     backend = make_backend(defaults)
     with pytest.raises(AdapterValidationError) as err:
-        backend.register("x", config={"data": str(data_root / "data" / "train.jsonl"), **config})
+        await backend.register("x", config={"data": str(data_root / "data" / "train.jsonl"), **config})
     for word in words:
         assert word in str(err.value)
     assert backend.registry.free_slots == [0, 1] and backend.registrations_total == 0
 
 
-def test_exactly_one_of_config_or_yaml(data_root: Path, defaults: AdapterDefaults) -> None:
+async def test_exactly_one_of_config_or_yaml(data_root: Path, defaults: AdapterDefaults) -> None:
     backend = make_backend(defaults)
     for kwargs in [{}, {"config": {"data": "x.jsonl"}, "yaml_path": "x.yaml"}]:
         with pytest.raises(AdapterValidationError, match="exactly one of 'config' or 'yaml_path'"):
-            backend.register("x", **kwargs)
+            await backend.register("x", **kwargs)
 
 
-def test_allowed_roots_cover_yaml_data_and_save(tmp_path: Path, data_root: Path, defaults: AdapterDefaults) -> None:
+async def test_allowed_roots_cover_yaml_data_and_save(tmp_path: Path, data_root: Path, defaults: AdapterDefaults) -> None:
     backend = make_backend(defaults)
     roots = [data_root / "data", data_root / "save"]
     inside = str(data_root / "data" / "train.jsonl")
@@ -82,23 +86,23 @@ def test_allowed_roots_cover_yaml_data_and_save(tmp_path: Path, data_root: Path,
     ]
     for kwargs, what in cases:
         with pytest.raises(AdapterValidationError, match=f"Adapter 'x': {what} .* is outside the allowed roots"):
-            backend.register("x", allowed_roots=roots, **kwargs)
+            await backend.register("x", allowed_roots=roots, **kwargs)
     assert backend.registry.free_slots == [0, 1]
-    assert backend.register("x", config={"data": inside}, allowed_roots=roots) == 0
+    assert await backend.register("x", config={"data": inside}, allowed_roots=roots) == 0
 
 
-def test_subclass_hook_can_reject(data_root: Path, defaults: AdapterDefaults) -> None:
+async def test_subclass_hook_can_reject(data_root: Path, defaults: AdapterDefaults) -> None:
     class SmallRanksOnly(MultiLoRABackend):
         def validate_adapter(self, name: str, config: AdapterRunConfig) -> None:
             super().validate_adapter(name, config)
             if config.rank is not None and config.rank > 4:
                 raise AdapterValidationError(f"Adapter '{name}': rank > 4 needs a quota")
 
-    backend = SmallRanksOnly(2, defaults)
+    backend = SmallRanksOnly(2, defaults, None, ROLLOUT_HOOKS)
     data = str(data_root / "data" / "train.jsonl")
     with pytest.raises(AdapterValidationError, match="needs a quota"):
-        backend.register("big", config={"data": data, "rank": 8})
-    assert backend.register("small", config={"data": data, "rank": 4}) == 0
+        await backend.register("big", config={"data": data, "rank": 8})
+    assert await backend.register("small", config={"data": data, "rank": 4}) == 0
 
 
 async def test_retire_and_free_abort_on_every_worker(data_root: Path, defaults: AdapterDefaults,
@@ -108,8 +112,8 @@ async def test_retire_and_free_abort_on_every_worker(data_root: Path, defaults: 
     loopback_servers.extend([*workers, router])
     backend = make_backend(defaults, router.url)
     data = str(data_root / "data" / "train.jsonl")
-    backend.register("a", config={"data": data})
-    backend.register("b", config={"data": data, "save": str(data_root / "save" / "b2")})
+    await backend.register("a", config={"data": data})
+    await backend.register("b", config={"data": data, "save": str(data_root / "save" / "b2")})
     backend.record_weight_update(["a", "b"])
     assert backend.deregister("a") is AdapterState.RETIRING
     assert all(w.aborts == [] for w in workers)  # DELETE sends no abort
@@ -159,16 +163,16 @@ async def test_empty_or_missing_worker_list_is_logged(loopback_servers: list[Loo
 
 async def test_without_router_nothing_is_sent(data_root: Path, defaults: AdapterDefaults) -> None:
     backend = make_backend(defaults, router_url=None)
-    backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
+    await backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
     backend.deregister("a")
     assert await backend.retire_adapters() == ["a"]
     assert await backend.abort_adapter_requests("a") == []
     assert await backend.free_slot("a") == 0
 
 
-def test_status_is_json_ready(data_root: Path, defaults: AdapterDefaults) -> None:
+async def test_status_is_json_ready(data_root: Path, defaults: AdapterDefaults) -> None:
     backend = make_backend(defaults)
-    backend.register("a", config={"data": str(data_root / "data" / "train.jsonl"), "metadata": {"k": 1}})
+    await backend.register("a", config={"data": str(data_root / "data" / "train.jsonl"), "metadata": {"k": 1}})
     dumped = json.loads(backend.adapter_status("a").model_dump_json())
     assert dumped["save"] == str((data_root / "save" / "adapters" / "a").resolve())
     assert (dumped["state"], dumped["version"], dumped["metadata"]) == ("PENDING", 0, {"k": 1})
@@ -195,10 +199,100 @@ async def test_aborts_reach_workers_behind_the_real_sglang_router(data_root: Pat
                 assert time.monotonic() < deadline and router.poll() is None, "router never listed both workers"
                 await asyncio.sleep(0.2)
         backend = make_backend(defaults, router_url)
-        backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
+        await backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
         backend.deregister("a")
         assert await backend.retire_adapters() == ["a"]
         assert [w.aborts for w in workers] == [[{"rid": "a::", "prefix": True}]] * 2
     finally:
         router.terminate()
         router.wait(timeout=20)
+
+
+@pytest.mark.parametrize("extra, rows, expected", [
+    ({}, 4, 1),
+    ({"num_epoch": 3}, 4, 3),
+    ({"num_epoch": 2}, 10, 5),
+    ({}, 3, 1),                     # fewer rows than a batch: still one step
+    ({"num_step": 7, "num_epoch": 3}, 20, 7),  # num_step wins
+])
+async def test_num_step_is_fixed_at_registration_from_the_row_count(extra: dict, rows: int, expected: int,
+                                                                    data_root: Path, defaults: AdapterDefaults) -> None:
+    data = write_dataset(data_root / "data" / f"rows{rows}.jsonl", rows=rows)
+    backend = make_backend(defaults)
+    await backend.register("a", config={"data": str(data), **extra})
+    assert backend.snapshot().pending["a"].config.num_step == expected
+    assert backend.adapter_status("a").num_step == expected
+
+
+async def test_without_a_dataset_hook_num_step_stays_unset(data_root: Path, defaults: AdapterDefaults) -> None:
+    backend = MultiLoRABackend(2, defaults, None, ControllerHooks())
+    (data_root / "data" / "bad.jsonl").write_text("not json\n")
+    assert await backend.register("a", config={"data": str(data_root / "data" / "bad.jsonl")}) == 0
+    assert backend.snapshot().pending["a"].config.num_step is None
+
+
+async def test_reward_hook_sees_the_cli_reward_when_the_adapter_names_none(data_root: Path,
+                                                                          defaults: AdapterDefaults) -> None:
+    seen: list[tuple] = []
+    hooks = ControllerHooks(validate_reward=lambda rm_type, custom: seen.append((rm_type, custom)))
+    backend = MultiLoRABackend(2, defaults, None, hooks)
+    data = str(data_root / "data" / "train.jsonl")
+    await backend.register("a", config={"data": data})
+    await backend.register("b", config={"data": data, "rm_type": "f1"})
+    assert seen == [("math", None), ("f1", None)]
+    assert [r.config.rm_type for r in backend.snapshot().pending.values()] == [None, "f1"]
+    no_cli_reward = MultiLoRABackend(2, dataclasses.replace(defaults, rm_type=None), None, ROLLOUT_HOOKS)
+    with pytest.raises(AdapterValidationError, match="Adapter 'c': no reward"):
+        await no_cli_reward.register("c", config={"data": data})
+
+
+async def test_dataset_is_read_off_the_event_loop(data_root: Path, defaults: AdapterDefaults) -> None:
+    started, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+
+    def slow_validate(path: str, input_key: str, label_key: str | None) -> int:
+        threads.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(timeout=30)
+        return 8
+
+    backend = MultiLoRABackend(2, defaults, None, ControllerHooks(validate_dataset=slow_validate))
+    registration = asyncio.create_task(backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")}))
+    assert await asyncio.to_thread(started.wait, 30)
+    # The loop is free while the file is read: other calls run, and nothing is registered yet.
+    assert backend.snapshot().all_adapters_cleaned_up and backend.registry.free_slots == [0, 1]
+    assert backend.states(["a"]) == {"a": None}
+    release.set()
+    assert await registration == 0
+    assert backend.snapshot().pending["a"].config.num_step == 2
+    assert threads and threads[0] != threading.main_thread().name
+
+
+async def test_a_name_taken_while_the_dataset_was_read_is_refused(data_root: Path, defaults: AdapterDefaults) -> None:
+    release = threading.Event()
+    hooks = ControllerHooks(validate_dataset=lambda *args: 4 if release.wait(timeout=30) else 0)
+    backend = MultiLoRABackend(2, defaults, None, hooks)
+    data = str(data_root / "data" / "train.jsonl")
+    first = asyncio.create_task(backend.register("a", config={"data": data}))
+    second = asyncio.create_task(backend.register("a", config={"data": data, "save": str(data_root / "s2")}))
+    await asyncio.sleep(0)  # both are now past their fast checks, reading the dataset
+    release.set()
+    results = await asyncio.gather(first, second, return_exceptions=True)
+    assert results[0] == 0 and isinstance(results[1], AdapterValidationError)
+    assert "already registered" in str(results[1])
+    assert backend.registrations_total == 1 and backend.registry.free_slots == [1]
+
+
+async def test_prefix_abort_is_a_hook(data_root: Path, defaults: AdapterDefaults) -> None:
+    calls: list[tuple[str, str]] = []
+
+    async def record(router_url: str, prefix: str) -> list[str]:
+        calls.append((router_url, prefix))
+        return ["http://worker"]
+
+    backend = MultiLoRABackend(2, defaults, "http://router", ControllerHooks(abort_prefix=record))
+    await backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
+    backend.deregister("a")
+    await backend.retire_adapters()
+    await backend.free_slot("a")
+    assert calls == [("http://router", "a::")] * 2

@@ -8,19 +8,22 @@ registry exactly as it was.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 from controller_fakes import LoopbackRouter, ThreadedController, controller_config
 
-from miles.controller.actor import ControllerConfig, MultiLoRAController, load_subclass
-from miles.controller.backend import MultiLoRABackend
+from miles.controller.actor import ControllerConfig, MultiLoRAController
+from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.controller.client import ControlPlaneClient, ControlPlaneError
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
-from miles.utils.adapter_config import AdapterDefaults
+from miles.utils.adapter_config import ADAPTER_CONFIG_KEYS, AdapterDefaults
 from miles.utils.arguments import parse_args
+from miles.utils.plugins import load_subclass
 from miles.utils.types import AdapterState
 
 TOKEN = "s3cret-token"
@@ -104,13 +107,31 @@ def test_status_flattens_run_and_config(client: ControlPlaneClient, raw: httpx.C
 
 def test_register_from_yaml_path_and_yaml_body(client: ControlPlaneClient, raw: httpx.Client, data_root: Path) -> None:
     yaml_path = data_root / "y.yaml"
-    yaml_path.write_text(f"data: {data_path(data_root)}\nnum_step: 4\n")
+    yaml_path.write_text(f"data: {data_path(data_root)}\nnum_step: 4\nlr: 2e-5\n")
     assert client.register("y", yaml_path=str(yaml_path)) == 0
-    assert client.status("y").num_step == 4
-    body = f"name: z\nconfig:\n  data: {data_path(data_root)}\n  rank: 1\n"
+    assert (client.status("y").num_step, client.status("y").lr) == (4, 2e-5)
+    body = f"name: z\nconfig:\n  data: {data_path(data_root)}\n  rank: 1\n  lr: 1e-3\n"
     response = raw.post("/adapter_runs", content=body, headers={"Content-Type": "application/yaml"})
     assert response.status_code == 200 and response.json() == {"name": "z", "slot": 1}
-    assert client.status("z").rank == 1
+    assert (client.status("z").rank, client.status("z").lr) == (1, 1e-3)
+
+
+BILLION_LAUGHS = ("name: b\nconfig:\n  data: x.jsonl\n  metadata:\n    a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+                  + "".join(f"    {n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
+                  ).encode()
+"""Nine levels of nine-fold aliases: ~400 bytes that expand to 9**9 strings if aliases are followed."""
+
+
+def bomb_file(data_root: Path) -> Path:
+    path = data_root / "bomb.yaml"
+    path.write_text(f"data: {data_path(data_root)}\nmetadata:\n  a: &a [1, 1, 1]\n  b: [*a, *a, *a]\n")
+    return path
+
+
+def _chunks(body: bytes, size: int = 64 * 1024) -> Iterator[bytes]:
+    """A streamed body (no Content-Length): the cap must hold while reading too."""
+    for start in range(0, len(body), size):
+        yield body[start:start + size]
 
 
 def rejected_cases(data_root: Path) -> list[tuple[dict, int, str]]:
@@ -122,7 +143,22 @@ def rejected_cases(data_root: Path) -> list[tuple[dict, int, str]]:
         ({"json": {"name": "b"}}, 400, "exactly one of"),
         ({"json": {"name": "a/b", "config": {"data": data}}}, 400, "Invalid adapter name"),
         ({"json": {"name": "a::b", "config": {"data": data}}}, 400, "Invalid adapter name"),
-        ({"json": {"name": "b", "config": {"data": data, "rnk": 2}}}, 400, "unknown key(s) ['rnk']"),
+        ({"json": {"name": "b", "config": {"data": data, "rnk": 2}}}, 422,
+         "'type': 'extra_forbidden', 'loc': ['body', 'config', 'rnk']"),
+        ({"json": {"name": "b", "config": {"data": data, "rank": "4"}}}, 422, "'loc': ['body', 'config', 'rank']"),
+        ({"json": {"name": "b", "config": {"data": data, "lr": "1e-3"}}}, 422, "'loc': ['body', 'config', 'lr']"),
+        ({"json": {"name": "b", "config": {"data": data, "metadata": {"blob": "x" * 100_000}}}}, 422,
+         "metadata is 100012 bytes as JSON; at most 65536"),
+        ({"json": {"name": "n" * 65, "config": {"data": data}}}, 400, "(65 characters): use at most 64"),
+        ({"json": {"name": "n" * 256, "config": {"data": data}}}, 400, "(256 characters): use at most 64"),
+        ({"json": {"name": "n" * 5000, "config": {"data": data}}}, 400, "(5000 characters): use at most 64"),
+        ({"content": BILLION_LAUGHS, "headers": {"Content-Type": "application/yaml"}}, 422,
+         "anchors and aliases (&name / *name) are not accepted"),
+        ({"json": {"name": "b", "yaml_path": str(bomb_file(data_root))}}, 400, "anchors and aliases"),
+        ({"json": {"name": "b", "config": {"data": data, "metadata": {"blob": "x" * (1 << 20)}}}}, 413,
+         "Request body larger than 1048576 bytes"),
+        ({"content": _chunks(b" " * (1 << 20) + b"{}"), "headers": {"Content-Type": "application/json"}}, 413,
+         "Request body larger than 1048576 bytes"),
         ({"json": {"name": "b", "config": {"data": data, "rank": 99}}}, 400, "exceeds the slot width"),
         ({"json": {"name": "b", "config": {"data": data, "rm_type": "nope"}}}, 400, "unknown rm_type"),
         ({"json": {"name": "b", "config": {"data": f"{outside}/x.jsonl"}}}, 400, "does not exist"),
@@ -147,6 +183,7 @@ def test_rejected_registrations_change_nothing(plane: ThreadedController, client
         assert response.status_code == status, (kwargs, response.text)
         assert words in str(response.json()["detail"]), (kwargs, response.text)
         assert plane.fingerprint() == before, kwargs
+        assert raw.get("/health").json() == {"status": "healthy"}
 
 
 def test_no_free_slot_is_409(plane: ThreadedController, client: ControlPlaneClient, data_root: Path) -> None:
@@ -232,6 +269,10 @@ def test_openapi_lists_the_routes(raw: httpx.Client) -> None:
     assert {"/health", "/adapter_runs", "/adapter_runs/state", "/adapter_runs/{name}", "/metrics"} <= set(spec["paths"])
     schema = spec["paths"]["/adapter_runs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert set(schema["properties"]) == {"name", "config", "yaml_path"}
+    config_schema = next(s for s in schema["properties"]["config"]["anyOf"] if s.get("type") == "object")
+    assert set(config_schema["properties"]) == set(ADAPTER_CONFIG_KEYS)
+    assert config_schema["required"] == ["data"] and config_schema["additionalProperties"] is False
+    assert "$defs" not in str(spec["paths"]["/adapter_runs"])  # every reference resolvable
 
 
 def test_subclass_paths_are_checked_at_load() -> None:
@@ -239,7 +280,7 @@ def test_subclass_paths_are_checked_at_load() -> None:
     assert load_subclass(f"{__name__}.ExtraRouteServer", MultiLoRAHTTPServer, "--flag") is ExtraRouteServer
     with pytest.raises(ValueError, match="must be a subclass of miles.controller.http_server.MultiLoRAHTTPServer"):
         load_subclass("miles.controller.backend.MultiLoRABackend", MultiLoRAHTTPServer, "--multi-lora-http-server-path")
-    with pytest.raises(ValueError, match="cannot load it"):
+    with pytest.raises(ValueError, match="cannot be imported"):
         load_subclass("miles.controller.nothing_here.X", MultiLoRAHTTPServer, "--multi-lora-http-server-path")
     with pytest.raises(ValueError, match="dotted path"):
         load_subclass("NoDots", MultiLoRAHTTPServer, "--multi-lora-http-server-path")
@@ -268,3 +309,29 @@ def test_server_config_defaults_and_backend_path(tmp_path: Path, monkeypatch: py
             cfg.replace(multi_lora_backend_path=f"{__name__}.ExtraRouteServer")))
     with pytest.raises(ValueError, match="set --multi-lora-n-adapters > 0"):
         ControllerConfig.from_config(cfg.replace(multi_lora_n_adapters=0))
+
+
+def test_server_answers_while_a_dataset_is_validated(data_root: Path, defaults: AdapterDefaults) -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def slow_validate(path: str, input_key: str, label_key: str | None) -> int:
+        started.set()
+        assert release.wait(timeout=30)
+        return 4
+
+    plane = ThreadedController(controller_config(data_root, defaults, hooks=ControllerHooks(validate_dataset=slow_validate)))
+    try:
+        with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=plane.url, trust_env=False, timeout=10) as http:
+            pending = pool.submit(http.post, "/adapter_runs", json={"name": "a", "config": {"data": data_path(data_root)}})
+            assert started.wait(timeout=30)
+            with httpx.Client(base_url=plane.url, trust_env=False, timeout=10) as other:
+                assert other.get("/health").json() == {"status": "healthy"}
+                assert other.get("/adapter_runs/state", params={"names": "a"}).json() == {"states": {"a": None}}
+            assert plane.call(plane.controller.snapshot()).all_adapters_cleaned_up  # an actor call, meanwhile
+            release.set()
+            response = pending.result(timeout=30)
+        assert response.status_code == 200 and response.json() == {"name": "a", "slot": 0}
+        assert plane.call(plane.controller.adapter_status("a")).num_step == 1
+    finally:
+        release.set()
+        plane.close()

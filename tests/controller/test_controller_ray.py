@@ -44,7 +44,6 @@ def test_named_actor_serves_http_and_snapshots(ray_session, data_root: Path) -> 
         ray.get(handle.record_batch_adapters.remote(0, {"a": 2}, ["a"]))
         assert ray.get(handle.mark_batch_trained.remote(0)) == ["a"]
         assert ray.get(handle.adapter_step.remote("a")) == 5
-        assert ray.get(handle.resolve_num_step.remote("a", 8)) == 4
         assert ray.get(handle.adapter_status.remote("a")).state is AdapterState.ACTIVE
 
         # Registry errors keep their type through Ray.

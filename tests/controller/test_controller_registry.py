@@ -262,21 +262,6 @@ def test_pending_adapter_is_not_auto_retired_and_unset_num_step_never_retires() 
     assert (registry.step("a"), registry.state("a")) == (5, AdapterState.ACTIVE)
 
 
-@pytest.mark.parametrize("num_step, num_epoch, rows, batch, expected", [
-    (None, None, 20, 4, 5),
-    (None, 3, 20, 4, 15),
-    (None, None, 3, 4, 1),   # fewer rows than a batch: still one step
-    (None, 2, 10, 4, 5),
-    (7, 3, 20, 4, 7),        # num_step wins
-])
-def test_resolve_num_step(num_step: int | None, num_epoch: int | None, rows: int, batch: int, expected: int) -> None:
-    registry = AdapterRegistry(n_slots=1)
-    registry.register("a", make_config("a", num_step=num_step, num_epoch=num_epoch, rollout_batch_size=batch))
-    assert registry.resolve_num_step("a", rows) == expected
-    assert registry.snapshot().pending["a"].config.num_step == expected
-    assert registry.resolve_num_step("a", rows * 100) == expected  # fixed once resolved
-
-
 def test_step_names_must_be_in_groups() -> None:
     registry = AdapterRegistry(n_slots=1)
     with pytest.raises(ValueError, match=r"step_names \['b'\] are not in the batch's groups"):

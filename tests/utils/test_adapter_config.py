@@ -9,9 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from miles.utils.adapter_config import (
     ADAPTER_CONFIG_KEYS,
+    MAX_ADAPTER_NAME_LENGTH,
+    MAX_CONFIG_FILE_BYTES,
     AdapterConfigError,
     AdapterDefaults,
     AdapterRunConfig,
@@ -60,7 +63,7 @@ def test_defaults_come_from_the_process_config(tmp_path: Path, data_file: Path) 
     assert resolved == AdapterRunConfig(
         data=str(data_file.resolve()), rank=32, alpha=64.0, rollout_batch_size=6, n_samples_per_prompt=4,
         save=(tmp_path / "out" / "adapters" / "alpha").resolve(), input_key="question", label_key="answer",
-        metadata_key="meta", rm_type="exact", custom_rm_path=None, num_step=None, num_epoch=None, metadata={},
+        metadata_key="meta", rm_type=None, custom_rm_path=None, num_step=None, num_epoch=None, metadata={},
         lr=3e-5, weight_decay=0.1, lr_decay_style="cosine", lr_warmup_steps=5,
     )
     assert resolved.adapter_global_batch_size == 24
@@ -120,31 +123,37 @@ def test_good_names_accepted() -> None:
 
 # (overrides of the adapter config, overrides of the defaults, words the message must contain)
 RULES: list[tuple[dict[str, Any], dict[str, Any], list[str]]] = [
-    ({"rank": 0}, {}, ["rank must be an integer > 0"]),
-    ({"rank": "4"}, {}, ["rank must be an integer > 0", "'4'"]),
-    ({"rank": True}, {}, ["rank must be an integer > 0"]),
+    ({"rank": 0}, {}, ["rank: Input should be greater than 0, got 0"]),
+    ({"rank": "4"}, {}, ["rank: Input should be a valid integer, got '4'"]),
+    ({"rank": True}, {}, ["rank: Input should be a valid integer, got True"]),
     ({"rank": 9}, {}, ["rank 9 exceeds the slot width --lora-rank 8"]),
-    ({"alpha": 0}, {}, ["alpha must be a number > 0"]),
-    ({"rollout_batch_size": 0}, {}, ["rollout_batch_size must be an integer > 0"]),
+    ({"alpha": 0}, {}, ["alpha: Input should be greater than 0"]),
+    ({"rollout_batch_size": 0}, {}, ["rollout_batch_size: Input should be greater than 0"]),
     ({"rollout_batch_size": 3, "n_samples_per_prompt": 1}, {"dp_size": 2},
      ["rollout_batch_size (3) must be a multiple of 2", "2 data-parallel ranks"]),
     ({"n_samples_per_prompt": 3}, {"dp_size": 2}, ["divisor or a multiple", "change n_samples_per_prompt"]),
-    ({"n_samples_per_prompt": -1}, {}, ["n_samples_per_prompt must be an integer > 0"]),
+    ({"n_samples_per_prompt": -1}, {}, ["n_samples_per_prompt: Input should be greater than 0, got -1"]),
     ({}, {"save": None}, ["no save directory", "--save"]),
     ({}, {"rm_type": None}, ["no reward", "rm_type or custom_rm_path"]),
-    ({"num_step": 0}, {}, ["num_step must be an integer > 0"]),
-    ({"num_epoch": -2}, {}, ["num_epoch must be an integer > 0"]),
+    ({"num_step": 0}, {}, ["num_step: Input should be greater than 0"]),
+    ({"num_epoch": -2}, {}, ["num_epoch: Input should be greater than 0, got -2"]),
     ({"rollout_batch_size": 16, "n_samples_per_prompt": 4}, {},
      ["= 64 exceeds --multi-lora-max-adapter-global-batch-size 32", "lower rollout_batch_size"]),
-    ({"lr_decay_style": "step"}, {}, ["lr_decay_style must be one of ['constant', 'linear', 'cosine']"]),
-    ({"lr": -1.0}, {}, ["lr must be a number >= 0"]),
-    ({"weight_decay": "0.1"}, {}, ["weight_decay must be a number >= 0"]),
-    ({"lr_warmup_steps": -1}, {}, ["lr_warmup_steps must be an integer >= 0"]),
-    ({"metadata": ["x"]}, {}, ["metadata must be a mapping"]),
-    ({"input_key": ""}, {}, ["input_key must be a non-empty string"]),
+    ({"lr_decay_style": "step"}, {}, ["lr_decay_style: Input should be 'constant', 'linear' or 'cosine', got 'step'"]),
+    ({"lr": -1.0}, {}, ["lr: Input should be greater than or equal to 0, got -1.0"]),
+    ({"weight_decay": "0.1"}, {}, ["weight_decay: Input should be a valid number, got '0.1'"]),
+    ({"lr_warmup_steps": -1}, {}, ["lr_warmup_steps: Input should be greater than or equal to 0"]),
+    ({"metadata": ["x"]}, {}, ["metadata: Input should be a valid dictionary"]),
+    ({"input_key": ""}, {}, ["input_key: String should have at least 1 character"]),
     ({"data": "missing.jsonl"}, {}, ["data file 'missing.jsonl' does not exist"]),
     ({"data": "train.csv"}, {}, ["must be a .jsonl, .json or .parquet file"]),
-    ({"data": 5}, {}, ["'data' must be a path string"]),
+    ({"data": 5}, {}, ["data: Input should be a valid string, got 5"]),
+    ({"alpha": "16"}, {}, ["alpha: Input should be a valid number, got '16'"]),
+    ({"lr": True}, {}, ["lr: Input should be a valid number, got True"]),
+    ({"metadata": {"blob": "x" * 70_000}}, {}, ["metadata: Value error, metadata is 70012 bytes as JSON",
+                                                "at most 65536"]),
+    ({"rank": 0, "lr": "fast", "rnk": 1}, {}, ["unknown key(s) ['rnk']", "rank: Input should be greater than 0",
+                                                "lr: Input should be a valid number, got 'fast'"]),
 ]
 
 
@@ -202,3 +211,65 @@ def test_path_within_roots(tmp_path: Path) -> None:
 def test_status_carries_every_config_field() -> None:
     lifecycle = {"name", "state", "slot", "version", "step", "accumulated_groups", "registration_id"}
     assert set(AdapterStatus.model_fields) == lifecycle | set(ADAPTER_CONFIG_KEYS)
+
+
+def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path: Path, data_file: Path, defaults: AdapterDefaults) -> None:
+    path = tmp_path / "exp.yaml"
+    path.write_text(f"data: {data_file}\nlr: 1e-3\nweight_decay: 5E-2\nalpha: 3.2e1\nmetadata:\n  note: '1e-3'\n")
+    raw = parse_adapter_run_yaml(path)
+    assert (raw.lr, raw.weight_decay, raw.alpha) == (0.001, 0.05, 32.0)
+    assert raw.metadata == {"note": "1e-3"}  # a quoted string stays a string
+    assert resolve_adapter_config("exp", raw, defaults).lr == 0.001
+
+
+@pytest.mark.parametrize("text", [
+    "data: &d x.jsonl\nsave: *d\n",
+    "data: x.jsonl\nmetadata:\n  a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n  b: [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+    "  c: [*b, *b, *b, *b, *b, *b, *b, *b, *b]\n",
+])
+def test_yaml_anchors_and_aliases_are_refused(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text)
+    with pytest.raises(AdapterConfigError, match=r"Adapter .bomb.: .*anchors and aliases \(&name / \*name\) are not accepted"):
+        parse_adapter_run_yaml(path)
+
+
+def test_oversized_yaml_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "big.yaml"
+    path.write_text("data: x.jsonl\nmetadata:\n" + "".join(f"  k{i}: {'v' * 100}\n" for i in range(11_000)))
+    with pytest.raises(AdapterConfigError, match=f"larger than {MAX_CONFIG_FILE_BYTES} bytes"):
+        parse_adapter_run_yaml(path)
+
+
+def test_name_length_is_limited() -> None:
+    assert validate_adapter_name("a" * MAX_ADAPTER_NAME_LENGTH) == "a" * MAX_ADAPTER_NAME_LENGTH
+    for length in [MAX_ADAPTER_NAME_LENGTH + 1, 256, 5000]:
+        with pytest.raises(AdapterConfigError) as err:
+            validate_adapter_name("n" * length)
+        assert f"({length} characters): use at most 64 characters" in str(err.value)
+        assert len(str(err.value)) < 200  # the name itself is not echoed in full
+
+
+def test_reward_defaults_are_not_copied_into_the_adapter(data_file: Path, defaults: AdapterDefaults) -> None:
+    # --rm-type stays the last resort, so a row's metadata rm_type can still win.
+    assert defaults.rm_type == "math"
+    plain = resolve_adapter_config("x", {"data": str(data_file)}, defaults)
+    assert (plain.rm_type, plain.custom_rm_path) == (None, None)
+    own = resolve_adapter_config("x", {"data": str(data_file), "rm_type": "f1"}, defaults)
+    assert own.rm_type == "f1"
+    # --custom-rm-path is the reward of adapters that name none of their own.
+    with_custom = dataclasses.replace(defaults, custom_rm_path="pkg.mod.fn")
+    assert resolve_adapter_config("x", {"data": str(data_file)}, with_custom).custom_rm_path == "pkg.mod.fn"
+    assert resolve_adapter_config("x", {"data": str(data_file), "rm_type": "f1"}, with_custom).custom_rm_path is None
+
+
+def test_config_is_a_frozen_pydantic_model_with_a_schema(data_file: Path) -> None:
+    cfg = AdapterRunConfig(data=str(data_file), rank=2)
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.rank = 3  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        AdapterRunConfig(data=str(data_file), rnak=2)  # type: ignore[call-arg]
+    schema = AdapterRunConfig.model_json_schema()
+    assert schema["required"] == ["data"] and schema["additionalProperties"] is False
+    assert set(schema["properties"]) == set(ADAPTER_CONFIG_KEYS)
+    assert "LoRA rank" in schema["properties"]["rank"]["description"]
