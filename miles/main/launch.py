@@ -72,13 +72,18 @@ async def launch(cfg: MilesConfig) -> Components:
     """Controller first (it owns the adapter registry), then engines + router, then trainers."""
     from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig  # the one backend built here
     from miles.controller.actor import create_multilora_controller
+    from miles.controller.backend import ControllerHooks
+    from miles.rollout.datasets import validate_dataset
     from miles.rollout.manager import RolloutManager
+    from miles.rollout.rewards import validate_reward_spec
 
     if cfg.train_backend != "torch":
         raise SystemExit(
             "--train-backend megatron is not available in this build; use --train-backend torch"
         )
-    controller = create_multilora_controller(cfg, router_url=None)  # logs its URL
+    # The controller imports no rollout code: it is handed the checks run at registration.
+    hooks = ControllerHooks(validate_dataset=validate_dataset, validate_reward=validate_reward_spec)
+    controller = create_multilora_controller(cfg, router_url=None, hooks=hooks)  # logs its URL
     rollout_manager = RolloutManager.options(name="miles_rollout_manager").remote(cfg)
     backend = TrainGroup(TrainGroupConfig.from_config(cfg))
     # Engines and train ranks load the base model in parallel.
