@@ -23,7 +23,6 @@ Shape suffixes: N samples of a whole batch, B samples of a micro-batch, T tokens
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 from torch import Tensor
 
 from miles.utils.arguments import MilesConfig
+from miles.utils.plugins import PluginError, load_object
 
 GRPO_STD_EPS = 1e-6
 
@@ -527,15 +527,9 @@ loss_masks, **kwargs) -> (pg_loss, loss_masks, metrics)` on tokens packed per sa
 
 def load_tis_function(path: str) -> TisFunction:
     """Import `--custom-tis-function-path` (`pkg.module.fn` or `pkg.module:fn`)."""
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--custom-tis-function-path {path!r} must be a dotted path such as my_pkg.module.fn")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"--custom-tis-function-path {path!r} cannot be imported: {exc}") from exc
+    fn = load_object(path, kind="--custom-tis-function-path")
     if not callable(fn):
-        raise ValueError(f"--custom-tis-function-path {path!r} is not callable")
+        raise PluginError(f"--custom-tis-function-path {path!r} is not callable (got {type(fn).__name__})")
     return fn
 
 
