@@ -7,8 +7,9 @@ names keep Miles' spelling (`multi_lora_n_adapters` <-> `--multi-lora-n-adapters
     cfg = parse_args(["--config", "configs/tiny-multi-lora.yaml", "--lr", "1e-4"])
 
 `--config FILE.yaml` holds flag values (keys with `-` or `_`); flags given on the
-command line win over the file. An invalid combination exits with status 2 and one
-line saying what to change. Components take the few fields they need (each defines a
+command line win over the file. Each value is checked against its flag's type (`lr:
+1e-3` is the number 0.001; `multi_lora_n_adapters: four` is an error naming the key). An
+invalid value or combination exits with status 2 and one line saying what to change. Components take the few fields they need (each defines a
 small config of its own with a `from_config(cfg)` constructor), never the whole object.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import types
@@ -25,6 +27,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from miles.utils.safe_yaml import load_yaml
 
 
 def _flag(default: Any, help: str, **extra: Any) -> Any:
@@ -252,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_config_file(path: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = load_yaml(Path(path).read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
     except yaml.YAMLError as exc:
@@ -268,15 +273,43 @@ def _load_config_file(path: str) -> dict[str, Any]:
         values[name] = value
     if "multi_lora_adapter" in values and isinstance(values["multi_lora_adapter"], dict):
         values["multi_lora_adapter"] = list(values["multi_lora_adapter"].items())
-    return values
+    return check_types(values, source=f"--config {path}: ")
+
+
+@functools.cache
+def _field_types() -> dict[str, tuple[Any, TypeAdapter[Any]]]:
+    hints = typing.get_type_hints(MilesConfig)
+    return {f.name: (hints[f.name], TypeAdapter(hints[f.name])) for f in dataclasses.fields(MilesConfig)}
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+def check_types(values: dict[str, Any], source: str = "") -> dict[str, Any]:
+    """Each value converted to its field's type (pydantic's lax rules: "4" -> 4, 1e-3 ->
+    0.001); ConfigError naming the key, the expected type and the value otherwise."""
+    types_ = _field_types()
+    checked = {}
+    for name, value in values.items():
+        if name not in types_:
+            raise ConfigError(f"{source}unknown flag {name!r}")
+        hint, adapter = types_[name]
+        try:
+            if isinstance(value, bool) and hint is not bool:
+                raise ValueError("a boolean is not a " + _type_name(hint))
+            checked[name] = adapter.validate_python(value)
+        except (ValidationError, ValueError) as exc:
+            reason = exc.errors(include_url=False)[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            raise ConfigError(
+                f"{source}{name} (--{_flag_name(name)}) expects {_type_name(hint)}, got {value!r} ({reason})"
+            ) from None
+    return checked
 
 
 def config_from_dict(values: dict[str, Any]) -> MilesConfig:
     """Build a config from field values (YAML or code), with type checks."""
-    try:
-        return MilesConfig(**values)
-    except TypeError as exc:
-        raise ConfigError(str(exc)) from None
+    return MilesConfig(**check_types(values))
 
 
 def parse_args(argv: list[str] | None = None) -> MilesConfig:

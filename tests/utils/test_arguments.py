@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from miles.utils.arguments import ConfigError, MilesConfig, build_parser, parse_args
+from miles.utils.arguments import ConfigError, MilesConfig, build_parser, config_from_dict, parse_args
 
 
 def test_defaults_are_derived_once():
@@ -89,3 +89,40 @@ def test_api_token_from_environment(monkeypatch):
     monkeypatch.setenv("MILES_API_TOKEN", "s3cret")
     assert parse_args([]).multi_lora_api_token == "s3cret"
     assert parse_args(["--multi-lora-api-token", "flag"]).multi_lora_api_token == "flag"
+
+
+def test_config_file_numbers_in_exponent_form_are_numbers(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 1e-3\nmin_lr: 5E-6\nmulti_lora_idle_poll_s: 2\nrollout_num_engines: '3'\n")
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.lr, cfg.min_lr) == (0.001, 5e-6) and isinstance(cfg.lr, float)
+    assert cfg.multi_lora_idle_poll_s == 2.0 and isinstance(cfg.multi_lora_idle_poll_s, float)
+    assert cfg.rollout_num_engines == 3
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('multi_lora_n_adapters: "four"\n',
+     "multi_lora_n_adapters (--multi-lora-n-adapters) expects int, got 'four'"),
+    ("lr: fast\n", "lr (--lr) expects float, got 'fast'"),
+    ("rollout_stop: x\n", "rollout_stop (--rollout-stop) expects list[str], got 'x'"),
+    ("multi_lora_n_adapters: true\n", "multi_lora_n_adapters (--multi-lora-n-adapters) expects int, got True"),
+    ("train_backend: jax\n", "train_backend (--train-backend) expects Literal['torch', 'megatron'], got 'jax'"),
+    ("use_tis: maybe\n", "use_tis (--use-tis) expects bool, got 'maybe'"),
+    ("save: &s runs/x\nrun_dir: *s\n", "anchors and aliases"),
+])
+def test_config_file_values_are_checked_against_flag_types(tmp_path, text, fragment):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "miles.utils.arguments", "--config", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"miles: error: --config {path}") and fragment in lines[0], lines
+
+
+def test_config_from_dict_checks_types():
+    assert config_from_dict({"lr": "1e-3", "lora_rank": 8.0}).lr == 0.001
+    with pytest.raises(ConfigError, match=r"lora_rank \(--lora-rank\) expects int, got 8.5"):
+        config_from_dict({"lora_rank": 8.5})
+    with pytest.raises(ConfigError, match="unknown flag 'learning_rate'"):
+        config_from_dict({"learning_rate": 0.1})
