@@ -122,7 +122,7 @@ class RolloutProducer:
         controller: Any,
         data_source: MultiLoRADataSource,
         buffers: AdapterBuffers,
-        lora_name: Callable[[int], str],
+        lora_name: Callable[[int, int], str],
         reward_args: Any,
         client: aiohttp.ClientSession | None = None,
     ) -> None:
@@ -204,6 +204,10 @@ class RolloutProducer:
             await asyncio.gather(*in_flight, return_exceptions=True)
 
     async def _refresh_snapshot(self) -> MultiLoRASnapshot:
+        # The producer runs while the driver trains, so it reads the registry itself
+        # instead of waiting for the driver's next snapshot: a retirement must stop new
+        # submissions, and a push must stamp new groups with the new version, within one
+        # poll interval.
         now = time.monotonic()
         if now - self._snapshot_at >= self.config.snapshot_poll_s:
             self._snapshot = await self.controller.snapshot.remote()
@@ -262,7 +266,7 @@ class RolloutProducer:
         group = PromptGroup(adapter=run.name, slot=run.slot, version=run.version,
                             registration_id=run.registration_id,
                             samples=item.new_samples(run.config.n_samples_per_prompt))
-        lora_path = self.lora_name(run.slot)
+        lora_path = self.lora_name(run.slot, group.version)
         results = await asyncio.gather(*(self._generate(s, lora_path) for s in group.samples),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

@@ -78,12 +78,15 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
         assert [(s.adapter, s.slot) for s in batch.samples] == [("a", 0)] * 4 + [("b", 1)] * 4
         assert all(len(s.rollout_logprobs) == len(s.response_ids) <= 6 for s in batch.samples)
         assert any(s.response_ids for s in batch.samples)
+        # a's prompts come from its restored stream (indices 8.. in the seeded order);
+        # which of the first few finish first is up to the engine.
         resumed = AdapterDataset(rows, f"{cfg.seed}:a")
         resumed.seek(DataPosition(epoch=1, index=2))
-        expected_a = [resumed.next_row() for _ in range(2)]
-        groups_a = sorted({(s.group_index, s.prompt) for s in batch.samples if s.adapter == "a"})
-        assert groups_a == [(index, row["text"]) for index, row in expected_a]
-        assert sorted({s.group_index for s in batch.samples if s.adapter == "b"}) == [0, 1]
+        stream_a = dict(resumed.next_row() for _ in range(4))
+        groups_a = {(s.group_index, s.prompt) for s in batch.samples if s.adapter == "a"}
+        assert len(groups_a) == 2
+        assert all(index in stream_a and stream_a[index]["text"] == prompt for index, prompt in groups_a)
+        assert {s.group_index for s in batch.samples if s.adapter == "b"} <= {0, 1, 2, 3}
         assert set(batch.per_adapter) == {"a", "b"}
         assert all(isinstance(stats, AdapterRolloutStats) and stats.groups == 2 and stats.raw_reward_mean is not None
                    and stats.generation.produced >= 2 for stats in batch.per_adapter.values())
