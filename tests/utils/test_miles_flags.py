@@ -1,0 +1,31 @@
+"""Which flags of Miles' multi-LoRA example our command line takes today, with their values."""
+
+from __future__ import annotations
+
+from miles.utils.arguments import build_parser
+from miles_multi_lora_flags import BOUNDED_ARGV, SERVICE_ARGV, WANDB_ARGV, flag_names, split_flags
+
+ACCEPTED_TODAY = [
+    "--hf-checkpoint", "--lora-rank", "--lora-alpha", "--target-modules", "--multi-lora-n-adapters",
+    "--multi-lora-idle-poll-s", "--multi-lora-adapter", "--multi-lora-disable-service-mode", "--multi-lora-api-port",
+    "--max-weight-staleness", "--use-tis", "--apply-chat-template", "--num-rollout", "--rollout-batch-size",
+    "--n-samples-per-prompt", "--rollout-max-response-len", "--rollout-temperature", "--global-batch-size",
+    "--kl-coef", "--eps-clip", "--eps-clip-high", "--lr", "--lr-decay-style", "--weight-decay", "--adam-beta1",
+    "--adam-beta2", "--rollout-num-gpus-per-engine", "--save", "--save-interval", "--use-wandb", "--wandb-project",
+]
+"""Flags with these names parse today (`--kl-coef` is our KL-loss coefficient, not Miles'
+reward shaping: see docs/MILES_COMPAT.md)."""
+
+
+def test_the_example_uses_these_flags():
+    names = flag_names(BOUNDED_ARGV + SERVICE_ARGV + WANDB_ARGV)
+    assert len(names) == 59 and len(set(names)) == 59
+    assert set(ACCEPTED_TODAY) <= set(names)
+
+
+def test_flags_accepted_today_parse_with_the_example_values():
+    pieces = [p for p in split_flags(BOUNDED_ARGV + SERVICE_ARGV + WANDB_ARGV) if p[0] in ACCEPTED_TODAY]
+    argv = [token for piece in pieces for token in piece]
+    namespace, unknown = build_parser().parse_known_args(argv)
+    assert unknown == []
+    assert (namespace.eps_clip, namespace.eps_clip_high, namespace.rollout_batch_size) == (0.2, 0.28, 32)
