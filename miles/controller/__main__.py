@@ -8,7 +8,9 @@ does not need are accepted and ignored) and stops cleanly on SIGINT/SIGTERM:
     curl -s localhost:8068/adapter_runs -d '{"name": "a", "config": {"data": "data.jsonl"}}'
 
 Adapters registered here walk PENDING only (no trainer pushes weights); DELETE moves them
-to RETIRING. With `--sglang-router-ip/--sglang-router-port`, aborts reach that router's
+to RETIRING. The control plane imports no rollout code, so here a dataset is only checked
+to exist (the trainer hands the controller the full dataset and reward checks) and an
+unset `num_step` stays unset. With `--sglang-router-ip/--sglang-router-port`, aborts reach that router's
 workers.
 """
 
