@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from miles.rollout.datasets import check_rows, read_rows, validate_dataset  # noqa: F401 (re-exported)
+from miles.rollout.datasets import check_rows, read_rows
 from miles.rollout.rewards import RewardSpec
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import AdapterRun, DataPosition, MultiLoRASnapshot, Sample
