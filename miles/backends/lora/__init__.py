@@ -23,6 +23,7 @@ from miles.backends.lora.layer import (
 from miles.backends.lora.peft_io import (
     export_peft_adapter,
     load_peft_adapter,
+    load_peft_tensors,
     peft_adapter_config,
     read_peft_dir,
     write_peft_dir,
@@ -46,6 +47,7 @@ __all__ = [
     "init_slot",
     "inject_multi_lora",
     "load_peft_adapter",
+    "load_peft_tensors",
     "lora_modules",
     "peft_adapter_config",
     "peft_names",

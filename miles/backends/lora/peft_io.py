@@ -181,9 +181,18 @@ def load_peft_adapter(model: nn.Module, slot: int, path: str | os.PathLike) -> t
     """
     path = Path(path)
     tensors, config = read_peft_dir(path)
-    rank, alpha = _check_loadable(config, path, model)
+    return load_peft_tensors(model, slot, tensors, config, source=str(path))
+
+
+def load_peft_tensors(model: nn.Module, slot: int, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                      *, source: str = "adapter") -> tuple[int, float]:
+    """`load_peft_adapter` for tensors and `adapter_config.json` contents already in memory.
+
+    `source` names where they came from in error messages.
+    """
+    rank, alpha = _check_loadable(config, Path(source), model)
     max_rank = next(iter(_require_lora(model).values())).max_rank
     if rank > max_rank:
-        raise ValueError(f"{path}: adapter rank {rank} exceeds the slot width max_rank={max_rank}; raise --lora-rank")
+        raise ValueError(f"{source}: adapter rank {rank} exceeds the slot width max_rank={max_rank}; raise --lora-rank")
     set_slot_weights(model, slot, tensors, rank=rank, alpha=alpha)
     return rank, alpha

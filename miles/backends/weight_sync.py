@@ -1,0 +1,129 @@
+"""LoRA tensors over a weights-update process group: join it, broadcast, receive.
+
+The sender (the train rank that exports LoRA tensors) is rank 0; every inference
+server joins with `POST /init_weights_update_group` at its rank offset. Then each push
+sends names, dtypes and shapes over HTTP (`/load_lora_adapter_from_distributed`) and
+the tensors themselves by broadcast from rank 0: nothing is pickled.
+
+    spec = UpdateGroupSpec(master_address=node_ip, master_port=free_port(node_ip),
+                           world_size=1 + n_engines, backend="gloo")      # "nccl" on GPU
+    # at the same time: every engine posts spec.init_request(rank_offset=1 + i) ...
+    group = join_update_group(spec, rank=0)      # ... and the sender joins; all block until all are in
+    names, dtypes, shapes = tensor_metadata(tensors)   # -> the HTTP body of each engine's load
+    broadcast_tensors(group, tensors)            # while those load requests are in flight
+
+`join_update_group` builds the group exactly as SGLang's server does (a TCP rendezvous
+at the sender, a store prefixed with the group name, a process group outside the
+default one), so a sender made here meets a real SGLang server as well as the builtin
+engine, which uses the same function to join. Plain torch.distributed; no Ray.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_GROUP_NAME = "miles_lora_update"
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+}
+
+
+@dataclass(frozen=True)
+class UpdateGroupSpec:
+    """Where and how a weights-update group meets (the sender hosts the rendezvous)."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    """1 (the sender) + the ranks of every engine (its tensor-parallel size each)."""
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: str = "gloo"
+    timeout_s: float = 600.0
+
+    def init_request(self, rank_offset: int) -> dict[str, Any]:
+        """The body of `POST /init_weights_update_group` for the engine whose first rank is `rank_offset`."""
+        return {"master_address": self.master_address, "master_port": self.master_port, "rank_offset": rank_offset,
+                "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend}
+
+
+def join_update_group(spec: UpdateGroupSpec, rank: int) -> dist.ProcessGroup:
+    """Join the group as `rank` (the sender is 0); blocks until all `world_size` ranks joined."""
+    # Private torch helpers, used exactly as SGLang's server uses them: the store keys and
+    # the group must match on both sides, and the trainer's default group stays untouched.
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    if not 0 <= rank < spec.world_size:
+        raise ValueError(f"rank {rank} is outside the weights-update group of size {spec.world_size}")
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{spec.master_address}:{spec.master_port}", rank,
+                                              spec.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(spec.backend),
+                                         PrefixStore(spec.group_name, store), group_name=spec.group_name,
+                                         timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def leave_update_group(group: dist.ProcessGroup) -> None:
+    dist.destroy_process_group(group)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> `"bfloat16"`, as SGLang's requests spell dtypes."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported tensor dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def tensor_metadata(tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str], list[list[int]]]:
+    """(names, dtypes, shapes) of `tensors` in broadcast order (the mapping's order)."""
+    return ([name for name in tensors], [dtype_name(t.dtype) for t in tensors.values()],
+            [list(t.shape) for t in tensors.values()])
+
+
+def broadcast_tensors(group: dist.ProcessGroup, tensors: Mapping[str, torch.Tensor] | Iterable[torch.Tensor],
+                      *, device: str | torch.device | None = None) -> int:
+    """Broadcast from rank 0, in order; returns the bytes sent.
+
+    `device`: where the tensors go before sending (`cuda` for NCCL); default where they are.
+    """
+    values = list(tensors.values()) if isinstance(tensors, Mapping) else list(tensors)
+    # Contiguous copies (LoRA B slices are strided), kept alive until every send is done.
+    ready = [(t if device is None else t.to(device)).contiguous() for t in values]
+    works = [_broadcast(group, t) for t in ready]
+    for work in works:
+        work.wait()
+    return sum(t.numel() * t.element_size() for t in ready)
+
+
+def receive_tensors(group: dist.ProcessGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                    *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Receive what `broadcast_tensors` sends, described by (names, dtypes, shapes)."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+    if len(set(names)) != len(names):
+        raise ValueError("tensor names must be unique")
+    buffers = {name: torch.empty(shape, dtype=parse_dtype(dtype), device=device)
+               for name, dtype, shape in zip(names, dtypes, shapes)}
+    works = [_broadcast(group, t) for t in buffers.values()]
+    for work in works:
+        work.wait()
+    return buffers
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    return group.broadcast([tensor], options)
