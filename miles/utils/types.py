@@ -48,9 +48,37 @@ class AdapterState(str, enum.Enum):
         return self in (AdapterState.ACTIVE, AdapterState.RETIRING)
 
 
-def engine_lora_name(slot: int) -> str:
-    """The engine-side name of a slot's LoRA (`lora_path` in SGLang requests)."""
-    return f"__miles_slot_{slot}"
+LoraUpdateMode = Literal["in_place", "versioned"]
+"""How pushed LoRA weights reach the engines (`--engine-lora-update`).
+
+`in_place`: a slot keeps one engine-side name and each push replaces its weights
+between two decode steps. `versioned`: each push loads a new name beside the previous
+version (for SGLang builds that cannot replace a loaded adapter).
+"""
+
+ENGINE_LORA_PREFIX = "__miles_slot_"
+
+
+def engine_lora_name(slot: int, version: int | None = None, mode: LoraUpdateMode = "in_place") -> str:
+    """The engine-side name of a slot's LoRA (`lora_path` in SGLang requests): the only place it is built.
+
+    >>> engine_lora_name(3, 7, "in_place"), engine_lora_name(3, 7, "versioned")
+    ('__miles_slot_3', '__miles_slot_3_v7')
+    """
+    if mode == "in_place":
+        return f"{ENGINE_LORA_PREFIX}{slot}"
+    if mode == "versioned":
+        if version is None:
+            raise ValueError(f"a versioned engine LoRA name needs the slot version (slot {slot})")
+        return f"{ENGINE_LORA_PREFIX}{slot}_v{version}"
+    raise ValueError(f"unknown LoRA update mode {mode!r}: use 'in_place' or 'versioned'")
+
+
+def engine_lora_slot(name: str) -> int:
+    """The slot of an engine-side LoRA name of either mode (the inverse of `engine_lora_name`)."""
+    if not name.startswith(ENGINE_LORA_PREFIX):
+        raise ValueError(f"{name!r} is not an engine-side slot LoRA name ({ENGINE_LORA_PREFIX}<slot>[_v<version>])")
+    return int(name[len(ENGINE_LORA_PREFIX):].split("_v", 1)[0])
 
 
 def next_slot_version(version: int) -> int:
@@ -84,6 +112,14 @@ class AdapterRun:
     """Prompt groups trained since the last optimizer step."""
     registration_id: str
     """uuid4 hex issued at registration; a re-registration gets a new one."""
+    start_step: int = 0
+    """Step this registration started at (its resumed step); `num_step` counts from here."""
+
+    @property
+    def final_step(self) -> int | None:
+        """The step at which it retires by itself (None: only a DELETE retires it)."""
+        num_step = self.config.num_step
+        return None if num_step is None else self.start_step + num_step
 
 
 @dataclass(frozen=True)
@@ -128,7 +164,7 @@ class MultiLoRASnapshot:
 
     def with_step(self, name: str, step: int) -> MultiLoRASnapshot:
         """`set_adapter_step(name, step)` (a resume) was applied."""
-        return self._with_run(name, lambda run: replace(run, step=step))
+        return self._with_run(name, lambda run: replace(run, step=step, start_step=step))
 
     def after_push(self, versions: dict[str, int]) -> MultiLoRASnapshot:
         """`record_weight_update` answered `versions`: new slot versions, PENDING -> ACTIVE."""
@@ -483,11 +519,71 @@ class AbortRequest(BaseModel):
 
 
 class LoadLoraRequest(BaseModel):
+    """`POST /load_lora_adapter`: a PEFT directory on the engine's node."""
+
     model_config = ConfigDict(extra="ignore")
 
     lora_name: str
     lora_path: str
+    pinned: bool = False
+    """Accepted as SGLang does; the builtin engine never evicts a pinned adapter."""
     upsert: bool = False
+    """Replace a loaded adapter in place (builtin engine, `in_place` mode only; SGLang ignores it)."""
+
+
+class LoadLoraFromDistributedRequest(BaseModel):
+    """`POST /load_lora_adapter_from_distributed`: the tensors arrive by broadcast, not over HTTP.
+
+    Field names as SGLang's (the build Miles runs): the sender broadcasts from rank 0 of
+    the group `group_name`, one tensor per name, in this order.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    """Contents of the adapter's `adapter_config.json`."""
+    names: list[str]
+    """PEFT parameter names, in broadcast order."""
+    dtypes: list[str]
+    """torch dtype names without the `torch.` prefix (`"float32"`, `"bfloat16"`)."""
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    pinned: bool = False
+    upsert: bool = False
+    """Replace a loaded adapter in place; without it, loading a loaded name is an error."""
+    added_tokens_config: dict[str, int] | None = None
+    """Accepted for SGLang compatibility; adapters that add tokens are refused."""
+
+
+class InitWeightsUpdateGroupRequest(BaseModel):
+    """`POST /init_weights_update_group`: join the sender's process group (field names as SGLang's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    master_address: str
+    master_port: int = Field(gt=0, lt=65536)
+    rank_offset: int = Field(ge=1)
+    """This server's first rank; the sender is rank 0."""
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+    """`nccl` on GPU; the builtin engine on CPU takes `gloo`."""
+
+
+class DestroyWeightsUpdateGroupRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    group_name: str = "weight_update_group"
+
+
+class LoraUpdateResponse(BaseModel):
+    """SGLang's answer to LoRA load/unload requests (HTTP 200 on success, 400 otherwise)."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] | None = None
+    """Loaded name -> the directory it was read from (`__distributed__` for a broadcast)."""
 
 
 class UnloadLoraRequest(BaseModel):

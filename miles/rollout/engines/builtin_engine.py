@@ -10,12 +10,27 @@ It loads a Hugging Face causal LM, wraps its linear layers in the slot page tabl
 Every method runs on the server's event loop; model work happens on the scheduler's
 thread, LoRA weight writes between two decode steps. Bad input raises
 `EngineRequestError` (or a subclass) with a message that says what to fix.
+
+LoRA semantics follow `lora_update`:
+- `in_place`: `/load_lora_adapter` takes `upsert`, and `/load_lora_adapter_from_distributed`
+  receives an adapter's tensors by broadcast over a group joined with
+  `/init_weights_update_group` (gloo on CPU). An upsert swaps the slot's weights
+  between two decode steps: a request in flight across a push decodes its remaining
+  tokens with the new weights (over a KV cache the old ones wrote), so a group stamped
+  with version v at submission holds tokens of v or later, never older.
+- `versioned`: as SGLang 0.5 does: no upsert (loading a loaded name is HTTP 400
+  "... already loaded") and no broadcast load.
+Either way, as SGLang: unloading stops new requests for the name at once, waits for
+the requests already using it to finish, then frees the slot; an unknown name is 400;
+with `max_loaded_loras`, loading past the limit first evicts the least recently used
+unpinned adapter.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +38,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.backends import lora
+from miles.backends import lora, weight_sync
 from miles.rollout.engines.lora_table import LoraRequestError, LoraSlotTable
 from miles.rollout.engines.sampling import RowSampling, validate_sampling_params
 from miles.rollout.engines.scheduler import DecodeScheduler, Job, SchedulerConfig
@@ -32,15 +47,26 @@ from miles.utils.types import (
     GenerateMetaInfo,
     GenerateRequest,
     GenerateResponse,
+    InitWeightsUpdateGroupRequest,
+    LoadLoraFromDistributedRequest,
     LoadLoraRequest,
+    LoraUpdateMode,
     SamplingParams,
 )
 
 ENGINE_VERSION = "miles-builtin-0.1"
 
 
+DISTRIBUTED_LORA_PATH = "__distributed__"
+"""What `loaded_adapters` shows for an adapter received by broadcast."""
+
+
 class EngineRequestError(ValueError):
     """A request the engine cannot serve as given (HTTP 400)."""
+
+
+class WeightsUpdateGroupError(EngineRequestError):
+    """Joining, using or leaving a weights-update group failed (HTTP 400, SGLang's `{success, message}`)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +75,10 @@ class EngineOptions:
     tokenizer_path: str | None = None
     max_loras_per_batch: int = 8
     """Slots of the LoRA page table (0: no LoRA)."""
+    max_loaded_loras: int | None = None
+    """As SGLang's `--max-loaded-loras`: past it, a load evicts the least recently used adapter.
+    The page table has max(max_loras_per_batch, max_loaded_loras) slots."""
+    lora_update: LoraUpdateMode = "in_place"
     max_lora_rank: int = 16
     lora_target_modules: str = "all-linear"
     lora_paths: tuple[tuple[str, str], ...] = ()
@@ -78,10 +108,18 @@ class BuiltinEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(options.tokenizer_path or options.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=dtype).to(options.device).eval()
         self.lora_enabled = options.max_loras_per_batch > 0
+        n_slots = max(options.max_loras_per_batch, options.max_loaded_loras or 0) if self.lora_enabled else 0
         if self.lora_enabled:
-            lora.inject_multi_lora(self.model, n_slots=options.max_loras_per_batch,
+            lora.inject_multi_lora(self.model, n_slots=n_slots,
                                    max_rank=options.max_lora_rank, target_modules=options.lora_target_modules)
-        self.table = LoraSlotTable(options.max_loras_per_batch)
+        self.table = LoraSlotTable(n_slots, upsert_allowed=options.lora_update == "in_place")
+        self._lora_lock: asyncio.Lock | None = None
+        """Serializes loads and unloads (SGLang's `lora_update_lock`); made on the server's loop."""
+        self._uses: Counter[str] = Counter()
+        """LoRA name -> /generate prompts using it that have not finished."""
+        self._uses_changed: asyncio.Condition | None = None
+        self._groups: dict[str, object] = {}
+        """Weights-update groups joined, by name."""
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_context = options.context_length or int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.scheduler = DecodeScheduler(
@@ -100,12 +138,17 @@ class BuiltinEngine:
         return frozenset(ids)
 
     async def start(self) -> None:
+        self._lora_lock = asyncio.Lock()
+        self._uses_changed = asyncio.Condition()
         self.scheduler.start()
         for name, path in self.options.lora_paths:
             await self.load_lora(LoadLoraRequest(lora_name=name, lora_path=path))
 
     def stop(self) -> None:
         self.scheduler.stop()
+        for group in self._groups.values():
+            weight_sync.leave_update_group(group)
+        self._groups.clear()
 
     # ---- generation ----
 
@@ -117,6 +160,8 @@ class BuiltinEngine:
             future = loop.create_future()
             jobs.append(self._job(prompt, future, loop))
             futures.append(future)
+        names = [p.lora_name for p in prompts if p.lora_name is not None]
+        self._uses.update(names)
         self.scheduler.submit(*jobs)
         try:
             await asyncio.gather(*futures)
@@ -124,6 +169,10 @@ class BuiltinEngine:
             for job in jobs:
                 self.scheduler.abort(rid=job.rid, message="client went away")
             raise
+        finally:
+            self._uses.subtract(names)
+            async with self._uses_changed:
+                self._uses_changed.notify_all()
         responses = [self._response(job, request.return_logprob) for job in jobs]
         return responses if batched else responses[0]
 
@@ -223,32 +272,111 @@ class BuiltinEngine:
     # ---- LoRA ----
 
     async def load_lora(self, request: LoadLoraRequest) -> dict[str, Any]:
-        if not self.lora_enabled:
-            raise EngineRequestError("this server has no LoRA slots: start it with --max-loras-per-batch > 0")
+        self._require_lora()
         path = Path(request.lora_path)
         if not path.is_dir():
             raise LoraRequestError(f"lora_path {request.lora_path!r} is not a directory on the engine's node")
-        slot, fresh = self.table.reserve(request.lora_name, upsert=request.upsert)
         try:
-            await asyncio.to_thread(self._write_slot, slot, path)
+            tensors, config = await asyncio.to_thread(lora.read_peft_dir, path)
         except (OSError, ValueError) as exc:
-            if fresh:
-                await asyncio.to_thread(self._clear_slot, slot)
-            self.table.cancel(request.lora_name, fresh=fresh)
-            raise LoraRequestError(f"could not load LoRA adapter {request.lora_name!r} from {path}: {exc}") from None
-        self.table.commit(request.lora_name, str(path))
-        return {"success": True, "error_message": "", "loaded_adapters": self.table.loaded()}
+            raise LoraRequestError(f"could not read LoRA adapter {request.lora_name!r} from {path}: {exc}") from None
+        return await self._load(request.lora_name, tensors, config, source=str(path), upsert=request.upsert,
+                                pinned=request.pinned)
+
+    async def load_lora_from_distributed(self, request: LoadLoraFromDistributedRequest) -> dict[str, Any]:
+        """Receive an adapter's tensors by broadcast, then load them like a PEFT directory."""
+        self._require_lora()
+        group = self._groups.get(request.group_name)
+        if group is None:
+            raise WeightsUpdateGroupError(f"no weights-update group {request.group_name!r} on this server "
+                                          f"(joined: {sorted(self._groups)}); call /init_weights_update_group first")
+        # Receive before any check that could refuse: a rank that skips a broadcast would
+        # leave the sender and every other engine waiting on the group.
+        try:
+            tensors = await asyncio.to_thread(weight_sync.receive_tensors, group, request.names, request.dtypes,
+                                              request.shapes, device=self.device)
+        except (RuntimeError, ValueError) as exc:
+            raise WeightsUpdateGroupError(f"receiving LoRA {request.lora_name!r} over group "
+                                          f"{request.group_name!r} failed: {exc}") from None
+        if request.added_tokens_config:
+            raise LoraRequestError(f"LoRA adapter {request.lora_name} adds tokens to the vocabulary, which the "
+                                   "slot page table does not support")
+        return await self._load(request.lora_name, tensors, request.config_dict, source=DISTRIBUTED_LORA_PATH,
+                                upsert=request.upsert, pinned=request.pinned)
+
+    async def _load(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], *, source: str,
+                    upsert: bool, pinned: bool) -> dict[str, Any]:
+        async with self._lora_lock:
+            limit = self.options.max_loaded_loras
+            if limit is not None and not self.table.is_loaded(name):
+                while len(self.table) >= limit:
+                    victim = self.table.least_recently_used()
+                    if victim is None:
+                        raise LoraRequestError(f"all {limit} loaded LoRA adapters are pinned; cannot load {name}")
+                    await self._unload_locked(victim)
+            slot, fresh = self.table.reserve(name, upsert=upsert, pinned=pinned)
+            try:
+                await asyncio.to_thread(self._write_slot, slot, tensors, config, source)
+            except (OSError, ValueError) as exc:
+                if fresh:
+                    await asyncio.to_thread(self._clear_slot, slot)
+                self.table.cancel(name, fresh=fresh)
+                raise LoraRequestError(f"could not load LoRA adapter {name!r} from {source}: {exc}") from None
+            self.table.commit(name, source)
+            return self._lora_result()
 
     async def unload_lora(self, name: str) -> dict[str, Any]:
-        slot = self.table.remove(name)
-        self.scheduler.abort(lora_name=name, message=f"LoRA adapter {name!r} was unloaded")
+        self._require_lora()
+        async with self._lora_lock:
+            await self._unload_locked(name)
+            return self._lora_result()
+
+    async def _unload_locked(self, name: str) -> None:
+        slot = self.table.remove(name)  # new requests for `name` fail from here on
+        async with self._uses_changed:
+            await self._uses_changed.wait_for(lambda: self._uses[name] <= 0)
+        del self._uses[name]
         await asyncio.to_thread(self._clear_slot, slot)
         self.table.release(slot)
+
+    def _lora_result(self) -> dict[str, Any]:
         return {"success": True, "error_message": "", "loaded_adapters": self.table.loaded()}
 
-    def _write_slot(self, slot: int, path: Path) -> None:
+    def _require_lora(self) -> None:
+        if not self.lora_enabled:
+            raise EngineRequestError("LoRA is not enabled: start the server with --max-loras-per-batch > 0")
+
+    # ---- weights-update groups ----
+
+    async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest) -> dict[str, Any]:
+        expected = "nccl" if self.device == "cuda" else "gloo"
+        if request.backend != expected:
+            raise WeightsUpdateGroupError(f"backend {request.backend!r} cannot move tensors on {self.device}; "
+                                          f"use {expected!r}")
+        if request.group_name in self._groups:
+            raise WeightsUpdateGroupError(f"weights-update group {request.group_name!r} is already joined; "
+                                          "destroy it first")
+        spec = weight_sync.UpdateGroupSpec(master_address=request.master_address, master_port=request.master_port,
+                                           world_size=request.world_size, group_name=request.group_name,
+                                           backend=request.backend)
+        try:
+            group = await asyncio.to_thread(weight_sync.join_update_group, spec, request.rank_offset)
+        except (RuntimeError, ValueError) as exc:
+            raise WeightsUpdateGroupError(f"could not join weights-update group {request.group_name!r} at "
+                                          f"{request.master_address}:{request.master_port}: {exc}") from None
+        self._groups[request.group_name] = group
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        group = self._groups.pop(group_name, None)
+        if group is None:
+            raise WeightsUpdateGroupError(f"no weights-update group {group_name!r} on this server")
+        await asyncio.to_thread(weight_sync.leave_update_group, group)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def _write_slot(self, slot: int, tensors: dict[str, torch.Tensor], config: dict[str, Any], source: str) -> None:
         with self.scheduler.exclusive():
-            lora.load_peft_adapter(self.model, slot, path)
+            lora.load_peft_tensors(self.model, slot, tensors, config, source=source)
 
     def _clear_slot(self, slot: int) -> None:
         with self.scheduler.exclusive():
@@ -272,6 +400,7 @@ class BuiltinEngine:
         info = asdict(self.options)
         info.update(version=ENGINE_VERSION, engine="builtin", enable_lora=self.lora_enabled,
                     context_length=self.max_context, loaded_loras=self.table.loaded(),
+                    weights_update_groups=sorted(self._groups),
                     running_requests=running, waiting_requests=waiting, paused=self.scheduler.paused,
                     decode_steps=self.scheduler.steps, max_batch_seen=self.scheduler.max_batch_seen,
                     finished_requests=self.scheduler.finished)

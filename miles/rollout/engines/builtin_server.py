@@ -3,13 +3,17 @@
     python -m miles.rollout.engines.builtin_server --model-path DIR --host 127.0.0.1 \\
         --port 30000 --max-loras-per-batch 4 --max-lora-rank 8 \\
         --lora-target-modules all-linear [--lora-paths NAME=DIR ...] \\
+        [--max-loaded-loras N] [--engine-lora-update in_place|versioned] \\
         [--dtype float32|bfloat16] [--device cpu|cuda] [--num-threads 1]
 
-Flag names follow `sglang.launch_server`. Routes (request and response shapes as
-SGLang's): /generate, /abort_request, /load_lora_adapter (plus `upsert`),
-/unload_lora_adapter, /health, /health_generate, /get_model_info, /get_server_info,
-/flush_cache, /pause_generation, /continue_generation. Bad input answers 4xx with a
-message (`{"detail": ...}`) and the server keeps serving.
+Flag names follow `sglang.launch_server` (plus `--engine-lora-update`). Routes (request
+and response shapes as SGLang's): /generate, /abort_request, /load_lora_adapter
+(plus `upsert` in `in_place` mode), /unload_lora_adapter, /init_weights_update_group,
+/destroy_weights_update_group, /load_lora_adapter_from_distributed (`in_place` mode
+only, as SGLang 0.5 releases lack it), /health, /health_generate, /get_model_info,
+/get_server_info, /flush_cache, /pause_generation, /continue_generation. Bad input
+answers 4xx with a message (`{"detail": ...}`, plus SGLang's own fields) and the
+server keeps serving.
 """
 
 from __future__ import annotations
@@ -26,9 +30,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from miles.rollout.engines.builtin_engine import BuiltinEngine, EngineOptions, EngineRequestError
+from miles.rollout.engines.builtin_engine import (
+    BuiltinEngine,
+    EngineOptions,
+    EngineRequestError,
+    WeightsUpdateGroupError,
+)
 from miles.rollout.engines.lora_table import LoraRequestError
-from miles.utils.types import AbortRequest, GenerateRequest, LoadLoraRequest, SamplingParams, UnloadLoraRequest
+from miles.utils.types import (
+    AbortRequest,
+    DestroyWeightsUpdateGroupRequest,
+    GenerateRequest,
+    InitWeightsUpdateGroupRequest,
+    LoadLoraFromDistributedRequest,
+    LoadLoraRequest,
+    SamplingParams,
+    UnloadLoraRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +70,18 @@ def create_app(engine: BuiltinEngine) -> FastAPI:
     app = FastAPI(title="Miles builtin engine", lifespan=lifespan)
 
     @app.exception_handler(EngineRequestError)
-    @app.exception_handler(LoraRequestError)
-    async def bad_request(request: Request, exc: ValueError) -> JSONResponse:
+    async def bad_request(request: Request, exc: EngineRequestError) -> JSONResponse:
         return JSONResponse(status_code=400, content={"detail": str(exc), "success": False, "error_message": str(exc)})
+
+    @app.exception_handler(LoraRequestError)
+    async def bad_lora_request(request: Request, exc: LoraRequestError) -> JSONResponse:
+        # SGLang's LoRAUpdateOutput shape, plus `detail` like every other error here.
+        return JSONResponse(status_code=400, content={"detail": str(exc), "success": False, "error_message": str(exc),
+                                                      "loaded_adapters": engine.table.loaded()})
+
+    @app.exception_handler(WeightsUpdateGroupError)
+    async def bad_group_request(request: Request, exc: WeightsUpdateGroupError) -> JSONResponse:
+        return JSONResponse(status_code=400, content={"detail": str(exc), "success": False, "message": str(exc)})
 
     add_routes(app, engine)
     return app
@@ -79,6 +106,19 @@ def add_routes(app: FastAPI, engine: BuiltinEngine) -> None:
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: UnloadLoraRequest) -> dict[str, Any]:
         return await engine.unload_lora(request.lora_name)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: InitWeightsUpdateGroupRequest) -> dict[str, Any]:
+        return await engine.init_weights_update_group(request)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: DestroyWeightsUpdateGroupRequest) -> dict[str, Any]:
+        return await engine.destroy_weights_update_group(request.group_name)
+
+    if engine.options.lora_update == "in_place":
+        @app.post("/load_lora_adapter_from_distributed")
+        async def load_lora_adapter_from_distributed(request: LoadLoraFromDistributedRequest) -> dict[str, Any]:
+            return await engine.load_lora_from_distributed(request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -141,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("--lora-target-modules", nargs="+", default=["all-linear"])
     parser.add_argument("--lora-paths", nargs="*", default=[], type=_lora_path, help="NAME=DIR adapters loaded at start.")
+    parser.add_argument("--max-loaded-loras", type=int, default=None,
+                        help="Most adapters loaded at once; a load past it evicts the least recently used (as SGLang).")
+    parser.add_argument("--engine-lora-update", choices=["in_place", "versioned"], default="in_place",
+                        help="in_place: upsert and broadcast loads; versioned: SGLang 0.5's LoRA semantics.")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--max-running-requests", type=int, default=64)
@@ -157,7 +201,8 @@ def options_from_args(args: argparse.Namespace) -> EngineOptions:
     targets = args.lora_target_modules
     return EngineOptions(
         model_path=args.model_path, tokenizer_path=args.tokenizer_path,
-        max_loras_per_batch=args.max_loras_per_batch, max_lora_rank=args.max_lora_rank,
+        max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras,
+        lora_update=args.engine_lora_update, max_lora_rank=args.max_lora_rank,
         lora_target_modules="all-linear" if targets == ["all-linear"] else ",".join(targets),
         lora_paths=tuple(args.lora_paths), dtype=dtype, device=device,
         max_running_requests=args.max_running_requests, context_length=args.context_length,
