@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
+from miles_multi_lora_flags import (
+    BOUNDED_ARGV,
+    MILES_ADAPTER_YAMLS,
+    SERVICE_ARGV,
+    WANDB_ARGV,
+    flag_names,
+    split_flags,
+)
+
+from miles.rollout.rewards import validate_reward_spec
+from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.arguments import build_parser
-from miles_multi_lora_flags import BOUNDED_ARGV, SERVICE_ARGV, WANDB_ARGV, flag_names, split_flags
 
 ACCEPTED_TODAY = [
     "--hf-checkpoint", "--lora-rank", "--lora-alpha", "--target-modules", "--multi-lora-n-adapters",
@@ -29,3 +40,11 @@ def test_flags_accepted_today_parse_with_the_example_values():
     namespace, unknown = build_parser().parse_known_args(argv)
     assert unknown == []
     assert (namespace.eps_clip, namespace.eps_clip_high, namespace.rollout_batch_size) == (0.2, 0.28, 32)
+
+
+@pytest.mark.parametrize("file_name", sorted(MILES_ADAPTER_YAMLS))
+def test_miles_adapter_keys_and_reward_types_are_accepted(file_name):
+    keys = MILES_ADAPTER_YAMLS[file_name]
+    config = AdapterRunConfig(**keys)
+    assert config.model_dump(include=set(keys)) == keys
+    validate_reward_spec(config.rm_type, None)  # math and deepscaler are built-ins
