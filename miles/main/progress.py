@@ -3,8 +3,9 @@
 One line per trained batch (adapters in it, their steps and rewards, stage times),
 metrics fanned out through `MetricsLogger` (a loop record per rollout, an adapter record
 per adapter in the batch), and at exit a per-adapter table: reward of the first and last
-batches, steps taken, and the latest checkpoint. Steps and `num_step` are read from the
-snapshot the driver hands in; nothing is counted here.
+batches, steps taken, and the latest checkpoint. Steps ("step 29/30": the adapter's step
+and the step its registration ends at) are read from the snapshot the driver hands in;
+nothing is counted here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class AdapterProgress:
     name: str
     registration_id: str
     save_dir: str | None
-    num_step: int | None
+    final_step: int | None
+    """Step at which this registration retires by itself (its start step + num_step)."""
     step: int = 0
     rewards: list[float] = field(default_factory=list)
     """Mean reward of each batch it had groups in (all its registrations)."""
@@ -45,11 +47,11 @@ class RunProgress:
             entry = self.adapters.get(name)
             save_dir = None if run.config.save is None else str(run.config.save)
             if entry is None:
-                entry = self.adapters[name] = AdapterProgress(name, run.registration_id, save_dir, run.config.num_step)
+                entry = self.adapters[name] = AdapterProgress(name, run.registration_id, save_dir, run.final_step)
                 logger.info("Adapter %r in slot %d (save: %s)", name, run.slot, save_dir)
             elif entry.registration_id != run.registration_id:
                 logger.info("Adapter %r registered again in slot %d (save: %s)", name, run.slot, save_dir)
-            entry.registration_id, entry.save_dir, entry.num_step = run.registration_id, save_dir, run.config.num_step
+            entry.registration_id, entry.save_dir, entry.final_step = run.registration_id, save_dir, run.final_step
             entry.step = run.step
 
     def idle(self, poll_s: float) -> None:
@@ -90,7 +92,7 @@ class RunProgress:
             entry = self.adapters.get(name)
             if entry is None:
                 continue
-            total = f"/{entry.num_step}" if entry.num_step else ""
+            total = "" if entry.final_step is None else f"/{entry.final_step}"
             reward = f" reward={entry.rewards[-1]:.3f}" if entry.rewards else ""
             parts.append(f"{name}: step {entry.step}{total} groups={groups}{reward}")
         return "; ".join(parts) or "no groups"

@@ -1,0 +1,239 @@
+"""Small in-process stand-ins for the driver's components, so its loops run without Ray.
+
+- `InProcessHandle(obj)`: `handle.method.remote(*args)` awaits `obj.method(*args)`, the
+  way the driver calls a Ray actor handle.
+- `InProcessController`: the controller actor's methods over the real, pure
+  `MultiLoRABackend` (registry included); no Ray, no HTTP, no router.
+- `FakeBackend`: a `TrainingBackend` whose "weights" are one number per adapter (the
+  samples it has stepped on) and whose "disk" is a dict shared across instances.
+- `FakeRollout`: a rollout manager that generates whole groups for every sampleable
+  adapter from a per-registration prompt cursor (the data position), records each batch
+  with the controller as the collector does, and honours restored positions.
+- `RecordingReceiver`: an engine that records every pushed LoRA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles.backends.base import (
+    AdapterSpec,
+    AdapterStepStats,
+    AdapterTrainStats,
+    LoadResult,
+    LoraExport,
+    SaveRequest,
+    TrainResult,
+)
+from miles.controller.backend import MultiLoRABackend
+from miles.utils.adapter_config import AdapterDefaults
+from miles.utils.types import (
+    AdapterRolloutStats,
+    DataPosition,
+    MultiLoRASnapshot,
+    RolloutBatch,
+    RolloutStats,
+    Sample,
+)
+
+
+class _Method:
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+
+    async def remote(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._fn(*args, **kwargs)
+        return await out if inspect.isawaitable(out) else out
+
+
+class InProcessHandle:
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self.target, name))
+
+
+class InProcessController:
+    """The controller actor's methods (by their actor names) over `MultiLoRABackend`."""
+
+    def __init__(self, n_slots: int, **defaults: Any) -> None:
+        self.backend = MultiLoRABackend(n_slots, AdapterDefaults(**defaults))
+
+    async def register_adapter(self, name: str, config: dict[str, Any] | None = None, yaml_path: str | None = None) -> int:
+        return await self.backend.register(name, config=config, yaml_path=yaml_path)
+
+    def deregister_adapter(self, name: str) -> Any:
+        return self.backend.deregister(name)
+
+    def snapshot(self) -> MultiLoRASnapshot:
+        return self.backend.snapshot()
+
+    async def retire_adapters(self) -> list[str]:
+        return await self.backend.retire_adapters()
+
+    async def free_slot(self, name: str) -> int:
+        return await self.backend.free_slot(name)
+
+    def record_weight_update(self, names: list[str]) -> dict[str, int]:
+        return self.backend.record_weight_update(names)
+
+    def record_batch_adapters(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
+        self.backend.record_batch_adapters(rollout_id, groups, step_names)
+
+    def mark_batch_trained(self, rollout_id: int) -> list[str]:
+        return self.backend.mark_batch_trained(rollout_id)
+
+    def set_adapter_step(self, name: str, step: int) -> None:
+        self.backend.set_adapter_step(name, step)
+
+    def adapter_status(self, name: str) -> Any:
+        return self.backend.adapter_status(name)
+
+
+@dataclass(frozen=True)
+class SavedAdapter:
+    weights: float
+    data_position: DataPosition | None
+
+
+@dataclass
+class FakeBackend:
+    """Implements `TrainingBackend`; a slot holds one adapter, checked on every call."""
+
+    disk: dict[str, dict[int, SavedAdapter]] = field(default_factory=dict)
+    """save_dir -> step -> what was saved (outlives a backend, like files do)."""
+    slots: dict[int, str] = field(default_factory=dict)
+    specs: dict[str, AdapterSpec] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    pending: dict[str, int] = field(default_factory=dict)
+    """Samples trained on since the adapter's last step (its retained gradient)."""
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    fail_train: bool = False
+    train_gate: asyncio.Event | None = None
+    """When set, `train` waits for it first (lets a test order concurrent work)."""
+
+    async def start(self) -> None:
+        self.calls.append(("start", ""))
+
+    async def load_adapter(self, spec: AdapterSpec) -> LoadResult:
+        assert spec.slot not in self.slots, f"slot {spec.slot} still holds {self.slots.get(spec.slot)}"
+        assert spec.name not in self.specs
+        self.calls.append(("load", spec.name))
+        self.slots[spec.slot], self.specs[spec.name], self.pending[spec.name] = spec.name, spec, 0
+        saved = self.disk.get(spec.save_dir or "", {})
+        if not saved:
+            self.weights[spec.name] = 0.0
+            return LoadResult()
+        step = max(saved)
+        self.weights[spec.name] = saved[step].weights
+        return LoadResult(checkpoint=_step_dir(spec.save_dir, step), step=step,
+                          data_position=saved[step].data_position)
+
+    async def cleanup_adapter(self, name: str) -> None:
+        self.calls.append(("cleanup", name))
+        spec = self.specs.pop(name)
+        del self.slots[spec.slot], self.weights[name], self.pending[name]
+
+    async def export_adapter(self, name: str) -> LoraExport:
+        spec = self.specs[name]
+        return LoraExport(peft_config={"r": spec.rank}, tensors={"w": self.weights[name]})
+
+    async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
+        if self.train_gate is not None:
+            await self.train_gate.wait()
+        if self.fail_train:
+            raise RuntimeError(f"training rollout {rollout_id} failed")
+        counts: dict[str, int] = {}
+        for sample in batch.samples:
+            assert self.slots.get(sample.slot) == sample.adapter, f"{sample.adapter} is not loaded in slot {sample.slot}"
+            counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
+        for name, n in counts.items():
+            self.pending[name] += n
+        stats = {name: AdapterTrainStats(samples=n, loss=0.5, clip_fraction=0.0, kl=0.0, tis_weight=1.0)
+                 for name, n in counts.items()}
+        return TrainResult(samples=len(batch.samples), adapters=stats)
+
+    async def step_adapters(self, names: list[str]) -> dict[str, AdapterStepStats]:
+        out = {}
+        for name in names:
+            self.weights[name] += self.pending[name]
+            out[name] = AdapterStepStats(grad_norm=float(self.pending[name]), lr=0.1)
+            self.pending[name] = 0
+        return out
+
+    async def save_adapter(self, request: SaveRequest) -> Path:
+        spec = self.specs[request.name]
+        assert spec.save_dir is not None
+        self.disk.setdefault(spec.save_dir, {})[request.step] = SavedAdapter(self.weights[request.name],
+                                                                             request.data_position)
+        return _step_dir(spec.save_dir, request.step)
+
+    async def shutdown(self) -> None:
+        self.calls.append(("shutdown", ""))
+
+
+def _step_dir(save_dir: str | None, step: int) -> Path:
+    return Path(str(save_dir)) / "checkpoints" / f"step_{step}"
+
+
+@dataclass
+class FakeRollout:
+    """Generates a full batch of every sampleable adapter per call; prompt k of an
+    adapter's stream is group index k (epoch 0), so a test can see where it continues."""
+
+    controller: Any
+    positions: dict[str, tuple[str, DataPosition]] = field(default_factory=dict)
+    """name -> (registration id, next prompt)."""
+    restores: list[tuple[str, str, DataPosition]] = field(default_factory=list)
+    group_indices: dict[str, list[int]] = field(default_factory=dict)
+    """Group indices generated per adapter, in order."""
+    snapshots_given: int = 0
+
+    async def generate(self, rollout_id: int, snapshot: MultiLoRASnapshot | None = None) -> RolloutBatch:
+        if snapshot is None:
+            snapshot = await self.controller.snapshot.remote()
+        else:
+            self.snapshots_given += 1
+        samples, sizes, groups, stats = [], [], {}, {}
+        for name, run in sorted(snapshot.sampleable.items(), key=lambda item: item[1].slot):
+            registration, position = self.positions.get(name, (run.registration_id, DataPosition(0, 0)))
+            if registration != run.registration_id:  # a new registration starts at the top
+                position = DataPosition(0, 0)
+            n_groups = run.config.rollout_batch_size - run.accumulated_groups
+            for k in range(position.index, position.index + n_groups):
+                group = [Sample(adapter=name, slot=run.slot, group_index=k, index=i, prompt=f"p{k}", label=None,
+                                metadata={}, prompt_ids=[1, 2], response_ids=[3], reward=float(i))
+                         for i in range(run.config.n_samples_per_prompt)]
+                samples += group
+                sizes.append(len(group))
+                self.group_indices.setdefault(name, []).append(k)
+            self.positions[name] = (run.registration_id, DataPosition(0, position.index + n_groups))
+            groups[name] = n_groups
+            stats[name] = AdapterRolloutStats(groups=n_groups, raw_reward_mean=0.5, response_len_mean=1.0)
+        step_names = sorted(groups)
+        await self.controller.record_batch_adapters.remote(rollout_id, groups, step_names)
+        return RolloutBatch(rollout_id=rollout_id, samples=samples, prompt_group_sizes=sizes,
+                            groups_per_adapter=groups, step_names=step_names, per_adapter=stats,
+                            stats=RolloutStats(batch_n_samples=len(samples)))
+
+    def data_positions(self) -> dict[str, DataPosition]:
+        return {name: position for name, (_, position) in self.positions.items()}
+
+    def restore_data_position(self, name: str, registration_id: str, position: DataPosition) -> None:
+        self.restores.append((name, registration_id, position))
+        self.positions[name] = (registration_id, position)
+
+
+@dataclass
+class RecordingReceiver:
+    pushes: list[tuple[str, int, float]] = field(default_factory=list)
+    """(engine LoRA name, version, pushed weights) in push order."""
+
+    def load_lora(self, lora_name: str, version: int, peft_config: dict[str, Any], tensors: dict[str, Any]) -> str:
+        self.pushes.append((lora_name, version, tensors["w"]))
+        return lora_name

@@ -1,0 +1,183 @@
+"""The driver loops over the backend contract, with no Ray: a fake backend, a fake
+rollout manager and the real (pure) controller backend and registry in-process.
+
+Covers register -> train -> retire -> re-register -> resume through the real
+`run_loop`, the data position carried by checkpoints, the snapshot each stage hands
+down, the progress line of a re-registered adapter, metrics of an adapter named like the
+loop's own, and the prefetch of `train_async` when training fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+from lifecycle_fakes import FakeBackend, FakeRollout, InProcessController, InProcessHandle, RecordingReceiver
+
+from miles.backends.base import TrainingBackend
+from miles.main import train_async, train_multi_lora_async
+from miles.main.adapter_sync import AdapterSync
+from miles.main.launch import Components
+from miles.main.progress import RunProgress
+from miles.utils.arguments import MilesConfig
+from miles.utils.tracking import MetricsLogger, read_metrics
+from miles.utils.types import AdapterState, DataPosition
+
+
+class Trainer:
+    """The components of one trainer process (the disk outlives it)."""
+
+    def __init__(self, tmp_path, disk=None, n_slots=2):
+        data = tmp_path / "data.jsonl"
+        data.write_text(json.dumps({"text": "1+1=", "label": "2"}) + "\n")
+        self.data = str(data)
+        self.controller = InProcessController(n_slots, rollout_batch_size=2, n_samples_per_prompt=2,
+                                              rm_type="math", save=str(tmp_path / "save"))
+        handle = InProcessHandle(self.controller)
+        self.rollout = FakeRollout(handle)
+        self.receiver = RecordingReceiver()
+        self.backend = FakeBackend(disk={} if disk is None else disk)
+        sync = AdapterSync(self.backend, handle, InProcessHandle(self.rollout), save_interval=1,
+                           receivers=[InProcessHandle(self.receiver)])
+        self.components = Components(handle, InProcessHandle(self.rollout), self.backend, sync)
+        self.metrics = MetricsLogger(tmp_path / "run")
+        self.progress = RunProgress(self.metrics)
+
+    async def register(self, name, **config):
+        await self.controller.register_adapter(name, config={"data": self.data, **config})
+
+    async def run_until_idle(self):
+        cfg = MilesConfig(multi_lora_n_adapters=2, multi_lora_disable_service_mode=True)
+        await train_multi_lora_async.run_loop(cfg, self.components, asyncio.Event(), self.progress)
+
+    def pushes(self, slot):
+        return [(version, weights) for name, version, weights in self.receiver.pushes if name == f"__miles_slot_{slot}"]
+
+    def status(self, name):
+        return self.controller.adapter_status(name)
+
+
+def test_fake_backend_implements_the_contract():
+    assert isinstance(FakeBackend(), TrainingBackend)
+
+
+async def test_register_train_retire_reregister_resume(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    t = Trainer(tmp_path)
+    await t.register("a", num_step=2)
+    await t.register("b", num_step=3)
+    await t.run_until_idle()
+
+    # Each adapter trained num_step steps of 2 groups x 2 samples, retired, left its slot.
+    a, b = t.status("a"), t.status("b")
+    assert (a.state, a.step, b.state, b.step) == (AdapterState.COMPLETED, 2, AdapterState.COMPLETED, 3)
+    assert t.backend.slots == {} and t.backend.specs == {}
+    save_a, save_b = str(tmp_path / "save" / "adapters" / "a"), str(tmp_path / "save" / "adapters" / "b")
+    disk = t.backend.disk
+    assert sorted(disk[save_a]) == [1, 2] and sorted(disk[save_b]) == [1, 2, 3]
+    assert disk[save_a][2].weights == 8.0 and disk[save_b][3].weights == 12.0
+    # Every save records where the adapter's dataset stood: 2 groups per step.
+    assert [disk[save_b][s].data_position for s in (1, 2, 3)] == [DataPosition(0, 2), DataPosition(0, 4), DataPosition(0, 6)]
+    # Pushes: at load and after every step that is not the last; versions from the registry's rule.
+    assert t.pushes(0) == [(1, 0.0), (2, 4.0)]
+    assert t.pushes(1) == [(1, 0.0), (2, 4.0), (3, 8.0)]
+    # The driver handed its snapshot to every generate call.
+    assert t.rollout.snapshots_given == 3
+
+    # Re-registered, `a` resumes: its step, its weights and its dataset where it stopped.
+    await t.register("a", num_step=2)
+    registration = t.controller.snapshot().pending["a"].registration_id
+    await t.run_until_idle()
+    a = t.status("a")
+    assert a.registration_id == registration and (a.state, a.step) == (AdapterState.COMPLETED, 4)
+    assert t.rollout.restores == [("a", registration, DataPosition(0, 4))]
+    assert t.rollout.group_indices["a"] == list(range(8))  # 0..3 before, 4..7 after the resume
+    assert sorted(disk[save_a]) == [1, 2, 3, 4] and disk[save_a][4].weights == 16.0
+    assert disk[save_a][4].data_position == DataPosition(0, 8)
+    # Slot 0's versions go on from where the first registration left them (never reused).
+    assert t.pushes(0) == [(1, 0.0), (2, 4.0), (3, 8.0), (4, 12.0)]
+    assert f"Adapter 'a' resumed from {save_a}/checkpoints/step_2 (step 2)" in caplog.text
+    # The progress line counts to the step this registration ends at, not the first one's num_step.
+    assert "a: step 3/4 " in caplog.text and "a: step 3/2" not in caplog.text
+    assert [c for c in t.backend.calls if c[0] in ("load", "cleanup")] == [
+        ("load", "a"), ("load", "b"), ("cleanup", "a"), ("cleanup", "b"), ("load", "a"), ("cleanup", "a")]
+
+
+async def test_a_new_trainer_resumes_from_the_disk_and_saves_at_shutdown(tmp_path):
+    first = Trainer(tmp_path)
+    await first.register("a", num_step=5)
+    sync = first.components.sync
+    snapshot = await sync.update_weights(await sync.reconcile(first.controller.snapshot()))
+    for rollout_id in range(2):
+        batch = await first.rollout.generate(rollout_id, snapshot)
+        await sync.train(rollout_id, batch)
+        snapshot = await sync.commit(rollout_id)
+        assert await sync.save(snapshot) == ["a"]
+    assert snapshot.active["a"].step == 2
+    assert await sync.save_all() == []  # saved on its cadence already
+    # Between two saves: no periodic save at step 3, so the shutdown save writes it.
+    sync.save_interval = 10
+    batch = await first.rollout.generate(2, snapshot)
+    await sync.train(2, batch)
+    await sync.commit(2)
+    assert await sync.save_all() == ["a"]
+    save_a = str(tmp_path / "save" / "adapters" / "a")
+    assert first.backend.disk[save_a][3].data_position == DataPosition(0, 6)
+
+    second = Trainer(tmp_path, disk=first.backend.disk)
+    await second.register("a", num_step=1)
+    snapshot = await second.components.sync.reconcile(second.controller.snapshot())
+    assert snapshot.pending["a"].step == 3 and second.controller.snapshot().pending["a"].step == 3
+    assert snapshot.pending["a"].final_step == 4
+    assert second.backend.weights["a"] == 12.0
+    assert second.rollout.restores[0][2] == DataPosition(0, 6)
+
+
+async def test_adapter_named_like_the_loop_metrics_gets_its_own_records(tmp_path):
+    t = Trainer(tmp_path)
+    await t.register("perf", num_step=1)
+    await t.run_until_idle()
+    t.metrics.close()
+    records = read_metrics(t.metrics.path)
+    loop = [r for r in records if r["kind"] == "loop"]
+    adapter = [r for r in records if r["kind"] == "adapter"]
+    assert loop and adapter
+    assert all(r["adapter"] == "perf" and r["step"] == 1 for r in adapter)
+    assert {"raw_reward_mean", "loss", "grad_norm", "lr"} <= set(adapter[0]["metrics"])
+    # The loop's records hold the loop's metrics only: none of the adapter's.
+    assert not any(key.startswith(("perf/raw_reward", "perf/loss", "perf/grad_norm")) for r in loop for key in r["metrics"])
+    assert {"perf/train_time", "perf/generate_time", "perf/commit_time"} <= set(loop[0]["metrics"])
+
+
+class BlockingRollout(FakeRollout):
+    """Rollout 0 comes at once; later ones start, then wait until cancelled (and say so)."""
+
+    cancelled: bool = False
+    started: asyncio.Event
+
+    async def generate(self, rollout_id, snapshot=None):
+        if rollout_id == 0:
+            return await super().generate(rollout_id, snapshot)
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+async def test_train_async_cancels_and_awaits_its_prefetch_when_training_fails(tmp_path):
+    t = Trainer(tmp_path, n_slots=1)
+    t.rollout = BlockingRollout(t.rollout.controller)
+    t.rollout.started = t.backend.train_gate = asyncio.Event()  # train fails once the prefetch runs
+    t.components.rollout_manager = InProcessHandle(t.rollout)
+    t.components.sync.rollout_manager = InProcessHandle(t.rollout)
+    await t.register(train_async.POLICY, num_step=train_async.NEVER_RETIRE)
+    t.backend.fail_train = True
+    cfg = MilesConfig(multi_lora_n_adapters=1, num_rollout=5)
+    with pytest.raises(RuntimeError, match="training rollout 0 failed"):
+        await train_async.run_loop(cfg, t.components, asyncio.Event(), t.progress)
+    assert t.rollout.cancelled  # the prefetch of rollout 1 was cancelled, and awaited before the error surfaced
+    assert t.status(train_async.POLICY).step == 0  # nothing committed for a batch that did not train
