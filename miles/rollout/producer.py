@@ -19,6 +19,7 @@ A failed group (HTTP error, reward error) is logged and counted; after
 from __future__ import annotations
 
 import asyncio
+import enum
 import inspect
 import logging
 import time
@@ -50,6 +51,20 @@ logger = logging.getLogger(__name__)
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 DynamicFilter = Callable[[Any, list[Sample]], Any]
 """`fn(args, samples) -> bool` (sync or async): True keeps the group."""
+
+
+class GroupEvent(str, enum.Enum):
+    """What happened to a prompt group the producer submitted (counted per adapter)."""
+
+    SUBMITTED = "submitted"
+    PRODUCED = "produced"
+    """Rewarded and put in its adapter's buffer."""
+    ABORTED = "aborted"
+    """Dropped whole: a sample was aborted (its adapter was retired meanwhile)."""
+    FILTERED = "filtered"
+    """Rejected by the dynamic filter."""
+    FAILED = "failed"
+    """Raised (HTTP or reward error)."""
 
 
 class ProducerDiedError(RuntimeError):
@@ -142,8 +157,8 @@ class RolloutProducer:
         self._snapshot_at = float("-inf")
         self._consecutive_failures = 0
         self.failure: BaseException | None = None
-        self.counts: Counter[tuple[str, str]] = Counter()
-        """Cumulative (adapter, event) counts; events: submitted, produced, aborted, filtered, failed."""
+        self.counts: Counter[tuple[str, GroupEvent]] = Counter()
+        """Cumulative (adapter, event) counts."""
         self.in_flight: Counter[str] = Counter()
         """Groups submitted and not finished, per adapter."""
 
@@ -227,7 +242,7 @@ class RolloutProducer:
             self._cursor += 1
             ahead[run.name] += 1
             in_flight.add(asyncio.create_task(self._produce_counted(run), name=f"group-{run.name}"))
-            self.counts[run.name, "submitted"] += 1
+            self.counts[run.name, GroupEvent.SUBMITTED] += 1
 
     def _covered(self, run: AdapterRun, groups_ahead: int) -> bool:
         steps = self.config.buffer_steps
@@ -245,7 +260,8 @@ class RolloutProducer:
             raise exc
         await asyncio.sleep(min(2.0, 0.05 * 2 ** self._consecutive_failures))
 
-    def count(self, event: str, adapter: str | None = None) -> int:
+    def count(self, event: GroupEvent, adapter: str | None = None) -> int:
+        """How many groups (of `adapter`, or of all) met `event` since start."""
         return sum(n for (name, e), n in self.counts.items() if e == event and adapter in (None, name))
 
     # ---- one group ----
@@ -256,7 +272,7 @@ class RolloutProducer:
             # Drawn inside the task so a prompt that cannot be rendered fails this group only.
             await self._produce(run, self.data_source.next_prompt(run))
         except Exception:
-            self.counts[run.name, "failed"] += 1
+            self.counts[run.name, GroupEvent.FAILED] += 1
             raise
         finally:
             self.in_flight[run.name] -= 1
@@ -273,17 +289,17 @@ class RolloutProducer:
         if errors:
             raise errors[0]
         if group.aborted:
-            self.counts[run.name, "aborted"] += 1
+            self.counts[run.name, GroupEvent.ABORTED] += 1
             return
         rewards = await asyncio.gather(*(compute_reward(item.reward.resolve(s), self.reward_args, s)
                                          for s in group.samples))
         for sample, reward in zip(group.samples, rewards):
             sample.reward = reward
         if self._filter is not None and not await _maybe_await(self._filter(self.reward_args, group.samples)):
-            self.counts[run.name, "filtered"] += 1
+            self.counts[run.name, GroupEvent.FILTERED] += 1
             return
         self.buffers.put(group)
-        self.counts[run.name, "produced"] += 1
+        self.counts[run.name, GroupEvent.PRODUCED] += 1
 
     async def _generate(self, sample: Sample, lora_path: str) -> None:
         payload = {
@@ -307,11 +323,11 @@ class RolloutProducer:
             return sum(n for name, n in counter.items() if adapter in (None, name))
 
         return GenerationCounts(
-            submitted=self.count("submitted", adapter),
-            produced=self.count("produced", adapter),
-            aborted=self.count("aborted", adapter),
-            filtered=self.count("filtered", adapter),
-            failed=self.count("failed", adapter),
+            submitted=self.count(GroupEvent.SUBMITTED, adapter),
+            produced=self.count(GroupEvent.PRODUCED, adapter),
+            aborted=self.count(GroupEvent.ABORTED, adapter),
+            filtered=self.count(GroupEvent.FILTERED, adapter),
+            failed=self.count(GroupEvent.FAILED, adapter),
             in_flight=total(self.in_flight),
             overflow_dropped=total(self.buffers.overflow_drops),
         )
