@@ -203,8 +203,9 @@ class MultiLoRADataSource:
             if self._loading.get(run.name, ("",))[0] == run.registration_id:
                 del self._loading[run.name]
         dataset = AdapterDataset(rows, f"{self.config.seed}:{run.name}")
-        restore = self._restores.pop(run.name, None)
+        restore = self._restores.get(run.name)
         if restore is not None and restore[0] == run.registration_id:
+            del self._restores[run.name]
             dataset.seek(restore[1])
         self._loaded[run.name] = _Loaded(run.registration_id, dataset)
         self._left.pop(run.name, None)

@@ -237,3 +237,15 @@ def test_data_position_round_trips_and_rejects_bad_input():
             DataPosition.from_dict(bad)
     with pytest.raises(ValueError, match="epoch >= 0"):
         DataPosition(epoch=-1, index=0)
+
+
+async def test_a_restored_position_survives_a_deregistration_before_the_first_prompt(files):
+    """PENDING, restored, then gone before it was ever sampled: its final save still
+    gets the restored position, not a fresh start."""
+    run = make_run("a", 0, data=files["jsonl"], input_key="text", label_key="label")
+    source, _ = data_source()
+    source.restore("a", run.registration_id, DataPosition(epoch=2, index=3))
+    source.sync(MultiLoRASnapshot(pending={"a": run}))
+    await wait_ready(source, [run])
+    source.sync(MultiLoRASnapshot())
+    assert source.positions() == {"a": DataPosition(epoch=2, index=3)}
