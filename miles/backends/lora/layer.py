@@ -11,8 +11,12 @@ samples of different adapters share one forward and one backward:
         logits = model(input_ids_BT).logits
 
 The delta of each layer is computed either per slot segment (one pair of GEMMs per slot
-present in the batch; best for long sequences) or by gathering each sample's A and B
-(batched GEMMs; best for decode steps of many adapters). Both give the same numbers.
+present in the batch; best for the long, slot-sorted sequences of training) or grouped:
+the rows are gathered into one [slot, rows, features] block per present adapter and run
+through one pair of batched GEMMs against the adapters' A and B, read in place (best for
+decode steps of many adapters and for unsorted batches). Both give the same numbers.
+Everything that depends only on the batch (row grouping, per-row scale) is computed once
+per batch in `SlotBatch`, not in every layer.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -43,20 +48,70 @@ class SlotBatch:
     """The slot of every sample when all samples share one slot >= 0, else None."""
     runs: tuple[tuple[int, int], ...] | None
     """(slot, count) of consecutive equal slots when the batch is sorted by slot, else None."""
+    group_rows_PG: torch.Tensor | None = None
+    """Grouped layout: batch row at [present slot p, place g] (padding places read row 0)."""
+    row_place_B: torch.Tensor | None = None
+    """Flat place (p * G + g) of every batch row in the grouped layout; rows of slot -1
+    point at a padding place, whose scale is 0."""
+    valid_PG: torch.Tensor | None = None
+    """1.0 at the places that hold a real row, 0.0 at padding (float32)."""
+    scales: tuple[float, ...] = ()
+    """alpha / rank of each present slot as the layers hold it when the batch is built."""
+    scale_PG: torch.Tensor | None = None
+    """`valid_PG` times each present slot's scale: the per-row LoRA scale, once per batch."""
+    present_P: torch.Tensor | None = None
+    """`present` as a long tensor (on the model's device)."""
 
     @classmethod
-    def build(cls, slot_ids: Sequence[int] | torch.Tensor, device: torch.device) -> SlotBatch:
+    def build(
+        cls, slot_ids: Sequence[int] | torch.Tensor, device: torch.device, scales: Sequence[float] | None = None
+    ) -> SlotBatch:
+        """`scales[s]` is slot s's alpha / rank (optional: the grouped path then reads
+        each layer's own scaling)."""
         ids = torch.as_tensor(slot_ids, dtype=torch.long).reshape(-1).cpu()
         values = ids.tolist()
         if values and min(values) < -1:
             raise ValueError(f"slot ids must be >= -1 (-1 = base model only), got {values}")
         present = tuple(sorted({s for s in values if s >= 0}))
-        rows = {s: torch.nonzero(ids == s).reshape(-1).to(device) for s in present}
+        by_slot: dict[int, list[int]] = {s: [] for s in present}
+        for row, slot in enumerate(values):
+            if slot >= 0:
+                by_slot[slot].append(row)
+        rows = {s: torch.tensor(by_slot[s], dtype=torch.long, device=device) for s in present}
         single = present[0] if len(present) == 1 and all(s == present[0] for s in values) else None
         runs = None
         if values == sorted(values):
             runs = tuple((slot, sum(1 for _ in group)) for slot, group in itertools.groupby(values))
-        return cls(ids.to(device), present, rows, single, runs)
+        if not present:
+            return cls(ids.to(device), present, rows, single, runs)
+        group = max(len(r) for r in by_slot.values())
+        if -1 in values and all(len(r) == group for r in by_slot.values()):
+            group += 1  # a padding place for the base-only rows to read (scale 0)
+        grid = [[0] * group for _ in present]
+        valid = [[0.0] * group for _ in present]
+        place = [0] * len(values)
+        pad_place = None
+        for p, slot in enumerate(present):
+            for g, row in enumerate(by_slot[slot]):
+                grid[p][g], valid[p][g], place[row] = row, 1.0, p * group + g
+            if len(by_slot[slot]) < group and pad_place is None:
+                pad_place = p * group + len(by_slot[slot])
+        for row, slot in enumerate(values):
+            if slot < 0:
+                place[row] = pad_place
+        valid_PG = torch.tensor(valid, dtype=torch.float32)
+        batch_scales: tuple[float, ...] = ()
+        scale_PG = None
+        if scales is not None:
+            batch_scales = tuple(float(scales[s]) if s < len(scales) else 0.0 for s in present)
+            scale_PG = (valid_PG * torch.tensor(batch_scales, dtype=torch.float32)[:, None]).to(device)
+        return cls(
+            ids.to(device), present, rows, single, runs,
+            group_rows_PG=torch.tensor(grid, dtype=torch.long, device=device),
+            row_place_B=torch.tensor(place, dtype=torch.long, device=device),
+            valid_PG=valid_PG.to(device), scales=batch_scales, scale_PG=scale_PG,
+            present_P=torch.tensor(present, dtype=torch.long, device=device),
+        )
 
     @property
     def batch_size(self) -> int:
@@ -129,10 +184,11 @@ class MultiLoRALinear(nn.Module):
     def _use_gather(self, x: torch.Tensor, batch: SlotBatch) -> bool:
         if self.delta_mode != "auto":
             return self.delta_mode == "gather"
-        # Decode steps (one token per sequence) of several adapters: one batched GEMM
-        # beats a GEMM pair per slot; long sequences favour the segment path.
+        # Decode steps (one token per sequence) of several adapters, and unsorted batches:
+        # one batched GEMM pair beats a GEMM pair (and a scatter) per slot. Long sorted
+        # sequences (training) favour contiguous segments: no row copies, no padding.
         tokens_per_sample = x.shape[1] if x.dim() == 3 else 1
-        return batch.single_slot is None and tokens_per_sample == 1
+        return batch.single_slot is None and (tokens_per_sample == 1 or batch.runs is None)
 
     def _slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         rank = self.ranks[slot]
@@ -161,20 +217,35 @@ class MultiLoRALinear(nn.Module):
         return delta
 
     def _gather_delta(self, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
-        ids = batch.slot_ids_B.to(x.device)
-        # Slot -1 reads row 0 with scale 0; rows past a slot's rank are zero, so the
-        # full max_rank product equals the rank-sliced one.
-        safe = ids.clamp(min=0)
-        scale_B = torch.where(ids >= 0, self.scaling.index_select(0, safe), torch.zeros_like(self.scaling[:1]))
-        a_BRI = self.lora_A.index_select(0, safe)
-        b_BOR = self.lora_B.index_select(0, safe)
-        x3 = x.to(a_BRI.dtype)
-        squeeze = x3.dim() == 2
-        if squeeze:
-            x3 = x3.unsqueeze(1)
-        h_BTR = torch.bmm(x3, a_BRI.transpose(1, 2))
-        delta = torch.bmm(h_BTR, b_BOR.transpose(1, 2)) * scale_B[:, None, None]
-        return delta.squeeze(1) if squeeze else delta
+        """Rows grouped per present slot, one pair of batched GEMMs over the slots' A and B.
+
+        A and B are read in place (a slice when the present slots are 0..P-1, else one
+        copy per present adapter, never per sample). Rows past a slot's rank are zero, so
+        the full max_rank product equals the rank-sliced one.
+        """
+        n_present = len(batch.present)
+        if batch.present == tuple(range(n_present)):
+            a_PRI, b_POR = self.lora_A[:n_present], self.lora_B[:n_present]
+        else:
+            a_PRI = self.lora_A.index_select(0, batch.present_P)
+            b_POR = self.lora_B.index_select(0, batch.present_P)
+        scale_PG = batch.scale_PG
+        if scale_PG is None or batch.scales != tuple(self._scale(s) for s in batch.present):
+            scale_PG = batch.valid_PG * self.scaling.index_select(0, batch.present_P)[:, None]
+        group = batch.group_rows_PG.shape[1]
+        x = x.to(a_PRI.dtype)
+        lead = x.shape[1:-1]  # (T,) for [B, T, in] inputs, () for [B, in]
+        tokens = math.prod(lead)
+        x_PNI = x.index_select(0, batch.group_rows_PG.reshape(-1)).reshape(n_present, group * tokens, -1)
+        h_PNR = torch.bmm(x_PNI, a_PRI.transpose(1, 2))
+        delta_PNO = torch.bmm(h_PNR, b_POR.transpose(1, 2))
+        delta_PGTO = delta_PNO.reshape(n_present, group, tokens, -1) * scale_PG[:, :, None, None].to(delta_PNO.dtype)
+        delta = delta_PGTO.reshape(n_present * group, *lead, -1)
+        return delta.index_select(0, batch.row_place_B)
+
+    def _scale(self, slot: int) -> float:
+        rank = self.ranks[slot]
+        return self.alphas[slot] / rank if rank else 0.0
 
     # ---- per-slot state (no autograd: these are weight loads, not training steps) ----
 
@@ -316,7 +387,7 @@ def use_slots(model: nn.Module, slot_ids: Sequence[int] | torch.Tensor) -> Itera
     """
     modules = _require_lora(model)
     first = next(iter(modules.values()))
-    batch = SlotBatch.build(slot_ids, first.lora_A.device)
+    batch = SlotBatch.build(slot_ids, first.lora_A.device, scales=[first._scale(s) for s in range(first.n_slots)])
     for slot in batch.present:
         if slot >= first.n_slots:
             raise ValueError(f"slot {slot} does not exist: the page table has {first.n_slots} slots (0..{first.n_slots - 1})")
