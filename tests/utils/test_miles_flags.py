@@ -48,3 +48,11 @@ def test_miles_adapter_keys_and_reward_types_are_accepted(file_name):
     config = AdapterRunConfig(**keys)
     assert config.model_dump(include=set(keys)) == keys
     validate_reward_spec(config.rm_type, None)  # math and deepscaler are built-ins
+
+
+def test_miles_optional_adapter_keys_are_accepted():
+    keys = {"data": "d.jsonl", "save": "/tmp/s", "metadata_key": "meta", "custom_rm_path": "pkg.mod.fn",
+            "num_epoch": 2, "metadata": {"k": 1}}
+    config = AdapterRunConfig(**keys)
+    assert (str(config.save), config.metadata_key, config.custom_rm_path, config.num_epoch, config.metadata) == (
+        "/tmp/s", "meta", "pkg.mod.fn", 2, {"k": 1})
