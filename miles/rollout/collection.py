@@ -1,16 +1,18 @@
 """Turning buffered prompt groups into one train batch with exact per-adapter accounting.
 
 `BatchCollector.collect(rollout_id, snapshot)` is the body of
-`RolloutManager.generate` (DESIGN §8). It acts on one controller snapshot (adapter
-state only changes between generate calls), then:
+`RolloutManager.generate` (DESIGN §8). It acts on one snapshot, the driver's (or the
+controller's, read once when none is given; adapter state only changes between
+generate calls), then:
 
 1. discards the buffers of adapters no longer sampleable;
 2. pops round robin across adapters (the cursor persists across batches), one
    multiple of `min_groups_per_dp_split` per turn, never beyond an adapter's remaining
-   groups for its current step. Before each look at a buffer, `_drop_unusable` drops
-   (and counts, per adapter and `DropReason`) stale groups and foreign ones (stamped
-   with another registration of the name, e.g. stragglers of a re-registered adapter):
-   the one place groups are dropped;
+   groups for its current step. `_drop_unusable` is the one place a live adapter's
+   groups are dropped, and every drop is counted per adapter and `DropReason`: stale
+   groups and foreign ones (stamped with another registration of the name, e.g.
+   stragglers of a re-registered adapter). It runs for every adapter when collection
+   starts and again before each look at a buffer, for groups that arrive meanwhile;
 3. stops at `global_batch_size` samples, or when a non-empty batch made no progress for
    `max_coalesce_wait_s`, or when no adapter can contribute any more; with nothing
    after `max_empty_wait_s` it raises `EmptyBatchTimeoutError`;
