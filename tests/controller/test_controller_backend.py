@@ -279,7 +279,7 @@ async def test_a_name_taken_while_the_dataset_was_read_is_refused(data_root: Pat
     release.set()
     results = await asyncio.gather(first, second, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
-    assert sorted(results, key=str)[0] == 0 and len(errors) == 1  # whichever read finished first wins
+    assert [r for r in results if r not in errors] == [0] and len(errors) == 1  # either may win the race
     assert isinstance(errors[0], AdapterValidationError) and "already registered" in str(errors[0])
     assert backend.registrations_total == 1 and backend.registry.free_slots == [1]
 
