@@ -43,23 +43,7 @@ def grpo_advantages(rewards_N: Tensor, group_sizes: list[int]) -> Tensor:
     (unbiased, as `Tensor.std`) standard deviation; a one-sample group gets 0 and a
     group of equal rewards gets 0 too. Group sizes may differ (one per adapter).
     """
-    if sum(group_sizes) != rewards_N.numel():
-        raise ValueError(
-            f"group sizes sum to {sum(group_sizes)} but there are {rewards_N.numel()} rewards: "
-            "pass the size of every consecutive prompt group"
-        )
-    if any(size <= 0 for size in group_sizes):
-        raise ValueError(f"every prompt group needs at least one sample, got sizes {group_sizes}")
-    rewards_N = rewards_N.to(torch.float32)
-    out = []
-    for group in torch.split(rewards_N, group_sizes):
-        centred = group - group.mean()
-        if group.numel() > 1:
-            std = group.std()
-            if std > 0:
-                centred = centred / (std + GRPO_STD_EPS)
-        out.append(centred)
-    return torch.cat(out)
+    return normalize_group_rewards(rewards_N, group_sizes, divide_by_std=True)
 
 
 @dataclass(frozen=True)
@@ -244,8 +228,9 @@ class LossSettings:
 
     @property
     def needs_ref_logprobs(self) -> bool:
-        """The base model's logprobs are needed: for the KL loss or for KL reward shaping."""
-        return self.use_kl_loss or self.kl_coef != 0
+        """The base model's logprobs are needed: for the KL loss or for KL reward shaping
+        (which only the reinforce++ estimators use)."""
+        return self.use_kl_loss or (self.kl_coef != 0 and self.advantage_estimator.startswith("reinforce_plus_plus"))
 
     @property
     def needs_rollout_logprobs(self) -> bool:
@@ -401,7 +386,7 @@ def compute_advantages(
     if rewards_N.dim() != 1 or rewards_N.shape[0] != mask_NT.shape[0]:
         raise ValueError(f"rewards {tuple(rewards_N.shape)} and mask {tuple(mask_NT.shape)} must agree on N")
     mask = mask_NT.to(torch.float32)
-    if settings.kl_coef != 0:
+    if settings.kl_coef != 0 and estimator.startswith("reinforce_plus_plus"):
         if kl_NT is None:
             raise ValueError("--kl-coef shapes the reward with the KL to the base model: pass kl_NT")
         kl = kl_NT.to(torch.float32) * mask

@@ -182,6 +182,11 @@ def test_kl_shaping_needs_the_kl_and_whitening_needs_tokens():
                            torch.ones(1), torch.ones(1, 1), group_sizes=[1])
     with pytest.raises(ValueError, match="no response tokens"):
         masked_whiten(torch.ones(1, 2), torch.zeros(1, 2))
+    # grpo ignores the reward-shaping KL (as Miles), so it needs none
+    grpo = compute_advantages(LossSettings(kl_coef=0.1), torch.tensor([1.0, 0.0]), torch.ones(2, 1), group_sizes=[2])
+    assert grpo.flatten().tolist() == pytest.approx([0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6)])
+    assert not LossSettings(kl_coef=0.1).needs_ref_logprobs
+    assert LossSettings(advantage_estimator="reinforce_plus_plus", kl_coef=0.1, **RPP).needs_ref_logprobs
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
