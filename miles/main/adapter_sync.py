@@ -23,7 +23,7 @@ records in `trainer_state.json` and a resume hands back.
 `controller` is the controller actor handle (`snapshot`, `retire_adapters`,
 `free_slot`, `set_adapter_step`, `record_weight_update`, `mark_batch_trained`);
 `rollout_manager` the rollout manager's (`data_positions`, `restore_data_position`);
-`receivers` the engine handles, each with `load_lora(lora_name, version, peft_config,
+`receivers` the engine handles, each with `push_lora(slot, version, peft_config,
 tensors)`. Every call is `await handle.method.remote(...)`.
 """
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.backends.base import AdapterSpec, AdapterStepStats, SaveRequest, TrainingBackend, TrainResult
-from miles.utils.types import DataPosition, MultiLoRASnapshot, RolloutBatch, engine_lora_name, next_slot_version
+from miles.utils.types import DataPosition, MultiLoRASnapshot, RolloutBatch, next_slot_version
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +141,7 @@ class AdapterSync:
         exports = await asyncio.gather(*(self.backend.export_adapter(name) for name in names))
         pushed = {name: next_slot_version(live[name].version) for name in names}
         await asyncio.gather(*(
-            receiver.load_lora.remote(engine_lora_name(live[name].slot), pushed[name], export.peft_config,
-                                      export.tensors)
+            receiver.push_lora.remote(live[name].slot, pushed[name], export.peft_config, export.tensors)
             for name, export in zip(names, exports) for receiver in self.receivers
         ))
         versions = await self.controller.record_weight_update.remote(names)

@@ -231,9 +231,8 @@ class FakeRollout:
 
 @dataclass
 class RecordingReceiver:
-    pushes: list[tuple[str, int, float]] = field(default_factory=list)
-    """(engine LoRA name, version, pushed weights) in push order."""
+    pushes: list[tuple[int, int, float]] = field(default_factory=list)
+    """(slot, version, pushed weights) in push order."""
 
-    def load_lora(self, lora_name: str, version: int, peft_config: dict[str, Any], tensors: dict[str, Any]) -> str:
-        self.pushes.append((lora_name, version, tensors["w"]))
-        return lora_name
+    def push_lora(self, slot: int, version: int, peft_config: dict[str, Any], tensors: dict[str, Any]) -> None:
+        self.pushes.append((slot, version, tensors["w"]))

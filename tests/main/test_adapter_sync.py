@@ -53,7 +53,7 @@ class Trainer:
         await train_multi_lora_async.run_loop(cfg, self.components, asyncio.Event(), self.progress)
 
     def pushes(self, slot):
-        return [(version, weights) for name, version, weights in self.receiver.pushes if name == f"__miles_slot_{slot}"]
+        return [(version, weights) for pushed_slot, version, weights in self.receiver.pushes if pushed_slot == slot]
 
     def status(self, name):
         return self.controller.adapter_status(name)

@@ -93,8 +93,8 @@ class RecordingReceiver:
     def __init__(self) -> None:
         self.received = []
 
-    def load_lora(self, lora_name, version, peft_config, tensors):
-        self.received.append((lora_name, version, peft_config, tensors))
+    def push_lora(self, slot, version, peft_config, tensors):
+        self.received.append((slot, version, peft_config, tensors))
 
     def take(self):
         out, self.received = self.received, []
@@ -174,7 +174,7 @@ async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, ti
     reference = new_actor(tiny_model_dir)  # a fresh adapter is seeded by name: same tensors anywhere
     for name, rank in (("a", 4), ("b", 2)):
         reference.load_adapter(AdapterSpec(name=name, slot=slots[name], rank=rank, alpha=8.0, global_batch_size=4))
-    assert [(p[0], p[1]) for p in pushed] == [("__miles_slot_0", 1), ("__miles_slot_1", 1)]
+    assert [(p[0], p[1]) for p in pushed] == [(0, 1), (1, 1)]
     for (_, _, peft_config, tensors), name in zip(pushed, ("a", "b")):
         expected = reference.export_adapter(name)
         assert tensors.keys() == expected.keys()
@@ -197,8 +197,8 @@ async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, ti
         if batch.rollout_id == 0:
             assert snapshot.active["a"].step == 1 and snapshot.active["b"].step == 0
             snapshot = await sync2.update_weights(snapshot)  # only the adapter that stepped
-            (lora_name, version, _, tensors), = await receiver.take.remote()
-            assert (lora_name, version) == ("__miles_slot_0", 2) and snapshot.active["a"].version == 2
+            (slot, version, _, tensors), = await receiver.take.remote()
+            assert (slot, version) == (0, 2) and snapshot.active["a"].version == 2
             assert max_abs_diff(tensors, await dp2.actors[1].export_adapter.remote("a")) == 0.0
     for name in ("a", "b"):
         w1 = await dp1.actors[0].export_adapter.remote(name)
