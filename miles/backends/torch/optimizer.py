@@ -14,7 +14,12 @@ ever updated; the padding stays exactly zero.
     opt.step_slot(2, lr=1e-4)
     opt.zero_slot_grad(2)
 
-The update is torch's AdamW (decoupled weight decay, bias-corrected moments).
+The update is torch's AdamW (decoupled weight decay, bias-corrected moments), run with
+`torch._foreach_*` ops over the slot rows of every parameter at once. `step_slots` does
+the whole step of several adapters (mask, scale, clip by each slot's own norm, AdamW,
+zero the gradients) in one fused pass over all their rows:
+
+    norms = opt.step_slots([SlotStep(slot=0, lr=1e-4, grad_scale=1 / 64), SlotStep(slot=2, lr=3e-4)], max_norm=1.0)
 """
 
 from __future__ import annotations
@@ -24,6 +29,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SlotStep:
+    """One slot's part of a fused step."""
+
+    slot: int
+    lr: float
+    grad_scale: float = 1.0
+    """The slot's gradient is multiplied by this before clipping (1 / global batch size)."""
 
 
 @dataclass
@@ -87,48 +102,97 @@ class SlotAdamW:
 
     def mask_slot_grad(self, slot: int) -> None:
         """Zero the gradient outside the slot's rank so padding never moves."""
+        self._mask(slot, self.slot_grads(slot))
+
+    def _mask(self, slot: int, grads: list[Tensor]) -> None:
         rank = self._hparams(slot).rank
-        for (param, rank_dim), grad in zip(self.params, self.slot_grads(slot)):
-            grad.narrow(rank_dim - 1, rank, param.shape[rank_dim] - rank).zero_()
+        for (param, rank_dim), grad in zip(self.params, grads):
+            if rank < param.shape[rank_dim]:
+                grad.narrow(rank_dim - 1, rank, param.shape[rank_dim] - rank).zero_()
 
     def scale_slot_grad(self, slot: int, factor: float) -> None:
-        for grad in self.slot_grads(slot):
-            grad.mul_(factor)
+        torch._foreach_mul_(self.slot_grads(slot), factor)
 
     def clip_slot_grad(self, slot: int, max_norm: float) -> float:
         """Clip row `slot` of the gradients by their joint L2 norm; returns the pre-clip norm.
 
         Same rule as `torch.nn.utils.clip_grad_norm_`; `max_norm <= 0` only measures.
         """
-        grads = self.slot_grads(slot)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+        return self._clip(self.slot_grads(slot), max_norm)
+
+    @staticmethod
+    def _clip(grads: list[Tensor], max_norm: float) -> float:
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, dtype=torch.float32)))
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for grad in grads:
-                grad.mul_(coef.to(grad.dtype))
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return float(norm)
 
     @torch.no_grad()
     def step_slot(self, slot: int, lr: float) -> None:
         """One AdamW step of row `slot` with learning rate `lr`."""
-        hp = self._hparams(slot)
-        beta1, beta2 = self.betas
-        self.steps[slot] += 1
-        step = self.steps[slot]
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+        self._hparams(slot)
         self.mask_slot_grad(slot)
-        for (param, _), m_all, v_all, grad in zip(self.params, self.exp_avg, self.exp_avg_sq, self.slot_grads(slot)):
-            weight, m, v = param.data[slot], m_all[slot], v_all[slot]
-            weight.mul_(1 - lr * hp.weight_decay)
-            m.lerp_(grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
-            weight.addcdiv_(m, denom, value=-lr / bias_correction1)
+        self._adamw([slot], [lr])
+
+    @torch.no_grad()
+    def step_slots(self, steps: list[SlotStep], max_norm: float) -> dict[int, float]:
+        """The whole optimizer step of several slots in one fused pass; returns each slot's
+        gradient norm (after `grad_scale`, before clipping).
+
+        Per slot, in order: mask the gradient past the rank, multiply by `grad_scale`,
+        clip by the slot's own norm (`max_norm <= 0`: no clipping), AdamW with `lr`, zero
+        the gradient. Equal to calling `mask_slot_grad`, `scale_slot_grad`,
+        `clip_slot_grad`, `step_slot` and `zero_slot_grad` per slot.
+        """
+        if not steps:
+            return {}
+        slots = [s.slot for s in steps]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a fused step names a slot twice: {slots}")
+        grads = {s.slot: self.slot_grads(s.slot) for s in steps}
+        for s in steps:
+            self._mask(s.slot, grads[s.slot])
+        flat = [g for s in steps for g in grads[s.slot]]
+        n = len(self.params)
+        torch._foreach_mul_(flat, [s.grad_scale for s in steps for _ in range(n)])
+        per_tensor = torch._foreach_norm(flat, dtype=torch.float32)
+        norms_S = torch.linalg.vector_norm(torch.stack(per_tensor).reshape(len(steps), n), dim=1)
+        if max_norm > 0:
+            coef_S = torch.clamp(max_norm / (norms_S + 1e-6), max=1.0)
+            torch._foreach_mul_(flat, [c for c in coef_S.to(flat[0].dtype) for _ in range(n)])
+        self._adamw(slots, [s.lr for s in steps])
+        torch._foreach_zero_(flat)
+        return dict(zip(slots, norms_S.tolist()))
+
+    def _adamw(self, slots: list[int], lrs: list[float]) -> None:
+        """AdamW on the rows of `slots` (gradients already masked), one foreach op per stage."""
+        beta1, beta2 = self.betas
+        n = len(self.params)
+        weights, exp_avgs, exp_avg_sqs, grads = [], [], [], []
+        decay, bias2_sqrt, step_size = [], [], []
+        for slot, lr in zip(slots, lrs):
+            hp = self._hparams(slot)
+            self.steps[slot] += 1
+            step = self.steps[slot]
+            weights += [param.data[slot] for param, _ in self.params]
+            exp_avgs += [m[slot] for m in self.exp_avg]
+            exp_avg_sqs += [v[slot] for v in self.exp_avg_sq]
+            grads += self.slot_grads(slot)
+            decay += [1 - lr * hp.weight_decay] * n
+            bias2_sqrt += [math.sqrt(1 - beta2**step)] * n
+            step_size += [-lr / (1 - beta1**step)] * n
+        torch._foreach_mul_(weights, decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, bias2_sqrt)
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_addcdiv_(weights, exp_avgs, denom, step_size)
 
     def zero_slot_grad(self, slot: int) -> None:
-        for grad in self.slot_grads(slot):
-            grad.zero_()
+        torch._foreach_zero_(self.slot_grads(slot))
 
     def slot_state(self, slot: int) -> tuple[list[Tensor], list[Tensor], int]:
         """Copies of row `slot` of the moments, and the slot's step counter."""

@@ -114,3 +114,41 @@ def test_schedules_follow_the_adapter_sample_clock():
     assert restored == half
     with pytest.raises(ValueError, match="lr_decay_style"):
         LRSchedule(lr=1.0, samples_per_step=8, style="step")
+
+
+def test_fused_step_of_several_slots_equals_the_per_slot_sequence():
+    from miles.backends.torch.optimizer import SlotStep
+
+    fused_params, loop_params = _params(3), _params(3)
+    settings = {0: (2, 0.02, 0.1, 0.5), 2: (4, 0.005, 0.0, 1.0 / 64)}  # slot: rank, lr, weight decay, grad scale
+    fused = SlotAdamW([(fused_params[0], 1), (fused_params[1], 2)], n_slots=3, betas=(0.9, 0.99))
+    loop = SlotAdamW([(loop_params[0], 1), (loop_params[1], 2)], n_slots=3, betas=(0.9, 0.99))
+    for opt in (fused, loop):
+        for slot, (rank, lr, wd, _) in settings.items():
+            opt.configure_slot(slot, rank=rank, lr=lr, weight_decay=wd)
+    g = torch.Generator().manual_seed(4)
+    for step in range(3):
+        grads = [torch.randn(3, 4, 5, generator=g) * (step + 1), torch.randn(3, 6, 4, generator=g)]
+        for (a, b) in (fused_params, loop_params):
+            a.grad, b.grad = grads[0].clone(), grads[1].clone()
+        norms = fused.step_slots([SlotStep(slot=s, lr=lr, grad_scale=scale) for s, (_, lr, _, scale) in settings.items()], max_norm=1.0)
+        expected = {}
+        for slot, (_, lr, _, scale) in settings.items():
+            loop.mask_slot_grad(slot)
+            loop.scale_slot_grad(slot, scale)
+            expected[slot] = loop.clip_slot_grad(slot, 1.0)
+            loop.step_slot(slot, lr)
+            loop.zero_slot_grad(slot)
+        assert norms == pytest.approx(expected, rel=1e-6)
+        assert norms[0] > 1.0 > norms[2]  # one slot is clipped, the other is not
+        for f, l in zip(fused_params, loop_params):
+            torch.testing.assert_close(f.detach(), l.detach(), atol=1e-7, rtol=0)
+            torch.testing.assert_close(f.grad, l.grad, atol=0, rtol=0)
+        # Slot 1 did not step: its gradient accumulates, its row never moves.
+        assert torch.equal(fused_params[0].grad[1], grads[0][1])
+    assert fused.steps == loop.steps == [3, 0, 3]
+    for m_f, m_l in zip(fused.exp_avg + fused.exp_avg_sq, loop.exp_avg + loop.exp_avg_sq):
+        torch.testing.assert_close(m_f, m_l, atol=1e-7, rtol=0)
+    assert torch.count_nonzero(fused.exp_avg[0][0, 2:]) == 0 and torch.count_nonzero(fused.exp_avg_sq[1][0, :, 2:]) == 0
+    with pytest.raises(ValueError, match="twice"):
+        fused.step_slots([SlotStep(slot=0, lr=0.1), SlotStep(slot=0, lr=0.1)], max_norm=1.0)
