@@ -4,7 +4,7 @@
 plain expressions parsed to sympy, compared symbolically and numerically), after a
 whitespace-insensitive string match:
 
-    >>> answers_equivalent("\\frac{2}{4}", "0.5"), answers_equivalent("x(x+2)", "x^2+2x")
+    >>> answers_equivalent("\\\\frac{2}{4}", "0.5"), answers_equivalent("x(x+2)", "x^2+2x")
     (True, True)
     >>> answers_equivalent("13", "12")
     False
