@@ -625,7 +625,8 @@ def policy_loss_terms(
     weight_mask = mask  # numerator and denominator mask; a custom TIS may reject tokens
     ones = torch.ones_like(pg)
     tis, tis_clipfrac, ois = ones, torch.zeros_like(pg), torch.exp(-ppo_kl).detach()
-    builtin_tis = params.use_tis_B & torch.tensor([p is None for p in params.custom_tis_paths], dtype=torch.bool)
+    no_custom_B = torch.tensor([p is None for p in params.custom_tis_paths], dtype=torch.bool)
+    builtin_tis = params.use_tis_B & no_custom_B.to(params.use_tis_B.device)
     if bool(builtin_tis.any()):
         raw = torch.exp(trainer_old - rollout_logprobs_BT.detach().float())
         weights = torch.minimum(torch.maximum(raw, col(params.tis_clip_low_B)), col(params.tis_clip_B))
