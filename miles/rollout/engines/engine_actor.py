@@ -2,23 +2,39 @@
 
     engine = EngineActor.options(num_gpus=0).remote(server_cfg, work_dir="/tmp/run/engines/0")
     url = ray.get(engine.start.remote())
-    ray.get(engine.load_lora.remote("__miles_slot_0", 3, peft_config, tensors_ref))
+    ray.get(engine.set_router.remote(router_url))          # where a restarted server goes back
+    ray.get(engine.push_lora.remote(slot, version, peft_config, tensors_ref))      # either mode
+    # in_place, by broadcast (the sender joins the same group at rank 0, see miles.backends.weight_sync):
+    ray.get(engine.init_weights_update_group.remote(**spec.init_request(rank_offset=1)))
+    ray.get(engine.push_lora_from_distributed.remote(slot, version, peft_config, names, dtypes, shapes,
+                                                     group_name, weights_ref=[tensors_ref]))
     ray.get(engine.abort.remote("math::"))
     ray.get(engine.shutdown.remote())
 
-LoRA tensors come through the Ray object store (a top-level ObjectRef argument arrives
-resolved; a nested one is awaited here). The actor writes them as a PEFT directory
-(safetensors + JSON) on its own node and asks its server to load it: in place
-(`upsert`) on the builtin engine, under a versioned name `{name}_v{version}` on SGLang,
-whose loads cannot replace a name, followed by unloading the previous version. Nothing
-that arrives over HTTP is unpickled.
+Engine-side names come from `engine_lora_name(slot, version, mode)`:
+- `in_place`: the slot keeps its name; a push replaces the weights (`upsert`).
+- `versioned`: each push loads `{slot name}_v{version}` beside the previous version; the
+  version before that is unloaded first (SGLang lets its in-flight requests finish), so
+  at most two versions per slot are loaded.
+
+Pushes through the object store write a PEFT directory on this node and load it; pushes
+by broadcast send only metadata over HTTP. Nothing that arrives over HTTP is unpickled.
+
+The actor remembers the latest weights of every live slot (the PEFT directory, or for a
+broadcast push the object-store reference it was given). If the server process dies,
+the actor restarts it, loads every live slot at its current version, and only then puts
+it back behind the router. A restarted server is out of the weights-update group until
+the next `init_weights_update_group` (see `update_group_joined`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,60 +44,111 @@ import torch
 
 from miles.backends.lora import write_peft_dir
 from miles.rollout.engines.process import ServerProcess, free_port
+from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig, server_command
+from miles.utils.types import engine_lora_name, engine_lora_slot
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
+SUPERVISE_INTERVAL_S = 0.5
 
 
 class EngineRequestFailed(RuntimeError):
     """The inference server answered an admin request with an error."""
 
 
+class EngineConfigError(RuntimeError):
+    """The server cannot work in the configured mode (the message says what to change)."""
+
+
+@dataclass
+class _SlotWeights:
+    """The latest weights pushed to one slot, enough to load them again."""
+
+    version: int
+    peft_config: dict[str, Any]
+    path: Path | None = None
+    """PEFT directory on this node (object-store pushes, or written on recovery)."""
+    weights_ref: list[ray.ObjectRef] = field(default_factory=list)
+    """For broadcast pushes: the object-store copy, fetched only if the server restarts."""
+
+
 class EngineServer:
     """Plain-Python body of `EngineActor` (usable without Ray)."""
 
     def __init__(self, cfg: EngineServerConfig, work_dir: str, *, start_timeout_s: float = START_TIMEOUT_S,
-                 host: str = LOOPBACK):
+                 host: str = LOOPBACK, supervise_interval_s: float = SUPERVISE_INTERVAL_S):
         """`host`: the address the server binds; loopback unless a router on another node must reach it."""
         self.cfg = cfg
+        self.mode = cfg.lora_update
         self.host = host
         self.work_dir = Path(work_dir)
         self.start_timeout_s = start_timeout_s
+        self.supervise_interval_s = supervise_interval_s
         self._process: ServerProcess | None = None
         self._url: str | None = None
-        self._served: dict[str, str] = {}
-        """Trainer-side LoRA name -> the name the server holds it under."""
-        self._dirs: dict[str, Path] = {}
+        self._router_url: str | None = None
+        self._slots: dict[int, _SlotWeights] = {}
+        self._served: dict[int, list[int]] = {}
+        """Slot -> versions loaded on the current server process, oldest first."""
+        self._group_joined = False
+        self._lock: asyncio.Lock | None = None
+        """Pushes, unloads and restarts never interleave."""
+        self._supervisor: asyncio.Task | None = None
+        self._closing = False
+        self.restarts = 0
 
-    @property
-    def supports_upsert(self) -> bool:
-        return self.cfg.kind == "builtin"
+    # ---- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> str:
         if self._url is not None:
             return self._url
+        self._lock = asyncio.Lock()
+        self._url = await self._launch()
+        self._supervisor = asyncio.create_task(self._supervise(), name="engine-supervisor")
+        return self._url
+
+    async def _launch(self) -> str:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         port = free_port(self.host)
-        self._process = ServerProcess.launch(server_command(self.cfg, self.host, port),
-                                             log_path=self.work_dir / f"{self.cfg.kind}-server.log")
+        process = ServerProcess.launch(server_command(self.cfg, self.host, port),
+                                       log_path=self.work_dir / f"{self.cfg.kind}-server.log")
         url = f"http://{self.host}:{port}"
         try:
-            await self._process.wait_ready(url + "/health", timeout_s=self.start_timeout_s,
-                                           what=f"{self.cfg.kind} inference server")
+            await process.wait_ready(url + "/health", timeout_s=self.start_timeout_s,
+                                     what=f"{self.cfg.kind} inference server")
+            if self.cfg.kind == "sglang" and self.mode == "in_place":
+                await self._require_distributed_route(url)
         except BaseException:
-            self._process.terminate()
+            process.terminate()
             raise
-        self._url = url
+        self._process = process
         return url
+
+    async def _require_distributed_route(self, url: str) -> None:
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+            response = await client.post(url + "/load_lora_adapter_from_distributed", json={})
+        if response.status_code == 404:
+            raise EngineConfigError(
+                "this SGLang build has no /load_lora_adapter_from_distributed, so it cannot replace a LoRA in "
+                "place; start the trainer with --engine-lora-update versioned (or use an SGLang build with "
+                "in-place LoRA upsert)")
+
+    def set_router(self, router_url: str) -> None:
+        """The router this server sits behind; a restarted server is put back there."""
+        self._router_url = router_url.rstrip("/")
 
     def url(self) -> str:
         if self._url is None:
             raise RuntimeError("the engine is not started: call start() first")
         return self._url
+
+    def pid(self) -> int | None:
+        """Process id of the running server (tests kill it to exercise recovery)."""
+        return self._process.pid if self._process is not None else None
 
     async def health(self) -> bool:
         if self._process is None or not self._process.alive():
@@ -92,50 +159,183 @@ class EngineServer:
             except httpx.TransportError:
                 return False
 
-    def served_lora_name(self, lora_name: str) -> str:
-        """The name to send as `lora_path` for `lora_name` (versioned on SGLang)."""
-        if lora_name not in self._served:
-            raise KeyError(f"LoRA {lora_name!r} was never pushed to this engine")
-        return self._served[lora_name]
-
-    async def load_lora(self, lora_name: str, version: int, peft_config: dict[str, Any],
-                        tensors: dict[str, torch.Tensor] | ray.ObjectRef) -> str:
-        """Write the adapter on this node and load it into the server; return the served name."""
-        if isinstance(tensors, ray.ObjectRef):
-            tensors = await tensors
-        path = self.work_dir / "loras" / lora_name / f"v{version}"
-        await asyncio.to_thread(write_peft_dir, path, tensors, peft_config)
-        previous = self._served.get(lora_name)
-        if self.supports_upsert:
-            served = lora_name
-            await self._post("/load_lora_adapter", {"lora_name": served, "lora_path": str(path), "upsert": True})
-        else:
-            served = f"{lora_name}_v{version}"
-            await self._post("/load_lora_adapter", {"lora_name": served, "lora_path": str(path)})
-            if previous is not None and previous != served:
-                await self._post("/unload_lora_adapter", {"lora_name": previous})
-        old_dir = self._dirs.get(lora_name)
-        self._served[lora_name], self._dirs[lora_name] = served, path
-        if old_dir is not None and old_dir != path:
-            shutil.rmtree(old_dir, ignore_errors=True)
-        return served
-
-    async def unload_lora(self, lora_name: str) -> None:
-        served = self._served.pop(lora_name, None)
-        if served is None:
-            return
-        await self._post("/unload_lora_adapter", {"lora_name": served})
-        old_dir = self._dirs.pop(lora_name, None)
-        if old_dir is not None:
-            shutil.rmtree(old_dir, ignore_errors=True)
-
-    async def abort(self, prefix: str) -> dict[str, Any]:
-        return await self._post("/abort_request", {"rid": prefix, "prefix": True})
-
     async def shutdown(self) -> None:
+        self._closing = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+            self._supervisor = None
         if self._process is not None:
             await asyncio.to_thread(self._process.terminate)
         self._url = None
+
+    # ---- recovery --------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.supervise_interval_s)
+            if self._process is not None and not self._process.alive() and not self._closing:
+                try:
+                    await self.recover()
+                except Exception:  # keep supervising: the next round retries the restart
+                    logger.exception("Restarting the %s server in %s failed", self.cfg.kind, self.work_dir)
+
+    async def recover(self) -> str:
+        """Restart a dead server: reload every live slot, then put it back behind the router."""
+        async with self._lock:
+            if self._process is not None and self._process.alive():
+                return self.url()
+            old_url = self._url
+            logger.warning("The %s server at %s exited with code %s; restarting it", self.cfg.kind, old_url,
+                           self._process.popen.returncode if self._process else None)
+            router = Router(self._router_url, None) if self._router_url else None
+            if router is not None and old_url is not None:
+                await router.remove_workers([old_url])
+            self._served.clear()
+            self._group_joined = False
+            self._url = await self._launch()
+            for slot, weights in sorted(self._slots.items()):
+                path = weights.path or await self._write_from_ref(slot, weights)
+                await self._load_version(slot, weights.version, path)
+            if router is not None:
+                await router.add_workers([self._url])
+                await router.wait_for_workers([self._url], timeout_s=self.start_timeout_s)
+            self.restarts += 1
+            logger.warning("The %s server is back at %s with slots %s", self.cfg.kind, self._url,
+                           {s: w.version for s, w in self._slots.items()})
+            return self._url
+
+    async def _write_from_ref(self, slot: int, weights: _SlotWeights) -> Path:
+        if not weights.weights_ref:
+            raise EngineConfigError(f"slot {slot} v{weights.version} was pushed by broadcast without weights_ref; "
+                                    "it cannot be reloaded after a restart")
+        tensors = await weights.weights_ref[0]
+        weights.path = self._slot_dir(slot, weights.version)
+        await asyncio.to_thread(write_peft_dir, weights.path, tensors, weights.peft_config)
+        return weights.path
+
+    # ---- LoRA pushes -----------------------------------------------------------------
+
+    def served_lora_name(self, slot: int) -> str:
+        """The name generation requests use for `slot` now (its latest version)."""
+        if slot not in self._slots:
+            raise KeyError(f"slot {slot} was never pushed to this engine")
+        return engine_lora_name(slot, self._slots[slot].version, self.mode)
+
+    def slots(self) -> dict[int, int]:
+        """Slot -> version of the latest weights pushed (what a restart reloads)."""
+        return {slot: weights.version for slot, weights in self._slots.items()}
+
+    def update_group_joined(self) -> bool:
+        """False until `init_weights_update_group` succeeds, and again after a restart."""
+        return self._group_joined
+
+    async def push_lora(self, slot: int, version: int, peft_config: dict[str, Any],
+                        tensors: dict[str, torch.Tensor] | ray.ObjectRef) -> str:
+        """Write the adapter on this node and load it as (slot, version); return the served name."""
+        if isinstance(tensors, ray.ObjectRef):
+            tensors = await tensors
+        path = self._slot_dir(slot, version)
+        await asyncio.to_thread(write_peft_dir, path, tensors, peft_config)
+        async with self._lock:
+            served = await self._load_version(slot, version, path)
+            self._remember(slot, _SlotWeights(version, peft_config, path=path))
+        return served
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> dict[str, Any]:
+        """Join the sender's weights-update group (blocks until every rank joined)."""
+        answer = await self._post("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+        self._group_joined = True
+        return answer
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave the group; a server that is not in it (e.g. just restarted) is fine."""
+        self._group_joined = False
+        with contextlib.suppress(EngineRequestFailed):
+            await self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def push_lora_from_distributed(self, slot: int, version: int, peft_config: dict[str, Any],
+                                         names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                         group_name: str, weights_ref: Sequence[ray.ObjectRef] = ()) -> str:
+        """In-place push: metadata over HTTP, tensors by the sender's broadcast; returns the served name.
+
+        `weights_ref`: a one-element list holding the object-store reference of the same
+        `{PEFT name: tensor}` dict (a list so Ray passes the reference, not the tensors);
+        kept unfetched, so a restarted server can reload the slot.
+        """
+        if self.mode != "in_place":
+            raise EngineConfigError("broadcast pushes replace a slot in place; this engine runs "
+                                    "--engine-lora-update versioned: use push_lora")
+        name = engine_lora_name(slot, version, self.mode)
+        async with self._lock:
+            await self._post("/load_lora_adapter_from_distributed", {
+                "lora_name": name, "config_dict": peft_config, "names": names, "dtypes": dtypes,
+                "shapes": shapes, "group_name": group_name, "upsert": True})
+            self._served[slot] = [version]
+            self._remember(slot, _SlotWeights(version, peft_config, weights_ref=list(weights_ref)))
+        return name
+
+    async def unload_slot(self, slot: int) -> None:
+        """Unload every version of `slot` and forget its weights (the adapter left)."""
+        async with self._lock:
+            for version in self._served.pop(slot, []):
+                await self._post("/unload_lora_adapter", {"lora_name": engine_lora_name(slot, version, self.mode)})
+            self._slots.pop(slot, None)
+            shutil.rmtree(self.work_dir / "loras" / f"slot_{slot}", ignore_errors=True)
+
+    async def _load_version(self, slot: int, version: int, path: Path) -> str:
+        """Load (slot, version) from `path` into the running server (caller holds the lock)."""
+        name = engine_lora_name(slot, version, self.mode)
+        loaded = self._served.get(slot, [])
+        body: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
+        if self.mode == "in_place":
+            if loaded:
+                if self.cfg.kind != "builtin":
+                    raise EngineConfigError("SGLang replaces a loaded LoRA in place only by broadcast: "
+                                            "push with push_lora_from_distributed")
+                body["upsert"] = True
+            await self._post("/load_lora_adapter", body)
+            self._served[slot] = [version]
+            return name
+        # versioned: keep the version requests use now, drop older ones, then add the new one.
+        for old in loaded[:-1]:
+            await self._post("/unload_lora_adapter", {"lora_name": engine_lora_name(slot, old, self.mode)})
+        kept = loaded[-1:]
+        if version not in kept:
+            await self._post("/load_lora_adapter", body)
+        self._served[slot] = sorted(set(kept) | {version})
+        return name
+
+    def _remember(self, slot: int, weights: _SlotWeights) -> None:
+        self._slots[slot] = weights
+        keep = {self._slot_dir(slot, v) for v in self._served.get(slot, [])}
+        slot_root = self.work_dir / "loras" / f"slot_{slot}"
+        if slot_root.is_dir():
+            for child in slot_root.iterdir():
+                if child not in keep:
+                    shutil.rmtree(child, ignore_errors=True)
+
+    def _slot_dir(self, slot: int, version: int) -> Path:
+        return self.work_dir / "loras" / f"slot_{slot}" / f"v{version}"
+
+    # ---- compatibility: pushes addressed by the in-place slot name -------------------
+
+    async def load_lora(self, lora_name: str, version: int, peft_config: dict[str, Any],
+                        tensors: dict[str, torch.Tensor] | ray.ObjectRef) -> str:
+        """`push_lora` for callers that address the slot by its engine-side name."""
+        return await self.push_lora(engine_lora_slot(lora_name), version, peft_config, tensors)
+
+    async def unload_lora(self, lora_name: str) -> None:
+        await self.unload_slot(engine_lora_slot(lora_name))
+
+    # ---- requests --------------------------------------------------------------------
+
+    async def abort(self, prefix: str) -> dict[str, Any]:
+        return await self._post("/abort_request", {"rid": prefix, "prefix": True})
 
     async def _post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:

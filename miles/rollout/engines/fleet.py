@@ -2,7 +2,13 @@
 
     fleet = await EngineFleet.start(EngineFleetConfig.from_config(cfg))
     fleet.router_url                      # where generation requests go
+    fleet.lora_name(slot, version)        # `lora_path` of a group stamped with (slot, version)
     await fleet.push_lora(push)           # a LoraPush: one object-store ref, every engine loads it
+    # in_place by broadcast: the engines join while the sender joins at rank 0 (weight_sync)
+    spec = fleet.update_group_spec(master_address, master_port)
+    await asyncio.gather(fleet.join_update_group(spec), <sender joins spec at rank 0>)
+    await asyncio.gather(fleet.push_lora_from_distributed(push, names, dtypes, shapes, spec.group_name),
+                         <sender broadcasts the same tensors>)
     await fleet.shutdown()
 
 Engines start in parallel (one `EngineActor` each); then the fleet launches
@@ -23,8 +29,9 @@ import ray
 from miles.rollout.engines.engine_actor import EngineActor
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
+from miles.backends.weight_sync import UpdateGroupSpec
 from miles.utils.arguments import MilesConfig
-from miles.utils.types import LoraPush, engine_lora_name
+from miles.utils.types import LoraPush, LoraUpdateMode, engine_lora_name
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +50,8 @@ class EngineFleetConfig:
     """Address engines bind; loopback keeps them private to a single-node run."""
 
     @classmethod
-    def from_config(cls, cfg: MilesConfig) -> EngineFleetConfig:
-        server = EngineServerConfig.from_config(cfg)
+    def from_config(cls, cfg: MilesConfig, *, lora_update: LoraUpdateMode = "in_place") -> EngineFleetConfig:
+        server = EngineServerConfig.from_config(cfg, lora_update=lora_update)
         # SGLang engines keep a prefix cache worth routing for; the builtin engine has none.
         policy = "cache_aware" if server.kind == "sglang" else "round_robin"
         return cls(server=server, num_engines=cfg.rollout_num_engines,
@@ -64,9 +71,13 @@ class EngineFleet:
     def router_url(self) -> str:
         return self.router.url
 
-    @staticmethod
-    def lora_name(slot: int) -> str:
-        return engine_lora_name(slot)
+    @property
+    def lora_update(self) -> LoraUpdateMode:
+        return self.cfg.server.lora_update
+
+    def lora_name(self, slot: int, version: int) -> str:
+        """The engine-side name for a group stamped with (slot, version)."""
+        return engine_lora_name(slot, version, self.lora_update)
 
     @classmethod
     async def start(cls, cfg: EngineFleetConfig) -> EngineFleet:
@@ -79,6 +90,7 @@ class EngineFleet:
         try:
             urls = list(await asyncio.gather(*[e.start.remote() for e in engines]))
             router = await cls._router(cfg, urls)
+            await asyncio.gather(*[e.set_router.remote(router.url) for e in engines])
         except BaseException:
             await asyncio.gather(*[e.shutdown.remote() for e in engines], return_exceptions=True)
             raise
@@ -92,11 +104,54 @@ class EngineFleet:
         return await Router.launch(urls, log_path=Path(cfg.work_dir) / "router.log", policy=cfg.router_policy)
 
     async def push_lora(self, push: LoraPush) -> list[str]:
-        """Load one adapter's weights into every engine; returns each engine's served name."""
-        name = self.lora_name(push.slot)
+        """Load one adapter's weights into every engine (through the object store); returns the served names."""
         return list(await asyncio.gather(*[
-            e.load_lora.remote(name, push.version, push.peft_config, push.tensors_ref) for e in self.engines
+            e.push_lora.remote(push.slot, push.version, push.peft_config, push.tensors_ref) for e in self.engines
         ]))
+
+    def update_group_spec(self, master_address: str, master_port: int, *, group_name: str = "miles_lora_update",
+                          backend: str | None = None) -> UpdateGroupSpec:
+        """The weights-update group of the sender (rank 0) and every engine rank."""
+        backend = backend or ("nccl" if self.cfg.server.device == "cuda" else "gloo")
+        return UpdateGroupSpec(master_address=master_address, master_port=master_port,
+                               world_size=1 + self.cfg.num_engines * self._ranks_per_engine(),
+                               group_name=group_name, backend=backend)
+
+    async def join_update_group(self, spec: UpdateGroupSpec) -> None:
+        """Every engine joins `spec` (returns once the sender joined too)."""
+        await asyncio.gather(*[
+            e.init_weights_update_group.remote(**spec.init_request(rank_offset=1 + i * self._ranks_per_engine()))
+            for i, e in enumerate(self.engines)
+        ])
+
+    async def leave_update_group(self, group_name: str) -> None:
+        await asyncio.gather(*[e.destroy_weights_update_group.remote(group_name) for e in self.engines])
+
+    async def update_group_joined(self) -> bool:
+        """False when an engine is out of the group (never joined, or restarted since): rejoin all before pushing."""
+        return all(await asyncio.gather(*[e.update_group_joined.remote() for e in self.engines]))
+
+    async def push_lora_from_distributed(self, push: LoraPush, names: list[str], dtypes: list[str],
+                                         shapes: list[list[int]], group_name: str) -> list[str]:
+        """Every engine receives one adapter by broadcast (the sender broadcasts concurrently).
+
+        `push.tensors_ref` is handed over unfetched, for reloading a restarted engine.
+        """
+        return list(await asyncio.gather(*[
+            e.push_lora_from_distributed.remote(push.slot, push.version, push.peft_config, names, dtypes, shapes,
+                                                group_name, weights_ref=[push.tensors_ref])
+            for e in self.engines
+        ]))
+
+    async def unload_slot(self, slot: int) -> None:
+        await asyncio.gather(*[e.unload_slot.remote(slot) for e in self.engines])
+
+    async def engine_urls(self) -> list[str]:
+        """Current server URLs (a restarted engine listens on a new port)."""
+        return list(await asyncio.gather(*[e.url.remote() for e in self.engines]))
+
+    def _ranks_per_engine(self) -> int:
+        return self.cfg.server.tp_size if self.cfg.server.device == "cuda" else 1
 
     async def abort(self, prefix: str) -> None:
         await asyncio.gather(*[e.abort.remote(prefix) for e in self.engines])

@@ -6,6 +6,13 @@
 Both speak SGLang's HTTP API and take SGLang's LoRA flags (`--enable-lora
 --max-loras-per-batch N --max-lora-rank R --lora-target-modules ...`). SGLang spells
 "every linear layer" as `all`; ours (and PEFT's) is `all-linear`, translated here.
+
+LoRA capacity (`lora_capacity`): SGLang's `--max-loras-per-batch` counts the base model
+as one adapter of a batch, and `--max-loaded-loras` must be at least that. With `N`
+slots, `in_place` needs N names and `versioned` room for two versions per slot (2N), so
+both flags are names + 1 (the base). SGLang runs with one tokenizer worker, which LoRA
+loading and pausing in place assume. Every flag we pass is one SGLang 0.5's
+`ServerArgs` defines (tests/rollout/engines checks it against SGLang's own parser).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from miles.utils.arguments import MilesConfig
+from miles.utils.types import LoraUpdateMode
 
 EngineKind = Literal["builtin", "sglang"]
 
@@ -37,19 +45,26 @@ class EngineServerConfig:
     tp_size: int = 1
     num_threads: int = 1
     """torch threads of a builtin engine on CPU."""
+    lora_update: LoraUpdateMode = "in_place"
+    """How pushes reach the server (`--engine-lora-update`)."""
     extra_args: tuple[str, ...] = ()
-    """Appended to the server's command line as given (e.g. `--disable-cuda-graph` for SGLang)."""
+    """Appended to the server's command line as given (e.g. `--mem-fraction-static 0.5` for SGLang)."""
 
     @classmethod
-    def from_config(cls, cfg: MilesConfig) -> EngineServerConfig:
+    def from_config(cls, cfg: MilesConfig, *, lora_update: LoraUpdateMode = "in_place") -> EngineServerConfig:
         if cfg.hf_checkpoint is None:
             raise ValueError("--hf-checkpoint is required to start inference engines: give the base model directory")
         return cls(
             kind=cfg.rollout_engine, model_path=cfg.hf_checkpoint, n_slots=max(1, cfg.multi_lora_n_adapters),
             max_lora_rank=cfg.lora_rank, target_modules=cfg.target_modules, dtype=cfg.resolved_dtype,
             device=cfg.resolved_device, max_running_requests=cfg.engine_max_running_requests, seed=cfg.seed,
-            tp_size=cfg.rollout_num_gpus_per_engine,
+            tp_size=cfg.rollout_num_gpus_per_engine, lora_update=lora_update,
         )
+
+    def lora_capacity(self) -> int:
+        """Adapters loaded at once (and per batch), base model included: see the module docstring."""
+        names = self.n_slots * (2 if self.lora_update == "versioned" else 1)
+        return names + 1
 
     def target_module_list(self) -> list[str]:
         if self.target_modules.strip() == "all-linear":
@@ -61,8 +76,9 @@ def build_builtin_command(cfg: EngineServerConfig, host: str, port: int) -> list
     return [
         sys.executable, "-m", "miles.rollout.engines.builtin_server",
         "--model-path", cfg.model_path, "--host", host, "--port", str(port),
-        "--max-loras-per-batch", str(cfg.n_slots), "--max-lora-rank", str(cfg.max_lora_rank),
-        "--lora-target-modules", *cfg.target_module_list(),
+        "--max-loras-per-batch", str(cfg.lora_capacity()), "--max-loaded-loras", str(cfg.lora_capacity()),
+        "--engine-lora-update", cfg.lora_update,
+        "--max-lora-rank", str(cfg.max_lora_rank), "--lora-target-modules", *cfg.target_module_list(),
         "--dtype", cfg.dtype, "--device", cfg.device,
         "--max-running-requests", str(cfg.max_running_requests),
         "--random-seed", str(cfg.seed), "--num-threads", str(cfg.num_threads), *cfg.extra_args,
@@ -74,9 +90,10 @@ def build_sglang_command(cfg: EngineServerConfig, host: str, port: int) -> list[
     return [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", cfg.model_path, "--host", host, "--port", str(port),
-        "--enable-lora", "--max-loras-per-batch", str(cfg.n_slots), "--max-lora-rank", str(cfg.max_lora_rank),
+        "--enable-lora", "--max-loras-per-batch", str(cfg.lora_capacity()),
+        "--max-loaded-loras", str(cfg.lora_capacity()), "--max-lora-rank", str(cfg.max_lora_rank),
         "--lora-target-modules", *targets,
-        "--dtype", cfg.dtype, "--tp-size", str(cfg.tp_size),
+        "--dtype", cfg.dtype, "--tp-size", str(cfg.tp_size), "--tokenizer-worker-num", "1",
         "--max-running-requests", str(cfg.max_running_requests), "--random-seed", str(cfg.seed), *cfg.extra_args,
     ]
 

@@ -120,3 +120,9 @@ def builtin_engine_url(tiny_model_dir, engine_adapters, tmp_path_factory):
 def engine_url(request) -> str:
     """URL of a live server speaking SGLang's API with ad0..ad2 loaded (one param per server kind)."""
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="session")
+def builtin_launcher():
+    """`launch_builtin` for tests that start a server of their own."""
+    return launch_builtin

@@ -1,23 +1,53 @@
-"""Engine supervision: start failures are explained; SGLang-style versioned LoRA names."""
+"""Engine supervision: start failures are explained; pushes in both update modes; a killed
+server comes back behind the router serving every slot at its current version."""
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
+import os
+import signal
+import time
+import uuid
 
 import httpx
 import pytest
+import ray
 
-from miles.backends import lora
+from miles.backends import lora, weight_sync
 from miles.rollout.engines.engine_actor import EngineServer
-from miles.rollout.engines.process import ServerStartError
+from miles.rollout.engines.process import ServerStartError, free_port
+from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
-def builtin_config(model_path: str, max_rank: int) -> EngineServerConfig:
+
+def builtin_config(model_path: str, max_rank: int, mode: str = "in_place") -> EngineServerConfig:
     return EngineServerConfig(kind="builtin", model_path=model_path, n_slots=2, max_lora_rank=max_rank,
-                              target_modules="all-linear")
+                              target_modules="all-linear", lora_update=mode)
+
+
+def peft_payload(reference, adapter: str) -> tuple[dict, dict]:
+    slot = reference.slots[adapter]
+    rank, alpha = lora.slot_rank_alpha(reference.model, slot)
+    targets = sorted({name.rsplit(".", 1)[-1] for name in lora.lora_modules(reference.model)})
+    config = lora.peft_adapter_config(rank=rank, alpha=alpha, target_modules=targets, base_model_name_or_path=None)
+    return config, lora.get_slot_weights(reference.model, slot)
+
+
+async def greedy_matches(client: httpx.AsyncClient, url: str, name: str, reference, adapter: str) -> bool:
+    prompt_ids = reference.tokenizer.encode("hello there")
+    response = await client.post(url + "/generate", json={"input_ids": prompt_ids, "lora_path": name,
+                                                          "sampling_params": GREEDY})
+    assert response.status_code == 200, response.text
+    tokens = response.json()["output_ids"]
+    return tokens == reference.score(prompt_ids, tokens, adapter).greedy_tokens
+
+
+async def loaded(client: httpx.AsyncClient, url: str) -> set[str]:
+    return set((await client.get(url + "/get_server_info")).json()["loaded_loras"])
 
 
 @session_loop
@@ -34,36 +64,85 @@ async def test_a_server_that_dies_raises_with_its_log(tmp_path, lora_max_rank):
     await server.shutdown()
 
 
-def peft_payload(reference, adapter: str) -> tuple[dict, dict]:
-    slot = reference.slots[adapter]
-    rank, alpha = lora.slot_rank_alpha(reference.model, slot)
-    targets = sorted({name.rsplit(".", 1)[-1] for name in lora.lora_modules(reference.model)})
-    config = lora.peft_adapter_config(rank=rank, alpha=alpha, target_modules=targets, base_model_name_or_path=None)
-    return config, lora.get_slot_weights(reference.model, slot)
-
-
 @session_loop
-async def test_versioned_names_without_upsert(builtin_engine_url, trainer_reference, tmp_path, lora_max_rank,
-                                              tiny_model_dir):
-    """An SGLang engine cannot replace a loaded name: each push is `{name}_v{version}`, the old one unloaded."""
-    cfg = dataclasses.replace(builtin_config(str(tiny_model_dir), lora_max_rank), kind="sglang")
-    server = EngineServer(cfg, str(tmp_path))
-    server._url = builtin_engine_url  # drive the running builtin server through the SGLang load path
-    prompt_ids = trainer_reference.tokenizer.encode("hello there")
-    async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
-        for version, adapter in [(1, "ad0"), (2, "ad2")]:
-            config, tensors = peft_payload(trainer_reference, adapter)
-            served = await server.load_lora("__miles_slot_3", version, config, tensors)
-            assert served == server.served_lora_name("__miles_slot_3") == f"__miles_slot_3_v{version}"
-            out = (await client.post(builtin_engine_url + "/generate", json={
-                "input_ids": prompt_ids, "lora_path": served,
-                "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})).json()
-            assert out["output_ids"] == trainer_reference.score(prompt_ids, out["output_ids"], adapter).greedy_tokens
-        loaded = (await client.get(builtin_engine_url + "/get_server_info")).json()["loaded_loras"]
-        assert "__miles_slot_3_v2" in loaded and "__miles_slot_3_v1" not in loaded
-        assert sorted(p.name for p in (tmp_path / "loras" / "__miles_slot_3").iterdir()) == ["v2"]
-        await server.unload_lora("__miles_slot_3")
-        loaded = (await client.get(builtin_engine_url + "/get_server_info")).json()["loaded_loras"]
-        assert not any(name.startswith("__miles_slot_3") for name in loaded)
-    with pytest.raises(KeyError):
-        server.served_lora_name("__miles_slot_3")
+async def test_versioned_pushes_keep_two_versions_per_slot(tiny_model_dir, trainer_reference, tmp_path,
+                                                           lora_max_rank):
+    server = EngineServer(builtin_config(str(tiny_model_dir), lora_max_rank, "versioned"), str(tmp_path),
+                          start_timeout_s=120)
+    url = await server.start()
+    try:
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            for version, adapter in [(1, "ad0"), (2, "ad2"), (3, "alt")]:
+                served = await server.push_lora(1, version, *peft_payload(trainer_reference, adapter))
+                assert served == server.served_lora_name(1) == f"__miles_slot_1_v{version}"
+                assert await greedy_matches(client, url, served, trainer_reference, adapter)
+                # The previous version keeps serving requests stamped with it; older ones are gone.
+                expected = {f"__miles_slot_1_v{v}" for v in (version - 1, version) if v >= 1}
+                assert await loaded(client, url) == expected
+            assert await greedy_matches(client, url, "__miles_slot_1_v2", trainer_reference, "ad2")
+            assert sorted(p.name for p in (tmp_path / "loras" / "slot_1").iterdir()) == ["v2", "v3"]
+            await server.unload_slot(1)
+            assert await loaded(client, url) == set()
+        with pytest.raises(KeyError):
+            server.served_lora_name(1)
+    finally:
+        await server.shutdown()
+
+
+async def wait_for(condition, what: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["in_place", "versioned"])
+@session_loop
+async def test_killed_server_restarts_behind_the_router_with_every_slot(mode, ray_session, tiny_model_dir,
+                                                                        trainer_reference, tmp_path, lora_max_rank):
+    server = EngineServer(builtin_config(str(tiny_model_dir), lora_max_rank, mode), str(tmp_path / "engine"),
+                          start_timeout_s=120, supervise_interval_s=0.2)
+    url = await server.start()
+    router = await Router.launch([url], log_path=tmp_path / "router.log")
+    server.set_router(router.url)
+    group = None
+    try:
+        await server.push_lora(0, 1, *peft_payload(trainer_reference, "ad0"))
+        await server.push_lora(0, 2, *peft_payload(trainer_reference, "ad2"))
+        config, tensors = peft_payload(trainer_reference, "ad1")
+        if mode == "in_place":  # slot 1 by broadcast; the actor keeps only the object-store reference
+            spec = weight_sync.UpdateGroupSpec(master_address="127.0.0.1", master_port=free_port(), world_size=2,
+                                               group_name=f"g{uuid.uuid4().hex[:6]}", timeout_s=60)
+            _, group = await asyncio.gather(server.init_weights_update_group(**spec.init_request(1)),
+                                            asyncio.to_thread(weight_sync.join_update_group, spec, 0))
+            assert server.update_group_joined()
+            names, dtypes, shapes = weight_sync.tensor_metadata(tensors)
+            await asyncio.gather(
+                server.push_lora_from_distributed(1, 1, config, names, dtypes, shapes, spec.group_name,
+                                                  weights_ref=[ray.put(tensors)]),
+                asyncio.to_thread(weight_sync.broadcast_tensors, group, tensors))
+        else:
+            await server.push_lora(1, 1, config, tensors)
+        assert server.slots() == {0: 2, 1: 1}
+
+        os.kill(server.pid(), signal.SIGKILL)
+        await wait_for(lambda: server.restarts == 1, "the engine to restart its server")
+        new_url = server.url()
+        assert new_url != url and await server.health()
+        workers = await router.workers()
+        assert new_url in workers and url not in workers
+        assert server.slots() == {0: 2, 1: 1}
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            for slot, adapter in ((0, "ad2"), (1, "ad1")):  # through the router: the restarted server
+                assert await greedy_matches(client, router.url, server.served_lora_name(slot), trainer_reference,
+                                            adapter)
+            current = {server.served_lora_name(0), server.served_lora_name(1)}
+            assert await loaded(client, new_url) == current  # current versions only
+        assert not server.update_group_joined()  # the next broadcast push needs a new group
+    finally:
+        await router.shutdown()
+        await server.shutdown()
+        if group is not None:
+            weight_sync.leave_update_group(group)

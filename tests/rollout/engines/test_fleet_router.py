@@ -84,8 +84,9 @@ def slot_push(reference, adapter: str, slot: int, version: int) -> LoraPush:
 
 async def test_pushed_lora_makes_engines_match_the_trainer_slot(fleet, client, trainer_reference):
     prompt_ids = trainer_reference.tokenizer.encode("hello there")
-    name = engine_lora_name(1)
     for version, adapter in [(1, "ad1"), (2, "alt")]:
+        name = fleet.lora_name(1, version)
+        assert name == engine_lora_name(1, version, "in_place") == "__miles_slot_1"
         served = await fleet.push_lora(slot_push(trainer_reference, adapter, slot=1, version=version))
         assert served == [name, name]
         outputs = []

@@ -1,8 +1,16 @@
-"""Command lines of the engines and the router, built from the typed config."""
+"""Command lines of the engines and the router, built from the typed config.
+
+The SGLang command is checked against SGLang 0.5's own argument parser when `sglang`
+imports (the `gpu` extra), and always against the flags that parser defines, kept
+beside this test (`sglang_0_5_23_server_flags.json`, with the version it came from).
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,7 +41,9 @@ def test_sglang_command_carries_the_lora_flags():
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert flag_values(argv, "--model-path") == ["/models/qwen"]
     assert "--enable-lora" in argv
-    assert flag_values(argv, "--max-loras-per-batch") == ["6"]
+    assert flag_values(argv, "--max-loras-per-batch") == ["7"]  # 6 slots + the base model
+    assert flag_values(argv, "--max-loaded-loras") == ["7"]
+    assert flag_values(argv, "--tokenizer-worker-num") == ["1"]
     assert flag_values(argv, "--max-lora-rank") == ["32"]
     assert flag_values(argv, "--lora-target-modules") == ["q_proj", "v_proj"]
     assert flag_values(argv, "--tp-size") == ["2"]
@@ -72,3 +82,79 @@ def test_router_command():
     assert flag_values(argv, "--worker-urls") == ["http://a:1", "http://b:2"]
     assert flag_values(argv, "--policy") == ["round_robin"]
     assert flag_values(argv, "--prometheus-port") == ["29001"]
+
+
+SGLANG_FLAGS = Path(__file__).with_name("sglang_0_5_23_server_flags.json")
+SGLANG_CASES = [
+    ["--multi-lora-n-adapters", "6", "--lora-rank", "32", "--target-modules", "q_proj,v_proj", "--dtype", "bfloat16"],
+    ["--multi-lora-n-adapters", "1", "--lora-rank", "8", "--target-modules", "all-linear", "--dtype", "float32"],
+]
+
+
+def sglang_commands() -> list[tuple[str, int, list[str]]]:
+    """(mode, slots, the arguments after `python -m sglang.launch_server`) for each case."""
+    commands = []
+    for mode in ("in_place", "versioned"):
+        for flags in SGLANG_CASES:
+            miles_cfg = parse_args(["--hf-checkpoint", "/models/m", "--rollout-engine", "sglang", "--device", "cuda",
+                                    *flags])
+            cfg = EngineServerConfig.from_config(miles_cfg, lora_update=mode)
+            commands.append((mode, int(flags[1]), build_sglang_command(cfg, "127.0.0.1", 30001)[3:]))
+    return commands
+
+
+def parser_from_flag_list() -> argparse.ArgumentParser:
+    """An argparse parser with exactly the options (arity, choices, types) SGLang 0.5.23 defines."""
+    spec = json.loads(SGLANG_FLAGS.read_text())
+    assert spec["sglang_version"].startswith("0.5.")
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False, exit_on_error=False)
+    types = {"int": int, "float": float, "str": str, None: None}
+    for flag, meta in spec["flags"].items():
+        if meta["nargs"] == 0:
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, nargs=None if meta["nargs"] == 1 else meta["nargs"], choices=meta["choices"],
+                                type=types[meta["type"]])
+    return parser
+
+
+def check_lora_limits(mode: str, args: argparse.Namespace, n_slots: int) -> None:
+    """SGLang's own checks (max_loaded_loras >= max_loras_per_batch > 0) plus ours: room for every name."""
+    assert args.max_loras_per_batch > 0 and args.max_loaded_loras >= args.max_loras_per_batch
+    names = n_slots * (2 if mode == "versioned" else 1)
+    assert args.max_loaded_loras >= names + 1 and args.max_loras_per_batch >= names + 1  # + the base model
+    assert args.tokenizer_worker_num == 1
+    assert args.enable_lora and args.max_lora_rank > 0
+
+
+@pytest.mark.parametrize("mode, n_slots, argv", sglang_commands())
+def test_sglang_command_parses_with_sglang_0_5_flags(mode, n_slots, argv):
+    args, unknown = parser_from_flag_list().parse_known_args(argv)
+    assert unknown == [], f"not SGLang 0.5 flags: {unknown}"
+    check_lora_limits(mode, args, n_slots)
+
+
+def test_flag_list_rejects_what_sglang_rejects():
+    parser = parser_from_flag_list()
+    assert parser.parse_known_args(["--pause-generation-mode", "in_place"])[1]  # not a 0.5 server flag
+    with pytest.raises(argparse.ArgumentError):
+        parser.parse_args(["--dtype", "float64"])
+    with pytest.raises(argparse.ArgumentError):
+        parser.parse_args(["--lora-target-modules", "all-linear"])  # SGLang spells it "all"
+
+
+@pytest.mark.parametrize("mode, n_slots, argv", sglang_commands())
+def test_sglang_command_parses_with_sglangs_own_parser(mode, n_slots, argv):
+    server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang is not installed (the gpu extra)")
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    server_args.ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    check_lora_limits(mode, args, n_slots)
+
+
+def test_builtin_command_takes_the_same_capacity_and_mode():
+    cfg = EngineServerConfig.from_config(parse_args(["--hf-checkpoint", "/m", "--multi-lora-n-adapters", "3"]),
+                                         lora_update="versioned")
+    argv = server_command(cfg, "127.0.0.1", 1)
+    assert flag_values(argv, "--engine-lora-update") == ["versioned"]
+    assert flag_values(argv, "--max-loras-per-batch") == flag_values(argv, "--max-loaded-loras") == ["7"]

@@ -1,7 +1,7 @@
 """Real SGLang behind an engine actor (needs CUDA and the `sglang` package; skipped otherwise).
 
 Serves a small locally made Llama, pushes two adapters through the SGLang load path
-(versioned names, no upsert) and generates with each.
+(`versioned`: no upsert) and generates with each.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ async def test_sglang_serves_two_adapters(tmp_path):
     # head_dim 64: the attention kernels of SGLang do not take tiny heads.
     model_dir = write_tiny_model(tmp_path / "model", arch="llama", hidden_size=256, num_heads=4, num_kv_heads=4)
     cfg = EngineServerConfig(kind="sglang", model_path=str(model_dir), n_slots=2, max_lora_rank=RANK,
-                             target_modules="all-linear", dtype="float32", device="cuda",
+                             target_modules="all-linear", dtype="float32", device="cuda", lora_update="versioned",
                              extra_args=("--disable-cuda-graph", "--mem-fraction-static", "0.3"))
     server = EngineServer(cfg, str(tmp_path / "work"), start_timeout_s=400)
     await server.start()
@@ -58,7 +58,7 @@ async def test_sglang_serves_two_adapters(tmp_path):
         outputs = {}
         async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
             for version, (name, (config, tensors)) in enumerate(write_adapters(model_dir, tmp_path, 0).items(), 1):
-                served = await server.load_lora(f"__miles_slot_{version - 1}", version, config, tensors)
+                served = await server.push_lora(version - 1, version, config, tensors)
                 response = await client.post(server.url() + "/generate", json={
                     "text": "12+34=", "lora_path": served, "return_logprob": True,
                     "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
