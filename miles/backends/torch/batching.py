@@ -7,7 +7,8 @@ loss. Logprob position t predicts token t + 1, so the response mask and the engi
 rollout logprobs are laid out on the `L - 1` next-token positions:
 
     for mb in make_micro_batches(samples, advantages, micro_batch_size=8):
-        logprobs_BT = next_token_logprobs(model(mb.input_ids_BL, ...).logits, mb.input_ids_BL)
+        logits = model(mb.input_ids_BL, ..., logits_to_keep=logits_to_keep(mb)).logits
+        logprobs_BT = next_token_logprobs(logits, mb.input_ids_BL)
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class MicroBatch:
     attention_mask_BL: Tensor
     response_mask_BT: Tensor
     """1 where next-token position t predicts a response token (T = L - 1)."""
+    loss_mask_BT: Tensor
+    """`response_mask_BT` times each sample's `loss_mask` (0 on tool outputs and other
+    environment tokens): the positions that carry loss."""
     rollout_logprobs_BT: Tensor
     """The engine's logprob of each response token, 0 elsewhere."""
     advantages_B: Tensor
@@ -40,6 +44,7 @@ class MicroBatch:
             input_ids_BL=self.input_ids_BL.to(device),
             attention_mask_BL=self.attention_mask_BL.to(device),
             response_mask_BT=self.response_mask_BT.to(device),
+            loss_mask_BT=self.loss_mask_BT.to(device),
             rollout_logprobs_BT=self.rollout_logprobs_BT.to(device),
             advantages_B=self.advantages_B.to(device),
             slots=self.slots,
@@ -70,6 +75,11 @@ def make_micro_batches(
 def _check_sample(sample: Sample, need_rollout_logprobs: bool) -> None:
     if not sample.prompt_ids:
         raise ValueError(f"sample {sample.group_index}/{sample.index} of adapter '{sample.adapter}' has an empty prompt")
+    if sample.loss_mask is not None and len(sample.loss_mask) != len(sample.response_ids):
+        raise ValueError(
+            f"sample {sample.group_index}/{sample.index} of adapter '{sample.adapter}' has a loss mask of "
+            f"{len(sample.loss_mask)} entries for {len(sample.response_ids)} response tokens"
+        )
     if need_rollout_logprobs and len(sample.rollout_logprobs) != len(sample.response_ids):
         raise ValueError(
             f"sample {sample.group_index}/{sample.index} of adapter '{sample.adapter}' has "
@@ -84,18 +94,24 @@ def _pad(samples: list[Sample], advantages: list[float], indices: list[int], pad
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
     attention = torch.zeros((batch, length), dtype=torch.long)
     response_mask = torch.zeros((batch, length - 1), dtype=torch.float32)
+    loss_mask = torch.zeros((batch, length - 1), dtype=torch.float32)
     rollout_logprobs = torch.zeros((batch, length - 1), dtype=torch.float32)
     for b, (sample, n) in enumerate(zip(samples, lengths)):
         input_ids[b, :n] = torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.long)
         attention[b, :n] = 1
         start, end = len(sample.prompt_ids) - 1, n - 1
         response_mask[b, start:end] = 1.0
+        if sample.loss_mask is not None:
+            loss_mask[b, start:end] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+        else:
+            loss_mask[b, start:end] = 1.0
         if sample.rollout_logprobs and len(sample.rollout_logprobs) == end - start:
             rollout_logprobs[b, start:end] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
     return MicroBatch(
         input_ids_BL=input_ids,
         attention_mask_BL=attention,
         response_mask_BT=response_mask,
+        loss_mask_BT=loss_mask,
         rollout_logprobs_BT=rollout_logprobs,
         advantages_B=torch.tensor(advantages, dtype=torch.float32),
         slots=[s.slot for s in samples],
@@ -104,10 +120,72 @@ def _pad(samples: list[Sample], advantages: list[float], indices: list[int], pad
     )
 
 
-def next_token_logprobs(logits_BLV: Tensor, input_ids_BL: Tensor) -> Tensor:
-    """log p(token t+1 | tokens <= t) for t in 0..L-2, in float32."""
-    logprobs = torch.log_softmax(logits_BLV[:, :-1].float(), dim=-1)
-    return torch.gather(logprobs, 2, input_ids_BL[:, 1:].unsqueeze(-1)).squeeze(-1)
+def next_token_logprobs(logits_BKV: Tensor, input_ids_BL: Tensor, *, chunk_elements: int = 2**20) -> Tensor:
+    """log p(token t+1 | tokens <= t) for t in 0..L-2, in float32, shape [B, L - 1].
+
+    `logits_BKV` may cover only the last K <= L positions (a forward run with
+    `logits_to_keep=K`, see `logits_to_keep`); positions before them get 0. The value is
+    `logit[target] - logsumexp(logits)`, computed a block of about `chunk_elements`
+    logits at a time (a few MB: the block stays in cache between the passes), so
+    neither a float32 [B, T, V] log-softmax nor its gradient's temporaries are ever
+    held: the backward writes softmax-minus-one-hot straight into the logits' gradient.
+    """
+    n_keep, length = logits_BKV.shape[1], input_ids_BL.shape[1]
+    if not 1 <= n_keep <= length:
+        raise ValueError(f"logits cover {n_keep} positions but the batch has {length} tokens per row")
+    targets_BK = input_ids_BL[:, length - n_keep + 1 :]
+    block_tokens = max(1, chunk_elements // logits_BKV.shape[-1])
+    logprobs_BK = _ChunkedTokenLogprobs.apply(logits_BKV, targets_BK, block_tokens)
+    return torch.nn.functional.pad(logprobs_BK, (length - n_keep, 0))
+
+
+def logits_to_keep(batch: MicroBatch) -> int:
+    """How many final positions of `batch` need logits: from the first position that
+    predicts a response token (in any row) to the end. Pass it as the forward's
+    `logits_to_keep` and the prompt positions before it cost no LM-head or softmax work."""
+    rows, cols = torch.nonzero(batch.response_mask_BT, as_tuple=True)
+    length = batch.input_ids_BL.shape[1]
+    return length if cols.numel() == 0 else length - int(cols.min())
+
+
+def _blocks(batch: int, n_pos: int, block_tokens: int) -> list[tuple[slice, slice]]:
+    """(rows, positions) blocks of about `block_tokens` positions: whole rows when rows
+    are short, pieces of one row when they are long."""
+    if n_pos <= block_tokens:
+        rows = block_tokens // max(1, n_pos)
+        return [(slice(b, b + rows), slice(0, n_pos)) for b in range(0, batch, rows)]
+    return [(slice(b, b + 1), slice(t, min(t + block_tokens, n_pos))) for b in range(batch) for t in range(0, n_pos, block_tokens)]
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """logit[target] - logsumexp(logits) over positions 0..K-2 of [B, K, V] logits."""
+
+    @staticmethod
+    def forward(ctx, logits_BKV: Tensor, targets_BT: Tensor, block_tokens: int) -> Tensor:  # type: ignore[override]
+        blocks = _blocks(*targets_BT.shape, block_tokens)
+        out_BT = torch.empty(targets_BT.shape, dtype=torch.float32, device=logits_BKV.device)
+        lse_BT = torch.empty_like(out_BT)
+        for rows, pos in blocks:
+            x = logits_BKV[rows, pos].float()
+            lse = torch.logsumexp(x, dim=-1)
+            lse_BT[rows, pos] = lse
+            out_BT[rows, pos] = x.gather(-1, targets_BT[rows, pos, None]).squeeze(-1) - lse
+        ctx.save_for_backward(logits_BKV, targets_BT, lse_BT)
+        ctx.blocks = blocks
+        return out_BT
+
+    @staticmethod
+    def backward(ctx, grad_BT: Tensor):  # type: ignore[override]
+        logits_BKV, targets_BT, lse_BT = ctx.saved_tensors
+        grad_logits = torch.zeros_like(logits_BKV)
+        grad_BT = grad_BT.float()
+        for rows, pos in ctx.blocks:
+            g_bt1 = grad_BT[rows, pos, None]
+            # d(logit[y] - lse)/d logits = onehot(y) - softmax
+            probs = torch.exp(logits_BKV[rows, pos].float() - lse_BT[rows, pos, None])
+            g = probs.mul_(g_bt1).neg_().scatter_add_(-1, targets_BT[rows, pos, None], g_bt1)
+            grad_logits[rows, pos] = g.to(grad_logits.dtype)
+        return grad_logits, None, None
 
 
 def response_logprobs(logprobs_BT: Tensor, batch: MicroBatch) -> list[list[float]]:

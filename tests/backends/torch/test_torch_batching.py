@@ -1,0 +1,58 @@
+"""Token logprobs computed in chunks (and on the kept positions only) equal the full
+log-softmax, in value and in gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles.backends.torch.batching import logits_to_keep, make_micro_batches, next_token_logprobs
+from miles.utils.types import Sample
+
+
+def full_logprobs(logits_BLV: torch.Tensor, ids_BL: torch.Tensor) -> torch.Tensor:
+    logprobs = torch.log_softmax(logits_BLV[:, :-1].float(), dim=-1)
+    return torch.gather(logprobs, 2, ids_BL[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 50, 7 * 50, 10**6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logprobs_equal_the_full_log_softmax(chunk_tokens, dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, 9, 50, generator=g) * 4).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, 50, (5, 9), generator=g)
+    weights = torch.randn(5, 8, generator=g)
+    expected = full_logprobs(logits, ids)
+    (expected * weights).sum().backward()
+    expected_grad, logits.grad = logits.grad.clone(), None
+    got = next_token_logprobs(logits, ids, chunk_elements=chunk_tokens)
+    (got * weights).sum().backward()
+    assert got.dtype == torch.float32 and got.shape == (5, 8)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # the bf16 gradient rounds once to bf16
+    torch.testing.assert_close(logits.grad.float(), expected_grad.float(), atol=tol, rtol=0)
+    assert torch.all(logits.grad[:, -1] == 0)  # the last position predicts nothing
+
+
+def _sample(prompt: list[int], response: list[int], slot: int = 0) -> Sample:
+    return Sample(adapter="a", slot=slot, group_index=0, index=0, prompt="", label=None, metadata={},
+                  prompt_ids=prompt, response_ids=response)
+
+
+def test_logits_of_the_response_window_only_give_the_same_logprobs(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    samples = [_sample([5, 6, 7, 8, 9], [10, 11]), _sample([5, 6, 7], [12, 13, 14, 15]), _sample([4, 4, 4, 4], [9])]
+    (batch,) = make_micro_batches(samples, [1.0, -1.0, 0.5], None)
+    keep = logits_to_keep(batch)
+    assert keep == batch.input_ids_BL.shape[1] - 2  # the 3-token prompt's last position starts the window
+    with torch.no_grad():
+        full = full_logprobs(model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits, batch.input_ids_BL)
+        kept_logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, logits_to_keep=keep).logits
+    assert kept_logits.shape[1] == keep
+    window = next_token_logprobs(kept_logits, batch.input_ids_BL)
+    mask = batch.response_mask_BT.bool()
+    torch.testing.assert_close(window[mask], full[mask], atol=1e-6, rtol=0)
+    assert torch.all(window[:, : batch.input_ids_BL.shape[1] - keep] == 0)
+    with pytest.raises(ValueError, match="positions"):
+        next_token_logprobs(kept_logits, batch.input_ids_BL[:, :2])
