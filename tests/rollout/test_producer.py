@@ -30,7 +30,7 @@ def dataset(tmp_path):
 
 
 def run_for(dataset, name, slot, **kwargs):
-    return make_run(name, slot, data=dataset, input_key="text", label_key="label", rm_type="math", **kwargs)
+    return make_run(name, slot, data=dataset, input_key="text", label_key="label", rm_type="final_number", **kwargs)
 
 
 def producer(server, controller, *, in_flight=4, **config):
