@@ -5,11 +5,15 @@ controller's snapshot, keeps up to `--rollout-batch-size` prompt groups in fligh
 across the sampleable adapters (round robin), and for each group:
 
 1. stamps it at submission with the adapter's slot version and registration id;
-2. sends `n_samples_per_prompt` requests to the router's `POST /generate` with
+2. generates its `n_samples_per_prompt` samples, each with the adapter's generate
+   function (`miles.rollout.generate`: one turn by default, a custom multi-turn one by
+   `--custom-generate-function-path` or the adapter's `custom_generate_function_path`),
+   every request going to the router's `POST /generate` with
    `rid = "<adapter>::<uuid4 hex>"` and `lora_path` = the slot's engine-side name;
 3. drops it whole if any sample was aborted (its adapter was retired meanwhile);
-4. rewards every sample, applies the optional dynamic filter, and puts it in the
-   adapter's buffer (`AdapterBuffers`) for collection.
+4. rewards every sample, applies the optional dynamic filter (drops counted per reason)
+   and rollout sample filter (`miles.rollout.filters`), and puts it in the adapter's
+   buffer (`AdapterBuffers`) for collection.
 
 A failed group (HTTP error, reward error) is logged and counted; after
 `max_consecutive_failures` failures in a row the producer dies and
@@ -20,10 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import inspect
 import logging
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,25 +34,27 @@ import aiohttp
 
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import MultiLoRADataSource, PromptItem
-from miles.rollout.rewards import compute_reward
-from miles.utils.plugins import load_callable
-from miles.utils.arguments import MilesConfig
-from miles.utils.types import (
-    AdapterRun,
-    GenerateResponse,
-    GenerationCounts,
-    MultiLoRASnapshot,
-    PromptGroup,
-    Sample,
-    SampleStatus,
-    adapter_rid,
+from miles.rollout.filters import (
+    DynamicFilter,
+    RolloutSampleFilter,
+    apply_rollout_sample_filter,
+    call_dynamic_filter,
+    load_dynamic_filter,
+    load_rollout_sample_filter,
 )
+from miles.rollout.generate import (
+    AdapterEngine,
+    GenerateFn,
+    GenerateFnInput,
+    call_generate_function,
+    generate_single_turn,
+    load_generate_function,
+)
+from miles.rollout.rewards import compute_reward
+from miles.utils.arguments import MilesConfig
+from miles.utils.types import AdapterRun, GenerationCounts, MultiLoRASnapshot, PromptGroup
 
 logger = logging.getLogger(__name__)
-
-_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
-DynamicFilter = Callable[[Any, list[Sample]], Any]
-"""`fn(args, samples) -> bool` (sync or async): True keeps the group."""
 
 
 class GroupEvent(str, enum.Enum):
@@ -80,6 +84,10 @@ class ProducerConfig:
     top_k: int
     stop: tuple[str, ...] = ()
     dynamic_filter_path: str | None = None
+    """Default dynamic sampling filter (an adapter's `dynamic_sampling_filter_path` wins)."""
+    custom_generate_path: str | None = None
+    """Default generate function (an adapter's `custom_generate_function_path` wins)."""
+    rollout_sample_filter_path: str | None = None
     snapshot_poll_s: float = 0.1
     """How often the controller's snapshot is re-read (submission stamps lag by at most this)."""
     max_consecutive_failures: int = 8
@@ -97,6 +105,8 @@ class ProducerConfig:
             top_k=cfg.rollout_top_k,
             stop=tuple(cfg.rollout_stop),
             dynamic_filter_path=cfg.dynamic_sampling_filter_path,
+            custom_generate_path=cfg.custom_generate_function_path,
+            rollout_sample_filter_path=cfg.rollout_sample_filter_path,
             buffer_steps=cfg.rollout_buffer_steps,
         )
 
@@ -108,10 +118,6 @@ class ProducerConfig:
             "top_k": self.top_k,
             "stop": list(self.stop) or None,
         }
-
-
-def load_dynamic_filter(path: str) -> DynamicFilter:
-    return load_callable(path, kind="--dynamic-sampling-filter-path", params="args, samples")
 
 
 def make_http_client() -> aiohttp.ClientSession:
@@ -150,7 +156,15 @@ class RolloutProducer:
         self.reward_args = reward_args
         self._client = client
         self._owns_client = client is None
-        self._filter = load_dynamic_filter(config.dynamic_filter_path) if config.dynamic_filter_path else None
+        # Plug-ins are loaded (and checked) here, so a bad flag fails at start; an
+        # adapter's own paths are loaded at its first group (checked at registration).
+        self._generate_fns: dict[str | None, GenerateFn] = {None: generate_single_turn}
+        self._filters: dict[str | None, DynamicFilter | None] = {None: None}
+        self._generate_fn(None)
+        self._dynamic_filter(None)
+        self._sample_filter: RolloutSampleFilter | None = (
+            load_rollout_sample_filter(config.rollout_sample_filter_path)
+            if config.rollout_sample_filter_path else None)
         self._task: asyncio.Task[None] | None = None
         self._cursor = 0
         self._snapshot = MultiLoRASnapshot()
@@ -159,6 +173,8 @@ class RolloutProducer:
         self.failure: BaseException | None = None
         self.counts: Counter[tuple[str, GroupEvent]] = Counter()
         """Cumulative (adapter, event) counts."""
+        self.filter_drops: Counter[tuple[str, str]] = Counter()
+        """Cumulative (adapter, reason) counts of groups the dynamic filter dropped."""
         self.in_flight: Counter[str] = Counter()
         """Groups submitted and not finished, per adapter."""
 
@@ -264,6 +280,27 @@ class RolloutProducer:
         """How many groups (of `adapter`, or of all) met `event` since start."""
         return sum(n for (name, e), n in self.counts.items() if e == event and adapter in (None, name))
 
+    # ---- plug-ins ----
+
+    def _generate_fn(self, run: AdapterRun | None) -> GenerateFn:
+        path = (run.config.custom_generate_function_path if run else None) or self.config.custom_generate_path
+        if path not in self._generate_fns:
+            self._generate_fns[path] = load_generate_function(path)
+        return self._generate_fns[path]
+
+    def _dynamic_filter(self, run: AdapterRun | None) -> DynamicFilter | None:
+        path = (run.config.dynamic_sampling_filter_path if run else None) or self.config.dynamic_filter_path
+        if path not in self._filters:
+            self._filters[path] = load_dynamic_filter(path)
+        return self._filters[path]
+
+    def _current_lora_name(self, run: AdapterRun) -> str | None:
+        """The engine-side name of `run`'s registration now; None once it is no longer sampleable."""
+        now = self._snapshot.sampleable.get(run.name)
+        if now is None or now.registration_id != run.registration_id:
+            return None
+        return self.lora_name(now.slot, now.version)
+
     # ---- one group ----
 
     async def _produce_counted(self, run: AdapterRun) -> None:
@@ -282,12 +319,17 @@ class RolloutProducer:
         group = PromptGroup(adapter=run.name, slot=run.slot, version=run.version,
                             registration_id=run.registration_id,
                             samples=item.new_samples(run.config.n_samples_per_prompt))
-        lora_path = self.lora_name(run.slot, group.version)
-        results = await asyncio.gather(*(self._generate(s, lora_path) for s in group.samples),
-                                       return_exceptions=True)
+        generate = self._generate_fn(run)
+        engine = AdapterEngine(self._client, self.router_url, run.name, lambda: self._current_lora_name(run))
+        results = await asyncio.gather(
+            *(call_generate_function(generate, GenerateFnInput(args=self.reward_args, sample=s, engine=engine,
+                                                               sampling_params=self.config.sampling_params()))
+              for s in group.samples),
+            return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
+        group.samples = list(results)
         if group.aborted:
             self.counts[run.name, GroupEvent.ABORTED] += 1
             return
@@ -295,27 +337,23 @@ class RolloutProducer:
                                          for s in group.samples))
         for sample, reward in zip(group.samples, rewards):
             sample.reward = reward
-        if self._filter is not None and not await _maybe_await(self._filter(self.reward_args, group.samples)):
-            self.counts[run.name, GroupEvent.FILTERED] += 1
-            return
+        if (dynamic_filter := self._dynamic_filter(run)) is not None:
+            verdict = await call_dynamic_filter(dynamic_filter, self.reward_args, group.samples)
+            if not verdict.keep:
+                self.counts[run.name, GroupEvent.FILTERED] += 1
+                self.filter_drops[run.name, verdict.reason] += 1
+                return
+        if self._sample_filter is not None:
+            apply_rollout_sample_filter(self._sample_filter, self.reward_args, group.samples)
         self.buffers.put(group)
         self.counts[run.name, GroupEvent.PRODUCED] += 1
 
-    async def _generate(self, sample: Sample, lora_path: str) -> None:
-        payload = {
-            "input_ids": sample.prompt_ids,
-            "sampling_params": self.config.sampling_params(),
-            "lora_path": lora_path,
-            "rid": adapter_rid(sample.adapter, uuid.uuid4().hex),
-            "return_logprob": True,
-        }
-        async with self._client.post(f"{self.router_url}/generate", json=payload) as response:
-            response.raise_for_status()
-            out = GenerateResponse.model_validate(await response.json(content_type=None))
-        sample.response_ids = list(out.output_ids)
-        sample.response = out.text
-        sample.status = _STATUS[out.meta_info.finish_reason.type]
-        sample.rollout_logprobs = [float(lp) for lp, _, _ in (out.meta_info.output_token_logprobs or [])]
+    def _filter_drops_by_reason(self, adapter: str | None) -> dict[str, int]:
+        by_reason: Counter[str] = Counter()
+        for (name, reason), n in self.filter_drops.items():
+            if adapter in (None, name):
+                by_reason[reason] += n
+        return dict(sorted(by_reason.items()))
 
     def generation_counts(self, adapter: str | None = None) -> GenerationCounts:
         """One adapter's counters (all adapters' together when `adapter` is None)."""
@@ -327,11 +365,9 @@ class RolloutProducer:
             produced=self.count(GroupEvent.PRODUCED, adapter),
             aborted=self.count(GroupEvent.ABORTED, adapter),
             filtered=self.count(GroupEvent.FILTERED, adapter),
+            filtered_by_reason=self._filter_drops_by_reason(adapter),
             failed=self.count(GroupEvent.FAILED, adapter),
             in_flight=total(self.in_flight),
             overflow_dropped=total(self.buffers.overflow_drops),
         )
 
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value

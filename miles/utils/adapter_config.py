@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from miles.utils.plugins import PluginError, load_object
 from miles.utils.safe_yaml import load_yaml
 
 if TYPE_CHECKING:
@@ -75,6 +76,10 @@ class AdapterRunConfig(BaseModel):
     rm_type: NonEmptyStr | None = Field(
         None, description="Built-in reward; unset: the sample's metadata rm_type, then --rm-type.")
     custom_rm_path: NonEmptyStr | None = Field(None, description="Dotted path to fn(args, sample) -> float.")
+    custom_generate_function_path: NonEmptyStr | None = Field(
+        None, description="Dotted path to async fn(input: GenerateFnInput) -> Sample; unset: --custom-generate-function-path.")
+    dynamic_sampling_filter_path: NonEmptyStr | None = Field(
+        None, description="Dotted path to fn(args, samples) -> DynamicFilterOutput | bool; unset: --dynamic-sampling-filter-path.")
     num_step: PositiveInt | None = Field(
         None, description="Optimizer steps to train, counted from the step the adapter (re)started at; "
                           "unset: num_epoch (default 1) passes over the dataset.")
@@ -313,6 +318,12 @@ def _check_combination(name: str, cfg: AdapterRunConfig, defaults: AdapterDefaul
             f"Adapter '{name}': no reward: set rm_type or custom_rm_path in the adapter config "
             "(or start the trainer with --rm-type / --custom-rm-path)"
         )
+    for key in ("custom_generate_function_path", "dynamic_sampling_filter_path"):
+        if (path := getattr(cfg, key)) is not None:
+            try:
+                load_object(path, kind=key)
+            except PluginError as exc:
+                raise AdapterConfigError(f"Adapter '{name}': {exc}") from None
     if cfg.num_step is not None and cfg.num_epoch is not None:
         logger.warning("Adapter '%s': both num_step (%d) and num_epoch (%d) set; num_step wins",
                        name, cfg.num_step, cfg.num_epoch)

@@ -82,7 +82,9 @@ class MilesConfig:
     metadata_key: str = _flag("metadata", "Metadata key of dataset rows (default of adapters).")
     rm_type: str | None = _flag(None, "Built-in reward (default of adapters), e.g. math, exact, f1.")
     custom_rm_path: str | None = _flag(None, "Dotted path to fn(args, sample) -> float (default of adapters).")
-    dynamic_sampling_filter_path: str | None = _flag(None, "Dotted path to fn(args, samples) -> bool keeping a group.")
+    dynamic_sampling_filter_path: str | None = _flag(None, "Dotted path to fn(args, samples) -> DynamicFilterOutput or bool keeping a group (default of adapters).")
+    custom_generate_function_path: str | None = _flag(None, "Dotted path to async fn(input: GenerateFnInput) -> Sample replacing single-turn generation (default of adapters).")
+    rollout_sample_filter_path: str | None = _flag(None, "Dotted path to fn(args, samples) run on each train batch's samples before training (may set loss_mask or remove_sample).")
     max_weight_staleness: int | None = _flag(None, "Drop groups generated more than this many pushes ago.")
     rollout_buffer_steps: int | None = _flag(1, "Generate at most this many optimizer steps of groups ahead per adapter (bounds off-policy lag).")
 

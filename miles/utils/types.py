@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -223,6 +223,8 @@ class AdapterStatus(BaseModel):
     metadata_key: str
     rm_type: str | None
     custom_rm_path: str | None
+    custom_generate_function_path: str | None = None
+    dynamic_sampling_filter_path: str | None = None
     num_step: int | None
     num_epoch: int | None
     metadata: dict[str, Any]
@@ -238,17 +240,40 @@ class AdapterStatus(BaseModel):
 
 
 class SampleStatus(str, enum.Enum):
+    """How a sample's generation ended (Miles' `Sample.Status`, same names and values)."""
+
+    PENDING = "pending"
+    """Not generated yet; a generate function must not return a sample in this state."""
     COMPLETED = "completed"
     """Stopped on EOS or a stop string."""
     TRUNCATED = "truncated"
     """Hit `max_new_tokens`."""
     ABORTED = "aborted"
-    """Aborted by the engine; a group holding one is dropped whole."""
+    """Aborted by the engine (or its adapter retired mid-conversation); a group holding
+    one is dropped whole."""
+    FAILED = "failed"
+    """A recoverable failure inside a custom generate function (a tool error, say); the
+    sample is rewarded and trained on as it stands."""
 
 
 @dataclass
 class Sample:
-    """One prompt and one generated response, with everything training needs."""
+    """One prompt and one generated response, with everything training needs.
+
+    The fields plug-ins read and write have Miles' names (`prompt`, `response`,
+    `label`, `metadata`, `tokens`, `response_length`, `reward`, `status`, `loss_mask`,
+    `rollout_log_probs`, `Sample.Status`), so a reward, filter or generate function
+    written for Miles runs unchanged. `tokens` is the prompt followed by the response;
+    it is stored split as `prompt_ids` + `response_ids`, and setting `tokens` and then
+    `response_length` (Miles' order) moves the split:
+
+    >>> s = Sample("a", 0, 0, 0, "1+1=", "2", {}, [5, 6])
+    >>> s.tokens = [5, 6, 7, 8, 9]; s.response_length = 3
+    >>> s.prompt_ids, s.response_ids, s.response_length
+    ([5, 6], [7, 8, 9], 3)
+    """
+
+    Status: ClassVar[type[SampleStatus]] = SampleStatus
 
     adapter: str
     slot: int
@@ -266,6 +291,68 @@ class Sample:
     """Engine logprob of each response token (for TIS); same length as response_ids."""
     reward: float = 0.0
     status: SampleStatus = SampleStatus.COMPLETED
+    loss_mask: list[int] | None = None
+    """Per response token: 1 trains on it, 0 does not (tool outputs, environment turns).
+    None: every response token is trained on."""
+    remove_sample: bool = False
+    """Set by a rollout sample filter: the sample carries no loss (its loss mask becomes all 0)."""
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and response tokens (Miles' `tokens`)."""
+        return self.prompt_ids + self.response_ids
+
+    @tokens.setter
+    def tokens(self, value: list[int]) -> None:
+        split = max(0, len(value) - len(self.response_ids))
+        self.prompt_ids, self.response_ids = list(value[:split]), list(value[split:])
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @response_length.setter
+    def response_length(self, value: int) -> None:
+        tokens = self.tokens
+        if not 0 <= value <= len(tokens):
+            raise ValueError(f"response_length {value} does not fit {len(tokens)} tokens: set sample.tokens "
+                             "(prompt + response) before sample.response_length")
+        self.prompt_ids, self.response_ids = tokens[: len(tokens) - value], tokens[len(tokens) - value :]
+
+    @property
+    def rollout_log_probs(self) -> list[float]:
+        """Miles' name of `rollout_logprobs`."""
+        return self.rollout_logprobs
+
+    @rollout_log_probs.setter
+    def rollout_log_probs(self, value: list[float] | None) -> None:
+        self.rollout_logprobs = [] if value is None else [float(v) for v in value]
+
+    @property
+    def effective_response_length(self) -> int:
+        """Response tokens that are trained on."""
+        return self.response_length if self.loss_mask is None else sum(self.loss_mask)
+
+    def get_reward_value(self, args: Any) -> float:
+        """The scalar reward (Miles' accessor; rewards here are always one float)."""
+        return self.reward
+
+    def validate(self) -> None:
+        """ValueError unless the per-token lists match the response (what a generate function returns)."""
+        if self.status is SampleStatus.ABORTED:
+            return  # its group is dropped whole, whatever it holds
+        where = f"sample {self.group_index}/{self.index} of adapter '{self.adapter}'"
+        if self.loss_mask is not None:
+            if len(self.loss_mask) != self.response_length:
+                raise ValueError(f"{where}: loss_mask has {len(self.loss_mask)} entries for "
+                                 f"{self.response_length} response tokens")
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError(f"{where}: loss_mask entries must be 0 or 1")
+        if self.rollout_logprobs and len(self.rollout_logprobs) != self.response_length:
+            raise ValueError(f"{where}: {len(self.rollout_logprobs)} rollout_log_probs for "
+                             f"{self.response_length} response tokens")
+        if self.status is SampleStatus.PENDING:
+            raise ValueError(f"{where}: status is still PENDING after generation")
 
 
 @dataclass
@@ -338,6 +425,8 @@ class GenerationCounts:
     """Groups dropped whole because a sample was aborted."""
     filtered: int = 0
     """Groups rejected by the dynamic filter."""
+    filtered_by_reason: dict[str, int] = field(default_factory=dict)
+    """`filtered` split by the reason the filter gave (`"unspecified"` when it gave none)."""
     failed: int = 0
     """Groups that failed (HTTP or reward error)."""
     in_flight: int = 0
@@ -351,6 +440,7 @@ class GenerationCounts:
                for event in ("submitted", "produced", "aborted", "filtered", "failed")},
             f"{prefix}in_flight": float(self.in_flight),
             f"{prefix}overflow_dropped": float(self.overflow_dropped),
+            **{f"{prefix}dynamic_filter/drop_{reason}": float(n) for reason, n in self.filtered_by_reason.items()},
         }
 
 

@@ -308,7 +308,7 @@ class TorchTrainActor:
                 ref = self._forward_logprobs(batch, [-1] * len(batch.slots))
         logprobs = self._forward_logprobs(batch, batch.slots)
         out = policy_loss(
-            logprobs, logprobs.detach(), batch.advantages_B, batch.response_mask_BT, config=loss_cfg,
+            logprobs, logprobs.detach(), batch.advantages_B, batch.loss_mask_BT, config=loss_cfg,
             rollout_logprobs_BT=batch.rollout_logprobs_BT if loss_cfg.use_tis else None, ref_logprobs_BT=ref,
         )
         out.loss_B.sum().backward()

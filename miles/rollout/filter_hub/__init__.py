@@ -1,0 +1,1 @@
+"""Miles' import path for filter types, so filters written for Miles import unchanged."""
