@@ -61,6 +61,9 @@ class SlotBatch:
     """`valid_PG` times each present slot's scale: the per-row LoRA scale, once per batch."""
     present_P: torch.Tensor | None = None
     """`present` as a long tensor (on the model's device)."""
+    grouped_in_place: bool = False
+    """The batch is already the grouped layout (sorted by slot, equal counts, no base-only
+    rows): the grouped path reshapes instead of copying rows."""
 
     @classmethod
     def build(
@@ -111,6 +114,7 @@ class SlotBatch:
             row_place_B=torch.tensor(place, dtype=torch.long, device=device),
             valid_PG=valid_PG.to(device), scales=batch_scales, scale_PG=scale_PG,
             present_P=torch.tensor(present, dtype=torch.long, device=device),
+            grouped_in_place=runs is not None and -1 not in values and len({n for _, n in runs}) == 1,
         )
 
     @property
@@ -184,11 +188,12 @@ class MultiLoRALinear(nn.Module):
     def _use_gather(self, x: torch.Tensor, batch: SlotBatch) -> bool:
         if self.delta_mode != "auto":
             return self.delta_mode == "gather"
-        # Decode steps (one token per sequence) of several adapters, and unsorted batches:
-        # one batched GEMM pair beats a GEMM pair (and a scatter) per slot. Long sorted
-        # sequences (training) favour contiguous segments: no row copies, no padding.
+        # Decode steps (one token per sequence) of several adapters, unsorted batches and
+        # sorted batches with equal slot counts (a reshape, no copy): one batched GEMM
+        # pair beats a GEMM pair (and a scatter) per slot. Sorted batches of unequal
+        # counts favour contiguous segments: no row copies, no padding.
         tokens_per_sample = x.shape[1] if x.dim() == 3 else 1
-        return batch.single_slot is None and (tokens_per_sample == 1 or batch.runs is None)
+        return batch.single_slot is None and (tokens_per_sample == 1 or batch.runs is None or batch.grouped_in_place)
 
     def _slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         rank = self.ranks[slot]
@@ -236,12 +241,14 @@ class MultiLoRALinear(nn.Module):
         x = x.to(a_PRI.dtype)
         lead = x.shape[1:-1]  # (T,) for [B, T, in] inputs, () for [B, in]
         tokens = math.prod(lead)
-        x_PNI = x.index_select(0, batch.group_rows_PG.reshape(-1)).reshape(n_present, group * tokens, -1)
+        if not batch.grouped_in_place:
+            x = x.index_select(0, batch.group_rows_PG.reshape(-1))
+        x_PNI = x.reshape(n_present, group * tokens, -1)
         h_PNR = torch.bmm(x_PNI, a_PRI.transpose(1, 2))
         delta_PNO = torch.bmm(h_PNR, b_POR.transpose(1, 2))
         delta_PGTO = delta_PNO.reshape(n_present, group, tokens, -1) * scale_PG[:, :, None, None].to(delta_PNO.dtype)
         delta = delta_PGTO.reshape(n_present * group, *lead, -1)
-        return delta.index_select(0, batch.row_place_B)
+        return delta if batch.grouped_in_place else delta.index_select(0, batch.row_place_B)
 
     def _scale(self, slot: int) -> float:
         rank = self.ranks[slot]
