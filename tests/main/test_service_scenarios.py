@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from miles.controller.client import ControlPlaneClient
-from miles.backends.torch.checkpoint import latest_checkpoint
-from miles.utils.types import AdapterState
+from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
+from miles.utils.types import AdapterState, DataPosition
 from driver_harness import DriverProcess, free_port, tiny_run_flags, write_arithmetic_dataset
 
 pytestmark = pytest.mark.slow
@@ -81,6 +81,9 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         checkpoint = latest_checkpoint(auto.save)
         assert checkpoint is not None and checkpoint.name == "step_2"
         assert_checkpoint_loads_in_peft(tiny_model_dir, checkpoint)
+        # It records how far into its dataset it got: at least the prompts it trained on.
+        position = read_checkpoint(checkpoint).trainer_state.data_position
+        assert position is not None and DataPosition.from_dict(position).index >= 2 * 2
 
         # `a` trains; `b` joins while `a` trains, without a restart.
         client.register("a", config={"data": add})

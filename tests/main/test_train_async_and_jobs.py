@@ -16,6 +16,7 @@ import pytest
 
 from driver_harness import DriverProcess, free_port, tiny_run_flags, write_arithmetic_dataset
 from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.utils.types import DataPosition
 
 pytestmark = pytest.mark.slow
 
@@ -36,8 +37,10 @@ def test_train_async_runs_rollouts_and_saves(tiny_model_dir, tmp_path):
     assert checkpoints == ["step_2", "step_4"]
     state = json.loads((save / "adapters" / "policy" / "checkpoints" / "step_4" / "trainer_state.json").read_text())
     assert state["step"] == 4
+    assert DataPosition.from_dict(state["data_position"]).index >= 4 * 2  # 100 rows: still epoch 0
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    assert sorted({r["rollout_id"] for r in records if "rollout_id" in r}) == [0, 1, 2, 3]
+    assert sorted(r["rollout_id"] for r in records if r["kind"] == "loop") == [0, 1, 2, 3]
+    assert sorted(r["step"] for r in records if r["kind"] == "adapter" and r["adapter"] == "policy") == [1, 2, 3, 4]
 
 
 def test_train_async_requires_prompt_data(tmp_path):
