@@ -6,7 +6,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test demo clean
+.PHONY: install test demo gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,11 @@ demo: install
 	rm -rf runs/demo
 	$(PY) -m miles.main.train_multi_lora_async --config configs/tiny-multi-lora.yaml
 	$(PY) scripts/eval_adapters.py --config configs/tiny-multi-lora.yaml
+
+# The SGLang path on a CUDA machine (SGLang in .venv-sglang, a tiny local model, <= 8 min);
+# one PASS/FAIL/SKIP line per check. Without CUDA it says so and fails.
+gpu-check: install
+	$(PY) scripts/gpu_check.py
 
 clean:
 	rm -rf runs .cache .pytest_cache

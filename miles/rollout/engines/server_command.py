@@ -47,6 +47,9 @@ class EngineServerConfig:
     """torch threads of a builtin engine on CPU."""
     lora_update: LoraUpdateMode = "in_place"
     """How pushes reach the server (`--engine-lora-update`)."""
+    python: str = sys.executable
+    """Interpreter that runs the server. SGLang pins its own torch and transformers, so it
+    may live in a virtual environment of its own (`scripts/gpu_check.py` makes one)."""
     extra_args: tuple[str, ...] = ()
     """Appended to the server's command line as given (e.g. `--mem-fraction-static 0.5` for SGLang)."""
 
@@ -88,7 +91,7 @@ def build_builtin_command(cfg: EngineServerConfig, host: str, port: int) -> list
 def build_sglang_command(cfg: EngineServerConfig, host: str, port: int) -> list[str]:
     targets = ["all" if name == "all-linear" else name for name in cfg.target_module_list()]
     return [
-        sys.executable, "-m", "sglang.launch_server",
+        cfg.python, "-m", "sglang.launch_server",
         "--model-path", cfg.model_path, "--host", host, "--port", str(port),
         "--enable-lora", "--max-loras-per-batch", str(cfg.lora_capacity()),
         "--max-loaded-loras", str(cfg.lora_capacity()), "--max-lora-rank", str(cfg.max_lora_rank),
