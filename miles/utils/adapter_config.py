@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -224,6 +225,7 @@ def parse_adapter_run_yaml(path: str | Path, name: str | None = None) -> Adapter
     """Read an `adapter.yaml` (safe loader, no aliases); the adapter name defaults to the file stem."""
     path = Path(path)
     name = name or path.stem
+    _check_regular_file(name, "config file", str(path), path.expanduser().resolve())  # a FIFO would block
     try:
         if path.stat().st_size > MAX_CONFIG_FILE_BYTES:
             raise AdapterConfigError(
@@ -346,14 +348,32 @@ def check_within_roots(name: str, what: str, path: str | Path, roots: list[Path]
 def _resolve_data(name: str, data: Any) -> Path:
     if not isinstance(data, str) or not data:
         raise AdapterConfigError(f"Adapter '{name}': 'data' must be a path string, got {data!r}")
-    path = Path(data).expanduser().resolve()
-    if path.suffix.lower() not in DATA_SUFFIXES:
+    given = Path(data).expanduser()
+    if given.suffix.lower() not in DATA_SUFFIXES:  # the name given, not a symlink's target
         raise AdapterConfigError(
             f"Adapter '{name}': data {data!r} must be a .jsonl, .json or .parquet file"
         )
-    if not path.is_file():
-        raise AdapterConfigError(f"Adapter '{name}': data file {data!r} does not exist (resolved to {path})")
+    path = given.resolve()
+    _check_regular_file(name, "data file", data, path)
     return path
+
+
+def _check_regular_file(name: str, what: str, given: Any, path: Path) -> None:
+    """Missing, unreadable, or not a regular file (a FIFO, device or directory, also
+    behind a symlink): each said as it is, without opening the file."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise AdapterConfigError(f"Adapter '{name}': {what} {given!r} does not exist (resolved to {path})") from None
+    except OSError as exc:
+        raise AdapterConfigError(f"Adapter '{name}': {what} {given!r} cannot be read ({exc})") from None
+    if not stat.S_ISREG(mode):
+        kind = next((k for test, k in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
+                                       (stat.S_ISSOCK, "a socket")) if test(mode)), "special")
+        raise AdapterConfigError(
+            f"Adapter '{name}': {what} {given!r} is not a regular file ({kind}, resolved to {path})"
+        )
 
 
 def _resolve_save(name: str, save: Path | None, default_root: str | None) -> Path:
@@ -370,23 +390,3 @@ def _short_repr(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}...'"
 
-
-def _resolve_data(name: str, data: str) -> Path:
-    path = Path(data).expanduser().resolve()
-    if path.suffix.lower() not in DATA_SUFFIXES:
-        raise AdapterConfigError(
-            f"Adapter '{name}': data {data!r} must be a .jsonl, .json or .parquet file"
-        )
-    if not path.is_file():
-        raise AdapterConfigError(f"Adapter '{name}': data file {data!r} does not exist (resolved to {path})")
-    return path
-
-
-def _resolve_save(name: str, save: Path | None, default_root: str | None) -> Path:
-    if save is not None:
-        return Path(save).expanduser().resolve()
-    if default_root is None:
-        raise AdapterConfigError(
-            f"Adapter '{name}': no save directory: set 'save' in the adapter config or start the trainer with --save"
-        )
-    return (Path(default_root).expanduser() / "adapters" / name).resolve()
