@@ -232,11 +232,8 @@ class TorchTrainActor:
         # The clock comes from the checkpoint; the schedule's settings from today's config.
         saved = LRSchedule.from_state_dict(ckpt.scheduler)
         schedule = replace(fresh, samples_seen=saved.samples_seen, samples_at_last_step=saved.samples_at_last_step)
-        position = ckpt.trainer_state.data_position
-        result = LoadResult(
-            checkpoint=path, step=ckpt.trainer_state.step,
-            data_position=None if position is None else DataPosition.from_dict(position),
-        )
+        result = LoadResult(checkpoint=path, step=ckpt.trainer_state.step,
+                            data_position=ckpt.trainer_state.data_position)
         return result, schedule
 
     def _pad_moments(self, tensors: dict[str, Tensor], spec: AdapterSpec, path: Path) -> list[Tensor]:
@@ -399,7 +396,7 @@ class TorchTrainActor:
             raise ValueError(f"adapter '{name}' has no save directory: set 'save' in its config or --save")
         state = TrainerState(
             name=name, step=step, registration_id=spec.registration_id, rank=spec.rank, alpha=spec.alpha,
-            data_position=None if data_position is None else data_position.to_dict(),
+            data_position=data_position,
         )
         path = write_checkpoint(
             spec.save_dir, step,

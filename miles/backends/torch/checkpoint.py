@@ -30,6 +30,8 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from miles.utils.types import DataPosition
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -48,7 +50,8 @@ class TrainerState:
     registration_id: str
     rank: int
     alpha: float
-    data_position: dict[str, Any] | None = None
+    data_position: DataPosition | None = None
+    """Where the adapter's dataset continues (None: not recorded; a resume starts it over)."""
 
 
 @dataclass
@@ -139,10 +142,15 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     )
     return Checkpoint(
         path=path,
-        trainer_state=TrainerState(**_read_json(path / TRAINER_STATE)),
+        trainer_state=_trainer_state(_read_json(path / TRAINER_STATE)),
         optimizer=optimizer,
         scheduler=_read_json(path / SCHEDULER),
     )
+
+
+def _trainer_state(raw: dict[str, Any]) -> TrainerState:
+    position = raw.pop("data_position", None)
+    return TrainerState(**raw, data_position=None if position is None else DataPosition.from_dict(position))
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:

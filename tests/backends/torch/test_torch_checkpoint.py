@@ -16,6 +16,7 @@ from miles.backends.torch.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from miles.utils.types import DataPosition
 
 
 def _write_peft(path: Path) -> None:
@@ -32,7 +33,7 @@ def _save(save_dir: Path, step: int, write_adapter=_write_peft) -> Path:
         step=step,
         hyper={"lr": 0.1},
     )
-    state = TrainerState(name="a", step=step, registration_id="r1", rank=2, alpha=4.0, data_position={"rows": 7})
+    state = TrainerState(name="a", step=step, registration_id="r1", rank=2, alpha=4.0, data_position=DataPosition(epoch=1, index=7))
     return write_checkpoint(save_dir, step, write_adapter=write_adapter, optimizer=optimizer,
                             scheduler={"samples_seen": 8 * step}, trainer_state=state)
 
@@ -51,7 +52,8 @@ def test_round_trip_and_latest_complete_step(tmp_path):
     assert torch.equal(ckpt.optimizer.exp_avg_sq["layer.lora_A"], torch.rand(2, 3, generator=g))
     assert ckpt.optimizer.step == 10 and ckpt.optimizer.hyper == {"lr": 0.1}
     assert ckpt.scheduler == {"samples_seen": 80}
-    assert ckpt.trainer_state == TrainerState("a", 10, "r1", 2, 4.0, {"rows": 7})
+    assert ckpt.trainer_state == TrainerState("a", 10, "r1", 2, 4.0, DataPosition(epoch=1, index=7))
+    assert json.loads((path10 / "trainer_state.json").read_text())["data_position"] == {"epoch": 1, "index": 7}
 
 
 def test_failed_write_leaves_no_directory_and_keeps_the_previous_one(tmp_path):

@@ -248,8 +248,8 @@ async def test_reconcile_saves_cleans_up_and_resumes(ray_session, tiny_model_dir
     assert max_abs_diff(await group2.actors[0].export_adapter.remote("a"), weights_a) == 0.0
     state = read_checkpoint(latest_checkpoint(save_a))
     assert state.trainer_state.step == 2 and state.trainer_state.rank == 4
-    assert state.trainer_state.data_position == {"epoch": 0, "index": 4}
+    assert state.trainer_state.data_position == DataPosition(epoch=0, index=4)
     assert read_checkpoint(latest_checkpoint(tmp_path / "dp1" / "b")).trainer_state.data_position == \
-        {"epoch": 1, "index": 0}
+        DataPosition(epoch=1, index=0)
     assert await sync2.save_all() == []  # nothing new since the checkpoint it resumed from
     await group2.shutdown()
