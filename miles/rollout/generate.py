@@ -8,7 +8,7 @@ tool-using rollouts. Its signature is Miles' current one:
 
 `input.sample` is the sample to fill (prompt, `prompt_ids`, label, metadata),
 `input.sampling_params` the process's sampling parameters, `input.args` the trainer's
-config, and `input.engine` an `AdapterEngine`: it generates through the router as this
+config, `input.tokenizer` the prompts' tokenizer, and `input.engine` an `AdapterEngine`: it generates through the router as this
 sample's adapter, with the adapter's current engine-side LoRA name and a request id the
 controller's prefix abort reaches. The function returns the sample with:
 
@@ -20,7 +20,7 @@ controller's prefix abort reaches. The function returns the sample with:
 - `status`: `ABORTED` as soon as a turn comes back aborted (then the group is dropped);
 - `response` (the text the reward reads) and optionally `reward`-relevant `metadata`.
 
-`examples/calculator_tool/generate.py` is a worked two-turn tool-use example.
+`miles.recipes.calculator_tool` is a worked two-turn tool-use example.
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ class GenerateFnInput:
     sampling_params: dict[str, Any]
     """`max_new_tokens`, `temperature`, `top_p`, `top_k`, `stop` of the process."""
     engine: AdapterEngine
+    tokenizer: Any = None
+    """The prompts' tokenizer (to encode tool outputs and environment turns)."""
     evaluation: bool = False
 
 

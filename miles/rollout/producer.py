@@ -323,7 +323,8 @@ class RolloutProducer:
         engine = AdapterEngine(self._client, self.router_url, run.name, lambda: self._current_lora_name(run))
         results = await asyncio.gather(
             *(call_generate_function(generate, GenerateFnInput(args=self.reward_args, sample=s, engine=engine,
-                                                               sampling_params=self.config.sampling_params()))
+                                                               sampling_params=self.config.sampling_params(),
+                                                               tokenizer=self.data_source.tokenizer))
               for s in group.samples),
             return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

@@ -84,7 +84,7 @@ class MilesConfig:
     custom_rm_path: str | None = _flag(None, "Dotted path to fn(args, sample) -> float (default of adapters).")
     dynamic_sampling_filter_path: str | None = _flag(None, "Dotted path to fn(args, samples) -> DynamicFilterOutput or bool keeping a group (default of adapters).")
     custom_generate_function_path: str | None = _flag(None, "Dotted path to async fn(input: GenerateFnInput) -> Sample replacing single-turn generation (default of adapters).")
-    rollout_sample_filter_path: str | None = _flag(None, "Dotted path to fn(args, samples) run on each train batch's samples before training (may set loss_mask or remove_sample).")
+    rollout_sample_filter_path: str | None = _flag(None, "Dotted path to fn(args, data: list[list[Sample]]) run on each kept group before it is buffered; it sets sample.remove_sample (no loss) or edits loss_mask.")
     max_weight_staleness: int | None = _flag(None, "Drop groups generated more than this many pushes ago.")
     rollout_buffer_steps: int | None = _flag(1, "Generate at most this many optimizer steps of groups ahead per adapter (bounds off-policy lag).")
 
@@ -130,6 +130,9 @@ class MilesConfig:
     multi_lora_max_empty_wait_s: float = _flag(30.0, "Raise EmptyBatchTimeoutError after this long with nothing to train.")
     multi_lora_backend_path: str | None = _flag(None, "Dotted path of a MultiLoRABackend subclass.")
     multi_lora_http_server_path: str | None = _flag(None, "Dotted path of a MultiLoRAHTTPServer subclass.")
+    multi_lora_registry_path: str | None = _flag(None, "SQLite file the adapter registry is kept in (default: {--save or --run-dir}/controller/registry.sqlite; 'none': memory only).")
+    multi_lora_max_dataset_bytes: int = _flag(2 * 1024**3, "Largest dataset file a registration reads (400 above it).")
+    multi_lora_dataset_timeout_s: float = _flag(120.0, "Seconds a registration may spend reading its dataset (400 after).")
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
