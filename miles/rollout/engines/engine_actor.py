@@ -146,6 +146,10 @@ class EngineServer:
             raise RuntimeError("the engine is not started: call start() first")
         return self._url
 
+    def restart_count(self) -> int:
+        """How many times the server was restarted after dying."""
+        return self.restarts
+
     def pid(self) -> int | None:
         """Process id of the running server (tests kill it to exercise recovery)."""
         return self._process.pid if self._process is not None else None
