@@ -133,6 +133,9 @@ class MilesConfig:
     multi_lora_registry_path: str | None = _flag(None, "SQLite file the adapter registry is kept in (default: {--save or --run-dir}/controller/registry.sqlite; 'none': memory only).")
     multi_lora_max_dataset_bytes: int = _flag(2 * 1024**3, "Largest dataset file a registration reads (400 above it).")
     multi_lora_dataset_timeout_s: float = _flag(120.0, "Seconds a registration may spend reading its dataset (400 after).")
+    multi_lora_registry_path: str | None = _flag(None, "SQLite file the adapter registry is kept in (default: {--save or --run-dir}/controller/registry.sqlite; 'none': memory only).")
+    multi_lora_max_dataset_bytes: int = _flag(2 * 1024**3, "Largest dataset file a registration reads (400 above it).")
+    multi_lora_dataset_timeout_s: float = _flag(120.0, "Seconds a registration may spend reading its dataset (400 after).")
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
