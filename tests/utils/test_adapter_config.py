@@ -273,3 +273,15 @@ def test_config_is_a_frozen_pydantic_model_with_a_schema(data_file: Path) -> Non
     assert schema["required"] == ["data"] and schema["additionalProperties"] is False
     assert set(schema["properties"]) == set(ADAPTER_CONFIG_KEYS)
     assert "LoRA rank" in schema["properties"]["rank"]["description"]
+
+
+def test_plugin_paths_of_an_adapter_are_checked_at_resolution(data_file: Path, defaults: AdapterDefaults) -> None:
+    good = {"data": str(data_file), "custom_generate_function_path": "miles.recipes.calculator_tool.generate",
+            "dynamic_sampling_filter_path": "miles.rollout.filters.call_dynamic_filter"}
+    cfg = resolve_adapter_config("calc", good, defaults)
+    assert cfg.custom_generate_function_path == "miles.recipes.calculator_tool.generate"
+    for key in ("custom_generate_function_path", "dynamic_sampling_filter_path"):
+        with pytest.raises(AdapterConfigError, match=f"Adapter 'calc': {key} 'no_such_pkg.fn' cannot be imported"):
+            resolve_adapter_config("calc", {"data": str(data_file), key: "no_such_pkg.fn"}, defaults)
+    status_fields = AdapterStatus.model_fields
+    assert {"custom_generate_function_path", "dynamic_sampling_filter_path"} <= set(status_fields)
