@@ -13,6 +13,12 @@ handle to whoever needs it:
 
 It also runs without Ray (`python -m miles.controller`), as a plain object whose
 `start()` serves on the running loop.
+
+The registry is written through to `{--save or --run-dir}/controller/registry.sqlite`
+(`miles/controller/store.py`). The actor is created with `max_restarts`: if it dies, Ray
+starts it again, it reloads every adapter from that file and serves the API again on
+the same port; calls in flight are retried (`max_task_retries`). A new trainer with the
+same run directory finds its adapters there too.
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ from __future__ import annotations
 import logging
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.controller.backend import ControllerHooks, MultiLoRABackend
+from miles.controller.backend import ControllerHooks, DatasetLimits, MultiLoRABackend
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
+from miles.controller.registry import AdapterAlreadyRegisteredError
+from miles.controller.store import RegistryStore
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.plugins import load_subclass
 from miles.utils.types import AdapterState, AdapterStatus, MultiLoRASnapshot
@@ -35,6 +44,19 @@ logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "miles_multi_lora_controller"
 CONTROLLER_NAMESPACE = "miles"
+MAX_RESTARTS = 16
+"""Times Ray restarts a controller actor that died; each restart reloads the registry file."""
+MAX_TASK_RETRIES = 3
+"""Times a call in flight when the actor died is sent again to the restarted actor."""
+
+
+def registry_path_from_config(cfg: MilesConfig) -> Path | None:
+    """`--multi-lora-registry-path`, else `{--save or --run-dir}/controller/registry.sqlite`;
+    None ('none', or neither directory set): the registry lives in memory only."""
+    if cfg.multi_lora_registry_path:
+        return None if cfg.multi_lora_registry_path.lower() == "none" else Path(cfg.multi_lora_registry_path)
+    root = cfg.save or cfg.run_dir
+    return Path(root) / "controller" / "registry.sqlite" if root else None
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,9 @@ class ControllerConfig:
     http_server_path: str | None = None
     hooks: ControllerHooks = field(default_factory=ControllerHooks)
     """Dataset and reward checks and the prefix abort, handed in at launch."""
+    registry_path: Path | None = None
+    """SQLite file the registry is written through to; None: memory only."""
+    dataset_limits: DatasetLimits = field(default_factory=DatasetLimits)
 
     @classmethod
     def from_config(cls, cfg: MilesConfig, hooks: ControllerHooks | None = None) -> ControllerConfig:
@@ -55,6 +80,9 @@ class ControllerConfig:
             n_slots=cfg.multi_lora_n_adapters, defaults=AdapterDefaults.from_config(cfg),
             server=HTTPServerConfig.from_config(cfg), backend_path=cfg.multi_lora_backend_path,
             http_server_path=cfg.multi_lora_http_server_path, hooks=hooks or ControllerHooks(),
+            registry_path=registry_path_from_config(cfg),
+            dataset_limits=DatasetLimits(max_bytes=cfg.multi_lora_max_dataset_bytes,
+                                         timeout_s=cfg.multi_lora_dataset_timeout_s),
         )
 
 
@@ -63,14 +91,46 @@ class MultiLoRAController:
         backend_cls = load_subclass(config.backend_path, MultiLoRABackend, "--multi-lora-backend-path")
         server_cls = load_subclass(config.http_server_path, MultiLoRAHTTPServer, "--multi-lora-http-server-path")
         self.config = config
-        self.backend = backend_cls(config.n_slots, config.defaults, router_url, config.hooks)
+        self.store = RegistryStore(config.registry_path) if config.registry_path is not None else None
+        self.backend = backend_cls(config.n_slots, config.defaults, router_url, config.hooks,
+                                   store=self.store, dataset_limits=config.dataset_limits)
         self.server = server_cls(self.backend, config.server)
+        self._restart_under_ray()
+
+    def _restart_under_ray(self) -> None:
+        """A controller actor that Ray restarted after a crash serves its API again by itself,
+        on the port it had (kept in the store), and learns the router from it too."""
+        import sys
+
+        if "ray" not in sys.modules:
+            return
+        import ray
+
+        if not ray.is_initialized():
+            return
+        context = ray.get_runtime_context()
+        if context.get_actor_id() is None or not context.was_current_actor_reconstructed:
+            return
+        port = self.store.get_meta("http_port") if self.store is not None else None
+        router_url = self.store.get_meta("router_url") if self.store is not None else None
+        if router_url is not None and self.backend.router_url is None:
+            self.backend.router_url = router_url
+        logger.warning("Controller actor restarted; serving the control plane again on port %s", port)
+        # Queued behind __init__; runs on the actor's event loop.
+        context.current_actor.start.remote(port=port)
 
     # ---- serving -------------------------------------------------------------------
 
-    async def start(self) -> int:
-        """Start the HTTP control plane; returns the bound port."""
-        return await self.server.start()
+    async def start(self, port: int | None = None) -> int:
+        """Start the HTTP control plane (on `port` instead of the configured one if given);
+        returns the bound port. A second call returns the port already bound."""
+        if self.server.serving:
+            assert self.server.port is not None
+            return self.server.port
+        bound = await self.server.start(port=port)
+        if self.store is not None:
+            self.store.set_meta("http_port", bound)
+        return bound
 
     async def stop(self) -> None:
         await self.server.stop()
@@ -92,12 +152,23 @@ class MultiLoRAController:
     async def set_router_url(self, url: str | None) -> None:
         """The router starts after the controller; aborts go through it from now on."""
         self.backend.router_url = url
+        if self.store is not None:
+            self.store.set_meta("router_url", url)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def register_adapter(self, name: str, config: dict[str, Any] | None = None,
-                               yaml_path: str | None = None) -> int:
-        return await self.backend.register(name, config=config, yaml_path=yaml_path)
+                               yaml_path: str | None = None, exist_ok: bool = False) -> int:
+        """Register; returns the slot. With `exist_ok`, a name that is already live (a
+        trainer restarted over its saved registry) returns the slot it holds."""
+        try:
+            return await self.backend.register(name, config=config, yaml_path=yaml_path)
+        except AdapterAlreadyRegisteredError:
+            if not exist_ok:
+                raise
+            slot = self.backend.adapter_status(name).slot
+            logger.info("Adapter '%s' is already registered (slot %d, kept from the saved registry)", name, slot)
+            return slot
 
     async def deregister_adapter(self, name: str) -> AdapterState:
         return self.backend.deregister(name)
@@ -151,10 +222,11 @@ def create_multilora_controller(config: MilesConfig, router_url: str | None = No
         stale = None
     if stale is not None:
         logger.warning("Replacing a running %s actor left over from an earlier run", CONTROLLER_NAME)
-        ray.kill(stale)
+        ray.kill(stale, no_restart=True)
     node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     handle = ray.remote(MultiLoRAController).options(
         name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE, num_cpus=0, scheduling_strategy=node,
+        max_restarts=MAX_RESTARTS, max_task_retries=MAX_TASK_RETRIES,
     ).remote(controller_config, router_url)
     port = ray.get(handle.start.remote())
     host = ray.get(handle.http_host.remote())
@@ -184,5 +256,5 @@ def destroy_multi_lora_controller() -> None:
         _cached_handle = None
         return
     ray.get(handle.stop.remote())
-    ray.kill(handle)
+    ray.kill(handle, no_restart=True)
     _cached_handle = None

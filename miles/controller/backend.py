@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.controller.registry import AdapterRegistry, AdapterValidationError
+from miles.controller.registry import AdapterRegistry, AdapterRegistryError, AdapterValidationError
+from miles.controller.store import RegistryStore
 from miles.utils.adapter_config import (
     AdapterConfigError,
     AdapterDefaults,
@@ -70,20 +74,55 @@ class ControllerHooks:
     abort_prefix: PrefixAbort = abort_on_workers
 
 
+MAX_DATASET_BYTES = 2 * 1024**3
+DATASET_TIMEOUT_S = 120.0
+MAX_CONCURRENT_DATASET_CHECKS = 4
+
+
+class ControlPlaneBusyError(AdapterRegistryError):
+    """Every dataset-check worker is busy; retry shortly (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class DatasetLimits:
+    """Bounds on reading a dataset at registration; each refusal is a 400 that says which."""
+
+    max_bytes: int = MAX_DATASET_BYTES
+    timeout_s: float = DATASET_TIMEOUT_S
+    max_concurrent: int = MAX_CONCURRENT_DATASET_CHECKS
+    """Registrations reading a dataset at once; one more is refused with 429."""
+
+
 class MultiLoRABackend:
     def __init__(self, n_slots: int, defaults: AdapterDefaults, router_url: str | None = None,
-                 hooks: ControllerHooks | None = None) -> None:
-        self.registry = AdapterRegistry(n_slots)
+                 hooks: ControllerHooks | None = None, *, store: RegistryStore | None = None,
+                 dataset_limits: DatasetLimits | None = None) -> None:
+        self.store = store
+        state = store.load() if store is not None else None
+        self.registry = AdapterRegistry.from_state(state, n_slots) if state else AdapterRegistry(n_slots)
+        if state is not None:
+            logger.info("Registry restored from %s: %d live, %d completed adapters", store.path,  # type: ignore[union-attr]
+                        len(state.live), len(state.completed))
         self.defaults = defaults
         self.router_url = router_url
         self.hooks = hooks or ControllerHooks()
+        self.dataset_limits = dataset_limits or DatasetLimits()
+        self._dataset_checks = ThreadPoolExecutor(self.dataset_limits.max_concurrent,
+                                                  thread_name_prefix="dataset-check")
+        self._dataset_checks_running = 0
         self.registrations_total = 0
         self.deregistrations_total = 0
+        self._persist()
 
     @classmethod
     def from_config(cls, cfg: MilesConfig, router_url: str | None = None,
                     hooks: ControllerHooks | None = None) -> MultiLoRABackend:
         return cls(cfg.multi_lora_n_adapters, AdapterDefaults.from_config(cfg), router_url, hooks)
+
+    def _persist(self) -> None:
+        """Write the registry through to the store (one transaction) after a change."""
+        if self.store is not None:
+            self.store.save(self.registry.export_state())
 
     # ---- registration ------------------------------------------------------------
 
@@ -112,6 +151,7 @@ class MultiLoRABackend:
         if rows is not None:
             resolved = resolve_num_step(resolved, rows)
         slot = self.registry.register(name, resolved)  # checks again: the loop ran meanwhile
+        self._persist()
         self.registrations_total += 1
         return slot
 
@@ -148,12 +188,36 @@ class MultiLoRABackend:
 
     async def read_dataset(self, name: str, config: AdapterRunConfig) -> int | None:
         """Row count of the adapter's dataset, checked in a worker thread (a large file
-        never stalls the HTTP server or the actor's other calls); None without a hook."""
+        never stalls the HTTP server or the actor's other calls); None without a hook.
+
+        A file that is not a regular file or is over `dataset_limits.max_bytes` is refused
+        before it is opened; a read that takes longer than `timeout_s` is refused (its
+        thread finishes in the background and holds one of the `max_concurrent` workers).
+        """
+        limits = self.dataset_limits
+        check_dataset_file(name, config.data, limits.max_bytes)
         validate = self.hooks.validate_dataset
         if validate is None:
             return None
+        if self._dataset_checks_running >= limits.max_concurrent:
+            raise ControlPlaneBusyError(
+                f"Adapter '{name}': {limits.max_concurrent} dataset checks are already running; retry shortly"
+            )
+        self._dataset_checks_running += 1
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._dataset_checks, validate, config.data, config.input_key, config.label_key)
+
+        def release(_: object) -> None:
+            self._dataset_checks_running -= 1
+
+        future.add_done_callback(release)  # when the thread ends, also after a timeout
         try:
-            return await asyncio.to_thread(validate, config.data, config.input_key, config.label_key)
+            return await asyncio.wait_for(asyncio.shield(future), limits.timeout_s)
+        except TimeoutError:
+            raise AdapterValidationError(
+                f"Adapter '{name}': dataset {config.data} could not be read within {limits.timeout_s:g} s; "
+                "use a smaller or faster file (--multi-lora-dataset-timeout-s)"
+            ) from None
         except ValueError as exc:
             raise AdapterValidationError(f"Adapter '{name}': dataset: {exc}") from None
 
@@ -162,6 +226,7 @@ class MultiLoRABackend:
         before = self.registry.state(name)
         after = self.registry.deregister(name)
         if before is not after:
+            self._persist()
             self.deregistrations_total += 1
         return after
 
@@ -170,6 +235,8 @@ class MultiLoRABackend:
     async def retire_adapters(self) -> list[str]:
         """RETIRING → CLEANUP, then abort each one's in-flight requests."""
         names = self.registry.retire_adapters()
+        if names:
+            self._persist()
         await asyncio.gather(*(self.abort_adapter_requests(n) for n in names))
         return names
 
@@ -178,7 +245,9 @@ class MultiLoRABackend:
         if self.registry.state(name) is not AdapterState.CLEANUP:
             return -1
         await self.abort_adapter_requests(name)
-        return self.registry.free_slot(name)
+        slot = self.registry.free_slot(name)
+        self._persist()
+        return slot
 
     async def abort_adapter_requests(self, name: str) -> list[str]:
         """Prefix-abort `"{name}::"` on every worker; returns the worker URLs reached."""
@@ -190,16 +259,22 @@ class MultiLoRABackend:
     # ---- delegation to the registry ---------------------------------------------------
 
     def record_weight_update(self, names: list[str]) -> dict[str, int]:
-        return self.registry.record_weight_update(names)
+        versions = self.registry.record_weight_update(names)
+        self._persist()
+        return versions
 
     def record_batch_adapters(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
         self.registry.record_batch_adapters(rollout_id, groups, step_names)
+        self._persist()
 
     def mark_batch_trained(self, rollout_id: int) -> list[str]:
-        return self.registry.mark_batch_trained(rollout_id)
+        stepped = self.registry.mark_batch_trained(rollout_id)
+        self._persist()
+        return stepped
 
     def set_adapter_step(self, name: str, step: int) -> None:
         self.registry.set_step(name, step)
+        self._persist()
 
     def adapter_step(self, name: str) -> int:
         return self.registry.step(name)
@@ -215,3 +290,33 @@ class MultiLoRABackend:
 
     def snapshot(self) -> MultiLoRASnapshot:
         return self.registry.snapshot()
+
+
+def check_dataset_file(name: str, path: str, max_bytes: int) -> None:
+    """Refuse, without opening it, a dataset that is missing, not a regular file (a FIFO,
+    a device, a directory, or a symlink to one) or larger than `max_bytes`."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise AdapterValidationError(f"Adapter '{name}': dataset {path} does not exist") from None
+    except OSError as exc:
+        raise AdapterValidationError(f"Adapter '{name}': dataset {path} cannot be read ({exc})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise AdapterValidationError(
+            f"Adapter '{name}': dataset {path} is not a regular file ({file_kind(info.st_mode)}); "
+            "point 'data' at a jsonl, json or parquet file"
+        )
+    if info.st_size > max_bytes:
+        raise AdapterValidationError(
+            f"Adapter '{name}': dataset {path} is {info.st_size} bytes, over the {max_bytes}-byte limit "
+            "(--multi-lora-max-dataset-bytes); split it or raise the limit"
+        )
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words (for error messages)."""
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 from starlette.routing import Match
 
-from miles.controller.backend import MultiLoRABackend
+from miles.controller.backend import ControlPlaneBusyError, MultiLoRABackend
 from miles.controller.registry import AdapterNotFoundError, AdapterValidationError, NoFreeSlotError
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.safe_yaml import load_yaml
@@ -150,6 +151,7 @@ class MultiLoRAHTTPServer:
         app.add_exception_handler(AdapterNotFoundError, handler(404))
         app.add_exception_handler(NoFreeSlotError, handler(409))
         app.add_exception_handler(RequestBodyTooLargeError, handler(413))
+        app.add_exception_handler(ControlPlaneBusyError, handler(429))
 
     async def _check_token(self, request: Request, call_next: Any) -> Response:
         token = self.config.token
@@ -238,16 +240,19 @@ class MultiLoRAHTTPServer:
 
     # ---- serving -----------------------------------------------------------------------
 
-    async def start(self) -> int:
-        """Bind and serve on the running event loop; returns the bound port."""
+    async def start(self, port: int | None = None) -> int:
+        """Bind and serve on the running event loop (on `port` instead of the configured
+        one if given); returns the bound port."""
+        port = self.config.port if port is None else port
+        warn_if_exposed(self.config.host, self.config.token)
         sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((self.config.host, self.config.port))
+            sock.bind((self.config.host, port))
         except OSError as exc:
             sock.close()
             raise RuntimeError(
-                f"Control plane cannot bind {self.config.host}:{self.config.port} ({exc}); "
+                f"Control plane cannot bind {self.config.host}:{port} ({exc}); "
                 "pick another --multi-lora-api-port (0 = any free port)"
             ) from exc
         self.port = sock.getsockname()[1]
@@ -271,9 +276,32 @@ class MultiLoRAHTTPServer:
         self._server = self._task = None
 
     @property
+    def serving(self) -> bool:
+        return self._server is not None
+
+    @property
     def url(self) -> str:
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         return f"http://{host}:{self.port}"
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def warn_if_exposed(host: str, token: str | None) -> None:
+    """Binding beyond loopback without a token lets anyone who can reach the port
+    register adapters that read files on this machine: say so loudly."""
+    if token or is_loopback(host):
+        return
+    logger.warning(
+        "SECURITY WARNING: the control plane binds %s WITHOUT a token: anyone who can reach this port can "
+        "register and delete adapters. Set --multi-lora-api-token (or MILES_API_TOKEN), or bind 127.0.0.1.",
+        host,
+    )
 
 
 def _route_label(request: Request) -> str:

@@ -14,11 +14,13 @@ rule here is testable alone:
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from miles.utils.adapter_config import AdapterConfigError, AdapterRunConfig, validate_adapter_name
 from miles.utils.types import AdapterRun, AdapterState, AdapterStatus, MultiLoRASnapshot, next_slot_version
@@ -39,6 +41,11 @@ class AdapterValidationError(AdapterRegistryError, ValueError):
 
 class AdapterConflictError(AdapterValidationError):
     """The name is taken: already registered, or its previous run is still cleaning up."""
+
+
+class AdapterAlreadyRegisteredError(AdapterConflictError):
+    """The name is live (PENDING or ACTIVE): a client re-sending its registration after a
+    restart may treat this as success (`register(..., exist_ok=True)` does)."""
 
 
 class AdapterNotFoundError(AdapterRegistryError, LookupError):
@@ -71,6 +78,44 @@ class _BatchRecord:
     step_names: frozenset[str]
     registrations: dict[str, str]
     """registration_id of each adapter when recorded; a re-registered name is skipped."""
+
+
+@dataclass(frozen=True)
+class RegistryState:
+    """A registry as plain JSON-ready values (what the store writes and reads back)."""
+
+    n_slots: int
+    slot_versions: list[int]
+    live: list[dict[str, Any]]
+    """Live records by slot."""
+    completed: list[dict[str, Any]]
+    """COMPLETED records, least recently used first."""
+    batches: list[tuple[int, dict[str, Any]]]
+    """Recorded, not yet trained batches, oldest first."""
+
+
+def _record_to_json(record: _Record) -> dict[str, Any]:
+    return {
+        "name": record.name, "config": record.config.model_dump(mode="json"), "slot": record.slot,
+        "registration_id": record.registration_id, "state": record.state.value, "step": record.step,
+        "start_step": record.start_step, "accumulated_groups": record.accumulated_groups,
+    }
+
+
+def _record_from_json(raw: dict[str, Any]) -> _Record:
+    return _Record(
+        name=raw["name"], config=AdapterRunConfig.model_validate_json(json.dumps(raw["config"])),
+        slot=raw["slot"], registration_id=raw["registration_id"], state=AdapterState(raw["state"]),
+        step=raw["step"], start_step=raw["start_step"], accumulated_groups=raw["accumulated_groups"],
+    )
+
+
+def _batch_to_json(batch: _BatchRecord) -> dict[str, Any]:
+    return {"groups": batch.groups, "step_names": sorted(batch.step_names), "registrations": batch.registrations}
+
+
+def _batch_from_json(raw: dict[str, Any]) -> _BatchRecord:
+    return _BatchRecord(dict(raw["groups"]), frozenset(raw["step_names"]), dict(raw["registrations"]))
 
 
 @dataclass
@@ -122,7 +167,9 @@ class AdapterRegistry:
         if record is None:
             return
         if record.state in (AdapterState.PENDING, AdapterState.ACTIVE):
-            raise AdapterConflictError(f"Adapter '{name}' is already registered ({record.state.value}); pick another name")
+            raise AdapterAlreadyRegisteredError(
+                f"Adapter '{name}' is already registered ({record.state.value}, slot {record.slot}); pick another name"
+            )
         raise AdapterConflictError(f"Adapter '{name}' is still cleaning up; retry shortly (state {record.state.value})")
 
     def _check_save_free(self, name: str, config: AdapterRunConfig) -> None:
@@ -229,12 +276,19 @@ class AdapterRegistry:
             logger.info("Adapter '%s' reached num_step=%d (step %d): RETIRING", record.name, num_step, record.step)
 
     def set_step(self, name: str, step: int) -> None:
-        """Resume: the adapter continues at `step`; `num_step` counts from here."""
+        """Resume: the adapter continues at `step` (its checkpoint's step).
+
+        Before its first push (PENDING) `num_step` counts from here. Later (a trainer
+        that restarted reloads a live adapter from its checkpoint) the start stays where
+        the registration began, and the groups accumulated since the lost step are dropped.
+        """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         record = self._record(name)
         record.step = step
-        record.start_step = step
+        record.accumulated_groups = 0
+        if record.state is AdapterState.PENDING:
+            record.start_step = step
 
     # ---- reads ------------------------------------------------------------------
 
@@ -288,6 +342,41 @@ class AdapterRegistry:
             retiring=views[AdapterState.RETIRING], cleanup=frozenset(views[AdapterState.CLEANUP]),
             completed=frozenset(self._completed),
         )
+
+    # ---- persistence (the store does the I/O; these only convert) ---------------------
+
+    def export_state(self) -> RegistryState:
+        """Everything needed to rebuild this registry, as JSON-ready values."""
+        return RegistryState(
+            n_slots=self.n_slots, slot_versions=list(self._slot_versions),
+            live=[_record_to_json(r) for r in sorted(self._live.values(), key=lambda r: r.slot)],
+            completed=[_record_to_json(r) for r in self._completed.values()],
+            batches=[(rollout_id, _batch_to_json(b)) for rollout_id, b in self._batches.items()],
+        )
+
+    @classmethod
+    def from_state(cls, state: RegistryState, n_slots: int, **kwargs: Any) -> AdapterRegistry:
+        """A registry holding what `state` recorded, with `n_slots` slots (the table may grow,
+        but never drop a slot a live adapter holds)."""
+        registry = cls(n_slots, **kwargs)
+        live = [_record_from_json(r) for r in state.live]
+        too_high = sorted(r.name for r in live if r.slot >= n_slots)
+        if too_high:
+            raise ValueError(
+                f"The saved registry has adapters {too_high} in slots beyond --multi-lora-n-adapters={n_slots}; "
+                f"start with at least {max(r.slot for r in live) + 1} slots"
+            )
+        for index, version in enumerate(state.slot_versions[:n_slots]):
+            registry._slot_versions[index] = version
+        for record in live:
+            registry._live[record.name] = record
+            registry._free_slots.discard(record.slot)
+        for raw in state.completed:
+            record = _record_from_json(raw)
+            registry._completed[record.name] = record
+        for rollout_id, raw in state.batches:
+            registry._batches[rollout_id] = _batch_from_json(raw)
+        return registry
 
     @property
     def free_slots(self) -> list[int]:

@@ -23,8 +23,10 @@ def read_rows(path: str) -> list[dict[str, Any]]:
     suffix = file.suffix.lower()
     if suffix not in SUPPORTED_EXTENSIONS:
         raise ValueError(f"dataset {path}: unsupported extension {suffix or '(none)'!r}; use one of jsonl, json, parquet")
-    if not file.is_file():
+    if not file.exists():
         raise ValueError(f"dataset {path}: no such file")
+    if not file.is_file():  # a FIFO or device would block or never end
+        raise ValueError(f"dataset {path}: not a regular file")
     try:
         rows = _READERS[suffix](file)
     except (OSError, ValueError, UnicodeDecodeError) as exc:

@@ -4,6 +4,7 @@ names what to fix."""
 from __future__ import annotations
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -56,3 +57,16 @@ def test_registration_errors_say_what_to_fix(tmp_path, files):
     write_jsonl(tmp_path / "num.jsonl", [{"text": 3}])
     with pytest.raises(ValueError, match="must be a string or a list of"):
         validate_dataset(str(tmp_path / "num.jsonl"), "text", None)
+
+
+def test_fifo_and_device_symlink_are_reported_as_not_regular_files(tmp_path):
+    """Opening either would block or never end: both are refused without being read."""
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.jsonl"
+    zero.symlink_to("/dev/zero")
+    for path in (fifo, zero):
+        with pytest.raises(ValueError, match="not a regular file"):
+            validate_dataset(str(path), "text", "label")
+    with pytest.raises(ValueError, match="no such file"):
+        validate_dataset(str(tmp_path / "missing.jsonl"), "text", "label")

@@ -1,0 +1,147 @@
+"""The registry on disk: one SQLite file, written through after every change.
+
+The registry stays a pure state machine; the backend hands its `export_state()` to
+`RegistryStore.save` after each successful change, and a controller that starts (a
+fresh trainer with the same run directory, or the controller actor restarted by Ray)
+rebuilds the registry from `load()`:
+
+    store = RegistryStore(run_dir / "controller" / "registry.sqlite")
+    state = store.load()                      # None on first start
+    registry = AdapterRegistry.from_state(state, n_slots) if state else AdapterRegistry(n_slots)
+    ...; store.save(registry.export_state())  # one transaction, only the rows that changed
+
+The database runs in WAL mode with `synchronous=FULL`, so a change is on disk when
+`save` returns and a process killed at any point leaves the last committed state.
+Rows: one per adapter (live and completed), one per recorded batch, and a few `meta`
+keys (slot versions, slot count, the control plane's bound port).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from miles.controller.registry import RegistryState
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS adapters (name TEXT PRIMARY KEY, position INTEGER NOT NULL, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS batches (rollout_id INTEGER PRIMARY KEY, position INTEGER NOT NULL, record TEXT NOT NULL);
+"""
+
+
+class RegistryStoreError(RuntimeError):
+    """The registry file cannot be opened or is not one this version understands."""
+
+
+class RegistryStore:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT).
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise RegistryStoreError(f"Cannot open the registry file {self.path} ({exc}); "
+                                     "move it away to start with an empty registry") from exc
+        version = self.get_meta("schema_version")
+        if version is None:
+            self.set_meta("schema_version", SCHEMA_VERSION)
+        elif version != SCHEMA_VERSION:
+            raise RegistryStoreError(f"Registry file {self.path} has schema version {version}, "
+                                     f"this build reads {SCHEMA_VERSION}")
+        self._written: dict[tuple[str, Any], str] = self._read_rows()
+
+    def close(self) -> None:
+        self._db.close()
+
+    # ---- meta ---------------------------------------------------------------------------
+
+    def get_meta(self, key: str) -> Any:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def set_meta(self, key: str, value: Any) -> None:
+        self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(value)))
+
+    # ---- registry -------------------------------------------------------------------------
+
+    def load(self) -> RegistryState | None:
+        """The last saved registry, or None if nothing was ever saved here."""
+        n_slots = self.get_meta("n_slots")
+        if n_slots is None:
+            return None
+        adapters = self._db.execute("SELECT record FROM adapters ORDER BY position").fetchall()
+        records = [json.loads(r[0]) for r in adapters]
+        batches = self._db.execute("SELECT rollout_id, record FROM batches ORDER BY position").fetchall()
+        return RegistryState(
+            n_slots=n_slots, slot_versions=self.get_meta("slot_versions"),
+            live=[r for r in records if r["state"] != "COMPLETED"],
+            completed=[r for r in records if r["state"] == "COMPLETED"],
+            batches=[(rollout_id, json.loads(text)) for rollout_id, text in batches],
+        )
+
+    def save(self, state: RegistryState) -> None:
+        """Write `state` in one transaction, touching only the rows that changed."""
+        rows = _rows(state)
+        changed = {key: text for key, text in rows.items() if self._written.get(key) != text}
+        removed = [key for key in self._written if key not in rows]
+        if not changed and not removed:
+            return
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            for (table, key), text in changed.items():
+                if table == "meta":
+                    self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, text))
+                    continue
+                position = json.loads(text)["position"]
+                if table == "adapters":
+                    self._db.execute("INSERT OR REPLACE INTO adapters (name, position, record) VALUES (?, ?, ?)",
+                                     (key, position, text))
+                else:
+                    self._db.execute("INSERT OR REPLACE INTO batches (rollout_id, position, record) VALUES (?, ?, ?)",
+                                     (key, position, text))
+            for table, key in removed:
+                column = "name" if table == "adapters" else "rollout_id"
+                self._db.execute(f"DELETE FROM {table} WHERE {column} = ?", (key,))  # noqa: S608 - fixed names
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+        for key in removed:
+            del self._written[key]
+        self._written.update(changed)
+
+    def _read_rows(self) -> dict[tuple[str, Any], str]:
+        rows: dict[tuple[str, Any], str] = {}
+        for key, value in self._db.execute("SELECT key, value FROM meta WHERE key IN ('n_slots', 'slot_versions')"):
+            rows[("meta", key)] = value
+        for name, record in self._db.execute("SELECT name, record FROM adapters"):
+            rows[("adapters", name)] = record
+        for rollout_id, record in self._db.execute("SELECT rollout_id, record FROM batches"):
+            rows[("batches", rollout_id)] = record
+        return rows
+
+
+def _rows(state: RegistryState) -> dict[tuple[str, Any], str]:
+    """Each row's stored text; a record's `position` keeps the registry's order."""
+    rows: dict[tuple[str, Any], str] = {
+        ("meta", "n_slots"): json.dumps(state.n_slots),
+        ("meta", "slot_versions"): json.dumps(state.slot_versions),
+    }
+    for position, record in enumerate([*state.live, *state.completed]):
+        rows[("adapters", record["name"])] = json.dumps({**record, "position": position}, sort_keys=True)
+    for position, (rollout_id, batch) in enumerate(state.batches):
+        rows[("batches", rollout_id)] = json.dumps({**batch, "position": position}, sort_keys=True)
+    return rows

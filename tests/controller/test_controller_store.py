@@ -1,0 +1,174 @@
+"""The registry on disk: a backend reopened over the same SQLite file answers as before.
+
+Every change the backend makes is written through in one transaction, so a controller
+that restarts (a new process, or the actor restarted by Ray) rebuilds every adapter,
+slot, slot version, step, start step, accumulated group count, registration id, batch
+record and the completed records.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from controller_fakes import ROLLOUT_HOOKS, write_dataset
+
+from miles.controller.backend import MultiLoRABackend
+from miles.controller.registry import AdapterAlreadyRegisteredError, AdapterRegistry
+from miles.controller.store import RegistryStore, RegistryStoreError
+from miles.utils.adapter_config import AdapterDefaults
+from miles.utils.types import AdapterState
+
+
+def full_picture(backend: MultiLoRABackend) -> tuple:
+    registry = backend.registry
+    return (backend.snapshot(), [s.model_dump() for s in backend.statuses()], registry.free_slots,
+            registry.slot_versions, registry.export_state())
+
+
+def open_backend(path: Path, defaults: AdapterDefaults, n_slots: int = 4) -> MultiLoRABackend:
+    return MultiLoRABackend(n_slots, defaults, hooks=ROLLOUT_HOOKS, store=RegistryStore(path))
+
+
+async def drive_through_every_state(backend: MultiLoRABackend, data: str) -> None:
+    """Adapters left in PENDING, ACTIVE (stepped, mid-accumulation), RETIRING, CLEANUP and
+    COMPLETED, a re-registered name, and one batch recorded but not trained."""
+    for name in ["a", "b", "c", "d"]:
+        await backend.register(name, config={"data": data, "rollout_batch_size": 2, "num_step": 100})
+    backend.record_weight_update(["a", "b", "c"])
+    backend.set_adapter_step("a", 3)
+    backend.record_batch_adapters(0, {"a": 2, "b": 1}, ["a"])
+    assert backend.mark_batch_trained(0) == ["a"]
+    backend.record_batch_adapters(1, {"a": 1, "b": 1}, [])
+    backend.mark_batch_trained(1)
+    backend.record_batch_adapters(2, {"a": 1}, ["a"])  # recorded, not yet trained
+    backend.deregister("b")
+    assert await backend.retire_adapters() == ["b"]
+    assert await backend.free_slot("b") == 1
+    await backend.register("b", config={"data": data, "num_step": 5})  # a new registration of the name
+    backend.deregister("c")
+    backend.deregister("d")
+    assert await backend.retire_adapters() == ["c", "d"]
+    assert await backend.free_slot("d") == 3
+    backend.record_weight_update(["b"])
+    backend.deregister("b")  # RETIRING
+
+
+async def test_reopened_backend_has_the_identical_registry(tmp_path: Path, defaults: AdapterDefaults,
+                                                           data_root: Path) -> None:
+    path = tmp_path / "controller" / "registry.sqlite"
+    backend = open_backend(path, defaults)
+    await drive_through_every_state(backend, str(data_root / "data" / "train.jsonl"))
+    before = full_picture(backend)
+    states = {s.name: s.state for s in backend.statuses()}
+    assert states == {"a": AdapterState.ACTIVE, "b": AdapterState.RETIRING, "c": AdapterState.CLEANUP,
+                      "d": AdapterState.COMPLETED}
+    backend.store.close()
+
+    reopened = open_backend(path, defaults)
+    assert full_picture(reopened) == before
+    assert reopened.adapter_status("a").step == 4 and reopened.adapter_status("a").accumulated_groups == 1
+
+    # It carries on where the first left off: the recorded batch commits, versions keep rising.
+    assert reopened.mark_batch_trained(2) == ["a"]
+    assert reopened.record_weight_update(["a"]) == {"a": before[3][0] + 1}
+    with pytest.raises(AdapterAlreadyRegisteredError, match="already registered"):
+        await reopened.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
+
+
+async def test_every_change_is_on_disk_before_the_call_returns(tmp_path: Path, defaults: AdapterDefaults,
+                                                               data_root: Path) -> None:
+    """Read with a second connection after each change (no close, no flush in between)."""
+    path = tmp_path / "registry.sqlite"
+    backend = open_backend(path, defaults)
+    data = str(data_root / "data" / "train.jsonl")
+
+    def on_disk() -> AdapterRegistry:
+        return AdapterRegistry.from_state(RegistryStore(path).load(), 4)
+
+    await backend.register("a", config={"data": data})
+    assert on_disk().snapshot() == backend.snapshot()
+    backend.record_weight_update(["a"])
+    assert on_disk().slot_versions == [1, 0, 0, 0]
+    backend.record_batch_adapters(7, {"a": 4}, ["a"])
+    backend.mark_batch_trained(7)
+    assert on_disk().step("a") == 1
+    backend.deregister("a")
+    assert on_disk().state("a") is AdapterState.RETIRING
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+async def test_rejected_registration_writes_nothing(tmp_path: Path, defaults: AdapterDefaults,
+                                                    data_root: Path) -> None:
+    path = tmp_path / "registry.sqlite"
+    backend = open_backend(path, defaults)
+    await backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
+    with sqlite3.connect(path) as db:
+        rows_before = db.execute("SELECT name, record FROM adapters").fetchall()
+    with pytest.raises(ValueError):
+        await backend.register("b", config={"data": str(data_root / "missing.jsonl")})
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT name, record FROM adapters").fetchall() == rows_before
+
+
+def test_completed_records_keep_their_order_and_retention(tmp_path: Path, defaults: AdapterDefaults) -> None:
+    from controller_fakes import make_config
+
+    registry = AdapterRegistry(n_slots=1, completed_retention=3)
+    for i in range(5):
+        name = f"r{i}"
+        registry.register(name, make_config(name))
+        registry.deregister(name)
+        registry.retire_adapters()
+        registry.free_slot(name)
+    store = RegistryStore(tmp_path / "r.sqlite")
+    store.save(registry.export_state())
+    restored = AdapterRegistry.from_state(RegistryStore(tmp_path / "r.sqlite").load(), 1, completed_retention=3)
+    assert list(restored.snapshot().completed) == list(registry.snapshot().completed)
+    assert [s.name for s in restored.statuses()] == ["r2", "r3", "r4"]
+
+
+def test_fewer_slots_than_a_live_adapter_holds_is_a_clear_error(tmp_path: Path) -> None:
+    from controller_fakes import make_config
+
+    registry = AdapterRegistry(n_slots=4)
+    for name in "abc":
+        registry.register(name, make_config(name))
+    store = RegistryStore(tmp_path / "r.sqlite")
+    store.save(registry.export_state())
+    with pytest.raises(ValueError, match=r"start with at least 3 slots"):
+        AdapterRegistry.from_state(store.load(), 2)
+    grown = AdapterRegistry.from_state(store.load(), 6)  # more slots is fine
+    assert grown.free_slots == [3, 4, 5]
+
+
+def test_a_file_that_is_not_a_registry_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "registry.sqlite"
+    bad.write_bytes(b"not a database at all" * 100)
+    with pytest.raises(RegistryStoreError, match="move it away"):
+        RegistryStore(bad)
+
+
+async def test_restarted_trainer_keeps_the_start_step_of_a_running_adapter(
+        tmp_path: Path, defaults: AdapterDefaults, data_root: Path) -> None:
+    """A trainer restarted over the saved registry reloads an ACTIVE adapter from its
+    checkpoint: its step goes back to the checkpoint's, `num_step` still counts from where
+    the registration began, and groups accumulated toward the lost step are dropped."""
+    data = str(write_dataset(data_root / "data" / "steps.jsonl", rows=40))
+    backend = open_backend(tmp_path / "r.sqlite", defaults)
+    await backend.register("a", config={"data": data, "num_step": 6, "rollout_batch_size": 1})
+    backend.set_adapter_step("a", 2)  # resumed from a step-2 checkpoint before its first push
+    backend.record_weight_update(["a"])
+    for rollout_id in range(3):
+        backend.record_batch_adapters(rollout_id, {"a": 1}, ["a"])
+        backend.mark_batch_trained(rollout_id)
+    backend.record_batch_adapters(3, {"a": 1}, [])
+    backend.mark_batch_trained(3)
+    assert (backend.adapter_status("a").step, backend.adapter_status("a").accumulated_groups) == (5, 1)
+
+    reopened = open_backend(tmp_path / "r.sqlite", defaults)
+    reopened.set_adapter_step("a", 4)  # its latest checkpoint
+    run = reopened.snapshot().active["a"]
+    assert (run.step, run.start_step, run.accumulated_groups, run.final_step) == (4, 2, 0, 8)
