@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from miles.utils.loss_settings import ADAPTER_LOSS_KEYS, KL_LOSS_TYPES, LossSettings
 from miles.utils.plugins import PluginError, load_object
 from miles.utils.safe_yaml import load_yaml
 
@@ -54,6 +55,46 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 class AdapterConfigError(ValueError):
     """An adapter config that cannot be used; the message names the adapter and the fix."""
+
+
+class AdapterLossSettings(BaseModel):
+    """An adapter's `loss:` mapping: Miles' loss flags by name (`eps_clip_high: 0.28`).
+
+    Keys left out take the trainer's flag; a key given as null sets the setting to None
+    (`eps_clip_high: null` means "= eps_clip"). After resolution every key is set."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    advantage_estimator: NonEmptyStr | None = None
+    disable_grpo_std_normalization: bool | None = None
+    disable_rewards_normalization: bool | None = None
+    normalize_advantages: bool | None = None
+    gamma: float | None = None
+    kl_coef: float | None = None
+    use_kl_loss: bool | None = None
+    kl_loss_coef: float | None = None
+    kl_loss_type: Literal[KL_LOSS_TYPES] | None = None  # type: ignore[valid-type]
+    use_unbiased_kl: bool | None = None
+    entropy_coef: float | None = None
+    eps_clip: float | None = None
+    eps_clip_high: float | None = None
+    eps_clip_c: float | None = None
+    use_tis: bool | None = None
+    tis_clip: float | None = None
+    tis_clip_low: float | None = None
+    use_rollout_logprobs: bool | None = None
+    custom_tis_function_path: NonEmptyStr | None = None
+
+    def overrides(self) -> dict[str, Any]:
+        """The keys the adapter gave (null included), by flag name."""
+        return self.model_dump(exclude_unset=True)
+
+    def settings(self) -> LossSettings:
+        """The `LossSettings` of a resolved config (every key set)."""
+        return LossSettings.from_flags(**self.model_dump())
+
+
+assert tuple(AdapterLossSettings.model_fields) == ADAPTER_LOSS_KEYS
 
 
 class AdapterRunConfig(BaseModel):
@@ -91,6 +132,8 @@ class AdapterRunConfig(BaseModel):
     weight_decay: NonNegativeFloat | None = Field(None, description="AdamW weight decay.")
     lr_decay_style: Literal["constant", "linear", "cosine"] | None = Field(None, description="LR schedule.")
     lr_warmup_steps: NonNegativeInt | None = Field(None, description="Warmup in optimizer steps.")
+    loss: AdapterLossSettings | None = Field(
+        None, description="Loss and advantage settings by Miles' flag names; keys left out take the trainer's flags.")
 
     @field_validator("metadata", mode="before")
     @classmethod
@@ -112,6 +155,12 @@ class AdapterRunConfig(BaseModel):
             raise AdapterConfigError("adapter_global_batch_size needs a resolved config (call resolve_adapter_config)")
         return adapter_global_batch_size(self.rollout_batch_size, self.n_samples_per_prompt)
 
+    def loss_settings(self) -> LossSettings:
+        """The adapter's loss settings (a resolved config has all of them)."""
+        if self.loss is None:
+            raise AdapterConfigError("loss_settings needs a resolved config (call resolve_adapter_config)")
+        return self.loss.settings()
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (`save` as a string)."""
         out = self.model_dump()
@@ -132,7 +181,9 @@ class AdapterDefaults:
     n_samples_per_prompt: int = 4
     save: str | None = None
     input_key: str = "text"
-    label_key: str = "label"
+    """Miles' adapters read prompts from `text` unless their config says otherwise."""
+    label_key: str | None = None
+    """None: rows carry no label (Miles' default)."""
     metadata_key: str = "metadata"
     rm_type: str | None = None
     custom_rm_path: str | None = None
@@ -143,17 +194,21 @@ class AdapterDefaults:
     dp_size: int = 1
     """Data-parallel train ranks (`--actor-num-workers`)."""
     max_adapter_global_batch_size: int = 128
+    loss: LossSettings = LossSettings()
+    """The trainer's loss flags; an adapter's `loss:` keys override them."""
 
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> AdapterDefaults:
         return cls(
             lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
             rollout_batch_size=cfg.rollout_batch_size, n_samples_per_prompt=cfg.n_samples_per_prompt,
-            save=cfg.save, input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
+            save=cfg.save, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
+            # Miles reads --input-key for its single policy; its multi-LoRA adapters default to "text"
+            input_key=cfg.input_key if cfg.multi_lora_n_adapters == 0 else "text",
             rm_type=cfg.rm_type, custom_rm_path=cfg.custom_rm_path,
             lr=cfg.lr, weight_decay=cfg.weight_decay, lr_decay_style=cfg.lr_decay_style,
             lr_warmup_steps=cfg.lr_warmup_steps, dp_size=cfg.actor_num_workers,
-            max_adapter_global_batch_size=cfg.multi_lora_max_adapter_global_batch_size,
+            max_adapter_global_batch_size=cfg.multi_lora_max_adapter_global_batch_size, loss=cfg.loss,
         )
 
 
@@ -261,8 +316,9 @@ def resolve_adapter_config(
     }
     values = cfg.model_dump()
     for key, fallback in fallbacks.items():
-        if values[key] is None:
-            values[key] = fallback
+        if values[key] is None and not (key == "label_key" and "label_key" in cfg.model_fields_set):
+            values[key] = fallback  # `label_key: null` given: rows carry no label
+    values["loss"] = _resolve_loss(name, cfg.loss, defaults.loss)
     if cfg.rm_type is None and cfg.custom_rm_path is None:
         values["custom_rm_path"] = defaults.custom_rm_path
     values["data"] = str(_resolve_data(name, cfg.data))
@@ -273,6 +329,23 @@ def resolve_adapter_config(
         raise AdapterConfigError(describe_config_errors(name, "the trainer's defaults", exc)) from None
     _check_combination(name, filled, defaults)
     return filled
+
+
+def _resolve_loss(name: str, loss: AdapterLossSettings | None, base: LossSettings) -> dict[str, Any]:
+    """Every loss flag: the trainer's, with the adapter's keys over them; checked as Miles
+    checks its flags."""
+    overrides = loss.overrides() if loss is not None else {}
+    try:
+        settings = base.with_overrides(**overrides)
+    except ValueError as exc:
+        keys = ", ".join(sorted(overrides)) or "none"
+        raise AdapterConfigError(f"Adapter '{name}': loss ({keys} over the trainer's flags): {exc}") from None
+    if "custom_tis_function_path" in overrides and settings.custom_tis_function_path is not None:
+        try:
+            load_object(settings.custom_tis_function_path, kind="loss.custom_tis_function_path")
+        except PluginError as exc:
+            raise AdapterConfigError(f"Adapter '{name}': {exc}") from None
+    return settings.flags()
 
 
 def resolve_num_step(config: AdapterRunConfig, dataset_rows: int) -> AdapterRunConfig:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import logging
 import os
 import sys
 import types
@@ -29,7 +30,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
+from miles.utils.loss_settings import LOSS_FLAGS, LossSettings
 from miles.utils.safe_yaml import load_yaml
+
+logger = logging.getLogger(__name__)
 
 
 def _flag(default: Any, help: str, **extra: Any) -> Any:
@@ -43,12 +47,30 @@ class ConfigError(ValueError):
     """An invalid flag value or combination; the message says what to change."""
 
 
+SGLANG_FLAG_PREFIX = "--sglang-"
+SGLANG_ARGS_SET_BY_TRAINER = {
+    "model_path": "--hf-checkpoint", "host": "the engine launcher", "port": "the engine launcher",
+    "enable_lora": "--multi-lora-n-adapters", "max_loras_per_batch": "--multi-lora-n-adapters",
+    "max_loaded_loras": "--multi-lora-n-adapters", "max_lora_rank": "--lora-rank",
+    "lora_target_modules": "--target-modules", "dtype": "--dtype", "random_seed": "--seed",
+    "max_running_requests": "--engine-max-running-requests",
+    "tokenizer_worker_num": "the engine launcher: LoRA loading needs one tokenizer worker",
+}
+"""SGLang server arguments the engine launcher sets itself, with the flag they come from."""
+SGLANG_ARGS_OVERRIDDEN = {"tp_size": "--rollout-num-gpus-per-engine"}
+"""Accepted (as Miles accepts them) but overridden by one of our flags: a warning, then dropped."""
+
+
 @dataclass(frozen=True)
 class MilesConfig:
     # ---- model and backends ----
     hf_checkpoint: str | None = _flag(None, "Hugging Face model directory of the frozen base model.")
     train_backend: Literal["torch", "megatron"] = _flag("torch", "Training backend.")
-    actor_num_workers: int = _flag(1, "Data-parallel train ranks (Ray actors).")
+    actor_num_workers: int | None = _flag(
+        None, "Data-parallel train ranks (Ray actors); default: --actor-num-nodes x --actor-num-gpus-per-node "
+              "over the Megatron model-parallel size, else 1.")
+    actor_num_nodes: int | None = _flag(None, "Trainer nodes (Miles' placement; sets --actor-num-workers).")
+    actor_num_gpus_per_node: int | None = _flag(None, "Trainer GPUs per node (Miles' placement; sets --actor-num-workers).")
     device: Literal["auto", "cpu", "cuda"] = _flag("auto", "Device of train ranks and builtin engines.")
     dtype: Literal["auto", "float32", "bfloat16"] = _flag("auto", "Parameter dtype (auto: bf16 on CUDA, fp32 on CPU).")
     micro_batch_size: int | None = _flag(None, "Samples per forward/backward on a train rank (default: all).")
@@ -58,14 +80,23 @@ class MilesConfig:
     lora_rank: int = _flag(16, "Slot width: the largest adapter rank (adapters may use less).")
     lora_alpha: float = _flag(16.0, "Default LoRA alpha of an adapter.")
     target_modules: str = _flag("all-linear", "'all-linear' or a comma list such as q_proj,v_proj.")
+    lora_dropout: float = _flag(0.0, "LoRA dropout; the slot LoRA layers have none, so only 0 has an effect.")
 
     # ---- engines and router ----
     rollout_engine: Literal["builtin", "sglang"] = _flag("builtin", "Inference server kind.")
-    rollout_num_engines: int = _flag(1, "Inference engines (one server process each).")
+    rollout_num_engines: int | None = _flag(
+        None, "Inference engines (one server process each); default: --rollout-num-gpus over "
+              "--rollout-num-gpus-per-engine, else 1.")
+    rollout_num_gpus: int | None = _flag(None, "GPUs of all inference engines (Miles' placement; sets --rollout-num-engines).")
     rollout_num_gpus_per_engine: int = _flag(1, "GPUs per engine (sglang tensor parallel size).")
     engine_max_running_requests: int = _flag(64, "Most requests an engine decodes at once.")
     sglang_router_ip: str | None = _flag(None, "Use a running sglang-router at this address.")
     sglang_router_port: int | None = _flag(None, "Port of the running router (with --sglang-router-ip).")
+    sglang_server_args: list[str] = _flag(
+        [], "Arguments for `sglang.launch_server`, collected from every other --sglang-NAME [VALUE] flag "
+            "(--sglang-mem-fraction-static 0.8 -> --mem-fraction-static 0.8).", nargs="*")
+    pause_generation_mode: Literal["abort", "retract", "in_place"] = _flag(
+        "retract", "How SGLang pauses in-flight requests for a weight update (Miles); the trainer does not pause engines.")
 
     # ---- rollout ----
     rollout_batch_size: int = _flag(8, "Prompt groups per optimizer step of an adapter (default of adapters).")
@@ -77,10 +108,17 @@ class MilesConfig:
     rollout_top_k: int = _flag(-1, "Top-k of sampling (-1: off).")
     rollout_stop: list[str] = _flag([], "Stop strings.", nargs="*")
     apply_chat_template: bool = _flag(False, "Apply the tokenizer's chat template to prompts.")
-    input_key: str = _flag("text", "Prompt key of dataset rows (default of adapters).")
-    label_key: str = _flag("label", "Label key of dataset rows (default of adapters).")
+    rollout_shuffle: bool = _flag(False, "Shuffle each adapter's prompts, anew every epoch (seeded by --rollout-seed).")
+    rollout_seed: int = _flag(42, "Seed of the prompt shuffle (--rollout-shuffle).")
+    rollout_max_prompt_len: int | None = _flag(
+        None, "Drop prompts longer than this many tokens when a dataset is read (before num_step is derived).")
+    input_key: str = _flag("input", "Prompt key of dataset rows for --prompt-data (adapters default to 'text', as Miles).")
+    label_key: str | None = _flag(None, "Label key of dataset rows (default of adapters; unset: no label).")
     metadata_key: str = _flag("metadata", "Metadata key of dataset rows (default of adapters).")
     rm_type: str | None = _flag(None, "Built-in reward (default of adapters), e.g. math, exact, f1.")
+    rm_url: str | None = _flag(None, "Reward server of --rm-type remote_rm, e.g. http://127.0.0.1:8000.")
+    reward_key: str | None = _flag(None, "Key of the score in a reward that returns a dict.")
+    group_rm: bool = _flag(False, "Reward a whole prompt group with one call of the custom reward.")
     custom_rm_path: str | None = _flag(None, "Dotted path to fn(args, sample) -> float (default of adapters).")
     dynamic_sampling_filter_path: str | None = _flag(None, "Dotted path to fn(args, samples) -> DynamicFilterOutput or bool keeping a group (default of adapters).")
     custom_generate_function_path: str | None = _flag(None, "Dotted path to async fn(input: GenerateFnInput) -> Sample replacing single-turn generation (default of adapters).")
@@ -93,16 +131,34 @@ class MilesConfig:
     min_lr: float = _flag(0.0, "Final learning rate of decaying schedules.")
     weight_decay: float = _flag(0.0, "AdamW weight decay (default of adapters).")
     lr_decay_style: Literal["constant", "linear", "cosine"] = _flag("constant", "LR schedule (default of adapters).")
-    lr_warmup_steps: int = _flag(0, "Warmup in optimizer steps (default of adapters).")
+    lr_warmup_steps: int = _flag(0, "Warmup in optimizer steps (default of adapters); Miles' --lr-warmup-iters.",
+                                 aliases=("--lr-warmup-iters",))
+    optimizer: Literal["adam"] = _flag("adam", "Optimizer: one Adam (decoupled weight decay) per adapter slot.")
     adam_beta1: float = _flag(0.9, "AdamW beta1.")
     adam_beta2: float = _flag(0.999, "AdamW beta2.")
     adam_eps: float = _flag(1e-8, "AdamW epsilon.")
     clip_grad: float = _flag(1.0, "Per-adapter gradient norm clip (0: off).")
-    eps_clip: float = _flag(0.2, "PPO clip range (lower).")
-    eps_clip_high: float | None = _flag(None, "PPO clip range (upper; default: --eps-clip).")
-    use_tis: bool = _flag(False, "Truncated importance sampling against the engine's logprobs.")
-    tis_clip: float = _flag(2.0, "Upper bound of the TIS weight.")
-    kl_coef: float = _flag(0.0, "KL penalty to the base model (slot switched off).")
+
+    # ---- loss and advantages (Miles' names and defaults; together they build `loss`) ----
+    advantage_estimator: str = _flag("grpo", "grpo, gspo, reinforce_plus_plus or reinforce_plus_plus_baseline.", loss=True)
+    disable_grpo_std_normalization: bool = _flag(False, "Dr. GRPO: centre group rewards without dividing by their std.", loss=True)
+    disable_rewards_normalization: bool = _flag(False, "Use raw rewards (no group centring).", loss=True)
+    normalize_advantages: bool = _flag(False, "Whiten advantages over the response tokens of an adapter's samples.", loss=True)
+    gamma: float = _flag(1.0, "Discount of the reinforce++ token rewards.", loss=True)
+    kl_coef: float = _flag(0.0, "KL penalty shaping the reward before the advantage (reinforce++ estimators only).", loss=True)
+    use_kl_loss: bool = _flag(False, "Add a KL-to-the-base-model term (slot switched off) to the loss.", loss=True)
+    kl_loss_coef: float = _flag(0.0, "Weight of the KL loss term (with --use-kl-loss).", loss=True)
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = _flag("k1", "KL estimator of the loss term.", loss=True)
+    use_unbiased_kl: bool = _flag(False, "Weight the KL term by the importance ratio.", loss=True)
+    entropy_coef: float = _flag(0.0, "Entropy bonus: the loss minus this times the token-mean entropy.", loss=True)
+    eps_clip: float = _flag(0.2, "PPO clip range (lower).", loss=True)
+    eps_clip_high: float | None = _flag(None, "PPO clip range (upper; default: --eps-clip).", loss=True)
+    eps_clip_c: float | None = _flag(None, "Dual-clip PPO lower bound for negative advantages (> 1).", loss=True)
+    use_tis: bool = _flag(False, "Truncated importance sampling against the engine's logprobs.", loss=True)
+    tis_clip: float = _flag(2.0, "Upper bound of the TIS weight.", loss=True)
+    tis_clip_low: float = _flag(0.0, "Lower bound of the TIS weight.", loss=True)
+    use_rollout_logprobs: bool = _flag(False, "Use the engine's logprobs as the old policy's.", loss=True)
+    custom_tis_function_path: str | None = _flag(None, "Dotted path of a custom TIS function (Miles' signature).", loss=True)
 
     # ---- drivers ----
     prompt_data: str | None = _flag(None, "train_async: dataset of the single policy (jsonl, json or parquet).")
@@ -114,6 +170,9 @@ class MilesConfig:
     run_dir: str | None = _flag(None, "Where metrics go (default: --save, else runs/latest).")
     use_wandb: bool = _flag(False, "Also log metrics to Weights & Biases.")
     wandb_project: str | None = _flag(None, "W&B project.")
+    wandb_group: str | None = _flag(None, "W&B run group.")
+    wandb_key: str | None = _flag(None, "W&B API key to log in with.")
+    disable_wandb_random_suffix: bool = _flag(False, "Name the W&B run without a random suffix.")
 
     # ---- multi-LoRA ----
     multi_lora_n_adapters: int = _flag(0, "Slots of the LoRA page table (0: multi-LoRA off).")
@@ -130,15 +189,53 @@ class MilesConfig:
     multi_lora_max_empty_wait_s: float = _flag(30.0, "Raise EmptyBatchTimeoutError after this long with nothing to train.")
     multi_lora_backend_path: str | None = _flag(None, "Dotted path of a MultiLoRABackend subclass.")
     multi_lora_http_server_path: str | None = _flag(None, "Dotted path of a MultiLoRAHTTPServer subclass.")
-    multi_lora_registry_path: str | None = _flag(None, "SQLite file the adapter registry is kept in (default: {--save or --run-dir}/controller/registry.sqlite; 'none': memory only).")
-    multi_lora_max_dataset_bytes: int = _flag(2 * 1024**3, "Largest dataset file a registration reads (400 above it).")
-    multi_lora_dataset_timeout_s: float = _flag(120.0, "Seconds a registration may spend reading its dataset (400 after).")
+
+    # ---- Megatron backend (kept for --train-backend megatron; no effect with torch) ----
+    megatron_to_hf_mode: str | None = _flag(None, "Megatron <-> HF weight conversion.", megatron=True)
+    tensor_model_parallel_size: int = _flag(1, "Megatron tensor-parallel size.", megatron=True)
+    pipeline_model_parallel_size: int = _flag(1, "Megatron pipeline-parallel size (multi-LoRA needs 1).", megatron=True)
+    context_parallel_size: int = _flag(1, "Megatron context-parallel size.", megatron=True)
+    expert_model_parallel_size: int = _flag(1, "Megatron expert-parallel size.", megatron=True)
+    expert_tensor_parallel_size: int | None = _flag(None, "Megatron expert tensor-parallel size.", megatron=True)
+    sequence_parallel: bool = _flag(False, "Megatron sequence parallelism.", megatron=True)
+    use_dynamic_batch_size: bool = _flag(False, "Micro-batches packed to --max-tokens-per-gpu tokens.", megatron=True)
+    max_tokens_per_gpu: int | None = _flag(None, "Token budget of a micro-batch (--use-dynamic-batch-size).", megatron=True)
+    attention_dropout: float | None = _flag(None, "Megatron attention dropout.", megatron=True)
+    hidden_dropout: float | None = _flag(None, "Megatron hidden dropout.", megatron=True)
+    accumulate_allreduce_grads_in_fp32: bool = _flag(False, "Megatron gradient accumulation in fp32.", megatron=True)
+    attention_softmax_in_fp32: bool = _flag(False, "Megatron attention softmax in fp32.", megatron=True)
+    attention_backend: str | None = _flag(None, "Megatron attention backend.", megatron=True)
+    # Megatron model shape (the torch backend reads the shape from --hf-checkpoint)
+    num_layers: int | None = _flag(None, "Megatron model: layers.", megatron=True)
+    hidden_size: int | None = _flag(None, "Megatron model: hidden size.", megatron=True)
+    ffn_hidden_size: int | None = _flag(None, "Megatron model: MLP size.", megatron=True)
+    num_attention_heads: int | None = _flag(None, "Megatron model: attention heads.", megatron=True)
+    group_query_attention: bool = _flag(False, "Megatron model: grouped-query attention.", megatron=True)
+    num_query_groups: int | None = _flag(None, "Megatron model: query groups.", megatron=True)
+    kv_channels: int | None = _flag(None, "Megatron model: channels per head.", megatron=True)
+    swiglu: bool = _flag(False, "Megatron model: SwiGLU MLP.", megatron=True)
+    use_rotary_position_embeddings: bool = _flag(False, "Megatron model: rotary embeddings.", megatron=True)
+    rotary_base: int | None = _flag(None, "Megatron model: rotary base.", megatron=True)
+    disable_bias_linear: bool = _flag(False, "Megatron model: no linear biases.", megatron=True)
+    normalization: str | None = _flag(None, "Megatron model: normalization (e.g. RMSNorm).", megatron=True)
+    norm_epsilon: float | None = _flag(None, "Megatron model: normalization epsilon.", megatron=True)
+    qk_layernorm: bool = _flag(False, "Megatron model: query/key layer norm.", megatron=True)
+    vocab_size: int | None = _flag(None, "Megatron model: vocabulary size.", megatron=True)
+
+    loss: LossSettings = field(init=False, repr=False, compare=False, metadata={"derived": True})
+    """The loss and advantage flags as one `LossSettings` (adapters may override keys)."""
     multi_lora_registry_path: str | None = _flag(None, "SQLite file the adapter registry is kept in (default: {--save or --run-dir}/controller/registry.sqlite; 'none': memory only).")
     multi_lora_max_dataset_bytes: int = _flag(2 * 1024**3, "Largest dataset file a registration reads (400 above it).")
     multi_lora_dataset_timeout_s: float = _flag(120.0, "Seconds a registration may spend reading its dataset (400 after).")
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        try:  # before eps_clip_high is filled, so an adapter's eps_clip still moves its upper bound
+            set_("loss", LossSettings.from_flags(**{name: getattr(self, name) for name in LOSS_FLAGS}))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        set_("actor_num_workers", self._placed_train_ranks())
+        set_("rollout_num_engines", self._placed_engines())
         if self.global_batch_size is None:
             set_("global_batch_size", self.rollout_batch_size * self.n_samples_per_prompt)
         if self.multi_lora_max_adapter_global_batch_size is None:
@@ -149,6 +246,46 @@ class MilesConfig:
             set_("multi_lora_api_token", os.environ["MILES_API_TOKEN"])
         set_("multi_lora_adapter", [tuple(pair) for pair in self.multi_lora_adapter])
         self._validate()
+
+    def _placed_train_ranks(self) -> int:
+        """`--actor-num-workers`, else Miles' placement: nodes x GPUs per node over the
+        Megatron model-parallel size (1 for the torch backend), else 1."""
+        if self.actor_num_nodes is None and self.actor_num_gpus_per_node is None:
+            return 1 if self.actor_num_workers is None else self.actor_num_workers
+        world = (self.actor_num_nodes or 1) * (self.actor_num_gpus_per_node or 1)
+        model_parallel = 1
+        if self.train_backend == "megatron":
+            model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        if world <= 0 or world % model_parallel:
+            raise ConfigError(
+                f"--actor-num-nodes x --actor-num-gpus-per-node = {world} is not a positive multiple of "
+                f"the model-parallel size {model_parallel} (tensor x pipeline x context)"
+            )
+        ranks = world // model_parallel
+        if self.actor_num_workers is not None and self.actor_num_workers != ranks:
+            raise ConfigError(
+                f"--actor-num-workers {self.actor_num_workers} disagrees with --actor-num-nodes x "
+                f"--actor-num-gpus-per-node ({ranks} data-parallel ranks); give one or the other"
+            )
+        return ranks
+
+    def _placed_engines(self) -> int:
+        """`--rollout-num-engines`, else Miles' `--rollout-num-gpus / --rollout-num-gpus-per-engine`, else 1."""
+        if self.rollout_num_gpus is None:
+            return 1 if self.rollout_num_engines is None else self.rollout_num_engines
+        per_engine = self.rollout_num_gpus_per_engine
+        if self.rollout_num_gpus <= 0 or per_engine <= 0 or self.rollout_num_gpus % per_engine:
+            raise ConfigError(
+                f"--rollout-num-gpus {self.rollout_num_gpus} must be a positive multiple of "
+                f"--rollout-num-gpus-per-engine {per_engine}"
+            )
+        engines = self.rollout_num_gpus // per_engine
+        if self.rollout_num_engines is not None and self.rollout_num_engines != engines:
+            raise ConfigError(
+                f"--rollout-num-engines {self.rollout_num_engines} disagrees with --rollout-num-gpus / "
+                f"--rollout-num-gpus-per-engine ({engines} engines); give one or the other"
+            )
+        return engines
 
     def _validate(self) -> None:
         positive = ["actor_num_workers", "rollout_num_engines", "lora_rank", "rollout_batch_size",
@@ -171,6 +308,18 @@ class MilesConfig:
             raise ConfigError("--max-weight-staleness must be >= 0")
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:
             raise ConfigError("--micro-batch-size must be > 0")
+        if self.rollout_max_prompt_len is not None and self.rollout_max_prompt_len <= 0:
+            raise ConfigError("--rollout-max-prompt-len must be > 0 (leave it out to keep every prompt)")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.train_backend == "megatron" and self.multi_lora_n_adapters > 0 and self.pipeline_model_parallel_size != 1:
+            raise ConfigError("multi-LoRA needs --pipeline-model-parallel-size 1 (no rank would hold a whole adapter)")
+        for token in self.sglang_server_args:
+            if token.startswith("--") and token[2:].replace("-", "_") in SGLANG_ARGS_SET_BY_TRAINER:
+                raise ConfigError(
+                    f"--sglang-{token[2:]} is set by the trainer "
+                    f"(from {SGLANG_ARGS_SET_BY_TRAINER[token[2:].replace('-', '_')]}); use that flag instead"
+                )
         names = [name for name, _ in self.multi_lora_adapter] + [Path(p).stem for p in self.multi_lora_adapters]
         if len(set(names)) != len(names):
             raise ConfigError(f"adapter names given at start must be unique, got {names}")
@@ -247,8 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None, help="YAML file of flag values; command-line flags win.")
     hints = typing.get_type_hints(MilesConfig)
     for f in dataclasses.fields(MilesConfig):
-        meta = dict(f.metadata)
+        if f.metadata.get("derived"):
+            continue
+        meta = {k: v for k, v in f.metadata.items() if k not in ("loss", "megatron")}
         help_text = meta.pop("help")
+        aliases = meta.pop("aliases", ())
         elem, _ = _base_type(hints[f.name])
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, "default": argparse.SUPPRESS}
         if hints[f.name] is bool:
@@ -259,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
             if choices:
                 kwargs["choices"] = choices
             kwargs.update(meta)
-        parser.add_argument(f"--{_flag_name(f.name)}", **kwargs)
+        parser.add_argument(f"--{_flag_name(f.name)}", *aliases, **kwargs)
     return parser
 
 
@@ -272,22 +424,89 @@ def _load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: not valid YAML ({exc})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
-    known = {f.name for f in dataclasses.fields(MilesConfig)}
-    values = {}
+    known = _flag_fields()
+    values: dict[str, Any] = {}
+    sglang_args: list[str] = []
     for key, value in data.items():
         name = str(key).lstrip("-").replace("-", "_")
+        name = FLAG_ALIASES.get(name, name)
+        if name not in known and name.startswith("sglang_"):
+            sglang_args += _sglang_tokens(name.removeprefix("sglang_"), value)
+            continue
         if name not in known:
             raise ConfigError(f"--config {path}: unknown flag {key!r}")
         values[name] = value
+    if sglang_args:
+        values["sglang_server_args"] = [*values.get("sglang_server_args", []), *sglang_args]
     if "multi_lora_adapter" in values and isinstance(values["multi_lora_adapter"], dict):
         values["multi_lora_adapter"] = list(values["multi_lora_adapter"].items())
     return check_types(values, source=f"--config {path}: ")
 
 
+FLAG_ALIASES = {"lr_warmup_iters": "lr_warmup_steps"}
+"""Miles' names of flags that keep our name as their field (`--lr-warmup-iters`)."""
+
+
+def _flag_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(MilesConfig) if not f.metadata.get("derived")}
+
+
+def _sglang_tokens(name: str, value: Any) -> list[str]:
+    """`--NAME VALUE` for SGLang (a bare flag when True, nothing when False)."""
+    flag = "--" + name.replace("_", "-")
+    if value is True or value is None:
+        return [flag]
+    if value is False:
+        return []
+    if isinstance(value, list):
+        return [flag, *map(str, value)]
+    return [flag, str(value)]
+
+
+def split_sglang_args(unknown: list[str]) -> tuple[list[str], list[str]]:
+    """(SGLang server argv, tokens that are not `--sglang-*`) from argparse's leftovers.
+
+    `--sglang-NAME [VALUE ...]` becomes `--NAME [VALUE ...]`: the values are the tokens up
+    to the next `--flag`; `--sglang-NAME=VALUE` works too.
+    """
+    server, rest = [], []
+    owner = None
+    for token in unknown:
+        if token.startswith(SGLANG_FLAG_PREFIX):
+            name, eq, value = token[len(SGLANG_FLAG_PREFIX):].partition("=")
+            server += [f"--{name}"] + ([value] if eq else [])
+            owner = server
+        elif token.startswith("--"):
+            rest.append(token)
+            owner = rest
+        elif owner is not None:
+            owner.append(token)
+        else:
+            rest.append(token)
+    return server, rest
+
+
+def drop_overridden_sglang_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without the arguments in SGLANG_ARGS_OVERRIDDEN, warning lines naming them)."""
+    kept, warnings, skipping = [], [], False
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].replace("-", "_")
+            skipping = name in SGLANG_ARGS_OVERRIDDEN
+            if skipping:
+                warnings.append(f"--sglang-{token[2:]} has no effect: the engines' value comes from "
+                                f"{SGLANG_ARGS_OVERRIDDEN[name]} (as in Miles)")
+                continue
+        if not skipping:
+            kept.append(token)
+    return kept, warnings
+
+
 @functools.cache
 def _field_types() -> dict[str, tuple[Any, TypeAdapter[Any]]]:
     hints = typing.get_type_hints(MilesConfig)
-    return {f.name: (hints[f.name], TypeAdapter(hints[f.name])) for f in dataclasses.fields(MilesConfig)}
+    return {f.name: (hints[f.name], TypeAdapter(hints[f.name]))
+            for f in dataclasses.fields(MilesConfig) if not f.metadata.get("derived")}
 
 
 def _type_name(hint: Any) -> str:
@@ -321,15 +540,84 @@ def config_from_dict(values: dict[str, Any]) -> MilesConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> MilesConfig:
-    """Parse flags (and `--config`); exit 2 with one clear line when invalid."""
+    """Parse flags (and `--config`); exit 2 with one clear line when invalid.
+
+    Every flag given that has no effect in this configuration is logged as one warning
+    line naming it (`inert_flag_warnings`)."""
     parser = build_parser()
-    namespace = parser.parse_args(argv)
+    namespace, unknown = parser.parse_known_args(argv)
+    sglang_args, rest = split_sglang_args(unknown)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         values = _load_config_file(namespace.config) if namespace.config else {}
         values.update({k: v for k, v in vars(namespace).items() if k != "config"})
-        return config_from_dict(values)
+        if sglang_args:
+            values["sglang_server_args"] = [*values.get("sglang_server_args", []), *sglang_args]
+        kept, warnings = drop_overridden_sglang_args(list(values.get("sglang_server_args", [])))
+        if "sglang_server_args" in values:
+            values["sglang_server_args"] = kept
+        cfg = config_from_dict(values)
     except ConfigError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    for line in warnings + inert_flag_warnings(cfg, set(values)):
+        logger.warning(line)
+    return cfg
+
+
+TORCH_TRAINER_LOSS_FLAGS = frozenset({"eps_clip", "eps_clip_high", "use_tis", "tis_clip"})
+"""Loss flags the torch train actors apply today (`LossConfig`: GRPO advantages, PPO clip,
+TIS cap, and the KL term with `--use-kl-loss --kl-loss-type k3`); the other loss flags
+are accepted, kept in `cfg.loss`, and warned about when set away from their default."""
+
+
+def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
+    """One line per flag in `given` (field names) that has no effect with `cfg`."""
+    fields = {f.name: f for f in dataclasses.fields(MilesConfig)}
+    out = []
+
+    def warn(name: str, why: str) -> None:
+        out.append(f"--{_flag_name(name)} has no effect: {why}")
+
+    defaults = LossSettings().flags()
+    for name in sorted(given):
+        f = fields.get(name)
+        if f is None:
+            continue
+        value = getattr(cfg, name)
+        if name in ("use_dynamic_batch_size", "max_tokens_per_gpu") and cfg.train_backend != "megatron":
+            warn(name, "the torch backend's micro-batches are --micro-batch-size samples, not a token budget")
+        elif f.metadata.get("megatron") and cfg.train_backend != "megatron":
+            warn(name, f"it configures the Megatron backend, and this run uses --train-backend {cfg.train_backend}")
+        elif name == "sglang_server_args" and value and cfg.rollout_engine != "sglang":
+            for token in (t for t in value if t.startswith("--")):
+                out.append(f"--sglang-{token[2:]} has no effect: it is an SGLang server argument, and this run "
+                           f"uses --rollout-engine {cfg.rollout_engine}")
+        elif name == "lora_dropout" and value != 0:
+            warn(name, "the slot LoRA layers apply no dropout")
+        elif name == "pause_generation_mode":
+            warn(name, "the trainer does not pause the engines for a weight update")
+        elif name == "num_rollout" and cfg.multi_lora_n_adapters > 0:
+            warn(name, "in multi-LoRA training each adapter stops at its own num_step (as in Miles)")
+        elif name in ("reward_key", "group_rm") and value:
+            warn(name, "the rollout producer scores each sample with compute_reward and does not apply it yet")
+        elif name in ("wandb_group", "wandb_key", "disable_wandb_random_suffix") and value:
+            warn(name, "the metrics logger does not pass it to W&B yet" if cfg.use_wandb else "--use-wandb is not set")
+        elif name == "wandb_project" and not cfg.use_wandb:
+            warn(name, "--use-wandb is not set")
+        elif name == "rm_url" and value and cfg.rm_type != "remote_rm":
+            pass  # adapters may still name remote_rm as their rm_type
+        elif name == "kl_loss_coef" and value and not cfg.loss.use_kl_loss:
+            warn(name, "the KL loss term needs --use-kl-loss")
+        elif name == "kl_coef" and value and not cfg.loss.advantage_estimator.startswith("reinforce_plus_plus"):
+            warn(name, f"KL reward shaping is used by the reinforce++ estimators only, not {cfg.loss.advantage_estimator}")
+        elif f.metadata.get("loss") and cfg.train_backend == "torch" and cfg.loss.flags()[name] != defaults[name]:
+            if name in TORCH_TRAINER_LOSS_FLAGS:
+                continue
+            if name in ("use_kl_loss", "kl_loss_coef", "kl_loss_type") and cfg.loss.kl_loss_type == "k3":
+                continue
+            warn(name, "the torch train actors do not apply it yet (see docs/MILES_COMPAT.md)")
+    return out
 
 
 if __name__ == "__main__":  # pragma: no cover - manual inspection

@@ -219,7 +219,8 @@ class AdapterStatus(BaseModel):
     n_samples_per_prompt: int
     save: str
     input_key: str
-    label_key: str
+    label_key: str | None
+    """None: the adapter's rows carry no label."""
     metadata_key: str
     rm_type: str | None
     custom_rm_path: str | None
@@ -232,6 +233,8 @@ class AdapterStatus(BaseModel):
     weight_decay: float
     lr_decay_style: str
     lr_warmup_steps: int
+    loss: dict[str, Any] | None = None
+    """Every loss flag of the adapter, by Miles' flag name."""
 
 
 # --------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from miles.utils.adapter_config import (
     validate_adapter_name,
 )
 from miles.utils.arguments import config_from_dict
+from miles.utils.loss_settings import LossSettings
 from miles.utils.types import AdapterStatus
 
 
@@ -64,7 +65,7 @@ def test_defaults_come_from_the_process_config(tmp_path: Path, data_file: Path) 
         data=str(data_file.resolve()), rank=32, alpha=64.0, rollout_batch_size=6, n_samples_per_prompt=4,
         save=(tmp_path / "out" / "adapters" / "alpha").resolve(), input_key="question", label_key="answer",
         metadata_key="meta", rm_type=None, custom_rm_path=None, num_step=None, num_epoch=None, metadata={},
-        lr=3e-5, weight_decay=0.1, lr_decay_style="cosine", lr_warmup_steps=5,
+        lr=3e-5, weight_decay=0.1, lr_decay_style="cosine", lr_warmup_steps=5, loss=LossSettings().flags(),
     )
     assert resolved.adapter_global_batch_size == 24
 

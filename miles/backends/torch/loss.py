@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from miles.utils.arguments import MilesConfig
+from miles.utils.loss_settings import KL_LOSS_TYPES, LossSettings
 from miles.utils.plugins import PluginError, load_object
 
 GRPO_STD_EPS = 1e-6
@@ -66,13 +67,13 @@ class LossConfig:
 
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> LossConfig:
-        return cls(
-            eps_clip=cfg.eps_clip,
-            eps_clip_high=cfg.eps_clip_high if cfg.eps_clip_high is not None else cfg.eps_clip,
-            use_tis=cfg.use_tis,
-            tis_clip=cfg.tis_clip,
-            kl_coef=cfg.kl_coef,
-        )
+        """The part of `cfg.loss` this loss applies: PPO clip, TIS cap and the k3 KL term
+        (`--use-kl-loss --kl-loss-type k3 --kl-loss-coef X`); the command line warns about
+        the other loss flags (`miles.utils.arguments.inert_flag_warnings`)."""
+        s = cfg.loss
+        use_k3_kl = s.use_kl_loss and s.kl_loss_type == "k3"
+        return cls(eps_clip=s.eps_clip, eps_clip_high=s.clip_high, use_tis=s.use_tis, tis_clip=s.tis_clip,
+                   kl_coef=s.kl_loss_coef if use_k3_kl else 0.0)
 
 
 @dataclass
@@ -156,98 +157,11 @@ def policy_loss(
 # loss it would get in a batch of its adapter alone.
 # ---------------------------------------------------------------------------
 
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOG_RATIO_CLAMP = 20.0
 """|log ratio| bound before `exp` in the PPO ratio and in `low_var_kl` (as Miles)."""
 LOW_VAR_KL_CLAMP = 10.0
 """`low_var_kl` is clamped to [-10, 10] per token (as Miles); the other estimators are not."""
 WHITEN_EPS = 1e-8
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """One adapter's loss and advantage settings, with Miles' flag names and defaults.
-
-    `eps_clip_high=None` means `eps_clip`. `grpo_std_normalization` is False under
-    `--disable-grpo-std-normalization` (Dr. GRPO) and `rewards_normalization` False under
-    `--disable-rewards-normalization`. `kl_coef` shapes the reward before the advantage
-    (Miles' `--kl-coef`, used by the reinforce++ estimators); `kl_loss_coef` weights the KL
-    term of the loss (`--use-kl-loss`). Validation repeats Miles' checks.
-    """
-
-    advantage_estimator: str = "grpo"
-    grpo_std_normalization: bool = True
-    rewards_normalization: bool = True
-    normalize_advantages: bool = False
-    gamma: float = 1.0
-    kl_coef: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "k1"
-    use_unbiased_kl: bool = False
-    entropy_coef: float = 0.0
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None
-    eps_clip_c: float | None = None
-    use_tis: bool = False
-    tis_clip: float = 2.0
-    tis_clip_low: float = 0.0
-    use_rollout_logprobs: bool = False
-    custom_tis_function_path: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"--advantage-estimator {self.advantage_estimator!r} is not supported; "
-                f"choose one of {', '.join(ADVANTAGE_ESTIMATORS)}"
-            )
-        if self.kl_loss_type not in KL_LOSS_TYPES:
-            raise ValueError(f"--kl-loss-type {self.kl_loss_type!r} is not one of {', '.join(KL_LOSS_TYPES)}")
-        if self.eps_clip < 0 or (self.eps_clip_high is not None and self.eps_clip_high < 0):
-            raise ValueError("--eps-clip and --eps-clip-high must be >= 0")
-        if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
-            raise ValueError(f"--eps-clip-c is the lower bound of dual-clip PPO and must be > 1.0, got {self.eps_clip_c}")
-        if self.kl_coef != 0 and self.kl_loss_coef != 0:
-            raise ValueError("only one of --kl-coef (reward shaping) and --kl-loss-coef (loss term) can be set")
-        if self.advantage_estimator.startswith("reinforce_plus_plus") and not self.normalize_advantages:
-            raise ValueError(
-                f"--advantage-estimator {self.advantage_estimator} requires advantage normalization: "
-                "add --normalize-advantages"
-            )
-        if self.use_rollout_logprobs and self.use_tis:
-            raise ValueError("--use-rollout-logprobs and --use-tis cannot be set at the same time")
-        if self.tis_clip <= 0 or self.tis_clip_low < 0 or self.tis_clip_low > self.tis_clip:
-            raise ValueError("TIS needs 0 <= --tis-clip-low <= --tis-clip and --tis-clip > 0")
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"--gamma must be in [0, 1], got {self.gamma}")
-
-    @property
-    def clip_high(self) -> float:
-        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
-
-    @property
-    def needs_ref_logprobs(self) -> bool:
-        """The base model's logprobs are needed: for the KL loss or for KL reward shaping
-        (which only the reinforce++ estimators use)."""
-        return self.use_kl_loss or (self.kl_coef != 0 and self.advantage_estimator.startswith("reinforce_plus_plus"))
-
-    @property
-    def needs_rollout_logprobs(self) -> bool:
-        return self.use_tis or self.use_rollout_logprobs
-
-    @classmethod
-    def from_loss_config(cls, config: LossConfig) -> LossSettings:
-        """The settings that `policy_loss(config=...)` implements (k3 KL term, TIS cap only)."""
-        return cls(
-            eps_clip=config.eps_clip,
-            eps_clip_high=config.eps_clip_high,
-            use_tis=config.use_tis,
-            tis_clip=config.tis_clip,
-            use_kl_loss=config.kl_coef > 0,
-            kl_loss_coef=config.kl_coef,
-            kl_loss_type="k3",
-        )
 
 
 # --- KL estimators ----------------------------------------------------------
