@@ -1,45 +1,234 @@
-"""Which flags of Miles' multi-LoRA example our command line takes today, with their values."""
+"""Miles' multi-LoRA command line parses here and means what it means in Miles.
+
+Every flag of the example (`miles_multi_lora_flags.py`, with the Miles commit) lands in the
+typed config with the example's value; the flags that configure a component reach it (the
+SGLang server arguments the SGLang command, the placement flags the rank and engine
+counts); every flag without effect in the run is named by exactly one warning line.
+"""
 
 from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from miles_multi_lora_flags import (
     BOUNDED_ARGV,
     MILES_ADAPTER_YAMLS,
+    MODEL_ARGV,
     SERVICE_ARGV,
     WANDB_ARGV,
     flag_names,
-    split_flags,
 )
 
+from miles.backends.torch.loss import LossConfig
+from miles.rollout.engines.server_command import EngineServerConfig, build_sglang_command
 from miles.rollout.rewards import validate_reward_spec
 from miles.utils.adapter_config import AdapterRunConfig
-from miles.utils.arguments import build_parser
+from miles.utils.arguments import build_parser, inert_flag_warnings, parse_args
+from miles.utils.loss_settings import LossSettings
 
-ACCEPTED_TODAY = [
-    "--hf-checkpoint", "--lora-rank", "--lora-alpha", "--target-modules", "--multi-lora-n-adapters",
-    "--multi-lora-idle-poll-s", "--multi-lora-adapter", "--multi-lora-disable-service-mode", "--multi-lora-api-port",
-    "--max-weight-staleness", "--use-tis", "--apply-chat-template", "--num-rollout", "--rollout-batch-size",
-    "--n-samples-per-prompt", "--rollout-max-response-len", "--rollout-temperature", "--global-batch-size",
-    "--kl-coef", "--eps-clip", "--eps-clip-high", "--lr", "--lr-decay-style", "--weight-decay", "--adam-beta1",
-    "--adam-beta2", "--rollout-num-gpus-per-engine", "--save", "--save-interval", "--use-wandb", "--wandb-project",
-]
-"""Flags with these names parse today (`--kl-coef` is our KL-loss coefficient, not Miles'
-reward shaping: see docs/MILES_COMPAT.md)."""
+SGLANG_FLAGS = Path(__file__).parents[1] / "rollout" / "engines" / "sglang_0_5_23_server_flags.json"
+
+EXPECTED = {
+    "hf_checkpoint": "/root/models/Qwen3-4B", "megatron_to_hf_mode": "bridge",
+    "lora_rank": 32, "lora_alpha": 32.0, "lora_dropout": 0.0, "target_modules": "all-linear",
+    "multi_lora_n_adapters": 4, "multi_lora_idle_poll_s": 5.0,
+    "multi_lora_adapter": [("dapo_math", "examples/multi_lora/adapters/dapo_math.yaml"),
+                           ("gsm8k", "examples/multi_lora/adapters/gsm8k.yaml")],
+    "multi_lora_disable_service_mode": True,
+    "pause_generation_mode": "in_place", "max_weight_staleness": 3, "use_tis": True,
+    "apply_chat_template": True, "rollout_shuffle": True, "num_rollout": 50, "rollout_batch_size": 32,
+    "n_samples_per_prompt": 8, "rollout_max_response_len": 4096, "rollout_temperature": 1.0,
+    "global_batch_size": 256,
+    "advantage_estimator": "grpo", "kl_loss_coef": 0.0, "kl_coef": 0.0, "entropy_coef": 0.0,
+    "eps_clip": 0.2, "eps_clip_high": 0.28,
+    "optimizer": "adam", "lr": 1e-5, "lr_decay_style": "constant", "weight_decay": 0.1,
+    "adam_beta1": 0.9, "adam_beta2": 0.98,
+    "tensor_model_parallel_size": 2, "sequence_parallel": True, "pipeline_model_parallel_size": 1,
+    "context_parallel_size": 1, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
+    "use_dynamic_batch_size": True, "max_tokens_per_gpu": 9216,
+    "rollout_num_gpus_per_engine": 1, "sglang_server_args": ["--mem-fraction-static", "0.8"],
+    "actor_num_nodes": 1, "actor_num_gpus_per_node": 4, "rollout_num_gpus": 4,
+    "save": "/tmp/multi_lora", "save_interval": 5,
+    "attention_dropout": 0.0, "hidden_dropout": 0.0, "accumulate_allreduce_grads_in_fp32": True,
+    "attention_softmax_in_fp32": True, "attention_backend": "flash",
+    "use_wandb": True, "wandb_project": "miles-run_multi_lora", "wandb_group": "RUN_ID",
+    "wandb_key": "WANDB_API_KEY", "disable_wandb_random_suffix": True,
+    "swiglu": True, "num_layers": 36, "hidden_size": 2560, "ffn_hidden_size": 9728, "num_attention_heads": 32,
+    "group_query_attention": True, "num_query_groups": 8, "use_rotary_position_embeddings": True,
+    "disable_bias_linear": True, "normalization": "RMSNorm", "norm_epsilon": 1e-6, "rotary_base": 1000000,
+    "vocab_size": 151936, "kv_channels": 128, "qk_layernorm": True,
+}
+"""Each flag of the bounded example (+ W&B + model shape) as the field it sets, with its value."""
+
+NO_EFFECT_WITH_TORCH = {
+    # Megatron backend (this run trains with --train-backend torch)
+    "--megatron-to-hf-mode", "--tensor-model-parallel-size", "--sequence-parallel", "--pipeline-model-parallel-size",
+    "--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    "--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", *[f for f in flag_names(MODEL_ARGV)],
+    # token-budget micro-batches, engine pausing, a run length that multi-LoRA does not use
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "--pause-generation-mode", "--num-rollout",
+    # SGLang server argument with the builtin engine
+    "--sglang-mem-fraction-static",
+    # W&B naming and login, not passed to W&B yet
+    "--wandb-group", "--wandb-key", "--disable-wandb-random-suffix",
+}
+
+
+def example_argv() -> list[str]:
+    return BOUNDED_ARGV + WANDB_ARGV + MODEL_ARGV
 
 
 def test_the_example_uses_these_flags():
     names = flag_names(BOUNDED_ARGV + SERVICE_ARGV + WANDB_ARGV)
     assert len(names) == 59 and len(set(names)) == 59
-    assert set(ACCEPTED_TODAY) <= set(names)
+    assert len(flag_names(MODEL_ARGV)) == 15
+    assert {"--" + k.replace("_", "-") for k in EXPECTED} | {"--mem-fraction-static"} >= set(
+        flag_names(example_argv())) - {"--sglang-mem-fraction-static"}
 
 
-def test_flags_accepted_today_parse_with_the_example_values():
-    pieces = [p for p in split_flags(BOUNDED_ARGV + SERVICE_ARGV + WANDB_ARGV) if p[0] in ACCEPTED_TODAY]
-    argv = [token for piece in pieces for token in piece]
-    namespace, unknown = build_parser().parse_known_args(argv)
-    assert unknown == []
-    assert (namespace.eps_clip, namespace.eps_clip_high, namespace.rollout_batch_size) == (0.2, 0.28, 32)
+def test_every_flag_of_the_example_lands_in_the_typed_config():
+    cfg = parse_args(example_argv())
+    assert {name: getattr(cfg, name) for name in EXPECTED} == EXPECTED
+    # --kl-coef is Miles' reward shaping; the loss flags build one LossSettings
+    assert cfg.loss == LossSettings(eps_clip=0.2, eps_clip_high=0.28, use_tis=True)
+    # Miles' placement: 1 node x 4 GPUs of data-parallel torch ranks, 4 GPUs / 1 per engine
+    assert (cfg.actor_num_workers, cfg.rollout_num_engines) == (4, 4)
+
+
+def test_the_service_command_line_parses_too():
+    cfg = parse_args(SERVICE_ARGV)
+    assert cfg.multi_lora_api_port == 8068 and cfg.initial_adapters == []
+
+
+def test_each_flag_without_effect_is_named_by_exactly_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="miles.utils.arguments"):
+        parse_args(example_argv())
+    lines = [r.getMessage() for r in caplog.records if r.name == "miles.utils.arguments"]
+    named = [line.split(" has no effect: ")[0] for line in lines]
+    assert all(" has no effect: " in line for line in lines)
+    assert sorted(named) == sorted(NO_EFFECT_WITH_TORCH)  # once each, and no flag that has an effect
+
+
+def test_megatron_flags_are_kept_quietly_for_the_megatron_backend():
+    cfg = parse_args(example_argv() + ["--train-backend", "megatron"])
+    warned = {line.split(" has no effect")[0] for line in inert_flag_warnings(cfg, set(EXPECTED) | {"train_backend"})}
+    assert "--tensor-model-parallel-size" not in warned and "--num-layers" not in warned
+    # data-parallel ranks = 4 GPUs / (tensor 2 x pipeline 1 x context 1)
+    assert (cfg.tensor_model_parallel_size, cfg.actor_num_workers) == (2, 2)
+
+
+def test_sglang_server_arguments_reach_the_sglang_command():
+    argv = ["--hf-checkpoint", "/m", "--rollout-engine", "sglang", "--sglang-mem-fraction-static", "0.8",
+            "--sglang-enable-torch-compile", "--sglang-chunked-prefill-size=4096"]
+    cfg = parse_args(argv)
+    assert inert_flag_warnings(cfg, {"sglang_server_args", "rollout_engine", "hf_checkpoint"}) == []
+    command = build_sglang_command(EngineServerConfig.from_config(cfg), "127.0.0.1", 30000)
+    forwarded = ["--mem-fraction-static", "0.8", "--enable-torch-compile", "--chunked-prefill-size", "4096"]
+    assert command[-len(forwarded):] == forwarded
+    known = json.loads(SGLANG_FLAGS.read_text())["flags"]
+    assert all(token in known for token in forwarded if token.startswith("--"))
+    builtin = EngineServerConfig.from_config(parse_args(argv[:2] + argv[4:]))
+    assert builtin.extra_args == ()  # the builtin engine is not SGLang: warned, not passed
+
+
+def test_sglang_arguments_from_a_config_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("sglang_mem_fraction_static: 0.7\nsglang-enable-torch-compile: true\n")
+    cfg = parse_args(["--config", str(path), "--sglang-max-prefill-tokens", "8192"])
+    assert cfg.sglang_server_args == ["--mem-fraction-static", "0.7", "--enable-torch-compile",
+                                      "--max-prefill-tokens", "8192"]
+
+
+def test_sglang_tp_size_is_overridden_as_in_miles_and_trainer_owned_arguments_are_refused(caplog, capsys):
+    with caplog.at_level(logging.WARNING, logger="miles.utils.arguments"):
+        cfg = parse_args(["--rollout-engine", "sglang", "--sglang-tp-size", "4", "--sglang-mem-fraction-static", "0.5"])
+    assert cfg.sglang_server_args == ["--mem-fraction-static", "0.5"]
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["--sglang-tp-size has no effect"]
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--rollout-engine", "sglang", "--sglang-model-path", "/other"])
+    assert exc.value.code == 2
+    assert "--sglang-model-path is set by the trainer (from --hf-checkpoint)" in capsys.readouterr().err
+
+
+def test_unknown_flags_still_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--no-such-flag", "1"])
+    assert exc.value.code == 2 and "unrecognized arguments: --no-such-flag 1" in capsys.readouterr().err
+
+
+def test_kl_coef_is_reward_shaping_and_the_kl_loss_is_use_kl_loss():
+    shaped = parse_args(["--advantage-estimator", "reinforce_plus_plus", "--normalize-advantages", "--kl-coef", "0.1"])
+    assert shaped.loss.kl_coef == 0.1 and shaped.loss.needs_ref_logprobs and not shaped.loss.use_kl_loss
+    assert LossConfig.from_config(shaped).kl_coef == 0.0  # no KL term in the loss
+    kl_loss = parse_args(["--use-kl-loss", "--kl-loss-type", "k3", "--kl-loss-coef", "0.05"])
+    assert LossConfig.from_config(kl_loss).kl_coef == 0.05 and kl_loss.loss.kl_coef == 0.0
+
+
+@pytest.mark.parametrize("argv, warned", [
+    (["--kl-coef", "0.1"], "--kl-coef has no effect: KL reward shaping is used by the reinforce++ estimators only"),
+    (["--kl-loss-coef", "0.1"], "--kl-loss-coef has no effect: the KL loss term needs --use-kl-loss"),
+    (["--use-kl-loss", "--kl-loss-coef", "0.1"], "--use-kl-loss has no effect: the torch train actors"),
+    (["--entropy-coef", "0.01"], "--entropy-coef has no effect: the torch train actors do not apply it yet"),
+    (["--lora-dropout", "0.1"], "--lora-dropout has no effect: the slot LoRA layers apply no dropout"),
+    (["--wandb-project", "p"], "--wandb-project has no effect: --use-wandb is not set"),
+])
+def test_a_flag_set_without_effect_warns_once(caplog, argv, warned):
+    with caplog.at_level(logging.WARNING, logger="miles.utils.arguments"):
+        parse_args(argv)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(line.startswith(warned) for line in lines) == 1, lines
+
+
+def test_flags_with_an_effect_do_not_warn(caplog):
+    with caplog.at_level(logging.WARNING, logger="miles.utils.arguments"):
+        parse_args(["--eps-clip", "0.1", "--eps-clip-high", "0.3", "--use-tis", "--tis-clip", "3",
+                    "--use-kl-loss", "--kl-loss-type", "k3", "--kl-loss-coef", "0.05", "--rollout-shuffle",
+                    "--lora-dropout", "0.0", "--label-key", "answer", "--lr-warmup-iters", "3"])
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--advantage-estimator", "reinforce_plus_plus"], "requires advantage normalization: add --normalize-advantages"),
+    (["--advantage-estimator", "ppo"], "--advantage-estimator ppo is not supported"),
+    (["--use-tis", "--use-rollout-logprobs"], "--use-rollout-logprobs and --use-tis cannot be set at the same time"),
+    (["--kl-coef", "0.1", "--kl-loss-coef", "0.1"], "only one of --kl-coef"),
+    (["--eps-clip-c", "0.5"], "--eps-clip-c is the lower bound of dual-clip PPO and must be > 1.0"),
+    (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
+    (["--actor-num-gpus-per-node", "4", "--actor-num-workers", "2"], "--actor-num-workers 2 disagrees"),
+    (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus 3 must be a positive multiple"),
+])
+def test_invalid_loss_and_placement_flags_exit_2_with_a_clear_line(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "miles.utils.arguments", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]  # argparse's own errors print the usage first
+    assert last.startswith("miles: error: ") and message in last, proc.stderr
+
+
+def test_lr_warmup_iters_is_miles_name_for_the_warmup(tmp_path):
+    assert parse_args(["--lr-warmup-iters", "7"]).lr_warmup_steps == 7
+    path = tmp_path / "run.yaml"
+    path.write_text("lr_warmup_iters: 5\n")
+    assert parse_args(["--config", str(path)]).lr_warmup_steps == 5
+
+
+def test_data_flags_have_miles_defaults():
+    cfg = parse_args([])
+    assert (cfg.input_key, cfg.label_key, cfg.metadata_key) == ("input", None, "metadata")
+    assert (cfg.rollout_shuffle, cfg.rollout_seed, cfg.rollout_max_prompt_len, cfg.apply_chat_template) == (
+        False, 42, None, False)
+    assert (cfg.rm_url, cfg.reward_key, cfg.group_rm) == (None, None, False)
+
+
+def test_no_flag_is_unknown_to_the_parser():
+    flags = {opt for action in build_parser()._actions for opt in action.option_strings}
+    assert set(flag_names(example_argv())) - flags == {"--sglang-mem-fraction-static"}  # collected, not declared
 
 
 @pytest.mark.parametrize("file_name", sorted(MILES_ADAPTER_YAMLS))

@@ -62,6 +62,7 @@ class EngineServerConfig:
             max_lora_rank=cfg.lora_rank, target_modules=cfg.target_modules, dtype=cfg.resolved_dtype,
             device=cfg.resolved_device, max_running_requests=cfg.engine_max_running_requests, seed=cfg.seed,
             tp_size=cfg.rollout_num_gpus_per_engine, lora_update=lora_update,
+            extra_args=tuple(cfg.sglang_server_args) if cfg.rollout_engine == "sglang" else (),
         )
 
     def lora_capacity(self) -> int:
