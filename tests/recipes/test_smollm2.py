@@ -64,15 +64,15 @@ def test_splits_are_disjoint_seeded_and_labelled(name):
         assert shot["content"] == shot_question and question["content"] != shot_question
         assert shot_answer == {"role": "assistant", "content": str(TASKS[name].answer(*TASKS[name].shot))}
         numbers = [int(w.strip("?,")) for w in question["content"].split() if w.strip("?,").isdigit()]
-        assert row.label == str(TASKS[name].answer(*numbers))
+        assert row.label == str(TASKS[name].answer(*(numbers + [0])[:2]))
 
 
 def test_datasets_are_chat_rows_the_trainer_accepts(tmp_path):
-    paths = write_datasets(tmp_path, ["add"])
-    train_path, test_path = paths["add"]
+    paths = write_datasets(tmp_path, ["next"])
+    train_path, test_path = paths["next"]
     rows = [json.loads(line) for line in train_path.read_text().splitlines()]
     check_rows(rows, str(train_path), "messages", "label")
-    assert read_chat_examples(test_path) == split_task("add")[1]
+    assert read_chat_examples(test_path) == split_task("next")[1]
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
@@ -147,7 +147,7 @@ def test_builtin_engine_greedy_tokens_match_transformers(model_dir, hf_model, to
     from miles.rollout.engines.builtin_engine import BuiltinEngine, EngineOptions
     from miles.utils.types import GenerateRequest, SamplingParams
 
-    rows = split_task("add")[1][:1] + split_task("max")[1][:1]
+    rows = split_task("next")[1][:1] + split_task("max")[1][:1]
     prompts = render_prompts(tokenizer, [r.messages for r in rows]) + render_prompts(
         tokenizer, [[{"role": "user", "content": "Name a colour."}]])
     max_new = 12
@@ -226,7 +226,7 @@ def test_exported_lora_loads_in_peft_with_the_same_logprobs(model_dir, hf_model,
     lora.set_slot_weights(ours, 1, weights, rank=4, alpha=8.0)
     adapter_dir = lora.export_peft_adapter(ours, 1, tmp_path / "adapter")
 
-    ids_BT = torch.tensor(render_prompts(tokenizer, [split_task("add")[1][0].messages]))
+    ids_BT = torch.tensor(render_prompts(tokenizer, [split_task("next")[1][0].messages]))
     with torch.no_grad():
         with lora.use_slots(ours, [1]):
             ours_BTV = torch.log_softmax(ours(input_ids=ids_BT).logits, dim=-1)
