@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -117,13 +118,22 @@ def main() -> None:
     parser.add_argument("--out-dir", default=str(ROOT / "docs"))
     parser.add_argument("--shared-machine", action="store_true", help="say in the doc that other jobs shared the machine")
     parser.add_argument("--notes", default=None, help="a markdown file appended to the doc as notes")
+    parser.add_argument("--script-args", action="append", default=[], metavar="MODEL:SCRIPT=ARGS",
+                        help="extra arguments for one script on one model (model '*' for all), e.g. "
+                             "'llama60m:memory=--peft-processes 2'; repeatable")
     args = parser.parse_args()
     extra = ["--quick"] if args.quick else []
     results = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "machine": machine(), "shared_machine": args.shared_machine, "figures": []}
+    per_script: dict[tuple[str, str], list[str]] = {}
+    for item in args.script_args:
+        target, _, script_args = item.partition("=")
+        model, _, name = target.partition(":")
+        per_script.setdefault((model, name), []).extend(shlex.split(script_args))
     for model in args.models.split(","):
         for name in args.only.split(","):
-            results["figures"] += run_script(name, model, extra)["figures"]
+            more = per_script.get(("*", name), []) + per_script.get((model, name), [])
+            results["figures"] += run_script(name, model, extra + more)["figures"]
     if args.notes:
         results["notes"] = Path(args.notes).read_text()
     before = json.loads(Path(args.before).read_text()) if args.before else None
