@@ -14,7 +14,9 @@ The delta of each layer is computed either per slot segment (one pair of GEMMs p
 present in the batch; best for the long, slot-sorted sequences of training) or grouped:
 the rows are gathered into one [slot, rows, features] block per present adapter and run
 through one pair of batched GEMMs against the adapters' A and B, read in place (best for
-decode steps of many adapters and for unsorted batches). Both give the same numbers.
+unsorted batches and sorted ones of equal counts), or stacked: every slot up to the highest present one as one wide
+LoRA, each row scaled on its own slot's columns (three ops whatever the mix: best for
+decode steps, whose GEMMs have a few rows). All give the same numbers.
 Everything that depends only on the batch (row grouping, per-row scale) is computed once
 per batch in `SlotBatch`, not in every layer.
 """
@@ -32,7 +34,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-DeltaMode = Literal["auto", "segment", "gather"]
+DeltaMode = Literal["auto", "segment", "gather", "stacked"]
 
 @dataclass(frozen=True)
 class SlotBatch:
@@ -61,13 +63,19 @@ class SlotBatch:
     """`valid_PG` times each present slot's scale: the per-row LoRA scale, once per batch."""
     present_P: torch.Tensor | None = None
     """`present` as a long tensor (on the model's device)."""
+    slot_scales: tuple[float, ...] | None = None
+    """alpha / rank of every slot as given to `build`: a layer whose own differ computes its scales itself."""
+    scale_cols_BC: torch.Tensor | None = None
+    """Stacked layout: [B, M * max_rank] with each row's scale on its slot's rank columns and
+    0 elsewhere (M = highest present slot + 1); with `scales` given, once per batch."""
     grouped_in_place: bool = False
     """The batch is already the grouped layout (sorted by slot, equal counts, no base-only
     rows): the grouped path reshapes instead of copying rows."""
 
     @classmethod
     def build(
-        cls, slot_ids: Sequence[int] | torch.Tensor, device: torch.device, scales: Sequence[float] | None = None
+        cls, slot_ids: Sequence[int] | torch.Tensor, device: torch.device, scales: Sequence[float] | None = None,
+        max_rank: int | None = None,
     ) -> SlotBatch:
         """`scales[s]` is slot s's alpha / rank (optional: the grouped path then reads
         each layer's own scaling)."""
@@ -104,15 +112,18 @@ class SlotBatch:
                 place[row] = pad_place
         valid_PG = torch.tensor(valid, dtype=torch.float32)
         batch_scales: tuple[float, ...] = ()
-        scale_PG = None
+        scale_PG = scale_cols_BC = None
         if scales is not None:
             batch_scales = tuple(float(scales[s]) if s < len(scales) else 0.0 for s in present)
             scale_PG = (valid_PG * torch.tensor(batch_scales, dtype=torch.float32)[:, None]).to(device)
+            if max_rank is not None:
+                scale_cols_BC = _scale_columns(values, present, batch_scales, max_rank).to(device)
         return cls(
             ids.to(device), present, rows, single, runs,
             group_rows_PG=torch.tensor(grid, dtype=torch.long, device=device),
             row_place_B=torch.tensor(place, dtype=torch.long, device=device),
-            valid_PG=valid_PG.to(device), scales=batch_scales, scale_PG=scale_PG,
+            valid_PG=valid_PG.to(device), scales=batch_scales, scale_PG=scale_PG, scale_cols_BC=scale_cols_BC,
+            slot_scales=None if scales is None else tuple(float(v) for v in scales),
             present_P=torch.tensor(present, dtype=torch.long, device=device),
             grouped_in_place=runs is not None and -1 not in values and len({n for _, n in runs}) == 1,
         )
@@ -120,6 +131,17 @@ class SlotBatch:
     @property
     def batch_size(self) -> int:
         return self.slot_ids_B.numel()
+
+
+def _scale_columns(values: list[int], present: tuple[int, ...], scales: Sequence[float], max_rank: int) -> torch.Tensor:
+    """[B, M * max_rank]: row b holds its slot's scale on that slot's columns, 0 elsewhere."""
+    n_cols = (present[-1] + 1) * max_rank
+    out = torch.zeros(len(values), n_cols, dtype=torch.float32)
+    scale_of = dict(zip(present, scales))
+    for row, slot in enumerate(values):
+        if slot >= 0:
+            out[row, slot * max_rank : (slot + 1) * max_rank] = scale_of[slot]
+    return out
 
 
 # One mapping per context (thread or asyncio task): id of a multi-LoRA layer -> the
@@ -151,6 +173,12 @@ class MultiLoRALinear(nn.Module):
         self.ranks: list[int] = [0] * n_slots
         self.alphas: list[float] = [0.0] * n_slots
         self.delta_mode: DeltaMode = "auto"
+        # B as [n_slots * max_rank, out] for the stacked path, keyed by B's storage and
+        # version counter (every in-place write to B, e.g. set_slot or an optimizer step
+        # through `detach()`, bumps the version).
+        self._stacked_b_cache: tuple[tuple, torch.Tensor] | None = None
+        self.slot_scales: tuple[float, ...] = (0.0,) * n_slots
+        """alpha / rank of every slot (0 when empty), as a tuple a batch compares at C speed."""
 
     @property
     def n_slots(self) -> int:
@@ -181,19 +209,63 @@ class MultiLoRALinear(nn.Module):
                 f"use_slots gave {batch.batch_size} slot ids but the layer input has batch size "
                 f"{x.shape[0]}: pass one slot id per sample (row of input_ids)"
             )
-        if self._use_gather(x, batch):
+        mode = self._pick_mode(x, batch)
+        if mode == "stacked":
+            return self._add_stacked_delta(out, x, batch)
+        if mode == "gather":
             return out + self._gather_delta(x, batch).to(out.dtype)
         return out + self._segment_delta(x, batch).to(out.dtype)
 
-    def _use_gather(self, x: torch.Tensor, batch: SlotBatch) -> bool:
+    def _pick_mode(self, x: torch.Tensor, batch: SlotBatch) -> DeltaMode:
         if self.delta_mode != "auto":
-            return self.delta_mode == "gather"
-        # Decode steps (one token per sequence) of several adapters, unsorted batches and
-        # sorted batches with equal slot counts (a reshape, no copy): one batched GEMM
-        # pair beats a GEMM pair (and a scatter) per slot. Sorted batches of unequal
-        # counts favour contiguous segments: no row copies, no padding.
+            return self.delta_mode
+        if batch.single_slot is not None:
+            return "segment"
         tokens_per_sample = x.shape[1] if x.dim() == 3 else 1
-        return batch.single_slot is None and (tokens_per_sample == 1 or batch.runs is None or batch.grouped_in_place)
+        # Decode steps of several adapters: a handful of rows, so the cost is the number of
+        # ops, not FLOPs; the stacked path is three (GEMM, scale, GEMM) whatever the mix.
+        if tokens_per_sample == 1:
+            return "stacked"
+        # Unsorted batches and sorted batches with equal slot counts (a reshape, no copy):
+        # one batched GEMM pair beats a GEMM pair (and a scatter) per slot. Sorted batches
+        # of unequal counts favour contiguous segments: no row copies, no padding.
+        return "gather" if batch.runs is None or batch.grouped_in_place else "segment"
+
+    def _add_stacked_delta(self, out: torch.Tensor, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+        """`out` plus the delta of every slot up to the highest present one as one wide
+        LoRA: x @ [A_0; ..; A_M-1]^T, each row's scale on its own slot's columns (0 on the
+        others), then @ the stacked B, added in the same GEMM.
+
+        M * max_rank columns of work per row instead of rank, but three ops and no row or
+        weight copies (B's stacked transpose is kept between calls while B is unchanged
+        and not being trained): the best path for decode steps, whose GEMMs have a few rows.
+        """
+        n_cols = (batch.present[-1] + 1) * self.max_rank
+        scale_BC = batch.scale_cols_BC
+        if scale_BC is None or batch.slot_scales != self.slot_scales:
+            scale_BC = _scale_columns(batch.slot_ids_B.tolist(), batch.present, [self._scale(s) for s in batch.present],
+                                      self.max_rank).to(x.device)
+        a_CI = self.lora_A.reshape(-1, self.in_features)[:n_cols]
+        x_NI = x.reshape(-1, self.in_features).to(a_CI.dtype)
+        rows_per_sample = x_NI.shape[0] // batch.batch_size
+        if rows_per_sample != 1:
+            scale_BC = scale_BC.repeat_interleave(rows_per_sample, dim=0)
+        h_NC = ((x_NI @ a_CI.transpose(0, 1)) * scale_BC).to(a_CI.dtype)
+        b_CO = self._stacked_b()[:n_cols]
+        out_NO = out.reshape(-1, self.out_features)
+        if out_NO.dtype == h_NC.dtype:
+            return torch.addmm(out_NO, h_NC, b_CO).reshape(out.shape)
+        return out + (h_NC @ b_CO).to(out.dtype).reshape(out.shape)
+
+    def _stacked_b(self) -> torch.Tensor:
+        """B of every slot as [n_slots * max_rank, out]: row s * max_rank + k is B[s, :, k]."""
+        b = self.lora_B
+        if torch.is_grad_enabled() and b.requires_grad:
+            return b.transpose(1, 2).reshape(-1, self.out_features)
+        key = (b.data_ptr(), b._version, b.dtype, b.device)
+        if self._stacked_b_cache is None or self._stacked_b_cache[0] != key:
+            self._stacked_b_cache = (key, b.detach().transpose(1, 2).reshape(-1, self.out_features).contiguous())
+        return self._stacked_b_cache[1]
 
     def _slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         rank = self.ranks[slot]
@@ -235,7 +307,7 @@ class MultiLoRALinear(nn.Module):
             a_PRI = self.lora_A.index_select(0, batch.present_P)
             b_POR = self.lora_B.index_select(0, batch.present_P)
         scale_PG = batch.scale_PG
-        if scale_PG is None or batch.scales != tuple(self._scale(s) for s in batch.present):
+        if scale_PG is None or batch.slot_scales != self.slot_scales:
             scale_PG = batch.valid_PG * self.scaling.index_select(0, batch.present_P)[:, None]
         group = batch.group_rows_PG.shape[1]
         x = x.to(a_PRI.dtype)
@@ -249,6 +321,9 @@ class MultiLoRALinear(nn.Module):
         delta_PGTO = delta_PNO.reshape(n_present, group, tokens, -1) * scale_PG[:, :, None, None].to(delta_PNO.dtype)
         delta = delta_PGTO.reshape(n_present * group, *lead, -1)
         return delta if batch.grouped_in_place else delta.index_select(0, batch.row_place_B)
+
+    def _sync_scales(self) -> None:
+        self.slot_scales = tuple(self._scale(s) for s in range(self.n_slots))
 
     def _scale(self, slot: int) -> float:
         rank = self.ranks[slot]
@@ -273,6 +348,7 @@ class MultiLoRALinear(nn.Module):
         self.scaling[slot] = alpha / rank
         self.ranks[slot] = rank
         self.alphas[slot] = float(alpha)
+        self._sync_scales()
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
@@ -281,6 +357,7 @@ class MultiLoRALinear(nn.Module):
         self.scaling[slot] = 0.0
         self.ranks[slot] = 0
         self.alphas[slot] = 0.0
+        self._sync_scales()
 
     def slot_tensors(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Detached CPU copies of slot `slot`'s A [rank, in] and B [out, rank]."""
@@ -369,9 +446,9 @@ def slot_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def set_delta_mode(model: nn.Module, mode: DeltaMode) -> None:
-    """Force the segment or gather path for every layer ("auto" picks per batch)."""
-    if mode not in ("auto", "segment", "gather"):
-        raise ValueError(f"delta mode must be 'auto', 'segment' or 'gather', got {mode!r}")
+    """Force the segment, gather (grouped) or stacked path for every layer ("auto" picks per batch)."""
+    if mode not in ("auto", "segment", "gather", "stacked"):
+        raise ValueError(f"delta mode must be 'auto', 'segment', 'gather' or 'stacked', got {mode!r}")
     for module in _require_lora(model).values():
         module.delta_mode = mode
 
@@ -394,7 +471,9 @@ def use_slots(model: nn.Module, slot_ids: Sequence[int] | torch.Tensor) -> Itera
     """
     modules = _require_lora(model)
     first = next(iter(modules.values()))
-    batch = SlotBatch.build(slot_ids, first.lora_A.device, scales=[first._scale(s) for s in range(first.n_slots)])
+    batch = SlotBatch.build(
+        slot_ids, first.lora_A.device, scales=first.slot_scales, max_rank=first.max_rank
+    )
     for slot in batch.present:
         if slot >= first.n_slots:
             raise ValueError(f"slot {slot} does not exist: the page table has {first.n_slots} slots (0..{first.n_slots - 1})")

@@ -175,7 +175,9 @@ class SlotAdamW:
             hp = self._hparams(slot)
             self.steps[slot] += 1
             step = self.steps[slot]
-            weights += [param.data[slot] for param, _ in self.params]
+            # detach(), not .data: the write must bump the version counter that the
+            # layers' cached views of B check.
+            weights += [param.detach()[slot] for param, _ in self.params]
             exp_avgs += [m[slot] for m in self.exp_avg]
             exp_avg_sqs += [v[slot] for v in self.exp_avg_sq]
             grads += self.slot_grads(slot)

@@ -190,8 +190,46 @@ def test_grouped_delta_equals_per_row_reference(slots, tokens):
         return row
 
     expected = torch.stack([reference(x[i], s) for i, s in enumerate(slots)])
-    for mode in ("gather", "segment", "auto"):
+    for mode in ("gather", "segment", "stacked", "auto"):
         for layer in layers:
             layer.delta_mode = mode
         with torch.no_grad(), use_slots(layers, slots):
             torch.testing.assert_close(layers(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_stacked_path_sees_every_write_to_b(base_model):
+    """The stacked path keeps B's transpose between decode steps; a slot load and an
+    optimizer step must both show in the next forward."""
+    from miles.backends.torch.optimizer import SlotAdamW
+
+    model = multi_lora_copy(base_model)
+    for slot in range(N_SLOTS):
+        init_slot(model, slot, rank=4, alpha=8.0, generator=torch.Generator().manual_seed(slot))
+    ids = input_batch(4, seq=1, seed=3)
+    slots = [2, 0, 2, -1]
+
+    def both_paths() -> tuple[torch.Tensor, torch.Tensor]:
+        set_delta_mode(model, "stacked")
+        stacked = logits(model, ids, slots)
+        set_delta_mode(model, "segment")
+        return stacked, logits(model, ids, slots)
+
+    stacked, segment = both_paths()
+    torch.testing.assert_close(stacked, segment, atol=ATOL, rtol=0)
+    weights = get_slot_weights(model, 2)
+    for name in weights:
+        if name.endswith("lora_B.weight"):
+            weights[name] = torch.randn(weights[name].shape, generator=torch.Generator().manual_seed(9)) * 0.1
+    set_slot_weights(model, 2, weights, rank=4, alpha=8.0)
+    stacked_after_load, segment_after_load = both_paths()
+    assert (segment_after_load - segment).abs().max() > 1e-3
+    torch.testing.assert_close(stacked_after_load, segment_after_load, atol=ATOL, rtol=0)
+    params = [(p, 1 if p.shape[1] == MAX_RANK else 2) for p in slot_parameters(model)]
+    opt = SlotAdamW(params, n_slots=N_SLOTS)
+    opt.configure_slot(0, rank=4, lr=0.05, weight_decay=0.0)
+    for p, _ in params:
+        p.grad = torch.ones_like(p)
+    opt.step_slot(0, lr=0.05)
+    stacked_after_step, segment_after_step = both_paths()
+    assert (segment_after_step - segment_after_load).abs().max() > 1e-3
+    torch.testing.assert_close(stacked_after_step, segment_after_step, atol=ATOL, rtol=0)
