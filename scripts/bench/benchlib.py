@@ -188,14 +188,14 @@ def base_parser(doc: str, default_reps: int = 5) -> argparse.ArgumentParser:
     parser.add_argument("--model", default="tiny", help=f"one of {MODELS} or a Hugging Face model directory")
     parser.add_argument("--reps", type=int, default=default_reps, help="repetitions of each side (alternating)")
     parser.add_argument("--quick", action="store_true", help="smoke run: small sizes, 1 repetition")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: stable timings on a machine shared with other jobs)")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
     return parser
 
 
 def setup(args: argparse.Namespace) -> None:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     if args.quick:
         args.reps = 1
     torch.manual_seed(0)
