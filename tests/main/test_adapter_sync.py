@@ -181,3 +181,28 @@ async def test_train_async_cancels_and_awaits_its_prefetch_when_training_fails(t
         await train_async.run_loop(cfg, t.components, asyncio.Event(), t.progress)
     assert t.rollout.cancelled  # the prefetch of rollout 1 was cancelled, and awaited before the error surfaced
     assert t.status(train_async.POLICY).step == 0  # nothing committed for a batch that did not train
+
+
+async def test_each_stage_returns_the_snapshot_the_registry_would_give(tmp_path):
+    """The driver passes the snapshot down instead of re-reading it: it must be exact."""
+    t = Trainer(tmp_path, n_slots=3)
+    sync, registry = t.components.sync, t.controller
+    await t.register("a", num_step=1)
+    await t.register("b", num_step=5)
+    await t.register("c", num_step=5)
+    snapshot = await sync.reconcile(registry.snapshot())
+    assert snapshot == registry.snapshot() and sync.loaded == ["a", "b", "c"]
+    snapshot = await sync.update_weights(snapshot)
+    assert snapshot == registry.snapshot() and set(snapshot.active) == {"a", "b", "c"}
+    await sync.train(0, await t.rollout.generate(0, snapshot))
+    snapshot = await sync.commit(0)
+    assert set(snapshot.retiring) == {"a"}  # reached num_step
+    registry.deregister_adapter("c")
+    snapshot = registry.snapshot()
+    snapshot = await sync.reconcile(snapshot)  # retires a and c, saves, frees both slots
+    assert snapshot == registry.snapshot() and snapshot.completed == {"a", "c"} and sync.loaded == ["b"]
+    await t.register("a", num_step=2)  # the lowest free slot again, resumed from step 1
+    snapshot = await sync.update_weights(await sync.reconcile(registry.snapshot()))
+    assert snapshot == registry.snapshot()
+    assert (snapshot.active["a"].step, snapshot.active["a"].start_step, snapshot.active["a"].final_step) == (1, 1, 3)
+    assert snapshot.active["a"].version == 2  # slot 0 was pushed once before
