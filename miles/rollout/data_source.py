@@ -1,12 +1,14 @@
 """Per-adapter prompt streams: what the producer draws its prompts from.
 
 `MultiLoRADataSource` loads each live adapter's dataset in the background (files are
-read and checked by `miles.rollout.datasets`), streams its rows in a seeded order that
-wraps around epochs (`AdapterDataset`), and turns a row into a tokenized `PromptItem`.
+read and checked by `miles.rollout.datasets`), drops prompts longer than
+`--rollout-max-prompt-len` tokens, streams its rows in file order or, with
+`--rollout-shuffle`, in an order seeded by `--rollout-seed` and reshuffled every epoch
+(`AdapterDataset`), and turns a row into a tokenized `PromptItem`.
 Where a stream stands is a `DataPosition`, saved with checkpoints and restored on resume:
 
     source = MultiLoRADataSource(DataSourceConfig(seed=1, apply_chat_template=False,
-                                                  default_rm_type=None), tokenizer)
+                                                  default_rm_type=None, shuffle=True), tokenizer)
     source.sync(snapshot)                    # start loading new registrations
     item = source.next_prompt(run)           # once source.ready(run)
     positions = source.positions()           # {"a": DataPosition(epoch=0, index=1)}
@@ -15,13 +17,14 @@ Where a stream stands is a `DataPosition`, saved with checkpoints and restored o
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
 from dataclasses import dataclass
 from typing import Any
 
-from miles.rollout.datasets import check_rows, read_rows
+from miles.rollout.datasets import check_rows, read_rows, validate_dataset
 from miles.rollout.rewards import RewardSpec
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import AdapterRun, DataPosition, MultiLoRASnapshot, Sample
@@ -54,14 +57,15 @@ class PromptItem:
 
 
 class AdapterDataset:
-    """One adapter's rows in a seeded order, reshuffled at every epoch; never runs out.
+    """One adapter's rows, epoch after epoch; never runs out.
 
-    The order of epoch `e` is a shuffle seeded by `(seed, e)` alone, so a
-    `DataPosition(epoch, index)` is enough to continue the stream exactly: `seek` there
-    and the next rows are the ones an uninterrupted stream would have given.
+    With a `seed`, the order of epoch `e` is a shuffle seeded by `(seed, e)` alone; without
+    one, every epoch is in file order. Either way a `DataPosition(epoch, index)` is enough
+    to continue the stream exactly: `seek` there and the next rows are the ones an
+    uninterrupted stream would have given.
     """
 
-    def __init__(self, rows: list[dict[str, Any]], seed: str) -> None:
+    def __init__(self, rows: list[dict[str, Any]], seed: str | None) -> None:
         if not rows:
             raise ValueError("an adapter dataset needs at least one row")
         self.rows = rows
@@ -72,7 +76,8 @@ class AdapterDataset:
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
-        random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        if self.seed is not None:
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
     @property
@@ -113,14 +118,20 @@ class AdapterDataset:
 @dataclass(frozen=True)
 class DataSourceConfig:
     seed: int
+    """`--rollout-seed`: with `shuffle`, an adapter's order is seeded by it and the adapter's name."""
     apply_chat_template: bool
     """Also wrap plain-string prompts as one user message and apply the chat template."""
     default_rm_type: str | None
     """`--rm-type`, the last resort of reward resolution."""
+    shuffle: bool = False
+    """`--rollout-shuffle`: a new seeded order every epoch; off: file order."""
+    max_prompt_len: int | None = None
+    """`--rollout-max-prompt-len`: rows whose prompt is longer (in tokens) are dropped on load."""
 
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> DataSourceConfig:
-        return cls(seed=cfg.seed, apply_chat_template=cfg.apply_chat_template, default_rm_type=cfg.rm_type)
+        return cls(seed=cfg.rollout_seed, apply_chat_template=cfg.apply_chat_template, default_rm_type=cfg.rm_type,
+                   shuffle=cfg.rollout_shuffle, max_prompt_len=cfg.rollout_max_prompt_len)
 
 
 @dataclass
@@ -193,6 +204,10 @@ class MultiLoRADataSource:
             if not rows:
                 raise ValueError(f"dataset {cfg.data}: empty, it needs at least one row")
             check_rows(rows, cfg.data, cfg.input_key, cfg.label_key)
+            if self.config.max_prompt_len is not None:
+                rows = await asyncio.to_thread(
+                    keep_short_prompts, rows, cfg.data, cfg.input_key, self.tokenizer,
+                    self.config.max_prompt_len, self.config.apply_chat_template)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one adapter's bad data must not stop the others
@@ -202,7 +217,7 @@ class MultiLoRADataSource:
         finally:
             if self._loading.get(run.name, ("",))[0] == run.registration_id:
                 del self._loading[run.name]
-        dataset = AdapterDataset(rows, f"{self.config.seed}:{run.name}")
+        dataset = AdapterDataset(rows, f"{self.config.seed}:{run.name}" if self.config.shuffle else None)
         restore = self._restores.get(run.name)
         if restore is not None and restore[0] == run.registration_id:
             del self._restores[run.name]
@@ -245,13 +260,10 @@ class MultiLoRADataSource:
         )
 
     def _templated(self, prompt: Any) -> bool:
-        return not isinstance(prompt, str) or self.config.apply_chat_template
+        return is_templated(prompt, self.config.apply_chat_template)
 
     def _render(self, prompt: Any) -> str:
-        if not self._templated(prompt):
-            return prompt
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return render_prompt(self.tokenizer, prompt, self.config.apply_chat_template)
 
     def _encode(self, text: str, templated: bool) -> list[int]:
         # A chat template writes its own special tokens; a raw prompt gets the model's BOS.
@@ -263,6 +275,71 @@ class MultiLoRADataSource:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._loading.clear()
+
+
+def is_templated(prompt: Any, apply_chat_template: bool) -> bool:
+    """Chat messages always go through the chat template; a string only with --apply-chat-template."""
+    return not isinstance(prompt, str) or apply_chat_template
+
+
+def render_prompt(tokenizer: Any, prompt: Any, apply_chat_template: bool) -> str:
+    """The prompt text the engine sees."""
+    if not is_templated(prompt, apply_chat_template):
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def keep_short_prompts(rows: list[dict[str, Any]], path: str, input_key: str, tokenizer: Any,
+                       max_prompt_len: int, apply_chat_template: bool) -> list[dict[str, Any]]:
+    """The rows whose rendered prompt is at most `max_prompt_len` tokens (counted without
+    special tokens, as Miles counts); ValueError when none is left."""
+    kept = [row for row in rows
+            if len(tokenizer.encode(render_prompt(tokenizer, row[input_key], apply_chat_template),
+                                    add_special_tokens=False)) <= max_prompt_len]
+    if len(kept) < len(rows):
+        logger.info("dataset %s: %d of %d prompts are longer than --rollout-max-prompt-len %d tokens; dropped",
+                    path, len(rows) - len(kept), len(rows), max_prompt_len)
+    if not kept:
+        raise ValueError(f"dataset {path}: every prompt is longer than --rollout-max-prompt-len {max_prompt_len} tokens")
+    return kept
+
+
+@functools.cache
+def _cached_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@dataclass(frozen=True)
+class DatasetCheck:
+    """The controller's dataset hook (`ControllerHooks.validate_dataset`) with the data flags:
+    `(path, input_key, label_key) -> rows`, counting only the rows whose prompt fits
+    `--rollout-max-prompt-len`, so `num_step` is derived after the filter, as in Miles.
+    Plain data, so it travels to the controller's actor; the tokenizer loads there once."""
+
+    tokenizer_path: str | None
+    max_prompt_len: int | None = None
+    apply_chat_template: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: MilesConfig) -> DatasetCheck:
+        return cls(tokenizer_path=cfg.hf_checkpoint, max_prompt_len=cfg.rollout_max_prompt_len,
+                   apply_chat_template=cfg.apply_chat_template)
+
+    def __call__(self, path: str, input_key: str, label_key: str | None) -> int:
+        rows = validate_dataset(path, input_key, label_key)
+        if self.max_prompt_len is None:
+            return rows
+        if self.tokenizer_path is None:
+            raise ValueError("--rollout-max-prompt-len needs --hf-checkpoint (its tokenizer counts the tokens)")
+        try:
+            tokenizer = _cached_tokenizer(self.tokenizer_path)
+        except OSError as exc:
+            raise ValueError(f"cannot load the tokenizer of {self.tokenizer_path} to count prompt tokens ({exc})") from exc
+        return len(keep_short_prompts(read_rows(path), path, input_key, tokenizer, self.max_prompt_len,
+                                      self.apply_chat_template))
 
 
 def _row_metadata(row: dict[str, Any], key: str | None, adapter: str) -> dict[str, Any]:

@@ -261,10 +261,14 @@ def config_from_mapping(name: str, raw: Any, source: str = "config") -> AdapterR
 def describe_config_errors(name: str, source: str, exc: ValidationError) -> str:
     """One message naming the adapter and every bad field (unknown keys listed first)."""
     errors = exc.errors(include_url=False)
-    unknown = sorted(str(e["loc"][-1]) for e in errors if e["type"] == "extra_forbidden")
+    extra = [e for e in errors if e["type"] == "extra_forbidden"]
+    unknown = sorted(str(e["loc"][-1]) for e in extra if len(e["loc"]) == 1)
+    unknown_loss = sorted(f"loss.{e['loc'][-1]}" for e in extra if len(e["loc"]) == 2 and e["loc"][0] == "loss")
     parts = []
     if unknown:
         parts.append(f"unknown key(s) {unknown} in {source}; valid keys are {list(ADAPTER_CONFIG_KEYS)}")
+    if unknown_loss:
+        parts.append(f"unknown key(s) {unknown_loss} in {source}; valid loss keys are {list(ADAPTER_LOSS_KEYS)}")
     for error in errors:
         field = ".".join(str(part) for part in error["loc"])
         if error["type"] == "extra_forbidden":

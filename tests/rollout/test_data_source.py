@@ -12,8 +12,9 @@ import pytest
 from rollout_fakes import make_run
 
 from miles.recipes.tiny_model import build_char_tokenizer
-from miles.rollout.data_source import AdapterDataset, DataSourceConfig, MultiLoRADataSource
+from miles.rollout.data_source import AdapterDataset, DatasetCheck, DataSourceConfig, MultiLoRADataSource
 from miles.rollout.rewards import get_reward_fn
+from miles.utils.arguments import parse_args
 from miles.utils.types import DataPosition, MultiLoRASnapshot
 
 ROWS = [{"text": f"q{i}", "label": i, "metadata": {"k": i, "shared": "row"}} for i in range(5)]
@@ -29,10 +30,11 @@ def files(tmp_path):
     return {"jsonl": write_jsonl(tmp_path / "d.jsonl", ROWS)}
 
 
-def data_source(*, seed=1, chat=False):
+def data_source(*, seed=1, chat=False, shuffle=True, max_prompt_len=None):
     tokenizer = build_char_tokenizer()
-    return MultiLoRADataSource(DataSourceConfig(seed=seed, apply_chat_template=chat, default_rm_type="exact"),
-                               tokenizer), tokenizer
+    config = DataSourceConfig(seed=seed, apply_chat_template=chat, default_rm_type="exact", shuffle=shuffle,
+                              max_prompt_len=max_prompt_len)
+    return MultiLoRADataSource(config, tokenizer), tokenizer
 
 
 async def wait_ready(source, runs, timeout=10.0):
@@ -212,3 +214,48 @@ async def test_a_restored_position_survives_a_deregistration_before_the_first_pr
     await wait_ready(source, [run])
     source.sync(MultiLoRASnapshot())
     assert source.positions() == {"a": DataPosition(epoch=2, index=3)}
+
+
+async def test_without_rollout_shuffle_every_epoch_is_in_file_order(files):
+    run = make_run("a", 0, data=files["jsonl"], input_key="text", label_key="label")
+    source, _ = data_source(shuffle=False)
+    source.sync(MultiLoRASnapshot(active={"a": run}))
+    await wait_ready(source, [run])
+    assert [source.next_prompt(run).prompt for _ in range(12)] == [f"q{i % 5}" for i in range(12)]
+    await source.close()
+
+
+def test_data_flags_reach_the_data_source():
+    config = DataSourceConfig.from_config(parse_args(["--rollout-shuffle", "--rollout-seed", "3",
+                                                      "--rollout-max-prompt-len", "9", "--apply-chat-template"]))
+    assert (config.shuffle, config.seed, config.max_prompt_len, config.apply_chat_template) == (True, 3, 9, True)
+    assert DataSourceConfig.from_config(parse_args([])).shuffle is False  # Miles' default: file order
+
+
+LONG_ROWS = [{"text": "x" * n, "label": n} for n in (2, 7, 3, 9, 4)]
+
+
+async def test_prompts_over_the_max_prompt_len_are_never_drawn(tmp_path):
+    run = make_run("a", 0, data=write_jsonl(tmp_path / "long.jsonl", LONG_ROWS), input_key="text", label_key="label")
+    source, _ = data_source(shuffle=False, max_prompt_len=4)
+    source.sync(MultiLoRASnapshot(active={"a": run}))
+    await wait_ready(source, [run])
+    assert [source.next_prompt(run).label for _ in range(6)] == ["2", "3", "4", "2", "3", "4"]
+    await source.close()
+
+
+@pytest.mark.parametrize("max_len, rows", [(None, 5), (9, 5), (4, 3), (2, 1)])
+def test_registration_counts_the_rows_that_fit_so_num_step_is_derived_after_the_filter(tmp_path, max_len, rows):
+    tokenizer_dir = tmp_path / "tok"
+    build_char_tokenizer().save_pretrained(tokenizer_dir)
+    path = write_jsonl(tmp_path / "long.jsonl", LONG_ROWS)
+    check = DatasetCheck(tokenizer_path=str(tokenizer_dir), max_prompt_len=max_len)
+    assert check(path, "text", "label") == rows
+
+
+def test_registration_refuses_a_dataset_with_no_prompt_that_fits(tmp_path):
+    tokenizer_dir = tmp_path / "tok"
+    build_char_tokenizer().save_pretrained(tokenizer_dir)
+    check = DatasetCheck(tokenizer_path=str(tokenizer_dir), max_prompt_len=1)
+    with pytest.raises(ValueError, match="every prompt is longer than --rollout-max-prompt-len 1"):
+        check(write_jsonl(tmp_path / "long.jsonl", LONG_ROWS), "text", "label")

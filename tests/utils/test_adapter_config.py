@@ -286,3 +286,63 @@ def test_plugin_paths_of_an_adapter_are_checked_at_resolution(data_file: Path, d
             resolve_adapter_config("calc", {"data": str(data_file), key: "no_such_pkg.fn"}, defaults)
     status_fields = AdapterStatus.model_fields
     assert {"custom_generate_function_path", "dynamic_sampling_filter_path"} <= set(status_fields)
+
+
+def test_label_key_left_out_takes_the_flag_and_null_means_no_label(data_file: Path, defaults: AdapterDefaults) -> None:
+    with_flag = dataclasses.replace(defaults, label_key="answer")
+    assert resolve_adapter_config("a", {"data": str(data_file)}, with_flag).label_key == "answer"
+    assert resolve_adapter_config("a", {"data": str(data_file), "label_key": None}, with_flag).label_key is None
+    assert resolve_adapter_config("a", {"data": str(data_file)}, defaults).label_key is None  # Miles: no --label-key
+    yaml_null = data_file.with_name("null.yaml")
+    yaml_null.write_text(f"data: {data_file}\nlabel_key:\n")
+    assert resolve_adapter_config("a", parse_adapter_run_yaml(yaml_null), with_flag).label_key is None
+    resolved = resolve_adapter_config("a", {"data": str(data_file), "label_key": None}, with_flag)
+    assert resolve_adapter_config("a", resolved, with_flag).label_key is None  # resolving again keeps it
+    assert AdapterStatus(name="a", state="ACTIVE", slot=0, version=0, step=0, accumulated_groups=0,
+                         registration_id="r", **resolved.to_dict()).label_key is None
+
+
+def test_adapter_loss_keys_override_the_trainer_flags(data_file: Path, defaults: AdapterDefaults) -> None:
+    cli = dataclasses.replace(defaults, loss=LossSettings(eps_clip=0.2, use_tis=True, entropy_coef=0.01))
+    raw = {"data": str(data_file), "loss": {"advantage_estimator": "gspo", "eps_clip": 0.3, "use_tis": False,
+                                            "use_rollout_logprobs": True, "disable_grpo_std_normalization": True}}
+    settings = resolve_adapter_config("a", raw, cli).loss_settings()
+    # = dataclasses.replace(cli_settings, **overrides), with Miles' flag names
+    assert settings == dataclasses.replace(
+        cli.loss, advantage_estimator="gspo", eps_clip=0.3, use_tis=False, use_rollout_logprobs=True,
+        grpo_std_normalization=False)
+    assert settings.clip_high == 0.3  # eps_clip_high left unset follows the adapter's eps_clip
+    assert resolve_adapter_config("b", {"data": str(data_file)}, cli).loss_settings() == cli.loss
+
+
+def test_adapter_loss_keys_from_yaml_with_null(data_file: Path, defaults: AdapterDefaults) -> None:
+    cli = dataclasses.replace(defaults, loss=LossSettings(eps_clip_high=0.4, eps_clip_c=3.0))
+    path = data_file.with_name("loss.yaml")
+    path.write_text(f"data: {data_file}\nloss:\n  eps_clip_c: null\n  kl_loss_type: k3\n  use_kl_loss: true\n"
+                    "  kl_loss_coef: 1e-3\n")
+    settings = resolve_adapter_config("a", parse_adapter_run_yaml(path), cli).loss_settings()
+    assert (settings.eps_clip_c, settings.eps_clip_high, settings.kl_loss_coef, settings.kl_loss_type) == (
+        None, 0.4, 0.001, "k3")
+
+
+@pytest.mark.parametrize("loss, fragment", [
+    ({"eps_clp": 0.1}, "loss.eps_clp"),
+    ({"eps_clip": "wide"}, "loss.eps_clip"),
+    ({"kl_loss_type": "k9"}, "loss.kl_loss_type"),
+    ({"advantage_estimator": "reinforce_plus_plus"}, "loss (advantage_estimator over the trainer's flags): "
+                                                     "--advantage-estimator reinforce_plus_plus requires"),
+    ({"use_rollout_logprobs": True, "use_tis": True}, "cannot be set at the same time"),
+    ({"custom_tis_function_path": "no_such_module_xyz.fn"}, "no_such_module_xyz"),
+])
+def test_bad_adapter_loss_keys_name_the_adapter_and_the_key(data_file: Path, defaults: AdapterDefaults,
+                                                           loss: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(AdapterConfigError) as exc:
+        resolve_adapter_config("tenant", {"data": str(data_file), "loss": loss}, defaults)
+    assert str(exc.value).startswith("Adapter 'tenant': ") and fragment in str(exc.value)
+
+
+def test_status_reports_every_loss_setting(data_file: Path, defaults: AdapterDefaults) -> None:
+    resolved = resolve_adapter_config("a", {"data": str(data_file), "loss": {"entropy_coef": 0.02}}, defaults)
+    status = AdapterStatus(name="a", state="ACTIVE", slot=0, version=0, step=0, accumulated_groups=0,
+                           registration_id="r", **resolved.to_dict())
+    assert status.loss == {**LossSettings().flags(), "entropy_coef": 0.02}

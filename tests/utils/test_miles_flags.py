@@ -25,9 +25,12 @@ from miles_multi_lora_flags import (
 )
 
 from miles.backends.torch.loss import LossConfig
+from miles.controller.backend import ControllerHooks, MultiLoRABackend
+from miles.recipes.tiny_model import build_char_tokenizer
+from miles.rollout.data_source import DatasetCheck
 from miles.rollout.engines.server_command import EngineServerConfig, build_sglang_command
 from miles.rollout.rewards import validate_reward_spec
-from miles.utils.adapter_config import AdapterRunConfig
+from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig, parse_adapter_run_yaml
 from miles.utils.arguments import build_parser, inert_flag_warnings, parse_args
 from miles.utils.loss_settings import LossSettings
 
@@ -245,3 +248,42 @@ def test_miles_optional_adapter_keys_are_accepted():
     config = AdapterRunConfig(**keys)
     assert (str(config.save), config.metadata_key, config.custom_rm_path, config.num_epoch, config.metadata) == (
         "/tmp/s", "meta", "pkg.mod.fn", 2, {"k": 1})
+
+
+def write_miles_datasets(root: Path) -> dict[str, Path]:
+    """Local stand-ins for the example's datasets, in their shapes: gsm8k a parquet of chat
+    `messages` with a `label`, dapo-math-17k a jsonl of chat `prompt`s with a `label`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    gsm8k = root / "gsm8k" / "train.parquet"
+    gsm8k.parent.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([
+        {"messages": [{"role": "user", "content": f"What is {i} + {i}?"}], "label": str(2 * i)} for i in range(64)
+    ]), gsm8k)
+    dapo = root / "dapo-math-17k" / "dapo-math-17k.jsonl"
+    dapo.parent.mkdir(parents=True)
+    dapo.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Solve {i}x = {2 * i}."}],
+                                        "label": "2"}) + "\n" for i in range(1, 17)))
+    return {"gsm8k.yaml": gsm8k, "dapo_math.yaml": dapo}
+
+
+async def test_miles_adapter_files_register_as_they_are(tmp_path):
+    data = write_miles_datasets(tmp_path)
+    cfg = parse_args(example_argv()[:example_argv().index("--save") + 1] + [str(tmp_path / "save")]
+                     + example_argv()[example_argv().index("--save") + 2:])
+    tokenizer_dir = tmp_path / "tok"
+    build_char_tokenizer().save_pretrained(tokenizer_dir)
+    hooks = ControllerHooks(validate_dataset=DatasetCheck(str(tokenizer_dir)), validate_reward=validate_reward_spec)
+    backend = MultiLoRABackend(cfg.multi_lora_n_adapters, AdapterDefaults.from_config(cfg), None, hooks)
+    for file_name, keys in MILES_ADAPTER_YAMLS.items():
+        path = tmp_path / file_name
+        path.write_text("".join(f"{key}: {json.dumps(str(data[file_name]) if key == 'data' else value)}\n"
+                                for key, value in keys.items()))
+        assert parse_adapter_run_yaml(path).model_dump(exclude_unset=True) == {**keys, "data": str(data[file_name])}
+        await backend.register(path.stem, yaml_path=str(path))
+    runs = backend.registry.snapshot().pending
+    assert {name: (run.config.rank, run.config.input_key, run.config.rm_type, run.config.num_step)
+            for name, run in runs.items()} == {"gsm8k": (16, "messages", "math", 400),
+                                               "dapo_math": (32, "prompt", "deepscaler", 500)}
+    assert all(run.config.loss_settings() == cfg.loss for run in runs.values())
