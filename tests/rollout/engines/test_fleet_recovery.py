@@ -101,3 +101,34 @@ async def test_broadcast_push_survives_a_killed_engine(fleet, trainer_reference)
     finally:
         for g in old_groups:
             weight_sync.leave_update_group(g)
+
+
+async def test_versioned_fleet_serves_the_stamped_version_on_every_engine(ray_session, tiny_model_dir, tmp_path,
+                                                                         trainer_reference, lora_max_rank):
+    server = EngineServerConfig(kind="builtin", model_path=str(tiny_model_dir), n_slots=2, max_lora_rank=lora_max_rank,
+                                target_modules="all-linear", dtype="float32", device="cpu", lora_update="versioned")
+    fleet = await EngineFleet.start(EngineFleetConfig(server=server, num_engines=2, work_dir=str(tmp_path),
+                                                      start_timeout_s=180))
+    try:
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            urls = await fleet.engine_urls()
+            for version, adapter in ((1, "ad0"), (2, "ad2"), (3, "alt")):
+                tensors = lora.get_slot_weights(trainer_reference.model, trainer_reference.slots[adapter])
+                rank, alpha = lora.slot_rank_alpha(trainer_reference.model, trainer_reference.slots[adapter])
+                targets = sorted({n.rsplit(".", 1)[-1] for n in lora.lora_modules(trainer_reference.model)})
+                config = lora.peft_adapter_config(rank=rank, alpha=alpha, target_modules=targets,
+                                                  base_model_name_or_path=None)
+                name = fleet.lora_name(1, version)
+                assert name == f"__miles_slot_1_v{version}"
+                push = LoraPush(adapter=adapter, slot=1, version=version, peft_config=config,
+                                tensors_ref=ray.put(tensors))
+                assert await fleet.push_lora(push) == [name, name]
+                # A group stamped with this version is served it by whichever engine the router picks.
+                assert await serves(client, [*urls, fleet.router_url], name, trainer_reference, adapter)
+            # Groups stamped one version back still run; two back is unloaded.
+            assert await serves(client, urls, fleet.lora_name(1, 2), trainer_reference, "ad2")
+            gone = await client.post(urls[0] + "/generate", json={"input_ids": [5, 6], "lora_path": fleet.lora_name(1, 1),
+                                                                  "sampling_params": GREEDY})
+            assert gone.status_code == 400
+    finally:
+        await fleet.shutdown()
