@@ -287,3 +287,31 @@ async def test_miles_adapter_files_register_as_they_are(tmp_path):
             for name, run in runs.items()} == {"gsm8k": (16, "messages", "math", 400),
                                                "dapo_math": (32, "prompt", "deepscaler", 500)}
     assert all(run.config.loss_settings() == cfg.loss for run in runs.values())
+
+
+async def test_rm_url_reaches_remote_rm_through_the_config_the_producer_passes():
+    from aiohttp import web
+
+    from miles.rollout.rewards import compute_reward, get_reward_fn
+    from miles.utils.types import Sample
+
+    seen = []
+
+    async def handle(request):
+        seen.append(await request.json())
+        return web.json_response(0.5)
+
+    app = web.Application()
+    app.router.add_post("/reward", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    try:
+        cfg = parse_args(["--rm-type", "remote_rm", "--rm-url", f"http://{host}:{port}/reward"])
+        sample = Sample(adapter="a", slot=0, group_index=0, index=0, prompt="1+1=", label="2", metadata={},
+                        prompt_ids=[], response="2")
+        assert await compute_reward(get_reward_fn(cfg.rm_type), cfg, sample) == 0.5
+    finally:
+        await runner.cleanup()
+    assert seen == [{"prompt": "1+1=", "response": "2", "label": "2"}]
