@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from miles.utils.types import (
     PromptGroup,
     RolloutBatch,
     RolloutStats,
+    SampleStatus,
 )
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class BatchCollector:
         step_names = sorted(
             name for name, count in batch.per_adapter.items() if count == remaining_groups(adapters[name])
         )
-        per_adapter, stats = self._stats(batch, adapters, self.clock.now() - started)
+        per_adapter, stats = self._stats(batch, adapters, step_names, self.clock.now() - started)
         await self.controller.record_batch_adapters.remote(rollout_id, dict(batch.per_adapter), step_names)
         return self._assemble(rollout_id, batch, step_names, per_adapter, stats)
 
@@ -252,17 +252,21 @@ class BatchCollector:
             stats=stats,
         )
 
-    def _stats(self, batch: _Batch, adapters: dict[str, AdapterRun],
+    def _stats(self, batch: _Batch, adapters: dict[str, AdapterRun], step_names: list[str],
                wait_s: float) -> tuple[dict[str, AdapterRolloutStats], RolloutStats]:
         """This batch's numbers; the drop counts restart with the next batch."""
         queues = self.buffers.queue_lengths()
         per_adapter = {}
-        for name in adapters:
-            samples = [s for g in batch.groups if g.adapter == name for s in g.samples]
+        for name, run in adapters.items():
+            groups = [g for g in batch.groups if g.adapter == name]
+            samples = [s for g in groups for s in g.samples]
             per_adapter[name] = AdapterRolloutStats(
-                groups=batch.per_adapter[name],
-                raw_reward_mean=statistics.fmean(s.reward for s in samples) if samples else None,
-                response_len_mean=statistics.fmean(len(s.response_ids) for s in samples) if samples else None,
+                groups=len(groups),
+                rewards=tuple(s.reward for s in samples),
+                response_lengths=tuple(s.effective_response_length for s in samples),
+                truncated=sum(1 for s in samples if s.status is SampleStatus.TRUNCATED),
+                uniform_group_rewards=tuple(g.samples[0].reward for g in groups if _uniform_rewards(g)),
+                staleness=tuple(run.version - g.version for g in groups),
                 queue_length=queues.get(name, 0),
                 dropped={why: self.drops[name, why] for why in DropReason},
             )
@@ -274,8 +278,15 @@ class BatchCollector:
             batch_n_adapters=len(batch.per_adapter),
             batch_n_groups=len(batch.groups),
             batch_n_samples=batch.n_samples,
+            batch_n_adapters_to_step=len(step_names),
             queue_length=sum(queues.values()),
             dropped={why: totals[why] for why in DropReason},
         )
         self.drops.clear()
         return per_adapter, stats
+
+
+def _uniform_rewards(group: PromptGroup) -> bool:
+    """Two or more samples, one reward (a zero-std group: no learning signal)."""
+    rewards = [s.reward for s in group.samples]
+    return len(rewards) > 1 and all(r == rewards[0] for r in rewards)

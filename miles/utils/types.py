@@ -452,34 +452,112 @@ class AdapterRolloutStats:
     """One adapter's rollout numbers, as of one `generate` call.
 
     Keyed by adapter name in `RolloutBatch.per_adapter`; the names inside are fixed, so
-    whatever an adapter is called its numbers cannot land on a loop-wide metric.
+    whatever an adapter is called its numbers cannot land on a loop-wide metric. The
+    per-sample and per-group values are kept (not only their means) so that the batches
+    of one optimizer step `merge` into the step's statistics, which `to_metrics` names
+    as Miles does:
+
+    >>> one = AdapterRolloutStats(groups=1, rewards=(1.0, 1.0), response_lengths=(3, 5),
+    ...                           uniform_group_rewards=(1.0,), staleness=(0,))
+    >>> two = AdapterRolloutStats(groups=1, rewards=(0.0, 1.0), response_lengths=(4, 8),
+    ...                           truncated=1, staleness=(2,))
+    >>> m = one.merge(two).to_metrics()
+    >>> m["raw_reward_mean"], m["response_len_median"], m["truncated_ratio"], m["max_staleness"]
+    (0.75, 4.5, 0.25, 2.0)
+    >>> m["zero_std_all_one_percentage"], m["zero_std_all_zero_percentage"]
+    (0.5, 0.0)
     """
 
     groups: int = 0
     """Prompt groups of this adapter in the batch."""
-    raw_reward_mean: float | None = None
-    """Mean reward of its samples in the batch; None when it has none there."""
-    response_len_mean: float | None = None
-    """Mean response length (tokens) of its samples in the batch; None when none."""
+    rewards: tuple[float, ...] = ()
+    """Reward of each of its samples in the batch."""
+    response_lengths: tuple[int, ...] = ()
+    """Trained-on response tokens of each of its samples (Miles' effective response
+    length: tool outputs masked out of the loss do not count)."""
+    truncated: int = 0
+    """Samples that stopped at `max_new_tokens` (status TRUNCATED)."""
+    uniform_group_rewards: tuple[float, ...] = ()
+    """The reward of each group of two or more samples that all got the same reward
+    (zero reward std: the group carries no learning signal)."""
+    staleness: tuple[int, ...] = ()
+    """Per group: weight pushes between the weights that generated it and the ones the
+    engines served when it was collected."""
     queue_length: int = 0
     """Groups left in its buffer after the batch was taken."""
     dropped: dict[DropReason, int] = field(default_factory=dict)
     """Groups collection dropped since the previous batch, per reason."""
     generation: GenerationCounts = GenerationCounts()
+    batches: int = 1
+    """Batches merged into these numbers."""
+
+    @property
+    def raw_reward_mean(self) -> float | None:
+        """Mean reward of its samples; None when it has none."""
+        return _mean(self.rewards)
+
+    @property
+    def response_len_mean(self) -> float | None:
+        return _mean(self.response_lengths)
+
+    def merge(self, later: AdapterRolloutStats) -> AdapterRolloutStats:
+        """These numbers and those of a later batch: samples and groups pooled, drops
+        added, buffer length and producer counters as of the later batch."""
+        return AdapterRolloutStats(
+            groups=self.groups + later.groups,
+            rewards=self.rewards + later.rewards,
+            response_lengths=self.response_lengths + later.response_lengths,
+            truncated=self.truncated + later.truncated,
+            uniform_group_rewards=self.uniform_group_rewards + later.uniform_group_rewards,
+            staleness=self.staleness + later.staleness,
+            queue_length=later.queue_length,
+            dropped={why: self.dropped.get(why, 0) + later.dropped.get(why, 0)
+                     for why in set(self.dropped) | set(later.dropped)},
+            generation=later.generation,
+            batches=self.batches + later.batches,
+        )
 
     def to_metrics(self) -> dict[str, float]:
-        """Flat metrics WITHOUT the adapter prefix (the metrics logger adds `{adapter}/`)."""
+        """Flat metrics WITHOUT the adapter prefix (the metrics logger adds it), with
+        Miles' multi-LoRA names: `raw_reward_{mean,median,max,min}`,
+        `response_len_{...}`, `zero_std_all_{zero,one}_percentage`, `truncated_ratio`,
+        `{avg,max}_staleness`; counters under `perf/`."""
         metrics = {
-            "perf/batch_groups": float(self.groups),
+            "perf/groups": float(self.groups),
+            "perf/batches": float(self.batches),
             "perf/queue_length": float(self.queue_length),
             **{f"perf/{why.value}_dropped": float(self.dropped.get(why, 0)) for why in DropReason},
             **self.generation.to_metrics("perf/"),
+            **_statistics("raw_reward_", self.rewards),
+            **_statistics("response_len_", self.response_lengths),
         }
-        if self.raw_reward_mean is not None:
-            metrics["raw_reward_mean"] = self.raw_reward_mean
-        if self.response_len_mean is not None:
-            metrics["response_len_mean"] = self.response_len_mean
+        if self.rewards:
+            metrics["truncated_ratio"] = self.truncated / len(self.rewards)
+        if self.groups:
+            # Miles rounds a uniform group's reward to one decimal before naming it.
+            zero = sum(1 for r in self.uniform_group_rewards if round(r, 1) == 0.0)
+            one = sum(1 for r in self.uniform_group_rewards if round(r, 1) == 1.0)
+            metrics["zero_std_all_zero_percentage"] = zero / self.groups
+            metrics["zero_std_all_one_percentage"] = one / self.groups
+        if self.staleness:
+            metrics["avg_staleness"] = sum(self.staleness) / len(self.staleness)
+            metrics["max_staleness"] = float(max(self.staleness))
         return metrics
+
+
+def _mean(values: tuple[float, ...] | tuple[int, ...]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _statistics(prefix: str, values: tuple[float, ...] | tuple[int, ...]) -> dict[str, float]:
+    """Miles' `compute_statistics` (mean, median, max, min) under `prefix`; {} when empty."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return {f"{prefix}mean": sum(values) / len(values), f"{prefix}median": float(median),
+            f"{prefix}max": float(ordered[-1]), f"{prefix}min": float(ordered[0])}
 
 
 @dataclass(frozen=True)
@@ -491,6 +569,8 @@ class RolloutStats:
     batch_n_adapters: int = 0
     batch_n_groups: int = 0
     batch_n_samples: int = 0
+    batch_n_adapters_to_step: int = 0
+    """Adapters whose optimizer step this batch completes."""
     queue_length: int = 0
     """Groups buffered over all adapters after the batch was taken."""
     dropped: dict[DropReason, int] = field(default_factory=dict)
@@ -504,6 +584,7 @@ class RolloutStats:
             "perf/rollout/batch_n_adapters": float(self.batch_n_adapters),
             "perf/rollout/batch_n_groups": float(self.batch_n_groups),
             "perf/rollout/batch_n_samples": float(self.batch_n_samples),
+            "perf/rollout/batch_n_adapters_to_step": float(self.batch_n_adapters_to_step),
             "perf/rollout/queue_length": float(self.queue_length),
             **{f"perf/rollout/{why.value}_dropped": float(self.dropped.get(why, 0)) for why in DropReason},
             **self.generation.to_metrics("perf/rollout/"),

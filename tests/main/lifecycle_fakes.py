@@ -214,7 +214,9 @@ class FakeRollout:
                 self.group_indices.setdefault(name, []).append(k)
             self.positions[name] = (run.registration_id, DataPosition(0, position.index + n_groups))
             groups[name] = n_groups
-            stats[name] = AdapterRolloutStats(groups=n_groups, raw_reward_mean=0.5, response_len_mean=1.0)
+            mine = [s for s in samples if s.adapter == name]
+            stats[name] = AdapterRolloutStats(groups=n_groups, rewards=tuple(s.reward for s in mine),
+                                              response_lengths=tuple(s.response_length for s in mine))
         step_names = sorted(groups)
         await self.controller.record_batch_adapters.remote(rollout_id, groups, step_names)
         return RolloutBatch(rollout_id=rollout_id, samples=samples, prompt_group_sizes=sizes,

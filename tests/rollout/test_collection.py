@@ -7,7 +7,7 @@ from rollout_fakes import FakeClock, FakeController, FakeProducer, active, make_
 
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.collection import BatchCollector, CollectionConfig, EmptyBatchTimeoutError
-from miles.utils.types import DropReason
+from miles.utils.types import DropReason, SampleStatus
 
 
 def collector(controller, *, target: int, dp: int = 1, staleness: int | None = None,
@@ -263,3 +263,52 @@ async def test_a_snapshot_passed_in_is_used_instead_of_reading_the_controller():
     batch = await c.collect(0, active(a))
     assert batch.groups_per_adapter == {"a": 2}
     assert controller.records == [(0, {"a": 2}, [])]
+
+
+async def test_per_adapter_rollout_numbers_with_miles_names():
+    """Rewards, trained-on lengths, truncation, zero-std groups and staleness of one batch,
+    computed from hand-made groups; the second adapter's numbers stay its own."""
+    a = make_run("a", 0, n_samples=3, version=5)
+    b = make_run("b", 1, n_samples=2, version=2)
+    controller = FakeController(active(a, b))
+    c, buffers, _, _ = collector(controller, target=100, coalesce=0.1)
+    buffers.put(make_group(a, 0, version=5, rewards=[1.0, 1.0, 1.0]))  # all one, fresh
+    buffers.put(make_group(a, 1, version=3, rewards=[0.0, 0.0, 0.0]))  # all zero, 2 pushes old
+    mixed = make_group(a, 2, version=4, rewards=[0.0, 1.0, 0.5])        # 1 push old
+    mixed.samples[1].status = SampleStatus.TRUNCATED
+    mixed.samples[2].loss_mask = [1, 0, 0]                              # a tool output of 2 tokens
+    buffers.put(mixed)
+    buffers.put(make_group(b, 0, rewards=[0.2, 0.2]))
+    batch = await c.collect(0)
+    m = batch.per_adapter["a"].to_metrics()
+    # Rewards 1,1,1, 0,0,0, 0,1,0.5; lengths 1,2,3 per group, the masked one counts 1 token.
+    assert m["raw_reward_mean"] == pytest.approx(4.5 / 9)
+    assert (m["raw_reward_median"], m["raw_reward_max"], m["raw_reward_min"]) == (0.5, 1.0, 0.0)
+    assert m["response_len_mean"] == pytest.approx(16 / 9)
+    assert (m["response_len_median"], m["response_len_max"], m["response_len_min"]) == (2.0, 3.0, 1.0)
+    assert m["truncated_ratio"] == pytest.approx(1 / 9)
+    assert m["zero_std_all_zero_percentage"] == pytest.approx(1 / 3)
+    assert m["zero_std_all_one_percentage"] == pytest.approx(1 / 3)
+    assert (m["avg_staleness"], m["max_staleness"]) == (1.0, 2.0)
+    mb = batch.per_adapter["b"].to_metrics()
+    # A uniform group of 0.2 is neither all-zero nor all-one.
+    assert (mb["zero_std_all_zero_percentage"], mb["zero_std_all_one_percentage"]) == (0.0, 0.0)
+    assert mb["raw_reward_mean"] == pytest.approx(0.2) and mb["truncated_ratio"] == 0.0
+    assert batch.stats.to_metrics()["perf/rollout/batch_n_adapters_to_step"] == 0.0
+
+
+async def test_adapters_to_step_counts_the_adapters_this_batch_completes():
+    a = make_run("a", 0, rollout_batch_size=2, accumulated=1)
+    b = make_run("b", 1, rollout_batch_size=4)
+    c, buffers, _, _ = collector(FakeController(active(a, b)), target=100, coalesce=0.1)
+    fill(buffers, a, [0])
+    fill(buffers, b, [0, 1])
+    batch = await c.collect(0)
+    assert batch.step_names == ["a"] and batch.stats.batch_n_adapters_to_step == 1
+    # No group of an adapter in the batch: no sample statistics for it, only counters.
+    idle = make_run("idle", 2)
+    c2, _, _, _ = collector(FakeController(active(a, idle)), target=100, coalesce=0.1)
+    fill(c2.buffers, a, [1])
+    metrics = (await c2.collect(1)).per_adapter["idle"].to_metrics()
+    assert not any(k.startswith(("raw_reward", "response_len", "zero_std", "truncated")) for k in metrics)
+    assert metrics["perf/groups"] == 0.0
