@@ -159,6 +159,9 @@ class MilesConfig:
     tis_clip_low: float = _flag(0.0, "Lower bound of the TIS weight.", loss=True)
     use_rollout_logprobs: bool = _flag(False, "Use the engine's logprobs as the old policy's.", loss=True)
     custom_tis_function_path: str | None = _flag(None, "Dotted path of a custom TIS function (Miles' signature).", loss=True)
+    calculate_per_token_loss: bool = _flag(
+        False, "Miles: normalize the loss per token over the batch; multi-LoRA refuses it (each sample is a token "
+               "mean, weighted by its adapter batch).")
 
     # ---- drivers ----
     prompt_data: str | None = _flag(None, "train_async: dataset of the single policy (jsonl, json or parquet).")
@@ -310,6 +313,9 @@ class MilesConfig:
             raise ConfigError("--micro-batch-size must be > 0")
         if self.rollout_max_prompt_len is not None and self.rollout_max_prompt_len <= 0:
             raise ConfigError("--rollout-max-prompt-len must be > 0 (leave it out to keep every prompt)")
+        if self.calculate_per_token_loss and self.multi_lora_n_adapters > 0:
+            raise ConfigError("multi-LoRA normalizes each sample by its adapter batch (a token mean per sample); "
+                              "drop --calculate-per-token-loss (Miles refuses it with multi-LoRA too)")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.train_backend == "megatron" and self.multi_lora_n_adapters > 0 and self.pipeline_model_parallel_size != 1:
@@ -595,6 +601,8 @@ def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
                            f"uses --rollout-engine {cfg.rollout_engine}")
         elif name == "lora_dropout" and value != 0:
             warn(name, "the slot LoRA layers apply no dropout")
+        elif name == "calculate_per_token_loss" and value:
+            warn(name, "the train actors take a token mean per sample")
         elif name == "pause_generation_mode":
             warn(name, "the trainer does not pause the engines for a weight update")
         elif name == "num_rollout" and cfg.multi_lora_n_adapters > 0:

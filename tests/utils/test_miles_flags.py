@@ -180,6 +180,7 @@ def test_kl_coef_is_reward_shaping_and_the_kl_loss_is_use_kl_loss():
     (["--entropy-coef", "0.01"], "--entropy-coef has no effect: the torch train actors do not apply it yet"),
     (["--lora-dropout", "0.1"], "--lora-dropout has no effect: the slot LoRA layers apply no dropout"),
     (["--wandb-project", "p"], "--wandb-project has no effect: --use-wandb is not set"),
+    (["--calculate-per-token-loss"], "--calculate-per-token-loss has no effect: the train actors take a token mean"),
 ])
 def test_a_flag_set_without_effect_warns_once(caplog, argv, warned):
     with caplog.at_level(logging.WARNING, logger="miles.utils.arguments"):
@@ -203,6 +204,7 @@ def test_flags_with_an_effect_do_not_warn(caplog):
     (["--kl-coef", "0.1", "--kl-loss-coef", "0.1"], "only one of --kl-coef"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c is the lower bound of dual-clip PPO and must be > 1.0"),
     (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
+    (["--multi-lora-n-adapters", "2", "--calculate-per-token-loss"], "drop --calculate-per-token-loss"),
     (["--actor-num-gpus-per-node", "4", "--actor-num-workers", "2"], "--actor-num-workers 2 disagrees"),
     (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus 3 must be a positive multiple"),
 ])
