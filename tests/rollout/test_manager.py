@@ -49,6 +49,7 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
         hf_checkpoint=str(tiny_model_dir), device="cpu", multi_lora_n_adapters=2, lora_rank=8,
         rollout_num_engines=1, rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=8,
         rollout_max_response_len=6, rm_type="math", save=str(tmp_path / "save"), multi_lora_api_port=0,
+        rollout_shuffle=True,
         multi_lora_allowed_roots=[str(tmp_path)], multi_lora_max_coalesce_wait_s=60.0,
         multi_lora_max_empty_wait_s=120.0,
     )
@@ -80,7 +81,7 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
         assert any(s.response_ids for s in batch.samples)
         # a's prompts come from its restored stream (indices 8.. in the seeded order);
         # which of the first few finish first is up to the engine.
-        resumed = AdapterDataset(rows, f"{cfg.seed}:a")
+        resumed = AdapterDataset(rows, f"{cfg.rollout_seed}:a")
         resumed.seek(DataPosition(epoch=1, index=2))
         stream_a = dict(resumed.next_row() for _ in range(4))
         groups_a = {(s.group_index, s.prompt) for s in batch.samples if s.adapter == "a"}
