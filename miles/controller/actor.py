@@ -35,7 +35,7 @@ from miles.controller.registry import AdapterAlreadyRegisteredError
 from miles.controller.store import RegistryStore
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.plugins import load_subclass
-from miles.utils.types import AdapterState, AdapterStatus, MultiLoRASnapshot
+from miles.utils.types import AdapterGauges, AdapterState, AdapterStatus, MultiLoRASnapshot
 
 if TYPE_CHECKING:
     from miles.utils.arguments import MilesConfig
@@ -199,6 +199,9 @@ class MultiLoRAController:
 
     async def snapshot(self) -> MultiLoRASnapshot:
         return self.backend.snapshot()
+
+    async def observe_rollout(self, gauges: dict[str, AdapterGauges]) -> None:
+        self.backend.observe_rollout(gauges)
 
 
 _cached_handle: Any = None

@@ -46,7 +46,7 @@ from miles.utils.adapter_config import (
     validate_adapter_name,
 )
 from miles.utils.router_workers import abort_on_workers
-from miles.utils.types import AdapterState, AdapterStatus, MultiLoRASnapshot, adapter_rid_prefix
+from miles.utils.types import AdapterGauges, AdapterState, AdapterStatus, MultiLoRASnapshot, adapter_rid_prefix
 
 if TYPE_CHECKING:
     from miles.utils.arguments import MilesConfig
@@ -112,6 +112,8 @@ class MultiLoRABackend:
         self._dataset_checks_running = 0
         self.registrations_total = 0
         self.deregistrations_total = 0
+        self.rollout_gauges: dict[str, AdapterGauges] = {}
+        """What the driver last reported of each adapter's rollouts (served on `/metrics`)."""
         self._persist()
 
     @classmethod
@@ -290,6 +292,13 @@ class MultiLoRABackend:
 
     def snapshot(self) -> MultiLoRASnapshot:
         return self.registry.snapshot()
+
+    def observe_rollout(self, gauges: dict[str, AdapterGauges]) -> None:
+        """Keep the driver's latest numbers of the adapters that hold a slot (bounded by the slots)."""
+        self.rollout_gauges.update(gauges)
+        live = {s.name: s.registration_id for s in self.registry.statuses() if s.state.holds_slot}
+        self.rollout_gauges = {name: g for name, g in self.rollout_gauges.items()
+                               if live.get(name) == g.registration_id}
 
 
 def check_dataset_file(name: str, path: str, max_bytes: int) -> None:

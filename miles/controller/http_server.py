@@ -98,7 +98,9 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 
 class _BackendCollector:
-    """Adapter counts and registration totals, read from the backend at scrape time."""
+    """Adapter counts, registration totals and per-adapter gauges, read from the backend at
+    scrape time. Per-adapter series exist only for adapters holding a slot, so the adapter
+    label takes at most `n_slots` values at once."""
 
     def __init__(self, backend: MultiLoRABackend) -> None:
         self.backend = backend
@@ -106,11 +108,32 @@ class _BackendCollector:
     def collect(self) -> Iterator[Any]:
         adapters = GaugeMetricFamily("miles_controller_adapters", "Adapters per lifecycle state", labels=["state"])
         counts = {state: 0 for state in AdapterState}
-        for status in self.backend.statuses():
+        statuses = self.backend.statuses()
+        for status in statuses:
             counts[status.state] += 1
         for state, count in counts.items():
             adapters.add_metric([state.value], count)
         yield adapters
+        step = GaugeMetricFamily("miles_adapter_step", "Optimizer steps the adapter has taken", labels=["adapter"])
+        version = GaugeMetricFamily("miles_adapter_version", "Slot version of the weights the engines serve",
+                                    labels=["adapter"])
+        reward = GaugeMetricFamily("miles_adapter_reward", "Mean raw reward of the adapter's latest optimizer step",
+                                   labels=["adapter"])
+        buffered = GaugeMetricFamily("miles_adapter_groups_buffered",
+                                     "Prompt groups generated and waiting for a train batch", labels=["adapter"])
+        gauges = self.backend.rollout_gauges
+        for status in statuses:
+            if not status.state.holds_slot:
+                continue
+            step.add_metric([status.name], status.step)
+            if status.version is not None:
+                version.add_metric([status.name], status.version)
+            seen = gauges.get(status.name)
+            if seen is not None and seen.registration_id == status.registration_id:
+                if seen.raw_reward_mean is not None:
+                    reward.add_metric([status.name], seen.raw_reward_mean)
+                buffered.add_metric([status.name], seen.groups_buffered)
+        yield from (step, version, reward, buffered)
         yield CounterMetricFamily("miles_controller_registrations", "Adapters registered",
                                   value=self.backend.registrations_total)
         yield CounterMetricFamily("miles_controller_deregistrations", "Adapters deregistered (moved to RETIRING by DELETE)",

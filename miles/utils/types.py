@@ -488,8 +488,6 @@ class AdapterRolloutStats:
     dropped: dict[DropReason, int] = field(default_factory=dict)
     """Groups collection dropped since the previous batch, per reason."""
     generation: GenerationCounts = GenerationCounts()
-    batches: int = 1
-    """Batches merged into these numbers."""
 
     @property
     def raw_reward_mean(self) -> float | None:
@@ -514,7 +512,6 @@ class AdapterRolloutStats:
             dropped={why: self.dropped.get(why, 0) + later.dropped.get(why, 0)
                      for why in set(self.dropped) | set(later.dropped)},
             generation=later.generation,
-            batches=self.batches + later.batches,
         )
 
     def to_metrics(self) -> dict[str, float]:
@@ -524,7 +521,6 @@ class AdapterRolloutStats:
         `{avg,max}_staleness`; counters under `perf/`."""
         metrics = {
             "perf/groups": float(self.groups),
-            "perf/batches": float(self.batches),
             "perf/queue_length": float(self.queue_length),
             **{f"perf/{why.value}_dropped": float(self.dropped.get(why, 0)) for why in DropReason},
             **self.generation.to_metrics("perf/"),
@@ -589,6 +585,18 @@ class RolloutStats:
             **{f"perf/rollout/{why.value}_dropped": float(self.dropped.get(why, 0)) for why in DropReason},
             **self.generation.to_metrics("perf/rollout/"),
         }
+
+
+@dataclass(frozen=True)
+class AdapterGauges:
+    """What the driver last saw of one adapter's rollouts, for the controller's `/metrics`."""
+
+    registration_id: str
+    """The registration these numbers belong to (a re-registration starts without them)."""
+    raw_reward_mean: float | None
+    """Mean reward of its latest optimizer step's samples; None before its first step."""
+    groups_buffered: int
+    """Groups generated and waiting in its buffer when the latest batch was taken."""
 
 
 @dataclass

@@ -24,7 +24,7 @@ from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
 from miles.utils.adapter_config import ADAPTER_CONFIG_KEYS, AdapterDefaults
 from miles.utils.arguments import parse_args
 from miles.utils.plugins import load_subclass
-from miles.utils.types import AdapterState
+from miles.utils.types import AdapterGauges, AdapterState
 
 TOKEN = "s3cret-token"
 
@@ -261,6 +261,42 @@ def test_metrics(plane: ThreadedController, client: ControlPlaneClient, raw: htt
     assert value('miles_controller_requests_total{method="GET",route="/adapter_runs/{name}",status="404"}') == 1
     assert value('miles_controller_requests_total{method="GET",route="/adapter_runs",status="401"}') == 1
     assert value('miles_controller_requests_total{method="GET",route="unmatched",status="401"}') == 1
+
+
+def test_per_adapter_gauges_cover_only_adapters_holding_a_slot(plane: ThreadedController, client: ControlPlaneClient,
+                                                               data_root: Path) -> None:
+    client.register("a", config={"data": data_path(data_root)})
+    client.register("b", config={"data": data_path(data_root)})
+    plane.call(plane.controller.record_weight_update(["a"]))
+    plane.call(plane.controller.record_weight_update(["a"]))
+    plane.call(plane.controller.set_adapter_step("a", 4))
+    reg_a, reg_b = client.status("a").registration_id, client.status("b").registration_id
+    plane.call(plane.controller.observe_rollout({
+        "a": AdapterGauges(registration_id=reg_a, raw_reward_mean=0.75, groups_buffered=3),
+        "b": AdapterGauges(registration_id="an-old-registration", raw_reward_mean=0.1, groups_buffered=9),
+        "ghost": AdapterGauges(registration_id="x", raw_reward_mean=1.0, groups_buffered=1),
+    }))
+
+    def series(text: str, metric: str) -> dict[str, float]:
+        return {m[1]: float(m[2]) for m in re.finditer(rf'^{metric}{{adapter="([^"]+)"}} (\S+)$', text, flags=re.M)}
+
+    text = client.metrics()
+    assert series(text, "miles_adapter_step") == {"a": 4.0, "b": 0.0}
+    assert series(text, "miles_adapter_version") == {"a": 2.0, "b": 0.0}
+    # Numbers of another registration of b, or of a name holding no slot, are not served.
+    assert series(text, "miles_adapter_reward") == {"a": 0.75}
+    assert series(text, "miles_adapter_groups_buffered") == {"a": 3.0}
+    plane.call(plane.controller.observe_rollout(
+        {"b": AdapterGauges(registration_id=reg_b, raw_reward_mean=None, groups_buffered=2)}))
+    text = client.metrics()
+    assert series(text, "miles_adapter_reward") == {"a": 0.75}  # b has no step yet
+    assert series(text, "miles_adapter_groups_buffered") == {"a": 3.0, "b": 2.0}
+    # Once an adapter leaves its slot its series go.
+    client.deregister("a")
+    assert plane.call(plane.controller.retire_adapters()) == ["a"]
+    plane.call(plane.controller.free_slot("a"))
+    text = client.metrics()
+    assert set(series(text, "miles_adapter_step")) == {"b"} and set(series(text, "miles_adapter_reward")) == set()
 
 
 def test_openapi_lists_the_routes(raw: httpx.Client) -> None:
