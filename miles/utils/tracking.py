@@ -75,13 +75,15 @@ class MetricsLogger:
     """Fan-out of metric records to JSONL, TensorBoard and (optionally) W&B."""
 
     def __init__(self, run_dir: Path | str, *, use_wandb: bool = False,
-                 wandb_project: str | None = None, run_name: str | None = None) -> None:
+                 wandb_project: str | None = None, run_name: str | None = None, wandb_group: str | None = None,
+                 wandb_key: str | None = None, wandb_random_suffix: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self._file = self.path.open("a", buffering=1)
         self._tb = self._open_tensorboard()
-        self._wandb = self._open_wandb(wandb_project, run_name) if use_wandb else None
+        self._wandb = (self._open_wandb(wandb_project, run_name, wandb_group, wandb_key, wandb_random_suffix)
+                       if use_wandb else None)
         self._wandb_adapters: set[str] = set()
 
     def _open_tensorboard(self) -> Any:
@@ -91,12 +93,27 @@ class MetricsLogger:
             return None
         return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 
-    def _open_wandb(self, project: str | None, run_name: str | None) -> Any:
+    @classmethod
+    def from_config(cls, cfg: Any) -> MetricsLogger:
+        """The logger of a run: `--use-wandb`, `--wandb-project`, `--wandb-group`, `--wandb-key`
+        and `--disable-wandb-random-suffix` mean what they mean in Miles."""
+        return cls(cfg.resolved_run_dir, use_wandb=cfg.use_wandb, wandb_project=cfg.wandb_project,
+                   wandb_group=cfg.wandb_group, wandb_key=cfg.wandb_key,
+                   wandb_random_suffix=not cfg.disable_wandb_random_suffix)
+
+    def _open_wandb(self, project: str | None, run_name: str | None, group: str | None, key: str | None,
+                    random_suffix: bool) -> Any:
+        """As Miles: log in with the key if given; the group gets a random suffix unless
+        disabled, and names the run when no run name is given."""
         try:
             import wandb
         except ImportError as exc:
             raise RuntimeError("--use-wandb needs the wandb package: pip install wandb") from exc
-        wandb.init(project=project or "miles-multi-lora", name=run_name, dir=str(self.run_dir))
+        if key is not None:
+            wandb.login(key=key)
+        if group is not None and random_suffix:
+            group = f"{group}_{wandb.util.generate_id()}"
+        wandb.init(project=project or "miles-multi-lora", group=group, name=run_name or group, dir=str(self.run_dir))
         return wandb
 
     def log_loop(self, metrics: dict[str, Any], *, rollout_id: int) -> None:

@@ -51,3 +51,37 @@ def test_an_adapter_named_like_loop_metrics_cannot_collide_with_them(tmp_path):
     assert adapter_metric_name("perf", "train_time") == "adapters/perf/train_time"
     with pytest.raises(ValueError, match="adapters/"):
         MetricsLogger(tmp_path / "other").log_loop({"adapters/perf/train_time": 1.0}, rollout_id=0)
+
+
+class FakeWandb:
+    """Records the calls the logger makes (no network, no wandb install needed)."""
+
+    def __init__(self):
+        self.calls = []
+        self.util = type("util", (), {"generate_id": staticmethod(lambda: "abc123")})
+
+    def login(self, **kwargs):
+        self.calls.append(("login", kwargs))
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+
+    def finish(self):
+        self.calls.append(("finish", {}))
+
+
+@pytest.mark.parametrize("extra, login, group", [
+    ([], [], "RUN_ID_abc123"),
+    (["--disable-wandb-random-suffix", "--wandb-key", "k"], [("login", {"key": "k"})], "RUN_ID"),
+])
+def test_wandb_flags_mean_what_they_mean_in_miles(tmp_path, monkeypatch, extra, login, group):
+    import sys
+
+    from miles.utils.arguments import parse_args
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = parse_args(["--use-wandb", "--wandb-project", "p", "--wandb-group", "RUN_ID", "--run-dir", str(tmp_path),
+                      *extra])
+    MetricsLogger.from_config(cfg)
+    assert fake.calls == [*login, ("init", {"project": "p", "group": group, "name": group, "dir": str(tmp_path)})]
