@@ -1,0 +1,332 @@
+"""One rank (a DP replica's TP shard) of the Megatron training backend.
+
+A megatron-core GPTModel shard with the slot page table in its parallel linears
+(`miles.backends.megatron.lora`), one `SlotAdamW` over this rank's LoRA shards and one
+LR schedule per adapter. The training contract is the torch backend's, and so is most
+of the code: this class subclasses `TorchTrainActor` and replaces only what touches the
+model or crosses ranks:
+
+- the forward (Megatron's [S, B] layout, logits gathered over TP);
+- slot loads, exports and checkpoints, which read and write whole HF-shaped tensors and
+  gather them over the TP group (every rank of DP replica 0 takes part; global rank 0
+  writes);
+- the step: gradients summed over the DP group, then each stepping slot's norm taken
+  over all TP shards (sharded tensors' squares summed over TP, replicated ones counted
+  once), so clipping, AdamW (elementwise) and the result equal the torch backend's.
+
+Driven in-process for one rank (TP = DP = 1):
+
+    actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint="/tmp/tiny", n_slots=4, lora_rank=8))
+    actor.init_distributed(None)           # a one-rank gloo group
+    actor.load_adapter(spec); actor.train(samples, advantages, counts); actor.step_adapters(["math"])
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult
+from miles.backends.lora.peft_io import _UNSUPPORTED, read_peft_dir, write_peft_dir
+from miles.backends.megatron import lora as mlora
+from miles.backends.megatron.model import ModelShape, build_gpt_model, forward_logits, load_hf_weights, read_hf_state_dict
+from miles.backends.torch.actor import DTYPES, LossSums, TorchTrainActor, TrainActorConfig, _Loaded, adapter_seed
+from miles.backends.torch.batching import MicroBatch, next_token_logprobs
+from miles.backends.torch.checkpoint import OptimizerState, TrainerState, read_checkpoint, write_checkpoint
+from miles.backends.torch.lr_schedule import LRSchedule
+from miles.backends.torch.optimizer import SlotAdamW
+from miles.utils.arguments import MilesConfig
+from miles.utils.types import DataPosition, Sample
+
+
+@dataclass(frozen=True)
+class MegatronActorConfig(TrainActorConfig):
+    """`TrainActorConfig` plus the tensor-parallel layout."""
+
+    tensor_model_parallel_size: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: MilesConfig) -> MegatronActorConfig:
+        if cfg.sequence_parallel:
+            raise ValueError("--sequence-parallel is not supported by the Megatron backend's slot page table yet; "
+                             "leave it off (tensor parallelism works without it)")
+        base = TrainActorConfig.from_config(cfg)
+        return cls(**{f: getattr(base, f) for f in base.__dataclass_fields__},
+                   tensor_model_parallel_size=cfg.tensor_model_parallel_size)
+
+
+class MegatronTrainActor(TorchTrainActor):
+    """One Megatron rank: GPTModel shard + sharded slot page table + per-slot AdamW."""
+
+    def __init__(self, config: MegatronActorConfig, rank: int = 0, world_size: int = 1) -> None:
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        tp = config.tensor_model_parallel_size
+        if tp <= 0 or world_size % tp:
+            raise ValueError(f"{world_size} ranks are not a multiple of --tensor-model-parallel-size {tp}")
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.tp_rank, self.dp_rank = rank % tp, rank // tp
+        self.device = torch.device(config.device)
+        self.shape = ModelShape.from_hf_dir(config.hf_checkpoint)
+        self.shape.check_tp(tp)
+        self.adapters: dict[str, _Loaded] = {}
+        self.model: Any = None
+
+    # ---- distributed set-up and the model ---------------------------------------------
+
+    def init_process_group(self, address: str | None, timeout_s: float = 600.0) -> None:
+        """Join the process group (a one-rank one when `address` is None), set up Megatron's
+        TP/DP groups, then build this rank's model shard and optimizer."""
+        from megatron.core import parallel_state
+
+        if not dist.is_initialized():
+            if address is None:
+                address = self.master_address()
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.config.tensor_model_parallel_size)
+        self._build_model()
+
+    def _build_model(self) -> None:
+        config = self.config
+        model = build_gpt_model(self.shape, dtype=DTYPES[config.dtype])
+        load_hf_weights(model, self.shape, read_hf_state_dict(config.hf_checkpoint))
+        # LoRA weights and their AdamW moments stay fp32 over a bf16 base (as in the torch backend).
+        self.parts = mlora.inject_parallel_lora(model, self.shape, n_slots=config.n_slots, max_rank=config.lora_rank,
+                                                target_modules=config.target_modules)
+        self.model = model.to(self.device).eval()
+        self.param_names: list[str] = []
+        self._param_parts: list[tuple[mlora.LoRAPart, str]] = []
+        params: list[tuple[torch.nn.Parameter, int]] = []
+        for name, part in self.parts.items():
+            self.param_names += [f"{name}.lora_A", f"{name}.lora_B"]
+            self._param_parts += [(part, "A"), (part, "B")]
+            params += [(part.lora_A, 1), (part.lora_B, 2)]
+        self.optimizer = SlotAdamW(params, n_slots=config.n_slots, betas=config.adam_betas, eps=config.adam_eps)
+        self.target_short_names = sorted({n.rsplit(".", 1)[-1] for n in self.parts})
+
+    def master_address(self, host: str = "127.0.0.1") -> str:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def shutdown(self) -> None:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _tp_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_group()
+
+    def _dp_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    # ---- adapters in slots ----------------------------------------------------------------
+
+    def load_adapter(self, spec: AdapterSpec, checkpoint: str | None = None) -> LoadResult:
+        self._check_free(spec)
+        self.optimizer.reset_slot(spec.slot)
+        schedule = self._new_schedule(spec)
+        result = LoadResult()
+        if checkpoint is None:
+            generator = torch.Generator().manual_seed(adapter_seed(self.config.seed, spec.name))
+            mlora.init_slot(self.parts, spec.slot, rank=spec.rank, alpha=spec.alpha, generator=generator)
+        else:
+            result, schedule = self._resume(spec, Path(checkpoint), schedule)
+        self.optimizer.configure_slot(spec.slot, rank=spec.rank, lr=spec.lr, weight_decay=spec.weight_decay)
+        if spec.num_step is not None:
+            schedule.total_steps = result.step + spec.num_step
+        self.adapters[spec.name] = _Loaded(spec=spec, schedule=schedule)
+        return result
+
+    def load_peft_dir(self, slot: int, path: str | Path) -> tuple[int, float]:
+        """Load a PEFT adapter directory (whole tensors) into `slot`; returns its (rank, alpha)."""
+        tensors, config = read_peft_dir(path)
+        rank, alpha = check_peft_config(config, Path(path), self.target_short_names)
+        if rank > self.config.lora_rank:
+            raise ValueError(f"{path}: adapter rank {rank} exceeds the slot width max_rank={self.config.lora_rank}; raise --lora-rank")
+        mlora.set_slot_weights(self.parts, slot, tensors, rank=rank, alpha=alpha)
+        return rank, alpha
+
+    def _resume(self, spec: AdapterSpec, path: Path, fresh: LRSchedule) -> tuple[LoadResult, LRSchedule]:
+        ckpt = read_checkpoint(path)
+        if ckpt.trainer_state.rank != spec.rank or abs(ckpt.trainer_state.alpha - spec.alpha) > 1e-6:
+            raise ValueError(
+                f"checkpoint {path} holds a rank-{ckpt.trainer_state.rank} alpha-{ckpt.trainer_state.alpha} adapter "
+                f"but adapter '{spec.name}' is configured with rank {spec.rank} alpha {spec.alpha}: "
+                "use the checkpoint's rank and alpha, or give the adapter a fresh save directory"
+            )
+        self.load_peft_dir(spec.slot, path)
+        exp_avg = self._pad_moments(ckpt.optimizer.exp_avg, spec, path)
+        exp_avg_sq = self._pad_moments(ckpt.optimizer.exp_avg_sq, spec, path)
+        self.optimizer.load_slot_state(spec.slot, exp_avg, exp_avg_sq, ckpt.optimizer.step)
+        saved = LRSchedule.from_state_dict(ckpt.scheduler)
+        schedule = replace(fresh, samples_seen=saved.samples_seen, samples_at_last_step=saved.samples_at_last_step)
+        return LoadResult(checkpoint=path, step=ckpt.trainer_state.step,
+                          data_position=ckpt.trainer_state.data_position), schedule
+
+    def _pad_moments(self, tensors: dict[str, Tensor], spec: AdapterSpec, path: Path) -> list[Tensor]:
+        """Whole rank-sliced moments (HF shapes) -> this rank's padded slot views."""
+        out = []
+        for name, (param, rank_dim), (part, which) in zip(self.param_names, self.optimizer.params, self._param_parts):
+            if name not in tensors:
+                raise ValueError(f"checkpoint {path} has no optimizer state for {name}: it was saved for another model")
+            whole = tensors[name]
+            expected = (spec.rank, part.in_features) if which == "A" else (part.out_features, spec.rank)
+            if tuple(whole.shape) != expected:
+                raise ValueError(f"checkpoint {path}: optimizer state {name} has shape {list(whole.shape)}, expected {list(expected)}")
+            full = torch.zeros_like(param[spec.slot])
+            full.narrow(rank_dim - 1, 0, spec.rank).copy_(part.shard_slot_view(which, whole))
+            out.append(full)
+        return out
+
+    def cleanup_adapter(self, name: str) -> None:
+        loaded = self._loaded(name)
+        mlora.clear_slot(self.parts, loaded.spec.slot)
+        self.optimizer.reset_slot(loaded.spec.slot)
+        del self.adapters[name]
+
+    # ---- training ---------------------------------------------------------------------------
+
+    def train(self, samples: Sequence[Sample], advantages: Sequence[float],
+              samples_per_adapter: dict[str, int]) -> dict[str, LossSums]:
+        """Forward and backward of this replica's samples (every TP rank of a replica gets
+        the same ones); only TP rank 0 reports loss sums, so a replica counts once."""
+        stats = super().train(samples, advantages, samples_per_adapter)
+        return stats if self.tp_rank == 0 else {}
+
+    def _forward_logprobs(self, batch: MicroBatch, slots: list[int]) -> Tensor:
+        with mlora.use_slots(self.model, slots):
+            logits = forward_logits(self.model, self.shape, batch.input_ids_BL)
+        return next_token_logprobs(logits, batch.input_ids_BL)
+
+    def step_adapters(self, names: Sequence[str]) -> dict[str, AdapterStepStats]:
+        """Optimizer step of the given adapters only; every rank calls it with the same names."""
+        names = sorted(names)
+        loaded = [self._loaded(name) for name in names]
+        self._all_reduce_slot_grads([a.spec.slot for a in loaded])
+        out = {}
+        for a in loaded:
+            slot = a.spec.slot
+            self.optimizer.mask_slot_grad(slot)
+            self.optimizer.scale_slot_grad(slot, 1.0 / a.spec.global_batch_size)
+            grad_norm = self._clip_slot_grad(slot, self.config.clip_grad)
+            lr = a.schedule.begin_step()
+            self.optimizer.step_slot(slot, lr)
+            self.optimizer.zero_slot_grad(slot)
+            out[a.spec.name] = AdapterStepStats(grad_norm=grad_norm, lr=lr)
+        return out
+
+    def _all_reduce_slot_grads(self, slots: list[int]) -> None:
+        """Sum the stepping slots' gradients over the DP replicas (same TP rank)."""
+        if self.world_size == self.config.tensor_model_parallel_size or not slots:
+            return
+        grads = [g for slot in slots for g in self.optimizer.slot_grads(slot)]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._dp_group())
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    @torch.no_grad()
+    def _clip_slot_grad(self, slot: int, max_norm: float) -> float:
+        """`SlotAdamW.clip_slot_grad` with the norm taken over every TP shard: squares of
+        sharded gradients summed over TP, replicated ones (equal on every rank) once."""
+        grads = self.optimizer.slot_grads(slot)
+        norms = torch.stack(torch._foreach_norm(grads, dtype=torch.float32))
+        sharded = torch.tensor([part.sharded == which for part, which in self._param_parts], device=norms.device)
+        sq = norms.square()
+        sharded_sq = sq[sharded].sum()
+        if self.config.tensor_model_parallel_size > 1:
+            sharded_sq = sharded_sq.cpu() if self.device.type == "cpu" else sharded_sq
+            dist.all_reduce(sharded_sq, op=dist.ReduceOp.SUM, group=self._tp_group())
+        norm = (sharded_sq.to(sq.device) + sq[~sharded].sum()).sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return float(norm)
+
+    # ---- export and checkpoints (gathered over TP) ----------------------------------------------
+
+    def export_adapter(self, name: str) -> dict[str, Tensor]:
+        """The adapter's whole LoRA tensors in PEFT names (every rank of DP replica 0 must
+        call: a TP gather); rank 0 returns them, the others an empty dict."""
+        if self.dp_rank != 0:
+            return {}
+        tensors = mlora.gather_slot_weights(self.parts, self._loaded(name).spec.slot)
+        return tensors if self.rank == 0 else {}
+
+    def optimizer_state(self, name: str) -> OptimizerState:
+        """The adapter's AdamW moments, whole and rank-sliced by LoRA parameter name (a TP gather)."""
+        spec = self._loaded(name).spec
+        exp_avg, exp_avg_sq, step = self.optimizer.slot_state(spec.slot)
+
+        def whole(ts: list[Tensor]) -> dict[str, Tensor]:
+            return {n: part.gather(which, t, spec.rank).cpu().contiguous()
+                    for n, t, (part, which) in zip(self.param_names, ts, self._param_parts)}
+
+        hyper = {"lr": spec.lr, "weight_decay": spec.weight_decay, "betas": list(self.optimizer.betas), "eps": self.optimizer.eps}
+        return OptimizerState(exp_avg=whole(exp_avg), exp_avg_sq=whole(exp_avg_sq), step=step, hyper=hyper)
+
+    def save_adapter(self, name: str, step: int, data_position: DataPosition | None = None) -> str:
+        """Write `{save}/checkpoints/step_{step}` (every rank of DP replica 0 gathers; rank 0
+        writes and returns the path, the others return '')."""
+        a = self._loaded(name)
+        spec = a.spec
+        if spec.save_dir is None:
+            raise ValueError(f"adapter '{name}' has no save directory: set 'save' in its config or --save")
+        if self.dp_rank != 0:
+            return ""
+        tensors = mlora.gather_slot_weights(self.parts, spec.slot)
+        optimizer = self.optimizer_state(name)
+        if self.rank != 0:
+            return ""
+        state = TrainerState(name=name, step=step, registration_id=spec.registration_id, rank=spec.rank,
+                             alpha=spec.alpha, data_position=data_position)
+        path = write_checkpoint(
+            spec.save_dir, step, write_adapter=lambda p: write_peft_dir(p, tensors, self.peft_config(name)),
+            optimizer=optimizer, scheduler=a.schedule.state_dict(), trainer_state=state,
+        )
+        return str(path)
+
+
+def check_peft_config(config: dict[str, Any], path: Path, targets: list[str]) -> tuple[int, float]:
+    """(rank, alpha) of a PEFT `adapter_config.json` the Megatron page table can hold, with
+    the same rules as `miles.backends.lora.load_peft_adapter`."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}; only LORA adapters load into slots")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise ValueError(f"{path}: {what} is not supported by the slot page table; save the adapter without it")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"{path}: bias={config.get('bias')!r} is not supported; train the adapter with bias='none'")
+    wanted = config.get("target_modules")
+    if isinstance(wanted, list):
+        missing = {t for t in wanted if t.rsplit(".", 1)[-1] not in targets}
+        if missing:
+            raise ValueError(f"{path}: adapter targets {sorted(missing)} which are not LoRA layers of this model "
+                             f"(targets: {targets}); widen --target-modules")
+    if "r" not in config or "lora_alpha" not in config:
+        raise ValueError(f"{path}: adapter_config.json lacks 'r' or 'lora_alpha'")
+    return int(config["r"]), float(config["lora_alpha"])
