@@ -129,3 +129,89 @@ async def test_two_adapters_then_deregistration_aborts_only_its_requests(router_
         assert prod.count("aborted", "b") == 0 and prod.failure is None
     finally:
         await prod.stop()
+
+
+TWO_TURNS = '''
+from miles.rollout.generate import FINISH_STATUS
+from miles.utils.types import SampleStatus
+
+SECOND_TURNS = []
+OBSERVATION = " ok "
+
+
+async def generate(input):
+    sample, engine = input.sample, input.engine
+    ids, mask, logps = [], [], []
+    for turn, extra in enumerate(({"max_new_tokens": 4}, {"max_new_tokens": 200, "ignore_eos": True})):
+        if turn == 1:
+            SECOND_TURNS.append(sample)
+        out = await engine.generate(sample.prompt_ids + ids, {**input.sampling_params, **extra})
+        if FINISH_STATUS[out.meta_info.finish_reason.type] is SampleStatus.ABORTED:
+            sample.status = SampleStatus.ABORTED
+            return sample
+        ids += out.output_ids
+        mask += [1] * len(out.output_ids)
+        logps += [lp for lp, _, _ in out.meta_info.output_token_logprobs]
+        if turn == 0:
+            observation = input.tokenizer.encode(OBSERVATION, add_special_tokens=False)
+            ids, mask, logps = ids + observation, mask + [0] * len(observation), logps + [0.0] * len(observation)
+    sample.tokens = sample.prompt_ids + ids
+    sample.response_length = len(ids)
+    sample.loss_mask, sample.rollout_log_probs = mask, logps
+    sample.status = SampleStatus.COMPLETED
+    return sample
+'''
+
+
+async def test_two_turn_generate_function_then_prefix_abort_in_the_second_turn(router_url, tiny_model_dir, tmp_path,
+                                                                               monkeypatch):
+    from transformers import AutoTokenizer
+
+    (tmp_path / "two_turns.py").write_text(TWO_TURNS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "two_turns", raising=False)
+    import two_turns
+
+    router, engine = router_url
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(8)))
+    a = make_run("a", 1, data=str(data), input_key="text", label_key="label", rm_type="math", n_samples=1,
+                 custom_generate_function_path="two_turns.generate")
+    controller = FakeController(active(a))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    source = MultiLoRADataSource(DataSourceConfig(seed=0, apply_chat_template=False, default_rm_type=None),
+                                 tokenizer)
+    config = ProducerConfig(max_groups_in_flight=1, max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=1,
+                            snapshot_poll_s=0.05)
+    buffers = AdapterBuffers()
+    prod = RolloutProducer(config, router_url=router, controller=controller, data_source=source, buffers=buffers,
+                           lora_name=engine_lora_name, reward_args=None)
+    prod.start()
+    try:
+        await wait_for(lambda: len(buffers.get("a")) >= 1, timeout=120, what="a two-turn group")
+        sample = buffers.get("a").pop(1)[0].samples[0]
+        observation = tokenizer.encode(two_turns.OBSERVATION, add_special_tokens=False)
+        first = sample.response_ids[: sample.loss_mask.index(0)]
+        second = sample.response_ids[len(first) + len(observation):]
+        assert sample.response_ids[len(first): len(first) + len(observation)] == observation
+        assert sample.loss_mask == [1] * len(first) + [0] * len(observation) + [1] * len(second)
+        assert len(second) == 200 and len(sample.rollout_logprobs) == sample.response_length
+        # Greedy: the engine, asked directly with the conversation so far and the slot's
+        # LoRA, continues exactly as the second turn did.
+        async with httpx.AsyncClient(trust_env=False, timeout=120) as client:
+            reply = await client.post(f"{engine}/generate", json={
+                "input_ids": sample.prompt_ids + first + observation, "lora_path": engine_lora_name(1),
+                "sampling_params": {"max_new_tokens": 200, "temperature": 0.0, "top_k": 1, "ignore_eos": True}})
+        assert reply.json()["output_ids"] == second
+
+        # The controller's deregistration while a conversation is in its second turn.
+        n_second = len(two_turns.SECOND_TURNS)
+        await wait_for(lambda: len(two_turns.SECOND_TURNS) > n_second, timeout=60, what="a second turn")
+        controller.current = MultiLoRASnapshot()
+        async with httpx.AsyncClient(trust_env=False) as client:
+            assert (await client.post(f"{engine}/abort_request", json={"rid": "a::", "prefix": True})).status_code == 200
+        await wait_for(lambda: prod.in_flight["a"] == 0, timeout=60, what="the conversation to end")
+        assert prod.count("aborted", "a") == 1 and two_turns.SECOND_TURNS[-1].status.value == "aborted"
+        assert prod.failure is None
+    finally:
+        await prod.stop()
