@@ -1,10 +1,15 @@
-"""The controller as a named Ray actor: HTTP registrations show up in its snapshot."""
+"""The controller as a named Ray actor: HTTP registrations show up in its snapshot, and a
+killed actor comes back with its registry and port."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
+import httpx
 import pytest
+from controller_fakes import ROLLOUT_HOOKS
 
 from miles.controller.actor import (
     CONTROLLER_NAME,
@@ -14,7 +19,7 @@ from miles.controller.actor import (
     get_multi_lora_controller,
 )
 from miles.controller.client import ControlPlaneClient
-from miles.controller.registry import AdapterNotFoundError, AdapterValidationError
+from miles.controller.registry import AdapterAlreadyRegisteredError, AdapterNotFoundError, AdapterValidationError
 from miles.utils.arguments import config_from_dict
 from miles.utils.types import AdapterState, MultiLoRASnapshot
 
@@ -60,3 +65,73 @@ def test_named_actor_serves_http_and_snapshots(ray_session, data_root: Path) -> 
         destroy_multi_lora_controller()
     with pytest.raises(ValueError):
         ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+
+
+def wait_for_health(url: str, timeout: float = 60.0) -> float:
+    """Seconds until GET /health answers 200 at `url`."""
+    start = time.monotonic()
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                return time.monotonic() - start
+        except httpx.TransportError:
+            pass
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"{url} did not answer /health within {timeout}s")
+        time.sleep(0.05)
+
+
+def test_killed_controller_comes_back_with_its_registry_and_port(ray_session, data_root: Path) -> None:
+    """Ray restarts the killed actor; it reloads the registry file and serves the same port.
+    Then a new controller over the same run directory (a restarted trainer) resumes it too."""
+    ray = ray_session
+    cfg = config_from_dict(dict(
+        multi_lora_n_adapters=3, multi_lora_api_port=0, save=str(data_root / "save"), rm_type="math",
+        rollout_batch_size=2, n_samples_per_prompt=2, multi_lora_allowed_roots=[str(data_root)],
+    ))
+    data = str(data_root / "data" / "train.jsonl")
+    controller = create_multilora_controller(cfg, router_url=None, hooks=ROLLOUT_HOOKS)
+    try:
+        port = ray.get(controller.api_port.remote())
+        url = f"http://127.0.0.1:{port}"
+        with ControlPlaneClient(url) as client:
+            client.register("a", config={"data": data, "num_step": 50})
+            assert ray.get(controller.register_adapter.remote("b", {"data": data, "num_step": 50})) == 1
+            ray.get(controller.register_adapter.remote("c", {"data": data}))
+            ray.get(controller.record_weight_update.remote(["a", "b"]))
+            ray.get(controller.record_batch_adapters.remote(0, {"a": 2, "b": 1}, ["a"]))
+            ray.get(controller.mark_batch_trained.remote(0))
+            ray.get(controller.record_batch_adapters.remote(1, {"a": 2}, ["a"]))
+            ray.get(controller.set_router_url.remote("http://127.0.0.1:9"))
+            client.deregister("c")
+            before = ray.get(controller.snapshot.remote())
+            listed = client.list()
+
+        pid = ray.get(controller.__ray_call__.remote(lambda self: os.getpid()))
+        ray.kill(controller, no_restart=False)
+        after = ray.get(controller.snapshot.remote(), timeout=60)  # retried on the restarted actor
+        assert ray.get(controller.__ray_call__.remote(lambda self: os.getpid())) != pid
+        assert after == before
+        assert after.active["a"].step == 1 and after.active["b"].accumulated_groups == 1
+        assert {n: r.registration_id for n, r in after.live.items()} == \
+               {n: r.registration_id for n, r in before.live.items()}
+        wait_for_health(url)
+        assert ray.get(controller.api_port.remote()) == port
+        with ControlPlaneClient(url) as client:
+            assert client.list() == listed
+        # The recorded batch commits after the restart, and pushes continue the versions.
+        assert ray.get(controller.mark_batch_trained.remote(1)) == ["a"]
+        assert ray.get(controller.record_weight_update.remote(["a"])) == {"a": 2}
+        before_trainer_restart = ray.get(controller.snapshot.remote())
+    finally:
+        destroy_multi_lora_controller()
+
+    controller = create_multilora_controller(cfg, router_url=None, hooks=ROLLOUT_HOOKS)
+    try:
+        assert ray.get(controller.snapshot.remote()) == before_trainer_restart
+        with pytest.raises(AdapterAlreadyRegisteredError, match="already registered"):
+            ray.get(controller.register_adapter.remote("a", {"data": data}))
+        assert ray.get(controller.register_adapter.remote("a", {"data": data}, exist_ok=True)) == 0
+        assert ray.get(controller.snapshot.remote()) == before_trainer_restart
+    finally:
+        destroy_multi_lora_controller()
