@@ -20,7 +20,7 @@ import ray
 
 from miles.backends.base import TrainingBackend
 from miles.main.adapter_sync import AdapterSync
-from miles.main.progress import RunProgress
+from miles.main.progress import RunProgress, make_view
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
 
@@ -158,10 +158,11 @@ async def trainer_run(cfg: MilesConfig) -> AsyncIterator[TrainerRun]:
     install_stop_handlers(stop)
     components = await launch(cfg)
     metrics = MetricsLogger(cfg.resolved_run_dir, use_wandb=cfg.use_wandb, wandb_project=cfg.wandb_project)
-    progress = RunProgress(metrics)
+    progress = RunProgress(metrics, view=make_view(), controller=components.controller)
     try:
         yield TrainerRun(components, stop, progress)
     finally:
+        progress.close()
         try:
             await shutdown(components)
         finally:

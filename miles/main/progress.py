@@ -1,25 +1,47 @@
-"""What the trainer shows a person while it runs, and the table it ends with.
+"""What the trainer shows a person while it runs, the metrics it records, and the table
+it ends with.
 
-One line per trained batch (adapters in it, their steps and rewards, stage times),
-metrics fanned out through `MetricsLogger` (a loop record per rollout, an adapter record
-per adapter in the batch), and at exit a per-adapter table: reward of the first and last
-batches, steps taken, and the latest checkpoint. Steps ("step 29/30": the adapter's step
-and the step its registration ends at) are read from the snapshot the driver hands in;
-nothing is counted here.
+- Metrics (`MetricsLogger`): one loop record per trained batch (`perf/...`: stage
+  times, batch composition, the adapters the batch steps) and ONE adapter record per
+  optimizer step, stepped on the adapter's step: the rollout numbers of every batch
+  that went into the step merged (`AdapterRolloutStats.merge`: Miles' `raw_reward_*`,
+  `response_len_*`, `zero_std_*`, `truncated_ratio`, `avg/max_staleness`), the train
+  numbers of those batches (sample-weighted `loss`, `kl`, ...), the step's `grad_norm`
+  and `lr`, and `dynamic_filter/drop_{reason}`: groups the dynamic filter dropped since
+  the adapter's previous step record.
+- On screen: attached to a terminal, a live table (adapter, state, step/final step,
+  reward of the latest step, trained samples/s) redrawn each iteration, with log lines
+  scrolling above it; otherwise one log line per trained batch.
+- To the controller (when given one): each adapter's latest step reward and buffered
+  groups, which its Prometheus `/metrics` serves.
+- At exit: per adapter, the reward of the first and last steps, steps taken, and the
+  latest checkpoint.
+
+Steps ("step 29/30": the adapter's step and the step its registration ends at) are read
+from the snapshots the driver hands in; nothing is counted here.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol, TextIO
 
+from miles.backends.base import AdapterTrainStats
 from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.main.adapter_sync import TrainedBatch
 from miles.utils.tracking import MetricsLogger
-from miles.utils.types import MultiLoRASnapshot, RolloutBatch
+from miles.utils.types import AdapterGauges, AdapterRolloutStats, AdapterState, MultiLoRASnapshot, RolloutBatch
 
 logger = logging.getLogger(__name__)
+
+RATE_WINDOW = 8
+"""Trained batches an adapter's samples/s is measured over."""
 
 
 @dataclass
@@ -29,64 +51,231 @@ class AdapterProgress:
     save_dir: str | None
     final_step: int | None
     """Step at which this registration retires by itself (its start step + num_step)."""
+    state: AdapterState = AdapterState.PENDING
     step: int = 0
     rewards: list[float] = field(default_factory=list)
-    """Mean reward of each batch it had groups in (all its registrations)."""
+    """`raw_reward_mean` of each optimizer step (all its registrations)."""
+    rollout: AdapterRolloutStats | None = None
+    """Rollout numbers of the batches since its last step."""
+    train: list[AdapterTrainStats] = field(default_factory=list)
+    """Train numbers of the batches since its last step."""
+    batches: int = 0
+    """Batches since its last step."""
+    filter_drops_logged: dict[str, int] = field(default_factory=dict)
+    """The producer's cumulative dynamic-filter drops per reason at its last step record."""
+    trained: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    """(time, samples) of its latest trained batches."""
+    rate_since: float = 0.0
+    """Start of the window `trained` covers."""
+
+    def samples_per_s(self, now: float) -> float | None:
+        if not self.trained or now <= self.rate_since:
+            return None
+        return sum(n for _, n in self.trained) / (now - self.rate_since)
+
+    def add_trained(self, now: float, samples: int) -> None:
+        if len(self.trained) == self.trained.maxlen:
+            self.rate_since = self.trained[0][0]
+        self.trained.append((now, samples))
+
+    def reset_step(self) -> None:
+        self.rollout, self.train, self.batches = None, [], 0
+
+
+@dataclass(frozen=True)
+class AdapterRow:
+    """One line of the live table."""
+
+    name: str
+    state: str
+    step: str
+    """"12/30": its step and the step its registration ends at."""
+    reward: str
+    samples_per_s: str
+
+
+class ProgressView(Protocol):
+    def show(self, rows: list[AdapterRow], line: str | None) -> None:
+        """Redraw with the current rows; `line` summarizes a trained batch (None: no new batch)."""
+
+    def close(self) -> None: ...
+
+
+class PlainView:
+    """Not a terminal (a log file, CI): one log line per trained batch."""
+
+    def show(self, rows: list[AdapterRow], line: str | None) -> None:
+        if line is not None:
+            logger.info("%s", line)
+
+    def close(self) -> None:
+        pass
+
+
+class LiveTableView:
+    """A terminal: a rich table redrawn in place; log lines and prints scroll above it."""
+
+    COLUMNS = ("adapter", "state", "step", "reward", "samples/s")
+
+    def __init__(self, console: Any | None = None) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.console = console if console is not None else Console(stderr=True)
+        self._live = Live(console=self.console, auto_refresh=False, redirect_stdout=True, redirect_stderr=True)
+        self._line = ""
+        """The latest trained batch's summary, shown under the table."""
+        self._live.start()
+        self._rerouted = self._route_logging_through_live()
+
+    def _route_logging_through_live(self) -> list[tuple[logging.StreamHandler[TextIO], TextIO]]:
+        """Log handlers write to the stream they were given, which the live display does not
+        see; point those on the real stderr at the display's proxy while it runs."""
+        if sys.stderr is sys.__stderr__:  # nothing redirected (not a terminal)
+            return []
+        rerouted = []
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.__stderr__:
+                rerouted.append((handler, handler.setStream(sys.stderr)))
+        return rerouted
+
+    def show(self, rows: list[AdapterRow], line: str | None) -> None:
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        self._line = line if line is not None else self._line
+        table = Table(*self.COLUMNS, expand=False)
+        for row in rows:
+            table.add_row(row.name, row.state, row.step, row.reward, row.samples_per_s)
+        self._live.update(Group(table, Text(self._line)), refresh=True)
+
+    def close(self) -> None:
+        for handler, stream in self._rerouted:
+            handler.setStream(stream)
+        self._rerouted = []
+        self._live.stop()
+
+
+def make_view(stream: TextIO | None = None) -> ProgressView:
+    """The live table on a terminal (stderr, not TERM=dumb), plain lines otherwise."""
+    stream = sys.stderr if stream is None else stream
+    if stream.isatty() and os.environ.get("TERM") != "dumb":
+        return LiveTableView()
+    return PlainView()
 
 
 class RunProgress:
-    def __init__(self, metrics: MetricsLogger) -> None:
+    def __init__(self, metrics: MetricsLogger, *, view: ProgressView | None = None, controller: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.metrics = metrics
+        self.view = view if view is not None else PlainView()
+        self.controller = controller
+        """Controller actor handle that takes `observe_rollout(gauges)`; None: not reported."""
+        self.clock = clock
         self.adapters: dict[str, AdapterProgress] = {}
-        self._last_idle_log = 0.0
-        self._start = time.monotonic()
+        self._last_idle_log = float("-inf")
+        self._start = clock()
 
     def declare(self, snapshot: MultiLoRASnapshot) -> None:
-        """Follow the snapshot: new adapters, re-registrations (new num_step, save), steps."""
-        for name, run in snapshot.live.items():
-            entry = self.adapters.get(name)
-            save_dir = None if run.config.save is None else str(run.config.save)
-            if entry is None:
-                entry = self.adapters[name] = AdapterProgress(name, run.registration_id, save_dir, run.final_step)
-                logger.info("Adapter %r in slot %d (save: %s)", name, run.slot, save_dir)
-            elif entry.registration_id != run.registration_id:
-                logger.info("Adapter %r registered again in slot %d (save: %s)", name, run.slot, save_dir)
-            entry.registration_id, entry.save_dir, entry.final_step = run.registration_id, save_dir, run.final_step
-            entry.step = run.step
+        """Follow the snapshot: new adapters, re-registrations (new num_step, save), states, steps."""
+        self._follow(snapshot)
+        self.view.show(self.rows(), None)
+
+    def _follow(self, snapshot: MultiLoRASnapshot) -> None:
+        views = {AdapterState.PENDING: snapshot.pending, AdapterState.ACTIVE: snapshot.active,
+                 AdapterState.RETIRING: snapshot.retiring}
+        for state, runs in views.items():
+            for name, run in runs.items():
+                entry = self.adapters.get(name)
+                save_dir = None if run.config.save is None else str(run.config.save)
+                if entry is None:
+                    entry = self.adapters[name] = AdapterProgress(name, run.registration_id, save_dir,
+                                                                  run.final_step, rate_since=self.clock())
+                    logger.info("Adapter %r in slot %d (save: %s)", name, run.slot, save_dir)
+                elif entry.registration_id != run.registration_id:
+                    logger.info("Adapter %r registered again in slot %d (save: %s)", name, run.slot, save_dir)
+                    entry.reset_step()  # a partial step of the previous registration is never logged
+                entry.registration_id, entry.save_dir, entry.final_step = run.registration_id, save_dir, run.final_step
+                entry.step, entry.state = run.step, state
+        for state, names in ((AdapterState.CLEANUP, snapshot.cleanup), (AdapterState.COMPLETED, snapshot.completed)):
+            for name in names:
+                if name in self.adapters:
+                    self.adapters[name].state = state
 
     def idle(self, poll_s: float) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last_idle_log >= 60.0:
             logger.info("No adapters registered; waiting (polling every %.1fs). "
                         "Register one with POST /adapter_runs.", poll_s)
             self._last_idle_log = now
 
-    def record(self, rollout_id: int, rollout: RolloutBatch, trained: TrainedBatch,
-               snapshot: MultiLoRASnapshot, perf: dict[str, float]) -> None:
-        """Log one trained batch; `snapshot` is the one taken after the commit."""
-        self.declare(snapshot)
-        names = set(rollout.per_adapter) | set(trained.result.adapters) | set(trained.steps)
-        for name in sorted(names):
+    async def record(self, rollout_id: int, rollout: RolloutBatch, trained: TrainedBatch,
+                     snapshot: MultiLoRASnapshot, perf: dict[str, float]) -> None:
+        """Account one trained batch; `snapshot` is the one taken after the commit."""
+        self._follow(snapshot)
+        now = self.clock()
+        for name, stats in rollout.per_adapter.items():
             entry = self.adapters.get(name)
             if entry is None:
                 continue
-            metrics: dict[str, float] = {}
-            stats = rollout.per_adapter.get(name)
-            if stats is not None:
-                metrics.update(stats.to_metrics())
-                if stats.raw_reward_mean is not None and stats.groups > 0:
-                    entry.rewards.append(stats.raw_reward_mean)
+            entry.rollout = stats if entry.rollout is None else entry.rollout.merge(stats)
+            entry.batches += 1 if stats.groups else 0
             if name in trained.result.adapters:
-                metrics.update(trained.result.adapters[name].to_metrics())
-            if name in trained.steps:
-                metrics.update(trained.steps[name].to_metrics())
-            self.metrics.log_adapter(name, metrics, step=entry.step)
+                train = trained.result.adapters[name]
+                entry.train.append(train)
+                entry.add_trained(now, train.samples)
+        for name, step in sorted(trained.steps.items()):
+            entry = self.adapters.get(name)
+            if entry is not None:
+                self.metrics.log_adapter(name, {**self._step_metrics(entry), **step.to_metrics()}, step=entry.step)
         loop = {**rollout.stats.to_metrics(), "perf/train_samples": float(trained.result.samples), **perf}
         self.metrics.log_loop(loop, rollout_id=rollout_id)
-        logger.info("rollout %d | %s | %s", rollout_id, self._adapters_line(rollout),
-                    " ".join(f"{k.removeprefix('perf/').removesuffix('_time')}={v:.2f}s" for k, v in perf.items()))
+        self.view.show(self.rows(), self._batch_line(rollout_id, rollout, perf))
+        if self.controller is not None:
+            await self.controller.observe_rollout.remote(self.gauges(rollout))
 
-    def _adapters_line(self, rollout: RolloutBatch) -> str:
+    def _step_metrics(self, entry: AdapterProgress) -> dict[str, float]:
+        """The adapter record of the step `entry` just took; starts the next step's accumulation."""
+        metrics: dict[str, float] = {"perf/step_batches": float(entry.batches)}
+        if entry.rollout is not None:
+            metrics.update(entry.rollout.to_metrics())
+            if entry.rollout.raw_reward_mean is not None:
+                entry.rewards.append(entry.rollout.raw_reward_mean)
+            drops = entry.rollout.generation.filtered_by_reason
+            for reason, total in drops.items():
+                metrics[f"dynamic_filter/drop_{reason}"] = float(total - entry.filter_drops_logged.get(reason, 0))
+            entry.filter_drops_logged = dict(drops)
+        metrics.update(_merge_train(entry.train))
+        entry.reset_step()
+        return metrics
+
+    def gauges(self, rollout: RolloutBatch) -> dict[str, AdapterGauges]:
+        """Each adapter's latest step reward and buffered groups (for the controller's `/metrics`)."""
+        return {
+            name: AdapterGauges(registration_id=entry.registration_id,
+                                raw_reward_mean=entry.rewards[-1] if entry.rewards else None,
+                                groups_buffered=stats.queue_length)
+            for name, stats in rollout.per_adapter.items()
+            if (entry := self.adapters.get(name)) is not None
+        }
+
+    def rows(self) -> list[AdapterRow]:
+        now = self.clock()
+        rows = []
+        for entry in sorted(self.adapters.values(), key=lambda e: e.name):
+            total = "" if entry.final_step is None else f"/{entry.final_step}"
+            rate = entry.samples_per_s(now)
+            rows.append(AdapterRow(
+                name=entry.name,
+                state=entry.state.value.lower(),
+                step=f"{entry.step}{total}",
+                reward=_fmt(entry.rewards[-1] if entry.rewards else None),
+                samples_per_s="-" if rate is None else f"{rate:.1f}",
+            ))
+        return rows
+
+    def _batch_line(self, rollout_id: int, rollout: RolloutBatch, perf: dict[str, float]) -> str:
         parts = []
         for name, groups in sorted(rollout.groups_per_adapter.items()):
             entry = self.adapters.get(name)
@@ -95,7 +284,13 @@ class RunProgress:
             total = "" if entry.final_step is None else f"/{entry.final_step}"
             reward = f" reward={entry.rewards[-1]:.3f}" if entry.rewards else ""
             parts.append(f"{name}: step {entry.step}{total} groups={groups}{reward}")
-        return "; ".join(parts) or "no groups"
+        times = " ".join(f"{k.removeprefix('perf/').removesuffix('_time')}={v:.2f}s" for k, v in perf.items())
+        return f"rollout {rollout_id} | {'; '.join(parts) or 'no groups'} | {times}"
+
+    def close(self) -> None:
+        """Stop the live view (idempotent); the summary prints after it."""
+        self.view.close()
+        self.view = PlainView()
 
     def summary_rows(self) -> list[tuple[str, str, str, str, str]]:
         rows = []
@@ -110,15 +305,28 @@ class RunProgress:
         return rows
 
     def print_summary(self) -> None:
+        self.close()
         rows = self.summary_rows()
         if not rows:
             return
         header = ("adapter", "reward start", "reward end", "steps", "checkpoint")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in [header, *rows]]
-        elapsed = time.monotonic() - self._start
+        elapsed = self.clock() - self._start
         print(f"\nPer-adapter summary ({elapsed:.0f}s; metrics: {self.metrics.path})")
         print("\n".join(lines), flush=True)
+
+
+def _merge_train(stats: list[AdapterTrainStats]) -> dict[str, float]:
+    """Train numbers of one step's batches: per-sample means weighted by samples, samples added."""
+    samples = sum(s.samples for s in stats)
+    if samples == 0:
+        return {}
+    merged: dict[str, float] = {}
+    for s in stats:
+        for key, value in s.to_metrics().items():
+            merged[key] = merged.get(key, 0.0) + value * s.samples / samples
+    return {**merged, "train_samples": float(samples)}
 
 
 def _window(values: list[float]) -> int:

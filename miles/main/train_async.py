@@ -68,7 +68,7 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
                     snapshot = await c.sync.update_weights(snapshot)
             with timer("save"):
                 await c.sync.save(snapshot)
-            progress.record(rollout_id, rollout, trained, snapshot, timer.pop_metrics())
+            await progress.record(rollout_id, rollout, trained, snapshot, timer.pop_metrics())
             if stop.is_set():
                 break
     finally:

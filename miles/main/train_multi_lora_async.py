@@ -64,7 +64,7 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             snapshot = await c.sync.commit(rollout_id)
         with timer("save"):
             await c.sync.save(snapshot)
-        progress.record(rollout_id, rollout, trained, snapshot, timer.pop_metrics())
+        await progress.record(rollout_id, rollout, trained, snapshot, timer.pop_metrics())
         rollout_id += 1
 
 

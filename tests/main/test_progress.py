@@ -1,0 +1,223 @@
+"""What the driver records and shows per trained batch, from hand-made batches.
+
+One adapter record per optimizer step (the step's batches merged), dynamic-filter drops
+since the previous step, a re-registration's partial step discarded, the gauges the
+controller serves, the live table on a terminal and plain lines otherwise.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+
+import pytest
+from rich.console import Console
+
+from miles.backends.base import AdapterStepStats, AdapterTrainStats, TrainResult
+from miles.main.adapter_sync import TrainedBatch
+from miles.main.progress import LiveTableView, PlainView, RunProgress, make_view
+from miles.utils.adapter_config import AdapterRunConfig
+from miles.utils.tracking import MetricsLogger, read_metrics
+from miles.utils.types import (
+    AdapterGauges,
+    AdapterRolloutStats,
+    AdapterRun,
+    GenerationCounts,
+    MultiLoRASnapshot,
+    RolloutBatch,
+    RolloutStats,
+)
+
+
+def run(name: str, slot: int, step: int, *, num_step: int | None = 3, registration_id: str | None = None,
+        accumulated: int = 0) -> AdapterRun:
+    config = AdapterRunConfig(data="unused.jsonl", rollout_batch_size=2, n_samples_per_prompt=2, num_step=num_step)
+    return AdapterRun(name=name, config=config, slot=slot, version=step + 1, step=step,
+                      accumulated_groups=accumulated, registration_id=registration_id or f"reg-{name}")
+
+
+def snapshot(*runs: AdapterRun, completed: frozenset[str] = frozenset()) -> MultiLoRASnapshot:
+    return MultiLoRASnapshot(active={r.name: r for r in runs}, completed=completed)
+
+
+def batch(rollout_id: int, per_adapter: dict[str, AdapterRolloutStats], step_names: list[str]) -> RolloutBatch:
+    return RolloutBatch(rollout_id=rollout_id, samples=[], prompt_group_sizes=[],
+                        groups_per_adapter={n: s.groups for n, s in per_adapter.items() if s.groups},
+                        step_names=step_names, per_adapter=per_adapter,
+                        stats=RolloutStats(batch_n_adapters=len(per_adapter), batch_n_adapters_to_step=len(step_names)))
+
+
+def trained(train: dict[str, AdapterTrainStats], steps: list[str]) -> TrainedBatch:
+    return TrainedBatch(TrainResult(samples=sum(t.samples for t in train.values()), adapters=train),
+                        {name: AdapterStepStats(grad_norm=1.5, lr=1e-3) for name in steps})
+
+
+def train_stats(samples: int, loss: float) -> AdapterTrainStats:
+    return AdapterTrainStats(samples=samples, loss=loss, clip_fraction=0.0, kl=0.0, tis_weight=1.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class RecordingController:
+    """Takes `observe_rollout` like the controller actor handle (`.remote` awaitable)."""
+
+    def __init__(self) -> None:
+        self.reports: list[dict[str, AdapterGauges]] = []
+
+        async def remote(gauges: dict[str, AdapterGauges]) -> None:
+            self.reports.append(gauges)
+
+        self.observe_rollout = type("Method", (), {"remote": staticmethod(remote)})()
+
+
+@pytest.fixture
+def metrics(tmp_path):
+    logger = MetricsLogger(tmp_path)
+    yield logger
+    logger.close()
+
+
+async def test_one_adapter_record_per_optimizer_step_with_the_steps_batches_merged(metrics):
+    """`a` takes two batches per step, `b` one: `a` gets one record, at its new step, with
+    statistics over both batches; drops per filter reason are those since its last record."""
+    clock = Clock()
+    controller = RecordingController()
+    progress = RunProgress(metrics, clock=clock, controller=controller)
+    progress.declare(snapshot(run("a", 0, 0), run("b", 1, 0)))
+
+    a1 = AdapterRolloutStats(groups=1, rewards=(1.0, 1.0), response_lengths=(2, 4), uniform_group_rewards=(1.0,),
+                             staleness=(0,), queue_length=5,
+                             generation=GenerationCounts(filtered=3, filtered_by_reason={"zero_std_0.0": 3}))
+    b1 = AdapterRolloutStats(groups=2, rewards=(0.0, 0.0, 0.0, 1.0), response_lengths=(1, 1, 1, 1),
+                             uniform_group_rewards=(0.0,), staleness=(1, 1), queue_length=0)
+    clock.t = 110.0
+    await progress.record(0, batch(0, {"a": a1, "b": b1}, ["b"]),
+                          trained({"a": train_stats(2, 1.0), "b": train_stats(4, 0.5)}, ["b"]),
+                          snapshot(run("a", 0, 0, accumulated=1), run("b", 1, 1)), {"perf/train_time": 0.5})
+    records = read_metrics(metrics.path)
+    assert [(r["adapter"], r["step"]) for r in records if r["kind"] == "adapter"] == [("b", 1)]
+
+    a2 = AdapterRolloutStats(groups=1, rewards=(0.0, 1.0), response_lengths=(6, 8), truncated=1, staleness=(2,),
+                             queue_length=1,
+                             generation=GenerationCounts(filtered=6, filtered_by_reason={"zero_std_0.0": 5,
+                                                                                           "zero_std_1.0": 1}))
+    clock.t = 120.0
+    await progress.record(1, batch(1, {"a": a2, "b": AdapterRolloutStats()}, ["a"]),
+                          trained({"a": train_stats(2, 3.0)}, ["a"]),
+                          snapshot(run("a", 0, 1), run("b", 1, 1)), {"perf/train_time": 0.5})
+
+    records = read_metrics(metrics.path)
+    adapter = [r for r in records if r["kind"] == "adapter"]
+    assert [(r["adapter"], r["step"]) for r in adapter] == [("b", 1), ("a", 1)]
+    a = adapter[1]["metrics"]
+    assert a["raw_reward_mean"] == 0.75 and (a["raw_reward_median"], a["raw_reward_min"]) == (1.0, 0.0)
+    assert (a["response_len_mean"], a["response_len_median"], a["response_len_max"]) == (5.0, 5.0, 8.0)
+    assert a["truncated_ratio"] == 0.25
+    assert (a["zero_std_all_one_percentage"], a["zero_std_all_zero_percentage"]) == (0.5, 0.0)
+    assert (a["avg_staleness"], a["max_staleness"]) == (1.0, 2.0)
+    assert a["loss"] == 2.0 and a["train_samples"] == 4.0  # sample-weighted over the two batches
+    assert (a["grad_norm"], a["lr"], a["perf/step_batches"], a["perf/queue_length"]) == (1.5, 1e-3, 2.0, 1.0)
+    assert a["dynamic_filter/drop_zero_std_0.0"] == 5.0 and a["dynamic_filter/drop_zero_std_1.0"] == 1.0
+    b = adapter[0]["metrics"]
+    assert b["raw_reward_mean"] == 0.25 and b["zero_std_all_zero_percentage"] == 0.5 and b["max_staleness"] == 1.0
+    loop = [r for r in records if r["kind"] == "loop"]
+    assert [r["metrics"]["perf/rollout/batch_n_adapters_to_step"] for r in loop] == [1.0, 1.0]
+
+    # The controller hears each adapter's latest step reward and buffered groups.
+    assert controller.reports[-1] == {
+        "a": AdapterGauges(registration_id="reg-a", raw_reward_mean=0.75, groups_buffered=1),
+        "b": AdapterGauges(registration_id="reg-b", raw_reward_mean=0.25, groups_buffered=0),
+    }
+    assert controller.reports[0]["a"].raw_reward_mean is None  # no step yet
+
+    # The next step's record counts the filter's drops since this one only.
+    a3 = AdapterRolloutStats(groups=2, rewards=(1.0,) * 4, response_lengths=(1,) * 4,
+                             generation=GenerationCounts(filtered=8, filtered_by_reason={"zero_std_0.0": 7,
+                                                                                           "zero_std_1.0": 1}))
+    await progress.record(2, batch(2, {"a": a3}, ["a"]), trained({"a": train_stats(4, 1.0)}, ["a"]),
+                          snapshot(run("a", 0, 2), run("b", 1, 1)), {})
+    last = read_metrics(metrics.path)[-2]
+    assert (last["adapter"], last["step"]) == ("a", 2)
+    assert last["metrics"]["dynamic_filter/drop_zero_std_0.0"] == 2.0
+    assert last["metrics"]["dynamic_filter/drop_zero_std_1.0"] == 0.0
+    assert [row.reward for row in progress.rows()] == ["1.000", "0.250"]
+
+
+async def test_a_reregistration_discards_the_previous_registrations_partial_step(metrics):
+    progress = RunProgress(metrics)
+    progress.declare(snapshot(run("a", 0, 0, registration_id="r1")))
+    half = AdapterRolloutStats(groups=1, rewards=(0.0, 0.0), response_lengths=(9, 9))
+    await progress.record(0, batch(0, {"a": half}, []), trained({"a": train_stats(2, 1.0)}, []),
+                          snapshot(run("a", 0, 0, registration_id="r1", accumulated=1)), {})
+    fresh = AdapterRolloutStats(groups=2, rewards=(1.0,) * 4, response_lengths=(1,) * 4)
+    progress.declare(snapshot(run("a", 0, 0, registration_id="r2")))
+    await progress.record(1, batch(1, {"a": fresh}, ["a"]), trained({"a": train_stats(4, 1.0)}, ["a"]),
+                          snapshot(run("a", 0, 1, registration_id="r2")), {})
+    (record,) = [r for r in read_metrics(metrics.path) if r["kind"] == "adapter"]
+    assert record["metrics"]["raw_reward_mean"] == 1.0 and record["metrics"]["response_len_max"] == 1.0
+    assert record["metrics"]["perf/step_batches"] == 1.0 and record["metrics"]["train_samples"] == 4.0
+
+
+async def test_live_table_on_a_terminal(metrics):
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100, color_system=None)
+    clock = Clock()
+    stderr = sys.stderr
+    terminal_log = logging.StreamHandler(sys.__stderr__)  # what logging.basicConfig installs
+    logging.getLogger().addHandler(terminal_log)
+    try:
+        progress = RunProgress(metrics, view=LiveTableView(console), clock=clock)
+        logging.getLogger("miles.test").warning("a log line scrolls above the table")
+    finally:
+        logging.getLogger().removeHandler(terminal_log)
+    progress.declare(snapshot(run("alpha", 0, 0), run("beta", 1, 0, num_step=None)))
+    clock.t = 104.0
+    stats = AdapterRolloutStats(groups=2, rewards=(1.0, 0.0, 1.0, 1.0), response_lengths=(1,) * 4)
+    await progress.record(0, batch(0, {"alpha": stats}, ["alpha"]), trained({"alpha": train_stats(8, 1.0)}, ["alpha"]),
+                          snapshot(run("alpha", 0, 1), run("beta", 1, 0, num_step=None)), {"perf/train_time": 0.25})
+    progress.declare(MultiLoRASnapshot(active={"beta": run("beta", 1, 0, num_step=None)}, completed=frozenset({"alpha"})))
+    progress.close()
+    assert sys.stderr is stderr and terminal_log.stream is sys.__stderr__  # redirections undone
+    text = out.getvalue()
+    assert "a log line scrolls above the table" in text
+    final = text[text.rindex("adapter"):]  # the last drawing of the table
+    header = final.splitlines()[0]
+    assert [c.strip() for c in header.split("┃")][:5] == ["adapter", "state", "step", "reward", "samples/s"]
+    lines = [" ".join(line.replace("│", " ").split()) for line in final.splitlines()]
+    # 8 samples over the 4 s since alpha appeared; beta has no end step, no reward, no samples yet.
+    assert "alpha completed 1/3 0.750 2.0" in lines
+    assert "beta active 0 - -" in lines
+    assert "rollout 0 | alpha: step 1/3 groups=2 reward=0.750 | train=0.25s" in text
+
+
+async def test_plain_lines_when_not_a_terminal(metrics, caplog):
+    caplog.set_level(logging.INFO, logger="miles.main.progress")
+    progress = RunProgress(metrics, view=PlainView())
+    progress.declare(snapshot(run("alpha", 0, 0)))
+    stats = AdapterRolloutStats(groups=2, rewards=(1.0, 0.0, 1.0, 1.0), response_lengths=(1,) * 4)
+    await progress.record(0, batch(0, {"alpha": stats}, ["alpha"]), trained({"alpha": train_stats(4, 1.0)}, ["alpha"]),
+                          snapshot(run("alpha", 0, 1)), {"perf/generate_time": 1.5, "perf/train_time": 0.25})
+    messages = [r.getMessage() for r in caplog.records]
+    assert "rollout 0 | alpha: step 1/3 groups=2 reward=0.750 | generate=1.50s train=0.25s" in messages
+
+
+def test_the_view_follows_the_stream(monkeypatch):
+    monkeypatch.setenv("TERM", "xterm")
+    assert isinstance(make_view(io.StringIO()), PlainView)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    view = make_view(Terminal())
+    try:
+        assert isinstance(view, LiveTableView)
+    finally:
+        view.close()
