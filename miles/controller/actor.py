@@ -158,16 +158,18 @@ class MultiLoRAController:
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def register_adapter(self, name: str, config: dict[str, Any] | None = None,
-                               yaml_path: str | None = None, exist_ok: bool = False) -> int:
-        """Register; returns the slot. With `exist_ok`, a name that is already live (a
-        trainer restarted over its saved registry) returns the slot it holds."""
+                               yaml_path: str | None = None, exist_ok: bool = True) -> int:
+        """Register; returns the slot. With `exist_ok` (the default: a trainer restarted
+        over its saved registry registers its start-up adapters again), a name that is
+        already PENDING or ACTIVE returns the slot it holds and keeps its recorded config;
+        `exist_ok=False` raises `AdapterAlreadyRegisteredError` as the HTTP API does."""
         try:
             return await self.backend.register(name, config=config, yaml_path=yaml_path)
         except AdapterAlreadyRegisteredError:
             if not exist_ok:
                 raise
             slot = self.backend.adapter_status(name).slot
-            logger.info("Adapter '%s' is already registered (slot %d, kept from the saved registry)", name, slot)
+            logger.warning("Adapter '%s' is already registered (slot %d); it keeps its recorded config", name, slot)
             return slot
 
     async def deregister_adapter(self, name: str) -> AdapterState:

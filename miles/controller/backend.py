@@ -40,6 +40,7 @@ from miles.utils.adapter_config import (
     AdapterDefaults,
     AdapterRunConfig,
     check_within_roots,
+    config_from_mapping,
     parse_adapter_run_yaml,
     resolve_adapter_config,
     resolve_num_step,
@@ -162,17 +163,24 @@ class MultiLoRABackend:
         allowed_roots: list[Path] | None,
     ) -> AdapterRunConfig:
         if yaml_path is not None:
+            _check_path_text(name, "yaml_path", yaml_path)
             if allowed_roots is not None:
                 check_within_roots(name, "yaml_path", yaml_path, allowed_roots)
-            raw: dict[str, Any] | AdapterRunConfig = parse_adapter_run_yaml(yaml_path, name=name)
+            raw = parse_adapter_run_yaml(yaml_path, name=name)
         else:
             assert config is not None
-            raw = config
+            raw = config if isinstance(config, AdapterRunConfig) else config_from_mapping(name, config)
+        _check_path_text(name, "data", raw.data)
+        _check_path_text(name, "save", str(raw.save) if raw.save is not None else "")
+        if allowed_roots is not None:
+            # Before the files are looked at, so nothing outside the roots is probed.
+            check_within_roots(name, "data", raw.data, allowed_roots)
+            if raw.save is not None:
+                check_within_roots(name, "save", raw.save, allowed_roots)
         resolved = resolve_adapter_config(name, raw, self.defaults)
         if allowed_roots is not None:
-            check_within_roots(name, "data", resolved.data, allowed_roots)
             assert resolved.save is not None
-            check_within_roots(name, "save", resolved.save, allowed_roots)
+            check_within_roots(name, "save", resolved.save, allowed_roots)  # the default, {--save}/adapters/{name}
         return resolved
 
     def validate_adapter(self, name: str, config: AdapterRunConfig) -> None:
@@ -299,6 +307,11 @@ class MultiLoRABackend:
         live = {s.name: s.registration_id for s in self.registry.statuses() if s.state.holds_slot}
         self.rollout_gauges = {name: g for name, g in self.rollout_gauges.items()
                                if live.get(name) == g.registration_id}
+
+
+def _check_path_text(name: str, what: str, path: str) -> None:
+    if "\x00" in path:
+        raise AdapterConfigError(f"Adapter '{name}': {what} contains a NUL byte; give a plain path")
 
 
 def check_dataset_file(name: str, path: str, max_bytes: int) -> None:

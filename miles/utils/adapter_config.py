@@ -103,7 +103,7 @@ class AdapterRunConfig(BaseModel):
     `rm_type` and `custom_rm_path` may remain None (the reward then comes from the
     sample's metadata or `--rm-type`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     data: NonEmptyStr = Field(description="Dataset file (jsonl, json or parquet); absolute after resolution.")
     rank: PositiveInt | None = Field(None, description="LoRA rank, at most --lora-rank (the slot width).")

@@ -161,7 +161,7 @@ def rejected_cases(data_root: Path) -> list[tuple[dict, int, str]]:
          "Request body larger than 1048576 bytes"),
         ({"json": {"name": "b", "config": {"data": data, "rank": 99}}}, 400, "exceeds the slot width"),
         ({"json": {"name": "b", "config": {"data": data, "rm_type": "nope"}}}, 400, "unknown rm_type"),
-        ({"json": {"name": "b", "config": {"data": f"{outside}/x.jsonl"}}}, 400, "does not exist"),
+        ({"json": {"name": "b", "config": {"data": f"{outside}/x.jsonl"}}}, 400, "outside the allowed roots"),
         ({"json": {"name": "b", "config": {"data": data, "save": f"{outside}/s"}}}, 400, "outside the allowed roots"),
         ({"json": {"name": "b", "yaml_path": "/etc/passwd.yaml"}}, 400, "outside the allowed roots"),
         ({"json": {"name": "taken", "config": {"data": data}}}, 400, "already registered"),
