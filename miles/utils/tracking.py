@@ -12,8 +12,10 @@ Two kinds of record, never mixed, so no adapter name can land on a loop metric:
     {"kind": "adapter", "adapter": "perf", "step": 3, "time": ..., "metrics": {"raw_reward_mean": 0.5}}
 
 TensorBoard (when installed) and W&B (`--use-wandb`) need flat names: loop metrics keep
-theirs, adapter metrics become `adapters/{adapter}/{metric}` on the step key
-`adapters/{adapter}/step`; a loop metric may not start with `adapters/`.
+theirs (W&B plots `perf/*` against `rollout_id`), adapter metrics become
+`adapters/{adapter}/{metric}`, which W&B plots against `adapters/{adapter}/step`
+(`define_metric`) and TensorBoard against the adapter's step. A loop metric may not
+start with `adapters/`, so an adapter called `perf` (or anything) never meets them.
 
 `StageTimer` names and times each stage of a loop iteration:
 
@@ -38,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_NAMESPACE = "adapters/"
 """Flat names of adapter metrics start with it; loop metrics never do."""
+
+LOOP_STEP_KEY = "rollout_id"
+"""W&B step metric of the loop's records."""
 
 
 class StageTimer:
@@ -84,7 +89,8 @@ class MetricsLogger:
         self._tb = self._open_tensorboard()
         self._wandb = (self._open_wandb(wandb_project, run_name, wandb_group, wandb_key, wandb_random_suffix)
                        if use_wandb else None)
-        self._wandb_adapters: set[str] = set()
+        self._wandb_defined: set[str] = set()
+        """Names (and globs) already given their step metric."""
 
     def _open_tensorboard(self) -> Any:
         try:
@@ -129,7 +135,8 @@ class MetricsLogger:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, global_step=rollout_id)
         if self._wandb is not None:
-            self._wandb.log({**values, "rollout_id": rollout_id})
+            self._define_wandb_axis(LOOP_STEP_KEY, "perf/*", values)
+            self._wandb.log({**values, LOOP_STEP_KEY: rollout_id})
 
     def log_adapter(self, adapter: str, metrics: dict[str, Any], *, step: int) -> None:
         """One adapter's metrics (names without the adapter) at the adapter's step."""
@@ -143,11 +150,21 @@ class MetricsLogger:
                 self._tb.add_scalar(key, value, global_step=step)
         if self._wandb is not None:
             step_key = adapter_metric_name(adapter, "step")
-            if adapter not in self._wandb_adapters:
-                self._wandb.define_metric(step_key)
-                self._wandb.define_metric(adapter_metric_name(adapter, "*"), step_metric=step_key)
-                self._wandb_adapters.add(adapter)
+            self._define_wandb_axis(step_key, adapter_metric_name(adapter, "*"), flat)
             self._wandb.log({**flat, step_key: step})
+
+    def _define_wandb_axis(self, step_key: str, glob: str, flat: dict[str, float]) -> None:
+        """Plot `glob` (and every name in `flat`) against `step_key`. A W&B glob's `*` spans
+        one path segment, so names nested deeper than the glob are defined one by one."""
+        if glob not in self._wandb_defined:
+            self._wandb.define_metric(step_key)
+            self._wandb.define_metric(glob, step_metric=step_key)
+            self._wandb_defined.add(glob)
+        depth = glob.count("/")
+        for key in flat:
+            if key.count("/") > depth and key not in self._wandb_defined:
+                self._wandb.define_metric(key, step_metric=step_key)
+                self._wandb_defined.add(key)
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")

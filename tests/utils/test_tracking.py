@@ -69,6 +69,23 @@ class FakeWandb:
     def finish(self):
         self.calls.append(("finish", {}))
 
+    def define_metric(self, name, **kwargs):
+        self.calls.append(("define_metric", {"name": name, **kwargs}))
+
+    def log(self, data):
+        self.calls.append(("log", data))
+
+
+class FakeSummaryWriter:
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, global_step):
+        self.scalars.append((tag, value, global_step))
+
+    def close(self):
+        pass
+
 
 @pytest.mark.parametrize("extra, login, group", [
     ([], [], "RUN_ID_abc123"),
@@ -85,3 +102,46 @@ def test_wandb_flags_mean_what_they_mean_in_miles(tmp_path, monkeypatch, extra, 
                       *extra])
     MetricsLogger.from_config(cfg)
     assert fake.calls == [*login, ("init", {"project": "p", "group": group, "name": group, "dir": str(tmp_path)})]
+
+
+def test_wandb_plots_each_adapter_against_its_own_step_and_tensorboard_matches_the_jsonl(tmp_path, monkeypatch):
+    import sys
+
+    fake, writer = FakeWandb(), FakeSummaryWriter()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(MetricsLogger, "_open_tensorboard", lambda self: writer)
+    logger = MetricsLogger(tmp_path, use_wandb=True)
+    logger.log_loop({"perf/train_time": 1.0, "perf/rollout/queue_length": 4.0}, rollout_id=0)
+    # Adapters named like the loop's namespaces, with names one and two segments deep.
+    logger.log_adapter("perf", {"raw_reward_mean": 0.5, "perf/queue_length": 3.0}, step=2)
+    logger.log_adapter("perf", {"raw_reward_mean": 0.7, "dynamic_filter/drop_zero_std_0.0": 1.0}, step=3)
+    logger.log_adapter("rollout", {"raw_reward_mean": 0.1}, step=1)
+    logger.log_loop({"perf/train_time": 2.0}, rollout_id=1)
+    logger.close()
+
+    defined = [(c["name"], c.get("step_metric")) for kind, c in fake.calls if kind == "define_metric"]
+    assert defined == [
+        ("rollout_id", None), ("perf/*", "rollout_id"), ("perf/rollout/queue_length", "rollout_id"),
+        ("adapters/perf/step", None), ("adapters/perf/*", "adapters/perf/step"),
+        ("adapters/perf/perf/queue_length", "adapters/perf/step"),
+        ("adapters/perf/dynamic_filter/drop_zero_std_0.0", "adapters/perf/step"),
+        ("adapters/rollout/step", None), ("adapters/rollout/*", "adapters/rollout/step"),
+    ]
+    logged = [data for kind, data in fake.calls if kind == "log"]
+    assert logged == [
+        {"perf/train_time": 1.0, "perf/rollout/queue_length": 4.0, "rollout_id": 0},
+        {"adapters/perf/raw_reward_mean": 0.5, "adapters/perf/perf/queue_length": 3.0, "adapters/perf/step": 2},
+        {"adapters/perf/raw_reward_mean": 0.7, "adapters/perf/dynamic_filter/drop_zero_std_0.0": 1.0,
+         "adapters/perf/step": 3},
+        {"adapters/rollout/raw_reward_mean": 0.1, "adapters/rollout/step": 1},
+        {"perf/train_time": 2.0, "rollout_id": 1},
+    ]
+    # TensorBoard carries exactly what the JSONL holds, under the flat names, on the same steps.
+    from_jsonl = []
+    for record in read_metrics(tmp_path / "metrics.jsonl"):
+        if record["kind"] == "loop":
+            from_jsonl += [(k, v, record["rollout_id"]) for k, v in record["metrics"].items()]
+        else:
+            from_jsonl += [(adapter_metric_name(record["adapter"], k), v, record["step"])
+                           for k, v in record["metrics"].items()]
+    assert writer.scalars == from_jsonl and len(from_jsonl) == 8
