@@ -1,9 +1,11 @@
-"""Draw per-adapter reward curves from a run's metrics.jsonl to a PNG.
+"""Draw each adapter's reward and response-length curves from a run to one PNG.
 
-    python scripts/plot_metrics.py runs/demo/metrics.jsonl --out runs/demo/rewards.png
+    python scripts/plot_metrics.py runs/demo                  # writes runs/demo/curves.png
+    python scripts/plot_metrics.py runs/demo/metrics.jsonl --out docs/demo_rewards.png
 
-Each adapter's `raw_reward_mean` (from its adapter records) is plotted against its own step.
-Needs matplotlib (`pip install matplotlib`, included in the `dev` extra).
+One panel per metric (default: `raw_reward_mean` and `response_len_mean`), one line per
+adapter, each against the adapter's own optimizer step (its adapter records in
+`metrics.jsonl`, one per step). Needs matplotlib (in the `dev` extra).
 """
 
 from __future__ import annotations
@@ -14,43 +16,69 @@ from pathlib import Path
 
 from miles.utils.tracking import adapter_series, read_metrics
 
+DEFAULT_METRICS = ("raw_reward_mean", "response_len_mean")
+TITLES = {"raw_reward_mean": "mean reward", "response_len_mean": "mean response length (tokens)"}
+
+
+def metrics_path(run: Path) -> Path:
+    """A run directory's metrics.jsonl, or the file itself."""
+    return run / "metrics.jsonl" if run.is_dir() else run
+
+
+def curves(records: list[dict], metrics: tuple[str, ...] = DEFAULT_METRICS) -> dict[str, dict[str, list]]:
+    """metric -> adapter -> [(step, value)]; metrics no adapter record holds are left out."""
+    out = {metric: adapter_series(records, metric) for metric in metrics}
+    return {metric: series for metric, series in out.items() if series}
+
 
 def reward_curves(records: list[dict], key: str = "raw_reward_mean") -> dict[str, list[tuple[float, float]]]:
     """adapter -> [(step, value)] of one per-adapter metric."""
     return adapter_series(records, key)
 
 
-def plot(curves: dict[str, list[tuple[float, float]]], out: Path) -> None:
+def plot(panels: dict[str, dict[str, list]], out: Path, title: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for adapter, points in sorted(curves.items()):
-        steps, rewards = zip(*points)
-        ax.plot(steps, rewards, marker=".", label=adapter)
-    ax.set_xlabel("adapter step")
-    ax.set_ylabel("mean reward")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3.2 * len(panels)), sharex=True, squeeze=False)
+    for ax, (metric, series) in zip(axes[:, 0], panels.items()):
+        for adapter, points in sorted(series.items()):
+            steps, values = zip(*points)
+            ax.plot(steps, values, marker=".", label=adapter)
+        ax.set_ylabel(TITLES.get(metric, metric))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[-1, 0].set_xlabel("adapter step")
+    if title:
+        axes[0, 0].set_title(title)
     fig.tight_layout()
-    fig.savefig(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("metrics", type=Path, help="metrics.jsonl of a run")
-    parser.add_argument("--out", type=Path, default=None, help="PNG path (default: next to the metrics)")
-    parser.add_argument("--key", default="raw_reward_mean", help="per-adapter metric to plot")
+    parser.add_argument("run", type=Path, help="run directory (or its metrics.jsonl)")
+    parser.add_argument("--out", type=Path, default=None, help="PNG path (default: curves.png beside the metrics)")
+    parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS),
+                        help="per-adapter metrics to draw, one panel each")
+    parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
-    curves = reward_curves(read_metrics(args.metrics), args.key)
-    if not curves:
-        print(f"no adapter records with '{args.key}' in {args.metrics}", file=sys.stderr)
+    path = metrics_path(args.run)
+    if not path.is_file():
+        print(f"no metrics file at {path}", file=sys.stderr)
         return 1
-    out = args.out or args.metrics.with_name(f"{args.key}.png")
-    plot(curves, out)
-    print(f"wrote {out} ({', '.join(sorted(curves))})")
+    panels = curves(read_metrics(path), tuple(args.metrics))
+    if not panels:
+        print(f"no adapter records with {', '.join(args.metrics)} in {path}", file=sys.stderr)
+        return 1
+    out = args.out or path.with_name("curves.png")
+    plot(panels, out, args.title)
+    adapters = sorted({name for series in panels.values() for name in series})
+    print(f"wrote {out} ({', '.join(adapters)}: {', '.join(panels)})")
     return 0
 
 
