@@ -121,7 +121,20 @@ def main() -> None:
     parser.add_argument("--script-args", action="append", default=[], metavar="MODEL:SCRIPT=ARGS",
                         help="extra arguments for one script on one model (model '*' for all), e.g. "
                              "'llama60m:memory=--peft-processes 2'; repeatable")
+    parser.add_argument("--render", default=None, metavar="JSON",
+                        help="run nothing: write the doc (and JSON) from an earlier run's benchmarks.json")
     args = parser.parse_args()
+    out = Path(args.out_dir)
+    before = json.loads(Path(args.before).read_text()) if args.before else None
+    if args.render:
+        results = json.loads(Path(args.render).read_text())
+        if args.notes:
+            results["notes"] = Path(args.notes).read_text()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "benchmarks.json").write_text(json.dumps(results, indent=1))
+        (out / "BENCHMARKS.md").write_text(markdown(results, before))
+        print(f"wrote {out / 'BENCHMARKS.md'}")
+        return
     extra = ["--quick"] if args.quick else []
     results = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "machine": machine(), "shared_machine": args.shared_machine, "figures": []}
@@ -136,8 +149,6 @@ def main() -> None:
             results["figures"] += run_script(name, model, extra + more)["figures"]
     if args.notes:
         results["notes"] = Path(args.notes).read_text()
-    before = json.loads(Path(args.before).read_text()) if args.before else None
-    out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "benchmarks.json").write_text(json.dumps(results, indent=1))
     (out / "BENCHMARKS.md").write_text(markdown(results, before))
