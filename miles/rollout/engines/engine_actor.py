@@ -242,10 +242,8 @@ class EngineServer:
             tensors = await tensors
         path = self._slot_dir(slot, version)
         await asyncio.to_thread(write_peft_dir, path, tensors, peft_config)
-        async with self._lock:
-            served = await self._load_version(slot, version, path)
-            self._remember(slot, _SlotWeights(version, peft_config, path=path))
-        return served
+        return await self._push(slot, _SlotWeights(version, peft_config, path=path),
+                                lambda: self._load_version(slot, version, path))
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> dict[str, Any]:
@@ -275,13 +273,31 @@ class EngineServer:
             raise EngineConfigError("broadcast pushes replace a slot in place; this engine runs "
                                     "--engine-lora-update versioned: use push_lora")
         name = engine_lora_name(slot, version, self.mode)
-        async with self._lock:
+
+        async def load() -> str:
             await self._post("/load_lora_adapter_from_distributed", {
                 "lora_name": name, "config_dict": peft_config, "names": names, "dtypes": dtypes,
                 "shapes": shapes, "group_name": group_name, "upsert": True})
             self._served[slot] = [version]
-            self._remember(slot, _SlotWeights(version, peft_config, weights_ref=list(weights_ref)))
-        return name
+            return name
+
+        return await self._push(slot, _SlotWeights(version, peft_config, weights_ref=list(weights_ref)), load)
+
+    async def _push(self, slot: int, weights: _SlotWeights, load) -> str:
+        """Run `load` under the lock and remember `weights`; if the server died meanwhile,
+        the restart loads them instead, so the push still lands."""
+        async with self._lock:
+            try:
+                served = await load()
+            except httpx.TransportError:
+                if self._process is None or self._process.alive() or not (weights.path or weights.weights_ref):
+                    raise
+                served = None
+            self._remember(slot, weights)
+        if served is None:
+            await self.recover()
+            served = engine_lora_name(slot, weights.version, self.mode)
+        return served
 
     async def unload_slot(self, slot: int) -> None:
         """Unload every version of `slot` and forget its weights (the adapter left)."""
@@ -316,7 +332,7 @@ class EngineServer:
 
     def _remember(self, slot: int, weights: _SlotWeights) -> None:
         self._slots[slot] = weights
-        keep = {self._slot_dir(slot, v) for v in self._served.get(slot, [])}
+        keep = {self._slot_dir(slot, v) for v in self._served.get(slot, [])} | {weights.path}
         slot_root = self.work_dir / "loras" / f"slot_{slot}"
         if slot_root.is_dir():
             for child in slot_root.iterdir():

@@ -146,3 +146,25 @@ async def test_killed_server_restarts_behind_the_router_with_every_slot(mode, ra
         await server.shutdown()
         if group is not None:
             weight_sync.leave_update_group(group)
+
+
+@pytest.mark.slow
+@session_loop
+async def test_a_push_to_a_dead_server_lands_after_the_restart(tiny_model_dir, trainer_reference, tmp_path,
+                                                               lora_max_rank):
+    # No supervision rounds here: the push itself finds the server dead and restarts it.
+    server = EngineServer(builtin_config(str(tiny_model_dir), lora_max_rank, "versioned"), str(tmp_path),
+                          start_timeout_s=120, supervise_interval_s=3600)
+    await server.start()
+    try:
+        await server.push_lora(0, 1, *peft_payload(trainer_reference, "ad0"))
+        process = server._process
+        os.kill(server.pid(), signal.SIGKILL)
+        await asyncio.to_thread(process.popen.wait, 30)
+        served = await server.push_lora(0, 2, *peft_payload(trainer_reference, "ad2"))
+        assert served == "__miles_slot_0_v2" and server.restarts == 1
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            assert await greedy_matches(client, server.url(), served, trainer_reference, "ad2")
+            assert await loaded(client, server.url()) == {served}
+    finally:
+        await server.shutdown()
