@@ -177,13 +177,18 @@ class EngineServer:
     # ---- recovery --------------------------------------------------------------------
 
     async def _supervise(self) -> None:
+        failures = 0
         while not self._closing:
-            await asyncio.sleep(self.supervise_interval_s)
+            # Back off after failed restarts (up to a minute) instead of relaunching in a tight loop.
+            await asyncio.sleep(self.supervise_interval_s if not failures else min(60.0, 2.0 ** failures))
             if self._process is not None and not self._process.alive() and not self._closing:
                 try:
                     await self.recover()
+                    failures = 0
                 except Exception:  # keep supervising: the next round retries the restart
-                    logger.exception("Restarting the %s server in %s failed", self.cfg.kind, self.work_dir)
+                    failures += 1
+                    logger.exception("Restarting the %s server in %s failed (%d in a row)", self.cfg.kind,
+                                     self.work_dir, failures)
 
     async def recover(self) -> str:
         """Restart a dead server: reload every live slot, then put it back behind the router."""
