@@ -204,12 +204,17 @@ class EngineServer:
             self._served.clear()
             self._group_joined = False
             self._url = await self._launch()
-            for slot, weights in sorted(self._slots.items()):
-                path = weights.path or await self._write_from_ref(slot, weights)
-                await self._load_version(slot, weights.version, path)
-            if router is not None:
-                await router.add_workers([self._url])
-                await router.wait_for_workers([self._url], timeout_s=self.start_timeout_s)
+            try:
+                for slot, weights in sorted(self._slots.items()):
+                    path = weights.path or await self._write_from_ref(slot, weights)
+                    await self._load_version(slot, weights.version, path)
+                if router is not None:
+                    await router.add_workers([self._url])
+                    await router.wait_for_workers([self._url], timeout_s=self.start_timeout_s)
+            except BaseException:
+                # Not ready for requests: stop it, so the next supervision round starts over.
+                await asyncio.to_thread(self._process.terminate)
+                raise
             self.restarts += 1
             logger.warning("The %s server is back at %s with slots %s", self.cfg.kind, self._url,
                            {s: w.version for s, w in self._slots.items()})
