@@ -273,9 +273,33 @@ def forward_logits(model, shape: ModelShape, input_ids_BS: Tensor) -> Tensor:
 
     Right padding needs no padding mask: a real token only attends to earlier tokens.
     """
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    from megatron.core import parallel_state
 
     batch, seq = input_ids_BS.shape
     position_ids_BS = torch.arange(seq, device=input_ids_BS.device).expand(batch, seq)
     local_BSV = model(input_ids_BS, position_ids_BS, causal_mask(seq, input_ids_BS.device))
-    return gather_from_tensor_model_parallel_region(local_BSV)[..., : shape.vocab_size]
+    group = parallel_state.get_tensor_model_parallel_group()
+    if group.size() > 1:
+        local_BSV = _GatherLastDim.apply(local_BSV, group)
+    return local_BSV[..., : shape.vocab_size]
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim over a TP group (backward: this rank's slice).
+
+    Megatron's `gather_from_tensor_model_parallel_region` allocates its output on
+    `torch.cuda.current_device()`; this one works wherever the input lives.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        import torch.distributed as dist
+
+        ctx.rank, ctx.size = group.rank(), group.size()
+        parts = [torch.empty_like(x) for _ in range(ctx.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None
