@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition, RolloutBatch
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ class AdapterSpec:
     registration_id: str = ""
     save_dir: str | None = None
     """Where its checkpoints live (`{save_dir}/checkpoints/step_N`); None: never saved."""
+    loss: LossSettings | None = None
+    """Its loss and advantage settings (the trainer's flags with its `loss:` keys); None: the trainer's."""
 
     @classmethod
     def from_run(cls, run: AdapterRun) -> AdapterSpec:
@@ -63,6 +66,7 @@ class AdapterSpec:
             lr=cfg.lr, weight_decay=cfg.weight_decay, lr_decay_style=cfg.lr_decay_style,
             lr_warmup_steps=cfg.lr_warmup_steps, num_step=cfg.num_step,
             registration_id=run.registration_id, save_dir=None if cfg.save is None else str(cfg.save),
+            loss=None if cfg.loss is None else cfg.loss_settings(),
         )
 
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from miles.utils.loss_settings import LOSS_FLAGS, LossSettings
+from miles.utils.loss_settings import LOSS_FLAGS, TRAINED_ESTIMATORS, LossSettings
 from miles.utils.safe_yaml import load_yaml
 
 logger = logging.getLogger(__name__)
@@ -311,6 +311,9 @@ class MilesConfig:
             raise ConfigError("--max-weight-staleness must be >= 0")
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:
             raise ConfigError("--micro-batch-size must be > 0")
+        if self.loss.advantage_estimator not in TRAINED_ESTIMATORS:
+            raise ConfigError(f"--advantage-estimator {self.loss.advantage_estimator} gives per-token advantages, which "
+                              f"the train actors do not take yet; use one of {', '.join(TRAINED_ESTIMATORS)}")
         if self.rollout_max_prompt_len is not None and self.rollout_max_prompt_len <= 0:
             raise ConfigError("--rollout-max-prompt-len must be > 0 (leave it out to keep every prompt)")
         if self.calculate_per_token_loss and self.multi_lora_n_adapters > 0:
@@ -571,12 +574,6 @@ def parse_args(argv: list[str] | None = None) -> MilesConfig:
     return cfg
 
 
-TORCH_TRAINER_LOSS_FLAGS = frozenset({"eps_clip", "eps_clip_high", "use_tis", "tis_clip"})
-"""Loss flags the torch train actors apply today (`LossConfig`: GRPO advantages, PPO clip,
-TIS cap, and the KL term with `--use-kl-loss --kl-loss-type k3`); the other loss flags
-are accepted, kept in `cfg.loss`, and warned about when set away from their default."""
-
-
 def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
     """One line per flag in `given` (field names) that has no effect with `cfg`."""
     fields = {f.name: f for f in dataclasses.fields(MilesConfig)}
@@ -618,14 +615,10 @@ def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
             pass  # adapters may still name remote_rm as their rm_type
         elif name == "kl_loss_coef" and value and not cfg.loss.use_kl_loss:
             warn(name, "the KL loss term needs --use-kl-loss")
-        elif name == "kl_coef" and value and not cfg.loss.advantage_estimator.startswith("reinforce_plus_plus"):
-            warn(name, f"KL reward shaping is used by the reinforce++ estimators only, not {cfg.loss.advantage_estimator}")
-        elif f.metadata.get("loss") and cfg.train_backend == "torch" and cfg.loss.flags()[name] != defaults[name]:
-            if name in TORCH_TRAINER_LOSS_FLAGS:
-                continue
-            if name in ("use_kl_loss", "kl_loss_coef", "kl_loss_type") and cfg.loss.kl_loss_type == "k3":
-                continue
-            warn(name, "the torch train actors do not apply it yet (see docs/MILES_COMPAT.md)")
+        elif name in ("gamma", "kl_coef") and value != defaults[name]:
+            warn(name, "it shapes the reinforce++ advantages, and the train actors take grpo or gspo only")
+        elif name == "kl_loss_type" and not cfg.loss.use_kl_loss:
+            warn(name, "the KL loss term needs --use-kl-loss")
     return out
 
 

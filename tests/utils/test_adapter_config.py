@@ -332,6 +332,7 @@ def test_adapter_loss_keys_from_yaml_with_null(data_file: Path, defaults: Adapte
     ({"advantage_estimator": "reinforce_plus_plus"}, "loss (advantage_estimator over the trainer's flags): "
                                                      "--advantage-estimator reinforce_plus_plus requires"),
     ({"use_rollout_logprobs": True, "use_tis": True}, "cannot be set at the same time"),
+    ({"advantage_estimator": "reinforce_plus_plus", "normalize_advantages": True}, "per-token advantages"),
     ({"custom_tis_function_path": "no_such_module_xyz.fn"}, "no_such_module_xyz"),
 ])
 def test_bad_adapter_loss_keys_name_the_adapter_and_the_key(data_file: Path, defaults: AdapterDefaults,

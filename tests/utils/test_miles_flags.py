@@ -166,18 +166,20 @@ def test_unknown_flags_still_exit_2(capsys):
 
 
 def test_kl_coef_is_reward_shaping_and_the_kl_loss_is_use_kl_loss():
-    shaped = parse_args(["--advantage-estimator", "reinforce_plus_plus", "--normalize-advantages", "--kl-coef", "0.1"])
-    assert shaped.loss.kl_coef == 0.1 and shaped.loss.needs_ref_logprobs and not shaped.loss.use_kl_loss
+    shaped = parse_args(["--kl-coef", "0.1"])
+    assert shaped.loss.kl_coef == 0.1 and not shaped.loss.use_kl_loss
+    assert not shaped.loss.needs_ref_logprobs  # grpo does not shape its reward
     assert LossConfig.from_config(shaped).kl_coef == 0.0  # no KL term in the loss
     kl_loss = parse_args(["--use-kl-loss", "--kl-loss-type", "k3", "--kl-loss-coef", "0.05"])
     assert LossConfig.from_config(kl_loss).kl_coef == 0.05 and kl_loss.loss.kl_coef == 0.0
+    assert kl_loss.loss == LossSettings(use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=0.05)
 
 
 @pytest.mark.parametrize("argv, warned", [
-    (["--kl-coef", "0.1"], "--kl-coef has no effect: KL reward shaping is used by the reinforce++ estimators only"),
+    (["--kl-coef", "0.1"], "--kl-coef has no effect: it shapes the reinforce++ advantages"),
+    (["--gamma", "0.9"], "--gamma has no effect: it shapes the reinforce++ advantages"),
     (["--kl-loss-coef", "0.1"], "--kl-loss-coef has no effect: the KL loss term needs --use-kl-loss"),
-    (["--use-kl-loss", "--kl-loss-coef", "0.1"], "--use-kl-loss has no effect: the torch train actors"),
-    (["--entropy-coef", "0.01"], "--entropy-coef has no effect: the torch train actors do not apply it yet"),
+    (["--kl-loss-type", "k2"], "--kl-loss-type has no effect: the KL loss term needs --use-kl-loss"),
     (["--lora-dropout", "0.1"], "--lora-dropout has no effect: the slot LoRA layers apply no dropout"),
     (["--wandb-project", "p"], "--wandb-project has no effect: --use-wandb is not set"),
     (["--calculate-per-token-loss"], "--calculate-per-token-loss has no effect: the train actors take a token mean"),
@@ -191,8 +193,10 @@ def test_a_flag_set_without_effect_warns_once(caplog, argv, warned):
 
 def test_flags_with_an_effect_do_not_warn(caplog):
     with caplog.at_level(logging.WARNING, logger="miles.utils.arguments"):
-        parse_args(["--eps-clip", "0.1", "--eps-clip-high", "0.3", "--use-tis", "--tis-clip", "3",
-                    "--use-kl-loss", "--kl-loss-type", "k3", "--kl-loss-coef", "0.05", "--rollout-shuffle",
+        parse_args(["--eps-clip", "0.1", "--eps-clip-high", "0.3", "--use-tis", "--tis-clip", "3", "--tis-clip-low", "0.1",
+                    "--use-kl-loss", "--kl-loss-type", "k2", "--kl-loss-coef", "0.05", "--rollout-shuffle",
+                    "--advantage-estimator", "gspo", "--entropy-coef", "0.01", "--eps-clip-c", "3", "--use-unbiased-kl",
+                    "--disable-grpo-std-normalization", "--normalize-advantages",
                     "--lora-dropout", "0.0", "--label-key", "answer", "--lr-warmup-iters", "3"])
     assert caplog.records == []
 
@@ -200,6 +204,8 @@ def test_flags_with_an_effect_do_not_warn(caplog):
 @pytest.mark.parametrize("argv, message", [
     (["--advantage-estimator", "reinforce_plus_plus"], "requires advantage normalization: add --normalize-advantages"),
     (["--advantage-estimator", "ppo"], "--advantage-estimator ppo is not supported"),
+    (["--advantage-estimator", "reinforce_plus_plus_baseline", "--normalize-advantages"],
+     "gives per-token advantages, which the train actors do not take yet"),
     (["--use-tis", "--use-rollout-logprobs"], "--use-rollout-logprobs and --use-tis cannot be set at the same time"),
     (["--kl-coef", "0.1", "--kl-loss-coef", "0.1"], "only one of --kl-coef"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c is the lower bound of dual-clip PPO and must be > 1.0"),

@@ -45,10 +45,11 @@ from miles.backends.lora import (
 from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult
 from miles.backends.torch.batching import MicroBatch, make_micro_batches, next_token_logprobs, response_logprobs
 from miles.backends.torch.checkpoint import OptimizerState, TrainerState, read_checkpoint, write_checkpoint
-from miles.backends.torch.loss import LossConfig, policy_loss
+from miles.backends.torch.loss import LossConfig, LossParams, entropy_from_logits, policy_loss_terms
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW
 from miles.utils.arguments import MilesConfig
+from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition, Sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -70,7 +71,13 @@ class TrainActorConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     min_lr: float = 0.0
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: LossSettings = field(default_factory=LossSettings)
+    """The trainer's loss flags (`cfg.loss`): the settings of adapters whose spec has none.
+    A `LossConfig` is accepted and read as the settings it implements."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss, LossConfig):
+            object.__setattr__(self, "loss", LossSettings.from_loss_config(self.loss))
 
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> TrainActorConfig:
@@ -89,7 +96,7 @@ class TrainActorConfig:
             adam_eps=cfg.adam_eps,
             clip_grad=cfg.clip_grad,
             min_lr=cfg.min_lr,
-            loss=LossConfig.from_config(cfg),
+            loss=cfg.loss,
         )
 
 
@@ -281,36 +288,52 @@ class TorchTrainActor:
         for name in samples_per_adapter:
             self._loaded(name)
         stats: dict[str, LossSums] = {}
-        batches = make_micro_batches(
-            samples, advantages, self.config.micro_batch_size, need_rollout_logprobs=self.config.loss.use_tis
-        )
+        need_rollout = any(self._loss_settings(name).needs_rollout_logprobs for name in {s.adapter for s in samples})
+        batches = make_micro_batches(samples, advantages, self.config.micro_batch_size, need_rollout_logprobs=need_rollout)
         for batch in batches:
             self._train_micro_batch(batch.to(self.device), stats)
         for name, n in samples_per_adapter.items():
             self.adapters[name].schedule.add_samples(n)
         return stats
 
-    def _forward_logprobs(self, batch: MicroBatch, slots: list[int]) -> Tensor:
+    def _forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: bool = False) -> Any:
+        """Next-token logprobs [B, L-1]; with `entropy`, also the entropy of each of those
+        next-token distributions."""
         with use_slots(self.model, slots):
             logits = self.model(
                 input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False
             ).logits
-        return next_token_logprobs(logits, batch.input_ids_BL)
+        logprobs = next_token_logprobs(logits, batch.input_ids_BL)
+        if not entropy:
+            return logprobs
+        return logprobs, entropy_from_logits(logits[:, :-1])  # position t predicts token t + 1
+
+    def _loss_settings(self, adapter: str) -> LossSettings:
+        return self._loaded(adapter).spec.loss or self.config.loss
 
     def _train_micro_batch(self, batch: MicroBatch, stats: dict[str, LossSums]) -> None:
-        loss_cfg = self.config.loss
+        """Each sample's loss with its adapter's settings (`LossParams`), so a mixed batch
+        gives every adapter the gradient it would get alone."""
+        settings = [self._loss_settings(name) for name in batch.adapters]
+        params = LossParams.gather(settings, list(range(len(settings)))).to(self.device)
         ref = None
-        if loss_cfg.kl_coef > 0:
+        if any(s.use_kl_loss for s in settings):
             with torch.no_grad():
                 ref = self._forward_logprobs(batch, [-1] * len(batch.slots))
-        logprobs = self._forward_logprobs(batch, batch.slots)
-        out = policy_loss(
-            logprobs, logprobs.detach(), batch.advantages_B, batch.loss_mask_BT, config=loss_cfg,
-            rollout_logprobs_BT=batch.rollout_logprobs_BT if loss_cfg.use_tis else None, ref_logprobs_BT=ref,
+        entropy = None
+        if any(s.entropy_coef != 0 for s in settings):
+            logprobs, entropy = self._forward_logprobs(batch, batch.slots, entropy=True)
+        else:
+            logprobs = self._forward_logprobs(batch, batch.slots)
+        rollout = batch.rollout_logprobs_BT if any(s.needs_rollout_logprobs for s in settings) else None
+        out = policy_loss_terms(
+            logprobs, logprobs.detach(), batch.advantages_B, batch.loss_mask_BT, params,
+            rollout_logprobs_BT=rollout, ref_logprobs_BT=ref, entropy_BT=entropy, tis_args=self.config,
         )
         out.loss_B.sum().backward()
-        rows = zip(batch.adapters, out.loss_B.tolist(), out.clipped_tokens_B.tolist(), out.tokens_B.tolist(),
-                   out.kl_B.tolist(), out.tis_B.tolist())
+        clipped_B = out.pg_clipfrac_B * out.tokens_B
+        rows = zip(batch.adapters, out.loss_B.tolist(), clipped_B.tolist(), out.tokens_B.tolist(),
+                   out.kl_loss_B.tolist(), out.tis_B.tolist())
         for adapter, loss, clipped, tokens, kl, tis in rows:
             s = stats.setdefault(adapter, LossSums())
             s.loss_sum += loss

@@ -38,7 +38,7 @@ from miles.backends.base import (
 )
 from miles.backends.torch.actor import LossSums, TorchTrainActor, TrainActorConfig
 from miles.backends.torch.checkpoint import latest_checkpoint
-from miles.backends.torch.loss import grpo_advantages
+from miles.backends.torch.loss import adapter_sample_advantages
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import RolloutBatch
 
@@ -149,7 +149,7 @@ class TrainGroup:
         if missing:
             raise RuntimeError(f"rollout {rollout_id} has samples of adapters not loaded on the trainer: {missing}; "
                                "adapters must be loaded before generation")
-        advantages = grpo_advantages(torch.tensor([s.reward for s in samples]), batch.prompt_group_sizes).tolist()
+        advantages = self._advantages(batch)
         counts: dict[str, int] = {}
         for sample in samples:
             counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
@@ -159,6 +159,16 @@ class TrainGroup:
             for actor, part in zip(self._actors, parts)
         ))
         return TrainResult(samples=len(samples), adapters=_adapter_stats(per_rank))
+
+    def _advantages(self, batch: RolloutBatch) -> list[float]:
+        """Each adapter's advantages from its own groups and loss settings alone."""
+        samples, sizes = batch.samples, batch.prompt_group_sizes
+        starts = [sum(sizes[:g]) for g in range(len(sizes))]
+        group_adapters = [samples[start].adapter for start in starts]
+        settings = {name: self._specs[name].loss or self.config.actor.loss for name in set(group_adapters)}
+        masks = [s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids) for s in samples]
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        return adapter_sample_advantages(rewards, sizes, group_adapters, masks, settings).tolist()
 
     async def step_adapters(self, names: list[str]) -> dict[str, AdapterStepStats]:
         """Every rank steps the same adapters (their gradients are summed over ranks first)."""
