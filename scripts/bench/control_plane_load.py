@@ -1,0 +1,232 @@
+"""Load test of the control plane on loopback: reads, registrations and deletions at once.
+
+A controller (the real `MultiLoRAController`: registry, SQLite store, FastAPI on
+uvicorn, dataset checks) serves on 127.0.0.1 from its own thread, with a stand-in for
+the trainer's calls on the same loop (push, retire, free slots, record and commit
+batches) so slots churn as in a run. The client sends `--requests` requests with
+`--concurrency` in flight: 60% reads (health, list, state, status, metrics), 25%
+registrations of small datasets, 15% deletions. Afterwards the registry's invariants
+are checked (no slot held twice, every live adapter holds a slot, free and held slots
+partition the table, counts match the accepted requests).
+
+    python scripts/bench/control_plane_load.py --requests 2000 --concurrency 32
+    python scripts/bench/control_plane_load.py --requests 300 --json out.json   # as the test runs it
+
+Prints requests/s, p50/p99 latency per kind and the 5xx count; exits 1 on a 5xx or a
+broken invariant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from miles.controller.actor import ControllerConfig, MultiLoRAController  # noqa: E402
+from miles.controller.backend import ControllerHooks  # noqa: E402
+from miles.controller.http_server import HTTPServerConfig  # noqa: E402
+from miles.rollout.datasets import validate_dataset  # noqa: E402
+from miles.rollout.rewards import validate_reward_spec  # noqa: E402
+from miles.utils.adapter_config import AdapterDefaults  # noqa: E402
+
+TOKEN = "load-test-token"
+
+
+def make_controller(workdir: Path, n_slots: int) -> MultiLoRAController:
+    data = workdir / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    for i in range(4):
+        (data / f"d{i}.jsonl").write_text("".join(json.dumps({"text": f"{j}+{i}=", "label": str(i + j)}) + "\n"
+                                                  for j in range(64)))
+    defaults = AdapterDefaults(lora_rank=8, rollout_batch_size=4, n_samples_per_prompt=2, save=str(workdir / "save"),
+                               rm_type="math", max_adapter_global_batch_size=64)
+    config = ControllerConfig(
+        n_slots=n_slots, defaults=defaults,
+        server=HTTPServerConfig(host="127.0.0.1", port=0, token=TOKEN, allowed_roots=(workdir.resolve(),)),
+        hooks=ControllerHooks(validate_dataset=validate_dataset, validate_reward=validate_reward_spec),
+        registry_path=workdir / "controller" / "registry.sqlite",
+    )
+    return MultiLoRAController(config)
+
+
+async def trainer_stand_in(controller: MultiLoRAController, stop: asyncio.Event) -> int:
+    """What the driver does each iteration, every 20 ms: retire, free, push, train a batch."""
+    rollout_id = 0
+    while not stop.is_set():
+        for name in await controller.retire_adapters():
+            await controller.free_slot(name)
+        snapshot = await controller.snapshot()
+        if snapshot.pending:
+            await controller.record_weight_update(sorted(snapshot.pending))
+        live = sorted({**snapshot.active, **snapshot.retiring})
+        if live:
+            await controller.record_batch_adapters(rollout_id, {n: 4 for n in live}, live)
+            await controller.mark_batch_trained(rollout_id)
+            rollout_id += 1
+        try:
+            await asyncio.wait_for(stop.wait(), 0.02)
+        except TimeoutError:
+            pass
+    return rollout_id
+
+
+def check_invariants(controller: MultiLoRAController, accepted: int, n_slots: int) -> list[str]:
+    backend = controller.backend
+    registry = backend.registry
+    problems = []
+    live = registry.live_slots()
+    held = list(live.values())
+    if len(held) != len(set(held)):
+        problems.append(f"a slot is held twice: {live}")
+    if any(not 0 <= slot < n_slots for slot in held):
+        problems.append(f"a live adapter holds no valid slot: {live}")
+    if sorted(held + registry.free_slots) != list(range(n_slots)):
+        problems.append(f"free {registry.free_slots} and held {sorted(held)} slots do not partition the table")
+    if backend.registrations_total != accepted:
+        problems.append(f"{accepted} registrations answered 200 but the registry counted {backend.registrations_total}")
+    snapshot = backend.snapshot()
+    n_live = len(snapshot.live) + len(snapshot.cleanup)
+    if n_live != len(live):
+        problems.append(f"snapshot has {n_live} live adapters, the slot table {len(live)}")
+    reopened = type(backend)(n_slots, backend.defaults, store=type(controller.store)(controller.store.path))
+    if reopened.snapshot() != snapshot:
+        problems.append("the registry file does not hold the final registry")
+    return problems
+
+
+async def run_load(url: str, n_requests: int, concurrency: int, seed: int, workdir: Path) -> dict[str, Any]:
+    rng = random.Random(seed)
+    names: list[str] = []
+    latencies: dict[str, list[float]] = {}
+    statuses: Counter[str] = Counter()
+    accepted = 0
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(n_requests):
+        queue.put_nowait(i)
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        nonlocal accepted
+        roll = rng.random()
+        if roll < 0.25:
+            kind, name = "register", f"a{i}"
+            request = http.post("/adapter_runs", json={"name": name, "config": {
+                "data": str(workdir / "data" / f"d{i % 4}.jsonl"), "num_step": rng.randint(1, 5)}})
+        elif roll < 0.40 and names:
+            kind = "delete"
+            request = http.delete(f"/adapter_runs/{rng.choice(names)}")
+        else:
+            kind, path = rng.choice([("health", "/health"), ("list", "/adapter_runs"), ("metrics", "/metrics"),
+                                     ("state", "/adapter_runs/state"), ("status", "/adapter_runs/{}")])
+            if kind == "state":
+                request = http.get(path, params={"names": rng.sample(names, min(3, len(names))) + ["ghost"]})
+            elif kind == "status":
+                request = http.get(path.format(rng.choice(names) if names else "ghost"))
+            else:
+                request = http.get(path)
+        start = time.perf_counter()
+        response = await request
+        latencies.setdefault(kind, []).append(time.perf_counter() - start)
+        statuses[f"{kind} {response.status_code}"] += 1
+        if kind == "register" and response.status_code == 200:
+            names.append(name)
+            accepted += 1
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            await one(http, queue.get_nowait())
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, limits=limits,
+                                 timeout=60, trust_env=False) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    every = [x for values in latencies.values() for x in values]
+    return {
+        "requests": n_requests, "concurrency": concurrency, "seconds": elapsed,
+        "requests_per_s": n_requests / elapsed,
+        "p50_ms": percentile(every, 50), "p99_ms": percentile(every, 99),
+        "by_kind": {k: {"n": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99)}
+                    for k, v in sorted(latencies.items())},
+        "statuses": dict(sorted(statuses.items())),
+        "server_errors": sum(n for key, n in statuses.items() if key.split()[1].startswith("5")),
+        "accepted_registrations": accepted,
+    }
+
+
+def load_in_process(url: str, n_requests: int, concurrency: int, seed: int, workdir: Path) -> dict[str, Any]:
+    return asyncio.run(run_load(url, n_requests, concurrency, seed, workdir))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return 1e3 * ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+
+    workdir = Path(tempfile.mkdtemp(prefix="control_plane_load_"))
+    controller = make_controller(workdir, args.slots)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="controller-loop", daemon=True)
+    thread.start()
+    call = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=120)  # noqa: E731
+    port = call(controller.start())
+    stop = asyncio.Event()
+    trainer = asyncio.run_coroutine_threadsafe(trainer_stand_in(controller, stop), loop)
+    try:
+        # The client runs in its own process, so it does not share this process's GIL with the server.
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as client:
+            result = client.submit(load_in_process, f"http://127.0.0.1:{port}", args.requests, args.concurrency,
+                                   args.seed, workdir).result()
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        result_iterations = trainer.result(timeout=60)
+        call(controller.stop())
+
+    async def invariants() -> list[str]:
+        return check_invariants(controller, result["accepted_registrations"], args.slots)
+
+    result["trainer_iterations"] = result_iterations
+    result["invariant_problems"] = call(invariants())
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+
+    print(f"{result['requests']} requests at concurrency {result['concurrency']} in {result['seconds']:.1f} s: "
+          f"{result['requests_per_s']:.0f} requests/s, p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms, "
+          f"5xx: {result['server_errors']}")
+    for kind, row in result["by_kind"].items():
+        print(f"  {kind:9s} n={row['n']:5d}  p50 {row['p50_ms']:7.1f} ms  p99 {row['p99_ms']:7.1f} ms")
+    print(f"  statuses: {result['statuses']}")
+    print(f"  trainer stand-in iterations: {result_iterations}; invariants: "
+          f"{'hold' if not result['invariant_problems'] else result['invariant_problems']}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 1 if result["server_errors"] or result["invariant_problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
