@@ -5,7 +5,9 @@ Routes: `GET /health`, `GET /adapter_runs`, `GET /adapter_runs/state?names=..`,
 `GET /metrics` (Prometheus); OpenAPI at `/docs` (with the adapter config's schema).
 Errors map by exception type: validation → 400, unknown adapter → 404, no free slot →
 409, body over `max_body_bytes` → 413, malformed body or a config field of the wrong
-type → 422 (naming the field), missing or wrong bearer token → 401.
+type → 422 (naming the field), missing or wrong bearer token → 401, every dataset-check
+worker busy → 429. With a token, every route but `/health` needs it, `/docs`,
+`/redoc` and `/openapi.json` included (docs/RELIABILITY.md).
 
     curl -s localhost:8068/adapter_runs -H "Authorization: Bearer $MILES_API_TOKEN" \\
          -d '{"name": "math", "config": {"data": "data/math.jsonl"}}'
