@@ -150,20 +150,59 @@ class SlotAdamW:
         slots = [s.slot for s in steps]
         if len(set(slots)) != len(slots):
             raise ValueError(f"a fused step names a slot twice: {slots}")
-        grads = {s.slot: self.slot_grads(s.slot) for s in steps}
+        steps = sorted(steps, key=lambda s: s.slot)
         for s in steps:
-            self._mask(s.slot, grads[s.slot])
-        flat = [g for s in steps for g in grads[s.slot]]
-        n = len(self.params)
-        torch._foreach_mul_(flat, [s.grad_scale for s in steps for _ in range(n)])
-        per_tensor = torch._foreach_norm(flat, dtype=torch.float32)
-        norms_S = torch.linalg.vector_norm(torch.stack(per_tensor).reshape(len(steps), n), dim=1)
+            self._mask(s.slot, self.slot_grads(s.slot))
+        blocks = self._blocks(steps)
+        grads = [[p.grad[b[0].slot : b[-1].slot + 1] for p, _ in self.params] for b in blocks]
+        sq_norms = []
+        for block, block_grads in zip(blocks, grads):
+            scale = torch.tensor([s.grad_scale for s in block], dtype=block_grads[0].dtype)
+            for g in block_grads:
+                g.mul_(scale.view(-1, *[1] * (g.dim() - 1)))
+            sq_norms.append(torch.stack([torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim())), dtype=torch.float32)
+                                         for g in block_grads]))
+        norms = [torch.linalg.vector_norm(n_PS, dim=0) for n_PS in sq_norms]
         if max_norm > 0:
-            coef_S = torch.clamp(max_norm / (norms_S + 1e-6), max=1.0)
-            torch._foreach_mul_(flat, [c for c in coef_S.to(flat[0].dtype) for _ in range(n)])
-        self._adamw(slots, [s.lr for s in steps])
-        torch._foreach_zero_(flat)
-        return dict(zip(slots, norms_S.tolist()))
+            for block_grads, norm_S in zip(grads, norms):
+                coef_S = torch.clamp(max_norm / (norm_S + 1e-6), max=1.0)
+                for g in block_grads:
+                    g.mul_(coef_S.to(g.dtype).view(-1, *[1] * (g.dim() - 1)))
+        for block in blocks:
+            self._adamw_rows(block[0].slot, block[-1].slot + 1, block[0].lr)
+        for block_grads in grads:
+            torch._foreach_zero_(block_grads)
+        return {s.slot: v for block, norm_S in zip(blocks, norms) for s, v in zip(block, norm_S.tolist())}
+
+    def _blocks(self, steps: list[SlotStep]) -> list[list[SlotStep]]:
+        """Runs of consecutive slots whose AdamW scalars are equal (lr, weight decay, step
+        count): each run is updated as one slice of every parameter."""
+        blocks: list[list[SlotStep]] = []
+        for s in steps:
+            key = (s.lr, self._hparams(s.slot).weight_decay, self.steps[s.slot])
+            last = blocks[-1][-1] if blocks else None
+            if last is not None and last.slot + 1 == s.slot and \
+                    (last.lr, self._hparams(last.slot).weight_decay, self.steps[last.slot]) == key:
+                blocks[-1].append(s)
+            else:
+                blocks.append([s])
+        return blocks
+
+    def _adamw_rows(self, start: int, stop: int, lr: float) -> None:
+        """AdamW on rows start..stop-1, which share lr, weight decay and step count."""
+        beta1, beta2 = self.betas
+        weight_decay = self._hparams(start).weight_decay
+        for slot in range(start, stop):
+            self.steps[slot] += 1
+        step = self.steps[start]
+        # detach(), not .data: the write must bump the version counter that the layers'
+        # cached views of B check.
+        weights = [param.detach()[start:stop] for param, _ in self.params]
+        exp_avgs = [m[start:stop] for m in self.exp_avg]
+        exp_avg_sqs = [v[start:stop] for v in self.exp_avg_sq]
+        grads = [param.grad[start:stop] for param, _ in self.params]
+        self._adamw_update(weights, exp_avgs, exp_avg_sqs, grads, [1 - lr * weight_decay] * len(weights),
+                           [math.sqrt(1 - beta2**step)] * len(weights), [-lr / (1 - beta1**step)] * len(weights))
 
     def _adamw(self, slots: list[int], lrs: list[float]) -> None:
         """AdamW on the rows of `slots` (gradients already masked), one foreach op per stage."""
@@ -175,8 +214,6 @@ class SlotAdamW:
             hp = self._hparams(slot)
             self.steps[slot] += 1
             step = self.steps[slot]
-            # detach(), not .data: the write must bump the version counter that the
-            # layers' cached views of B check.
             weights += [param.detach()[slot] for param, _ in self.params]
             exp_avgs += [m[slot] for m in self.exp_avg]
             exp_avg_sqs += [v[slot] for v in self.exp_avg_sq]
@@ -184,6 +221,10 @@ class SlotAdamW:
             decay += [1 - lr * hp.weight_decay] * n
             bias2_sqrt += [math.sqrt(1 - beta2**step)] * n
             step_size += [-lr / (1 - beta1**step)] * n
+        self._adamw_update(weights, exp_avgs, exp_avg_sqs, grads, decay, bias2_sqrt, step_size)
+
+    def _adamw_update(self, weights, exp_avgs, exp_avg_sqs, grads, decay, bias2_sqrt, step_size) -> None:
+        beta1, beta2 = self.betas
         torch._foreach_mul_(weights, decay)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)

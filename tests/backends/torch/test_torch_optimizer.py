@@ -152,3 +152,33 @@ def test_fused_step_of_several_slots_equals_the_per_slot_sequence():
     assert torch.count_nonzero(fused.exp_avg[0][0, 2:]) == 0 and torch.count_nonzero(fused.exp_avg_sq[1][0, :, 2:]) == 0
     with pytest.raises(ValueError, match="twice"):
         fused.step_slots([SlotStep(slot=0, lr=0.1), SlotStep(slot=0, lr=0.1)], max_norm=1.0)
+
+
+def test_fused_step_over_a_run_of_slots_equals_the_per_slot_sequence():
+    """Consecutive slots with equal lr, weight decay and step count are updated as one
+    slice; a slot that stepped alone in between splits the run. Same numbers either way."""
+    from miles.backends.torch.optimizer import SlotStep
+
+    fused_params, loop_params = _params(5), _params(5)
+    fused = SlotAdamW([(fused_params[0], 1), (fused_params[1], 2)], n_slots=3)
+    loop = SlotAdamW([(loop_params[0], 1), (loop_params[1], 2)], n_slots=3)
+    for opt in (fused, loop):
+        for slot in range(3):
+            opt.configure_slot(slot, rank=4, lr=0.01, weight_decay=0.05)
+    g = torch.Generator().manual_seed(6)
+    for stepping in ([0, 1, 2], [1], [0, 1, 2], [2, 0]):
+        grads = [torch.randn(3, 4, 5, generator=g), torch.randn(3, 6, 4, generator=g)]
+        for (a, b) in (fused_params, loop_params):
+            a.grad, b.grad = grads[0].clone(), grads[1].clone()
+        norms = fused.step_slots([SlotStep(slot=s, lr=0.01, grad_scale=0.25) for s in stepping], max_norm=0.5)
+        expected = {}
+        for slot in stepping:
+            loop.scale_slot_grad(slot, 0.25)
+            expected[slot] = loop.clip_slot_grad(slot, 0.5)
+            loop.step_slot(slot, 0.01)
+            loop.zero_slot_grad(slot)
+        assert norms == pytest.approx(expected, rel=1e-6)
+        for f, l in zip(fused_params, loop_params):
+            torch.testing.assert_close(f.detach(), l.detach(), atol=1e-7, rtol=0)
+            torch.testing.assert_close(f.grad, l.grad, atol=1e-7, rtol=0)
+    assert fused.steps == loop.steps == [3, 3, 3]
