@@ -1,7 +1,8 @@
 """The multi-LoRA control plane: adapter lifecycle registry, backend, HTTP API, Ray actor.
 
-`registry.py` is the pure state machine, `backend.py` adds config resolution, validation
-and request aborts, `http_server.py` serves the API, `actor.py` wraps both in the named
-Ray actor, `client.py` is a small HTTP client. `python -m miles.controller` serves the
-control plane without a trainer.
+`registry.py` is the pure state machine, `store.py` keeps it in SQLite, `backend.py` adds
+config resolution, validation, request aborts and the write-through to the store,
+`http_server.py` serves the API, `actor.py` wraps both in the named Ray actor (restarted
+by Ray if it dies), `client.py` is a small HTTP client. `python -m miles.controller`
+serves the control plane without a trainer.
 """
