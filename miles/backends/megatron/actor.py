@@ -259,9 +259,8 @@ class MegatronTrainActor(TorchTrainActor):
         sq = norms.square()
         sharded_sq = sq[sharded].sum()
         if self.config.tensor_model_parallel_size > 1:
-            sharded_sq = sharded_sq.cpu() if self.device.type == "cpu" else sharded_sq
             dist.all_reduce(sharded_sq, op=dist.ReduceOp.SUM, group=self._tp_group())
-        norm = (sharded_sq.to(sq.device) + sq[~sharded].sum()).sqrt()
+        norm = (sharded_sq + sq[~sharded].sum()).sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
