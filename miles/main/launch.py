@@ -47,7 +47,8 @@ def init_ray(cfg: MilesConfig) -> None:
         return
     # Logical CPUs: the actors are mostly idle waiting on each other, so a small
     # machine still fits one train rank per DP worker plus the engines.
-    needed = cfg.actor_num_workers + cfg.rollout_num_engines + 2
+    train_ranks = cfg.actor_num_workers * (cfg.tensor_model_parallel_size if cfg.train_backend == "megatron" else 1)
+    needed = train_ranks + cfg.rollout_num_engines + 2
     ray.init(
         namespace="miles",
         num_cpus=max(os.cpu_count() or 1, needed),
@@ -70,22 +71,17 @@ class Components:
 
 async def launch(cfg: MilesConfig) -> Components:
     """Controller first (it owns the adapter registry), then engines + router, then trainers."""
-    from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig  # the one backend built here
     from miles.controller.actor import create_multilora_controller
     from miles.controller.backend import ControllerHooks
     from miles.rollout.datasets import validate_dataset
     from miles.rollout.manager import RolloutManager
     from miles.rollout.rewards import validate_reward_spec
 
-    if cfg.train_backend != "torch":
-        raise SystemExit(
-            "--train-backend megatron is not available in this build; use --train-backend torch"
-        )
     # The controller imports no rollout code: it is handed the checks run at registration.
     hooks = ControllerHooks(validate_dataset=validate_dataset, validate_reward=validate_reward_spec)
     controller = create_multilora_controller(cfg, router_url=None, hooks=hooks)  # logs its URL
     rollout_manager = RolloutManager.options(name="miles_rollout_manager").remote(cfg)
-    backend = TrainGroup(TrainGroupConfig.from_config(cfg))
+    backend = build_backend(cfg)
     # Engines and train ranks load the base model in parallel.
     await asyncio.gather(rollout_manager.start.remote(controller), backend.start())
     router_url = await rollout_manager.get_router_address.remote()
@@ -94,6 +90,17 @@ async def launch(cfg: MilesConfig) -> Components:
                        receivers=await rollout_manager.engines.remote())
     logger.info("Router at %s", router_url)
     return Components(controller, rollout_manager, backend, sync)
+
+
+def build_backend(cfg: MilesConfig) -> TrainingBackend:
+    """The training backend `--train-backend` names (ranks not started yet)."""
+    if cfg.train_backend == "megatron":
+        from miles.backends.megatron.train_group import MegatronGroupConfig, MegatronTrainGroup
+
+        return MegatronTrainGroup(MegatronGroupConfig.from_config(cfg))
+    from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
+
+    return TrainGroup(TrainGroupConfig.from_config(cfg))
 
 
 async def register_initial_adapters(cfg: MilesConfig, controller: Any) -> None:
