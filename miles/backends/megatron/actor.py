@@ -41,6 +41,7 @@ from miles.backends.megatron.model import ModelShape, build_gpt_model, forward_l
 from miles.backends.torch.actor import DTYPES, LossSums, TorchTrainActor, TrainActorConfig, _Loaded, adapter_seed
 from miles.backends.torch.batching import MicroBatch, next_token_logprobs
 from miles.backends.torch.checkpoint import OptimizerState, TrainerState, read_checkpoint, write_checkpoint
+from miles.backends.torch.loss import entropy_from_logits
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW
 from miles.utils.arguments import MilesConfig
@@ -215,10 +216,14 @@ class MegatronTrainActor(TorchTrainActor):
         stats = super().train(samples, advantages, samples_per_adapter)
         return stats if self.tp_rank == 0 else {}
 
-    def _forward_logprobs(self, batch: MicroBatch, slots: list[int]) -> Tensor:
+    def _forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: bool = False) -> Any:
+        """`TorchTrainActor._forward_logprobs` on the Megatron shard (logits gathered over TP)."""
         with mlora.use_slots(self.model, slots):
             logits = forward_logits(self.model, self.shape, batch.input_ids_BL)
-        return next_token_logprobs(logits, batch.input_ids_BL)
+        logprobs = next_token_logprobs(logits, batch.input_ids_BL)
+        if not entropy:
+            return logprobs
+        return logprobs, entropy_from_logits(logits[:, :-1])  # position t predicts token t + 1
 
     def step_adapters(self, names: Sequence[str]) -> dict[str, AdapterStepStats]:
         """Optimizer step of the given adapters only; every rank calls it with the same names."""

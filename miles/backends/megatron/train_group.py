@@ -21,12 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from miles.backends.base import LoraExport, SaveRequest, TrainResult
 from miles.backends.megatron.actor import MegatronActorConfig, MegatronTrainActor
 from miles.backends.torch.actor import LossSums
-from miles.backends.torch.loss import grpo_advantages
 from miles.backends.torch.train_group import TrainGroup, _adapter_stats, split_prompt_groups
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import RolloutBatch
@@ -98,7 +95,7 @@ class MegatronTrainGroup(TrainGroup):
         if missing:
             raise RuntimeError(f"rollout {rollout_id} has samples of adapters not loaded on the trainer: {missing}; "
                                "adapters must be loaded before generation")
-        advantages = grpo_advantages(torch.tensor([s.reward for s in samples]), batch.prompt_group_sizes).tolist()
+        advantages = self._advantages(batch)
         counts: dict[str, int] = {}
         for sample in samples:
             counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
