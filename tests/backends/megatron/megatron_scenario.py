@@ -154,3 +154,38 @@ def run_torch(model_dir: Path, work: Path) -> dict:
 
     shutil.copytree(work / "torch_save" / "a" / "checkpoints" / "step_1", work / "torch_ckpt")
     return seen
+
+
+def _dp_rank_main(rank: int, world: int, address: str, model_dir: str, work: str) -> None:
+    """Two DP replicas of one TP rank each: the script's adapters and random weights, then
+    step 1 with the prompt groups split over the replicas as `MegatronTrainGroup` splits them."""
+    from miles.backends.megatron import lora as mlora
+    from miles.backends.megatron.actor import MegatronActorConfig, MegatronTrainActor
+    from miles.backends.torch.train_group import split_prompt_groups
+
+    torch.set_num_threads(1)
+    actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=model_dir, n_slots=N_SLOTS, lora_rank=RANK), rank, world)
+    actor.init_process_group(address)
+    for name, slot in SLOTS.items():
+        actor.load_adapter(spec(name, slot, rank=RANK, global_batch_size=6))
+    shapes = _broadcast_shapes({k: v.shape for k, v in actor.export_adapter("a").items()} if rank == 0 else None)
+    for i, (name, slot) in enumerate(SLOTS.items()):
+        mlora.set_slot_weights(actor.parts, slot, random_adapter(shapes, seed=100 + i), rank=RANK, alpha=8.0)
+    groups = step1_groups()
+    samples, adv = flatten_with_advantages(groups)
+    mine = split_prompt_groups([len(g) for g in groups], world)[rank]
+    actor.train([samples[i] for i in mine], [adv[i] for i in mine], counts(samples))
+    actor.step_adapters(["a", "b"])
+    # Each replica's own copy (export_adapter answers from replica 0 only).
+    seen = {n: mlora.gather_slot_weights(actor.parts, slot) for n, slot in SLOTS.items()}
+    torch.save(seen, Path(work) / f"dp{rank}.pt")
+    actor.shutdown()
+
+
+def run_megatron_dp(model_dir: Path, work: Path) -> list[dict]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    mp.start_processes(_dp_rank_main, args=(2, address, str(model_dir), str(work)), nprocs=2, join=True,
+                       start_method="spawn")
+    return [torch.load(work / f"dp{r}.pt", weights_only=False) for r in range(2)]

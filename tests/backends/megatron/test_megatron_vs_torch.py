@@ -13,7 +13,15 @@ import copy
 
 import pytest
 import torch
-from megatron_scenario import RANK, logit_input_ids, logprob_samples, run_megatron, run_torch, step2_groups
+from megatron_scenario import (
+    RANK,
+    logit_input_ids,
+    logprob_samples,
+    run_megatron,
+    run_megatron_dp,
+    run_torch,
+    step2_groups,
+)
 from torch_backend_data import counts, flatten_with_advantages, max_abs_diff, spec
 
 from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
@@ -107,3 +115,16 @@ def test_megatron_checkpoint_loads_in_peft_and_resumes_in_torch(runs, tiny_model
     torch_actor.train(samples, adv, counts(samples))
     torch_actor.step_adapters(["a", "a2"])
     assert max_abs_diff(torch_actor.export_adapter("a"), ref["step2"]["a"]) <= 1e-5
+
+
+def test_two_data_parallel_replicas_step_like_one_torch_rank(tiny_model_dir, torch_run):
+    """Groups split over two DP replicas, gradients summed over DP at the step: each
+    replica ends with the torch backend's single-rank update; c is untouched."""
+    work, ref = torch_run
+    dp_work = work / "dp2"
+    dp_work.mkdir()
+    replicas = run_megatron_dp(tiny_model_dir, dp_work)
+    for seen in replicas:
+        for name in ("a", "b"):
+            assert max_abs_diff(seen[name], ref["step1"][name]) <= 1e-5
+        assert all(torch.equal(seen["c"][k], ref["c_before"][k]) for k in seen["c"])
