@@ -1,5 +1,7 @@
 """Megatron backend vs torch backend on the same model, adapters and samples: one verdict line.
 
+Prints `PASS|FAIL|SKIP megatron-tp<N>: <detail>` (the verdict format of `scripts/gpu_check.py`).
+
     python -m miles.backends.megatron.gpu_check --hf-checkpoint /path/to/hf --device cuda --dtype bfloat16 --tp 2
 
 Spawns `--tp` Megatron ranks (rank r on `cuda:r`; gloo on CPU, nccl on GPU), loads two
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     tol = args.tol if args.tol is not None else (1e-2 if args.dtype == "bfloat16" else 1e-4)
     if args.device == "cuda" and torch.cuda.device_count() < args.tp:
-        print(f"SKIP megatron vs torch ({args.dtype}, TP={args.tp}): {torch.cuda.device_count()} GPU(s)")
+        print(f"SKIP megatron-tp{args.tp}: {torch.cuda.device_count()} GPU(s), TP={args.tp} needs {args.tp}")
         return 0
 
     ref_actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=args.hf_checkpoint, n_slots=N_SLOTS, lora_rank=RANK,
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     logprob_diff = max(abs(x - y) for xs, ys in zip(meg["logprobs"], ref["logprobs"]) for x, y in zip(xs, ys))
     lora_diff = max(float((meg["lora"][n][k] - ref["lora"][n][k]).abs().max()) for n in ADAPTERS for k in ref["lora"][n])
     ok = logprob_diff <= tol and lora_diff <= tol
-    print(f"{'OK' if ok else 'FAIL'} megatron vs torch ({args.device}, {args.dtype}, TP={args.tp}): "
+    print(f"{'PASS' if ok else 'FAIL'} megatron-tp{args.tp}: Megatron vs torch backend ({args.device}, {args.dtype}): "
           f"max |d logprob| = {logprob_diff:.2e}, max |d LoRA after one step| = {lora_diff:.2e} (tol {tol:g})")
     return 0 if ok else 1
 
