@@ -323,6 +323,11 @@ class MilesConfig:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.train_backend == "megatron" and self.multi_lora_n_adapters > 0 and self.pipeline_model_parallel_size != 1:
             raise ConfigError("multi-LoRA needs --pipeline-model-parallel-size 1 (no rank would hold a whole adapter)")
+        if self.train_backend == "megatron" and self.tensor_model_parallel_size <= 0:
+            raise ConfigError(f"--tensor-model-parallel-size must be > 0, got {self.tensor_model_parallel_size}")
+        if self.train_backend == "megatron" and self.sequence_parallel:
+            raise ConfigError("--sequence-parallel is not supported by the Megatron backend's slot page table yet; "
+                              "leave it off (tensor parallelism works without it)")
         for token in self.sglang_server_args:
             if token.startswith("--") and token[2:].replace("-", "_") in SGLANG_ARGS_SET_BY_TRAINER:
                 raise ConfigError(
