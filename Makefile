@@ -38,7 +38,7 @@ demo-real: install
 	$(PY) -m miles.recipes.smollm2 --out .cache/smollm2
 	rm -rf runs/demo-real
 	$(PY) -m miles.main.train_multi_lora_async --config configs/smollm2-multi-lora.yaml
-	$(PY) scripts/eval_adapters.py --config configs/smollm2-multi-lora.yaml --recipe smollm2 --n 100
+	$(PY) scripts/eval_adapters.py --config configs/smollm2-multi-lora.yaml --recipe smollm2 --n 100 --own-tasks
 
 # The SGLang path on a CUDA machine (SGLang in .venv-sglang, a tiny local model, <= 8 min);
 # one PASS/FAIL/SKIP line per check. Without CUDA it says so and fails.

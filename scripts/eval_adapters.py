@@ -1,7 +1,7 @@
 """Held-out greedy accuracy of the base model and of each trained adapter, on every task.
 
     python scripts/eval_adapters.py --config configs/tiny-multi-lora.yaml [--n 300]
-    python scripts/eval_adapters.py --config configs/smollm2-multi-lora.yaml --recipe smollm2 --n 100
+    python scripts/eval_adapters.py --config configs/smollm2-multi-lora.yaml --recipe smollm2 --n 100 --own-tasks
 
 Reads the run config (the same YAML the trainer ran with), finds each adapter's latest
 checkpoint under its save directory, and evaluates base and adapters on each adapter's
@@ -53,21 +53,23 @@ def eval_targets(config_path: str) -> tuple[str, list[EvalTarget]]:
 
 
 def accuracy_matrix(base_dir: str, targets: list[EvalTarget], n: int | None,
-                    recipe: str = "tiny") -> dict[str, dict[str, float]]:
-    """model ('base' or adapter) -> task (adapter name) -> accuracy."""
+                    recipe: str = "tiny", own_tasks: bool = False) -> dict[str, dict[str, float]]:
+    """model ('base' or adapter) -> task (adapter name) -> accuracy; with `own_tasks`
+    an adapter is scored on its own task only (the base on every task)."""
     evaluate_adapter_dir = EVALUATORS[recipe]
     models: dict[str, Path | None] = {"base": None}
     models.update({t.adapter: t.checkpoint for t in targets if t.checkpoint is not None})
     return {
-        model: {t.adapter: evaluate_adapter_dir(base_dir, ckpt, t.test_data, n) for t in targets}
+        model: {t.adapter: evaluate_adapter_dir(base_dir, ckpt, t.test_data, n) for t in targets
+                if not own_tasks or model in ("base", t.adapter)}
         for model, ckpt in models.items()
     }
 
 
 def format_matrix(matrix: dict[str, dict[str, float]]) -> str:
-    tasks = list(next(iter(matrix.values())))
+    tasks = list(dict.fromkeys(task for accs in matrix.values() for task in accs))
     header = ["model", *tasks]
-    rows = [[model, *(f"{acc:.1%}{'*' if model == task else ''}" for task, acc in accs.items())]
+    rows = [[model, *("-" if task not in accs else f"{accs[task]:.1%}{'*' if model == task else ''}" for task in tasks)]
             for model, accs in matrix.items()]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [header, *rows])
@@ -78,12 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the run's YAML config")
     parser.add_argument("--n", type=int, default=None, help="rows of each held-out split (default: all)")
     parser.add_argument("--recipe", choices=sorted(EVALUATORS), default="tiny", help="how tasks are prompted and scored")
+    parser.add_argument("--own-tasks", action="store_true", help="score each adapter on its own task only (faster)")
     args = parser.parse_args(argv)
     base_dir, targets = eval_targets(args.config)
     missing = [t.adapter for t in targets if t.checkpoint is None]
     if missing:
         print(f"no checkpoint yet for: {', '.join(missing)} (train first)", file=sys.stderr)
-    matrix = accuracy_matrix(base_dir, targets, args.n, args.recipe)
+    matrix = accuracy_matrix(base_dir, targets, args.n, args.recipe, args.own_tasks)
     print("\nHeld-out greedy accuracy (* = the adapter's own task)")
     print(format_matrix(matrix), flush=True)
     return 0
