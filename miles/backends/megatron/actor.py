@@ -24,7 +24,6 @@ Driven in-process for one rank (TP = DP = 1):
 from __future__ import annotations
 
 import datetime
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -119,18 +118,11 @@ class MegatronTrainActor(TorchTrainActor):
         self.optimizer = SlotAdamW(params, n_slots=config.n_slots, betas=config.adam_betas, eps=config.adam_eps)
         self.target_short_names = sorted({n.rsplit(".", 1)[-1] for n in self.parts})
 
-    def master_address(self, host: str = "127.0.0.1") -> str:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        return f"tcp://{host}:{port}"
-
     def shutdown(self) -> None:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        super().shutdown()
 
     def _tp_group(self):
         from megatron.core import parallel_state

@@ -38,7 +38,8 @@ class MegatronGroupConfig:
     """Data-parallel replicas (`--actor-num-workers`); each has `tensor_model_parallel_size` ranks."""
     num_cpus_per_rank: float = 1.0
     num_gpus_per_rank: float = 0.0
-    master_host: str = "127.0.0.1"
+    master_host: str | None = None
+    """Rendezvous host of the process group; None: rank 0's own choice (`master_address`)."""
 
     def __post_init__(self) -> None:
         if self.n_replicas <= 0:
@@ -81,7 +82,8 @@ class MegatronTrainGroup(TrainGroup):
         world = self.config.world_size
         self._actors = [remote_cls.remote(self.config.actor, rank, world) for rank in range(world)]
         await self._all("ready")
-        address = await self._actors[0].master_address.remote(self.config.master_host)
+        master = self._actors[0].master_address
+        address = await (master.remote() if self.config.master_host is None else master.remote(self.config.master_host))
         await self._all("init_process_group", address)
         logger.info("Started %d Megatron rank(s): %d data-parallel x %d tensor-parallel",
                     world, self.config.n_replicas, self.config.tp_size)
