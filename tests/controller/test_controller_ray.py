@@ -130,8 +130,8 @@ def test_killed_controller_comes_back_with_its_registry_and_port(ray_session, da
     try:
         assert ray.get(controller.snapshot.remote()) == before_trainer_restart
         with pytest.raises(AdapterAlreadyRegisteredError, match="already registered"):
-            ray.get(controller.register_adapter.remote("a", {"data": data}))
-        assert ray.get(controller.register_adapter.remote("a", {"data": data}, exist_ok=True)) == 0
+            ray.get(controller.register_adapter.remote("a", {"data": data}, exist_ok=False))
+        assert ray.get(controller.register_adapter.remote("a", {"data": data})) == 0  # the trainer's re-registration
         assert ray.get(controller.snapshot.remote()) == before_trainer_restart
     finally:
         destroy_multi_lora_controller()
