@@ -77,7 +77,8 @@ def markdown(results: dict, before: dict | None) -> str:
         "Written by `python scripts/bench/run_all.py` (one script per figure in `scripts/bench/`; raw numbers in",
         "`docs/benchmarks.json`). Every figure is the ratio of two things measured in the same run, alternating,",
         f"median of the per-repetition ratios with min..max. Machine: {m['cpu']}, {m['cores']} cores, torch "
-        f"{m['torch']} ({m['torch_threads']} threads), Python {m['python']}. Date: {results['date']}.",
+        f"{m['torch']}, Python {m['python']}; each script runs with one torch thread unless given `--threads`. "
+        f"Date: {results['date']}.",
         "",
     ]
     if results.get("shared_machine"):
