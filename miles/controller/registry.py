@@ -128,6 +128,7 @@ class AdapterRegistry:
     _free_slots: set[int] = field(init=False)
     _slot_versions: list[int] = field(init=False)
     _batches: OrderedDict[int, _BatchRecord] = field(default_factory=OrderedDict, init=False)
+    _json_cache: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if self.n_slots <= 0:
@@ -347,12 +348,25 @@ class AdapterRegistry:
 
     def export_state(self) -> RegistryState:
         """Everything needed to rebuild this registry, as JSON-ready values."""
+        live = [self._json(r) for r in sorted(self._live.values(), key=lambda r: r.slot)]
+        completed = [self._json(r) for r in self._completed.values()]
+        if len(self._json_cache) > len(self._live) + len(self._completed):
+            known = self._live.keys() | self._completed.keys()
+            self._json_cache = {n: v for n, v in self._json_cache.items() if n in known}
         return RegistryState(
-            n_slots=self.n_slots, slot_versions=list(self._slot_versions),
-            live=[_record_to_json(r) for r in sorted(self._live.values(), key=lambda r: r.slot)],
-            completed=[_record_to_json(r) for r in self._completed.values()],
+            n_slots=self.n_slots, slot_versions=list(self._slot_versions), live=live, completed=completed,
             batches=[(rollout_id, _batch_to_json(b)) for rollout_id, b in self._batches.items()],
         )
+
+    def _json(self, record: _Record) -> dict[str, Any]:
+        """A record as JSON values; the same object while the record is unchanged, so the
+        store can tell unchanged rows apart cheaply (a registry keeps ~1,000 records)."""
+        key = (record.registration_id, record.state, record.step, record.start_step, record.accumulated_groups)
+        cached = self._json_cache.get(record.name)
+        if cached is None or cached[0] != key:
+            cached = (key, _record_to_json(record))
+            self._json_cache[record.name] = cached
+        return cached[1]
 
     @classmethod
     def from_state(cls, state: RegistryState, n_slots: int, **kwargs: Any) -> AdapterRegistry:

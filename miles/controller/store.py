@@ -64,6 +64,7 @@ class RegistryStore:
             raise RegistryStoreError(f"Registry file {self.path} has schema version {version}, "
                                      f"this build reads {SCHEMA_VERSION}")
         self._written: dict[tuple[str, Any], str] = self._read_rows()
+        self._texts: dict[tuple[int, int], tuple[dict[str, Any], str]] = {}
 
     def close(self) -> None:
         self._db.close()
@@ -96,7 +97,7 @@ class RegistryStore:
 
     def save(self, state: RegistryState) -> None:
         """Write `state` in one transaction, touching only the rows that changed."""
-        rows = _rows(state)
+        rows = self._rows(state)
         changed = {key: text for key, text in rows.items() if self._written.get(key) != text}
         removed = [key for key in self._written if key not in rows]
         if not changed and not removed:
@@ -137,14 +138,22 @@ class RegistryStore:
         return rows
 
 
-def _rows(state: RegistryState) -> dict[tuple[str, Any], str]:
-    """Each row's stored text; a record's `position` keeps the registry's order."""
-    rows: dict[tuple[str, Any], str] = {
-        ("meta", "n_slots"): json.dumps(state.n_slots),
-        ("meta", "slot_versions"): json.dumps(state.slot_versions),
-    }
-    for position, record in enumerate([*state.live, *state.completed]):
-        rows[("adapters", record["name"])] = json.dumps({**record, "position": position}, sort_keys=True)
-    for position, (rollout_id, batch) in enumerate(state.batches):
-        rows[("batches", rollout_id)] = json.dumps({**batch, "position": position}, sort_keys=True)
-    return rows
+    def _rows(self, state: RegistryState) -> dict[tuple[str, Any], str]:
+        """Each row's stored text; a record's `position` keeps the registry's order. The
+        registry hands back the same dict for an unchanged record, so its text is reused."""
+        rows: dict[tuple[str, Any], str] = {
+            ("meta", "n_slots"): json.dumps(state.n_slots),
+            ("meta", "slot_versions"): json.dumps(state.slot_versions),
+        }
+        texts: dict[tuple[int, int], tuple[dict[str, Any], str]] = {}
+        for position, record in enumerate([*state.live, *state.completed]):
+            key = (id(record), position)
+            cached = self._texts.get(key)
+            if cached is None or cached[0] is not record:
+                cached = (record, json.dumps({**record, "position": position}, sort_keys=True))
+            texts[key] = cached
+            rows[("adapters", record["name"])] = cached[1]
+        self._texts = texts
+        for position, (rollout_id, batch) in enumerate(state.batches):
+            rows[("batches", rollout_id)] = json.dumps({**batch, "position": position}, sort_keys=True)
+        return rows
