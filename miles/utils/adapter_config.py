@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from miles.utils.loss_settings import ADAPTER_LOSS_KEYS, KL_LOSS_TYPES, TRAINED_ESTIMATORS, LossSettings
+from miles.utils.loss_settings import ADAPTER_LOSS_KEYS, KL_LOSS_TYPES, LossSettings
 from miles.utils.plugins import PluginError, load_object
 from miles.utils.safe_yaml import load_yaml
 
@@ -344,10 +344,6 @@ def _resolve_loss(name: str, loss: AdapterLossSettings | None, base: LossSetting
     except ValueError as exc:
         keys = ", ".join(sorted(overrides)) or "none"
         raise AdapterConfigError(f"Adapter '{name}': loss ({keys} over the trainer's flags): {exc}") from None
-    if settings.advantage_estimator not in TRAINED_ESTIMATORS:
-        raise AdapterConfigError(
-            f"Adapter '{name}': loss.advantage_estimator {settings.advantage_estimator} gives per-token advantages, "
-            f"which the train actors do not take yet; use one of {', '.join(TRAINED_ESTIMATORS)}")
     if "custom_tis_function_path" in overrides and settings.custom_tis_function_path is not None:
         try:
             load_object(settings.custom_tis_function_path, kind="loss.custom_tis_function_path")

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from miles.utils.loss_settings import LOSS_FLAGS, TRAINED_ESTIMATORS, LossSettings
+from miles.utils.loss_settings import LOSS_FLAGS, LossSettings
 from miles.utils.safe_yaml import load_yaml
 
 logger = logging.getLogger(__name__)
@@ -311,9 +311,6 @@ class MilesConfig:
             raise ConfigError("--max-weight-staleness must be >= 0")
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:
             raise ConfigError("--micro-batch-size must be > 0")
-        if self.loss.advantage_estimator not in TRAINED_ESTIMATORS:
-            raise ConfigError(f"--advantage-estimator {self.loss.advantage_estimator} gives per-token advantages, which "
-                              f"the train actors do not take yet; use one of {', '.join(TRAINED_ESTIMATORS)}")
         if self.rollout_max_prompt_len is not None and self.rollout_max_prompt_len <= 0:
             raise ConfigError("--rollout-max-prompt-len must be > 0 (leave it out to keep every prompt)")
         if self.calculate_per_token_loss and self.multi_lora_n_adapters > 0:
@@ -620,8 +617,9 @@ def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
             pass  # adapters may still name remote_rm as their rm_type
         elif name == "kl_loss_coef" and value and not cfg.loss.use_kl_loss:
             warn(name, "the KL loss term needs --use-kl-loss")
-        elif name in ("gamma", "kl_coef") and value != defaults[name]:
-            warn(name, "it shapes the reinforce++ advantages, and the train actors take grpo or gspo only")
+        elif (name in ("gamma", "kl_coef") and value != defaults[name]
+              and not cfg.loss.advantage_estimator.startswith("reinforce_plus_plus")):
+            warn(name, f"it shapes the reinforce++ advantages, and --advantage-estimator is {cfg.loss.advantage_estimator}")
         elif name == "kl_loss_type" and not cfg.loss.use_kl_loss:
             warn(name, "the KL loss term needs --use-kl-loss")
     return out

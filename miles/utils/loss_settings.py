@@ -150,11 +150,6 @@ LOSS_FLAGS: tuple[str, ...] = (
 )
 """The loss flags, named as Miles' flags (`--advantage-estimator` -> `advantage_estimator`)."""
 
-TRAINED_ESTIMATORS = ("grpo", "gspo")
-"""The estimators the train actors train with: one advantage per sample. The reinforce++
-estimators give per-token advantages, which `compute_advantages` computes but the actors
-do not take yet."""
-
 ADAPTER_LOSS_KEYS: tuple[str, ...] = LOSS_FLAGS
 """Loss flags an adapter config may override. All of them: every setting is gathered per
 sample, so adapters with different settings share a batch (`LossParams.gather`)."""

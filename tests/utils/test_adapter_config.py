@@ -315,6 +315,14 @@ def test_adapter_loss_keys_override_the_trainer_flags(data_file: Path, defaults:
     assert resolve_adapter_config("b", {"data": str(data_file)}, cli).loss_settings() == cli.loss
 
 
+def test_an_adapter_may_train_with_reinforce_plus_plus(data_file: Path, defaults: AdapterDefaults) -> None:
+    raw = {"data": str(data_file), "loss": {"advantage_estimator": "reinforce_plus_plus_baseline",
+                                            "normalize_advantages": True, "kl_coef": 0.05}}
+    settings = resolve_adapter_config("a", raw, defaults).loss_settings()
+    assert (settings.advantage_estimator, settings.normalize_advantages, settings.kl_coef) == (
+        "reinforce_plus_plus_baseline", True, 0.05)
+
+
 def test_adapter_loss_keys_from_yaml_with_null(data_file: Path, defaults: AdapterDefaults) -> None:
     cli = dataclasses.replace(defaults, loss=LossSettings(eps_clip_high=0.4, eps_clip_c=3.0))
     path = data_file.with_name("loss.yaml")
@@ -332,7 +340,6 @@ def test_adapter_loss_keys_from_yaml_with_null(data_file: Path, defaults: Adapte
     ({"advantage_estimator": "reinforce_plus_plus"}, "loss (advantage_estimator over the trainer's flags): "
                                                      "--advantage-estimator reinforce_plus_plus requires"),
     ({"use_rollout_logprobs": True, "use_tis": True}, "cannot be set at the same time"),
-    ({"advantage_estimator": "reinforce_plus_plus", "normalize_advantages": True}, "per-token advantages"),
     ({"custom_tis_function_path": "no_such_module_xyz.fn"}, "no_such_module_xyz"),
 ])
 def test_bad_adapter_loss_keys_name_the_adapter_and_the_key(data_file: Path, defaults: AdapterDefaults,

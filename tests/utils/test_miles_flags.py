@@ -175,6 +175,15 @@ def test_kl_coef_is_reward_shaping_and_the_kl_loss_is_use_kl_loss():
     assert kl_loss.loss == LossSettings(use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=0.05)
 
 
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_reinforce_plus_plus_parses_with_its_kl_coef_and_gamma_and_does_not_warn(caplog, estimator):
+    with caplog.at_level(logging.WARNING, logger="miles.utils.arguments"):
+        cfg = parse_args(["--advantage-estimator", estimator, "--normalize-advantages", "--kl-coef", "0.1",
+                          "--gamma", "0.9"])
+    assert (cfg.loss.advantage_estimator, cfg.loss.kl_coef, cfg.loss.gamma) == (estimator, 0.1, 0.9)
+    assert cfg.loss.needs_ref_logprobs and caplog.records == []
+
+
 @pytest.mark.parametrize("argv, warned", [
     (["--kl-coef", "0.1"], "--kl-coef has no effect: it shapes the reinforce++ advantages"),
     (["--gamma", "0.9"], "--gamma has no effect: it shapes the reinforce++ advantages"),
@@ -204,8 +213,6 @@ def test_flags_with_an_effect_do_not_warn(caplog):
 @pytest.mark.parametrize("argv, message", [
     (["--advantage-estimator", "reinforce_plus_plus"], "requires advantage normalization: add --normalize-advantages"),
     (["--advantage-estimator", "ppo"], "--advantage-estimator ppo is not supported"),
-    (["--advantage-estimator", "reinforce_plus_plus_baseline", "--normalize-advantages"],
-     "gives per-token advantages, which the train actors do not take yet"),
     (["--use-tis", "--use-rollout-logprobs"], "--use-rollout-logprobs and --use-tis cannot be set at the same time"),
     (["--kl-coef", "0.1", "--kl-loss-coef", "0.1"], "only one of --kl-coef"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c is the lower bound of dual-clip PPO and must be > 1.0"),

@@ -43,9 +43,21 @@ from miles.backends.lora import (
     use_slots,
 )
 from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult
-from miles.backends.torch.batching import MicroBatch, make_micro_batches, next_token_logprobs, response_logprobs
+from miles.backends.torch.batching import (
+    Advantage,
+    MicroBatch,
+    make_micro_batches,
+    next_token_logprobs,
+    response_logprobs,
+)
 from miles.backends.torch.checkpoint import OptimizerState, TrainerState, read_checkpoint, write_checkpoint
-from miles.backends.torch.loss import LossConfig, LossParams, entropy_from_logits, policy_loss_terms
+from miles.backends.torch.loss import (
+    LossConfig,
+    LossParams,
+    approx_kl_per_sample,
+    entropy_from_logits,
+    policy_loss_terms,
+)
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW
 from miles.utils.arguments import MilesConfig
@@ -274,9 +286,12 @@ class TorchTrainActor:
     # ---- training -------------------------------------------------------------------
 
     def train(
-        self, samples: Sequence[Sample], advantages: Sequence[float], samples_per_adapter: dict[str, int]
+        self, samples: Sequence[Sample], advantages: Sequence[Advantage], samples_per_adapter: dict[str, int]
     ) -> dict[str, LossSums]:
         """Forward and backward this rank's samples (gradients accumulate per slot).
+
+        `advantages[i]` is sample i's advantage: one value, or one per response token
+        (the reinforce++ estimators).
 
         `samples_per_adapter` counts each adapter's samples in the whole (all-rank)
         batch; it advances the adapters' LR clocks identically on every rank.
@@ -327,7 +342,7 @@ class TorchTrainActor:
             logprobs = self._forward_logprobs(batch, batch.slots)
         rollout = batch.rollout_logprobs_BT if any(s.needs_rollout_logprobs for s in settings) else None
         out = policy_loss_terms(
-            logprobs, logprobs.detach(), batch.advantages_B, batch.loss_mask_BT, params,
+            logprobs, logprobs.detach(), batch.advantages_BT, batch.loss_mask_BT, params,
             rollout_logprobs_BT=rollout, ref_logprobs_BT=ref, entropy_BT=entropy, tis_args=self.config,
         )
         out.loss_B.sum().backward()
@@ -370,6 +385,28 @@ class TorchTrainActor:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+    @torch.no_grad()
+    def reward_kl(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Each sample's per-response-token KL of its adapter's policy to the base model
+        (slot off), with its adapter's `--kl-loss-type`: the KL that `--kl-coef` subtracts
+        from the reinforce++ token rewards. As in Miles the policy's logprobs are the
+        engine's with `--use-rollout-logprobs`, else the trainer's before this step's update."""
+        out: list[list[float]] = [[] for _ in samples]
+        settings_by_adapter = {s.adapter: self._loss_settings(s.adapter) for s in samples}
+        need_rollout = any(s.use_rollout_logprobs for s in settings_by_adapter.values())
+        for batch in make_micro_batches(samples, [0.0] * len(samples), self.config.micro_batch_size,
+                                        need_rollout_logprobs=need_rollout):
+            batch = batch.to(self.device)
+            settings = [settings_by_adapter[name] for name in batch.adapters]
+            params = LossParams.gather(settings, list(range(len(settings)))).to(self.device)
+            policy = self._forward_logprobs(batch, batch.slots).float()
+            policy = torch.where(params.use_rollout_logprobs_B.view(-1, 1), batch.rollout_logprobs_BT, policy)
+            base = self._forward_logprobs(batch, [-1] * len(batch.slots)).float()
+            kl = approx_kl_per_sample(policy, base, params.kl_type_B)
+            for index, values in zip(batch.indices, response_logprobs(kl, batch)):
+                out[index] = values
+        return out
 
     @torch.no_grad()
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:

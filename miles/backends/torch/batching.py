@@ -33,7 +33,9 @@ class MicroBatch:
     environment tokens): the positions that carry loss."""
     rollout_logprobs_BT: Tensor
     """The engine's logprob of each response token, 0 elsewhere."""
-    advantages_B: Tensor
+    advantages_BT: Tensor
+    """Each response token's advantage (a sample-level advantage on all of its response
+    tokens), 0 elsewhere."""
     slots: list[int]
     adapters: list[str]
     indices: list[int]
@@ -46,16 +48,20 @@ class MicroBatch:
             response_mask_BT=self.response_mask_BT.to(device),
             loss_mask_BT=self.loss_mask_BT.to(device),
             rollout_logprobs_BT=self.rollout_logprobs_BT.to(device),
-            advantages_B=self.advantages_B.to(device),
+            advantages_BT=self.advantages_BT.to(device),
             slots=self.slots,
             adapters=self.adapters,
             indices=self.indices,
         )
 
 
+Advantage = float | Sequence[float]
+"""A sample's advantage: one value for all its response tokens, or one per response token."""
+
+
 def make_micro_batches(
     samples: Sequence[Sample],
-    advantages: Sequence[float],
+    advantages: Sequence[Advantage],
     micro_batch_size: int | None,
     *,
     pad_id: int = 0,
@@ -64,8 +70,13 @@ def make_micro_batches(
     """Sort by slot (stable), split into micro-batches and pad each on the right."""
     if len(samples) != len(advantages):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
-    for sample in samples:
+    for sample, advantage in zip(samples, advantages):
         _check_sample(sample, need_rollout_logprobs)
+        if isinstance(advantage, Sequence) and len(advantage) != len(sample.response_ids):
+            raise ValueError(
+                f"sample {sample.group_index}/{sample.index} of adapter '{sample.adapter}' has "
+                f"{len(advantage)} token advantages for {len(sample.response_ids)} response tokens"
+            )
     order = sorted(range(len(samples)), key=lambda i: samples[i].slot)
     size = micro_batch_size or max(1, len(order))
     chunks = [order[i : i + size] for i in range(0, len(order), size)]
@@ -88,7 +99,7 @@ def _check_sample(sample: Sample, need_rollout_logprobs: bool) -> None:
         )
 
 
-def _pad(samples: list[Sample], advantages: list[float], indices: list[int], pad_id: int) -> MicroBatch:
+def _pad(samples: list[Sample], advantages: list[Advantage], indices: list[int], pad_id: int) -> MicroBatch:
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     batch, length = len(samples), max(max(lengths), 2)
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
@@ -96,11 +107,13 @@ def _pad(samples: list[Sample], advantages: list[float], indices: list[int], pad
     response_mask = torch.zeros((batch, length - 1), dtype=torch.float32)
     loss_mask = torch.zeros((batch, length - 1), dtype=torch.float32)
     rollout_logprobs = torch.zeros((batch, length - 1), dtype=torch.float32)
+    advantages_BT = torch.zeros((batch, length - 1), dtype=torch.float32)
     for b, (sample, n) in enumerate(zip(samples, lengths)):
         input_ids[b, :n] = torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.long)
         attention[b, :n] = 1
         start, end = len(sample.prompt_ids) - 1, n - 1
         response_mask[b, start:end] = 1.0
+        advantages_BT[b, start:end] = torch.as_tensor(advantages[b], dtype=torch.float32)
         if sample.loss_mask is not None:
             loss_mask[b, start:end] = torch.tensor(sample.loss_mask, dtype=torch.float32)
         else:
@@ -113,7 +126,7 @@ def _pad(samples: list[Sample], advantages: list[float], indices: list[int], pad
         response_mask_BT=response_mask,
         loss_mask_BT=loss_mask,
         rollout_logprobs_BT=rollout_logprobs,
-        advantages_B=torch.tensor(advantages, dtype=torch.float32),
+        advantages_BT=advantages_BT,
         slots=[s.slot for s in samples],
         adapters=[s.adapter for s in samples],
         indices=list(indices),

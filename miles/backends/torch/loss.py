@@ -380,6 +380,64 @@ def adapter_sample_advantages(
     return out
 
 
+def adapter_token_advantages(
+    rewards_N: Tensor,
+    group_sizes: Sequence[int],
+    group_adapters: Sequence[str],
+    response_masks: Sequence[Sequence[int]],
+    settings: dict[str, LossSettings],
+    reward_kl: Sequence[Sequence[float] | None] | None = None,
+) -> list[float | list[float]]:
+    """Each sample's advantages in a mixed batch, each adapter's from its own samples and
+    settings alone (`compute_advantages`), so they do not depend on the other adapters.
+
+    A sample of an estimator in SAMPLE_LEVEL_ESTIMATORS gets one float (its value on every
+    response token); a reinforce++ sample gets a list, one value per response token.
+    `response_masks[i]` is 1 on the response tokens of sample i that carry loss: they
+    weight `--normalize-advantages`, which whitens over all of the adapter's samples in
+    the batch (every data-parallel rank's share: the batch is whole here).
+    `reward_kl[i]` is sample i's per-response-token KL to the base model, needed for the
+    samples of adapters whose reinforce++ reward is shaped by `--kl-coef` (`needs_reward_kl`).
+    """
+    if len(group_sizes) != len(group_adapters):
+        raise ValueError(f"{len(group_sizes)} group sizes but {len(group_adapters)} group adapters")
+    starts = [sum(group_sizes[:g]) for g in range(len(group_sizes))]
+    out: list[float | list[float]] = [0.0] * rewards_N.shape[0]
+    for adapter in dict.fromkeys(group_adapters):
+        setting = settings[adapter]
+        groups = [g for g, name in enumerate(group_adapters) if name == adapter]
+        rows = [i for g in groups for i in range(starts[g], starts[g] + group_sizes[g])]
+        width = max([len(response_masks[i]) for i in rows] + [1])
+        mask = torch.zeros(len(rows), width)
+        for r, i in enumerate(rows):
+            mask[r, : len(response_masks[i])] = torch.as_tensor(list(response_masks[i]), dtype=torch.float32)
+        kl = None
+        if needs_reward_kl(setting):
+            if reward_kl is None or any(reward_kl[i] is None for i in rows):
+                raise ValueError(f"adapter '{adapter}': --kl-coef {setting.kl_coef} shapes the "
+                                 f"{setting.advantage_estimator} reward with the KL to the base model: pass reward_kl")
+            kl = torch.zeros(len(rows), width)
+            for r, i in enumerate(rows):
+                kl[r, : len(reward_kl[i])] = torch.as_tensor(list(reward_kl[i]), dtype=torch.float32)
+        adv_NT = compute_advantages(setting, rewards_N[rows], mask, group_sizes=[group_sizes[g] for g in groups],
+                                    kl_NT=kl)
+        if setting.advantage_estimator in SAMPLE_LEVEL_ESTIMATORS:
+            tokens = mask.sum(dim=1)
+            per_sample = torch.where(tokens > 0, (adv_NT * mask).sum(dim=1) / tokens.clamp(min=1),
+                                     torch.zeros_like(tokens))
+            for r, i in enumerate(rows):
+                out[i] = float(per_sample[r])
+        else:
+            for r, i in enumerate(rows):
+                out[i] = adv_NT[r, : len(response_masks[i])].tolist()
+    return out
+
+
+def needs_reward_kl(settings: LossSettings) -> bool:
+    """Whether the adapter's advantages need the per-token KL to the base model (reinforce++ with `--kl-coef`)."""
+    return settings.kl_coef != 0 and settings.advantage_estimator.startswith("reinforce_plus_plus")
+
+
 @dataclass(frozen=True)
 class LossParams:
     """Per-sample loss settings of a mixed batch: [B] tensors gathered by adapter."""

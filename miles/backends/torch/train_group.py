@@ -38,8 +38,10 @@ from miles.backends.base import (
 )
 from miles.backends.torch.actor import LossSums, TorchTrainActor, TrainActorConfig
 from miles.backends.torch.checkpoint import latest_checkpoint
-from miles.backends.torch.loss import adapter_sample_advantages
+from miles.backends.torch.batching import Advantage
+from miles.backends.torch.loss import adapter_token_advantages, needs_reward_kl
 from miles.utils.arguments import MilesConfig
+from miles.utils.loss_settings import LossSettings
 from miles.utils.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -149,26 +151,48 @@ class TrainGroup:
         if missing:
             raise RuntimeError(f"rollout {rollout_id} has samples of adapters not loaded on the trainer: {missing}; "
                                "adapters must be loaded before generation")
-        advantages = self._advantages(batch)
+        parts = split_prompt_groups(batch.prompt_group_sizes, len(self._actors))
+        advantages = self._advantages(batch, await self._reward_kl(batch, parts))
         counts: dict[str, int] = {}
         for sample in samples:
             counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
-        parts = split_prompt_groups(batch.prompt_group_sizes, len(self._actors))
         per_rank: list[dict[str, LossSums]] = await asyncio.gather(*(
             actor.train.remote([samples[i] for i in part], [advantages[i] for i in part], counts)
             for actor, part in zip(self._actors, parts)
         ))
         return TrainResult(samples=len(samples), adapters=_adapter_stats(per_rank))
 
-    def _advantages(self, batch: RolloutBatch) -> list[float]:
-        """Each adapter's advantages from its own groups and loss settings alone."""
+    def _settings(self, name: str) -> LossSettings:
+        return self._specs[name].loss or self.config.actor.loss
+
+    def _advantages(self, batch: RolloutBatch, reward_kl: list[list[float] | None] | None = None) -> list[Advantage]:
+        """Each adapter's advantages from its own groups and loss settings alone, over the
+        whole batch (so `--normalize-advantages` whitens over every rank's share, as Miles'
+        all-reduce does, and the result does not depend on the number of ranks)."""
         samples, sizes = batch.samples, batch.prompt_group_sizes
         starts = [sum(sizes[:g]) for g in range(len(sizes))]
         group_adapters = [samples[start].adapter for start in starts]
-        settings = {name: self._specs[name].loss or self.config.actor.loss for name in set(group_adapters)}
+        settings = {name: self._settings(name) for name in set(group_adapters)}
         masks = [s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids) for s in samples]
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        return adapter_sample_advantages(rewards, sizes, group_adapters, masks, settings).tolist()
+        return adapter_token_advantages(rewards, sizes, group_adapters, masks, settings, reward_kl)
+
+    async def _reward_kl(self, batch: RolloutBatch, parts: list[list[int]]) -> list[list[float] | None] | None:
+        """The per-token KL to the base model of the samples whose reinforce++ reward
+        `--kl-coef` shapes (each rank forwards its own share); None when no adapter needs it."""
+        samples = batch.samples
+        wanted = {name for name in {s.adapter for s in samples} if needs_reward_kl(self._settings(name))}
+        if not wanted:
+            return None
+        shares = [[i for i in part if samples[i].adapter in wanted] for part in parts]
+        per_rank = await asyncio.gather(*(
+            actor.reward_kl.remote([samples[i] for i in share]) for actor, share in zip(self._actors, shares)
+        ))
+        out: list[list[float] | None] = [None] * len(samples)
+        for share, values in zip(shares, per_rank):
+            for i, kl in zip(share, values):
+                out[i] = kl
+        return out
 
     async def step_adapters(self, names: list[str]) -> dict[str, AdapterStepStats]:
         """Every rank steps the same adapters (their gradients are summed over ranks first)."""

@@ -1,8 +1,9 @@
 """Per-adapter loss settings on a train rank: an adapter's update in a mixed batch, next
 to adapters with other estimators and settings, equals its update trained alone.
 
-One rank in-process (no Ray); advantages come from `adapter_sample_advantages` (what
-the train group computes), so each adapter's advantages depend on its own groups only.
+One rank in-process (no Ray); advantages come from `adapter_token_advantages` (what
+the train group computes, with the rank's `reward_kl` for the reinforce++ `--kl-coef`),
+so each adapter's advantages depend on its own groups only.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch_backend_data import counts, make_groups, max_abs_diff, new_actor, spec
 
-from miles.backends.torch.loss import adapter_sample_advantages
+from miles.backends.torch.loss import adapter_token_advantages, approx_kl, compute_advantages, needs_reward_kl
 from miles.utils.loss_settings import LossSettings
 
 SETTINGS_A = {
@@ -25,19 +26,28 @@ SETTINGS_A = {
     "rollout_logprobs_low_var_kl": LossSettings(use_rollout_logprobs=True, use_kl_loss=True,
                                                 kl_loss_type="low_var_kl", kl_loss_coef=0.1),
     "raw_rewards": LossSettings(rewards_normalization=False),
+    "reinforce_pp_kl_gamma": LossSettings(advantage_estimator="reinforce_plus_plus", normalize_advantages=True,
+                                          kl_coef=0.3, gamma=0.9, kl_loss_type="k3"),
+    "reinforce_pp_baseline_kl": LossSettings(advantage_estimator="reinforce_plus_plus_baseline",
+                                             normalize_advantages=True, kl_coef=0.2),
 }
 OTHERS = {
     "b": LossSettings(advantage_estimator="gspo", entropy_coef=0.02, use_kl_loss=True, kl_loss_coef=0.2),
     "c": LossSettings(use_tis=True, eps_clip_c=2.0),
+    "d": LossSettings(advantage_estimator="reinforce_plus_plus", normalize_advantages=True, kl_coef=0.5),
 }
 
 
-def advantages(groups, settings):
+def advantages(groups, settings, actor=None):
+    """The train group's advantages; `actor` forwards the KL to the base where `--kl-coef` needs it."""
     samples = [s for g in groups for s in g]
-    adv = adapter_sample_advantages(
+    kl = None
+    if actor is not None and any(needs_reward_kl(settings[s.adapter]) for s in samples):
+        kl = actor.reward_kl(samples)
+    adv = adapter_token_advantages(
         torch.tensor([s.reward for s in samples]), [len(g) for g in groups], [g[0].adapter for g in groups],
-        [[1] * len(s.response_ids) for s in samples], settings)
-    return samples, adv.tolist()
+        [[1] * len(s.response_ids) for s in samples], settings, kl)
+    return samples, adv
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS_A))
@@ -45,7 +55,7 @@ def test_an_adapter_in_a_mixed_batch_updates_as_it_would_alone(tiny_model_dir, n
     settings = {"a": SETTINGS_A[name], **OTHERS}
     mixed = new_actor(tiny_model_dir, micro_batch_size=5)
     alone = new_actor(tiny_model_dir, micro_batch_size=3)
-    for adapter, slot in (("a", 0), ("b", 1), ("c", 2)):
+    for adapter, slot in (("a", 0), ("b", 1), ("c", 2), ("d", 3)):
         mixed.load_adapter(spec(adapter, slot, loss=settings[adapter]))
     alone.load_adapter(spec("a", 3, loss=settings["a"]))
     initial = alone.export_adapter("a")
@@ -53,11 +63,12 @@ def test_an_adapter_in_a_mixed_batch_updates_as_it_would_alone(tiny_model_dir, n
         a = make_groups("a", 0, 2, 2, seed=10 + step)
         b = make_groups("b", 1, 2, 2, seed=20 + step)
         c = make_groups("c", 2, 1, 2, seed=30 + step)
-        samples, adv = advantages([b[0], a[0], c[0], a[1], b[1]], settings)
+        d = make_groups("d", 3, 1, 3, seed=40 + step)
+        samples, adv = advantages([b[0], a[0], d[0], c[0], a[1], b[1]], settings, mixed)
         stats = mixed.train(samples, adv, counts(samples))
-        stepped = mixed.step_adapters(["a", "b", "c"])
+        stepped = mixed.step_adapters(["a", "b", "c", "d"])
         a_alone = [[dataclasses.replace(s, slot=3) for s in g] for g in a]
-        samples_alone, adv_alone = advantages(a_alone, settings)
+        samples_alone, adv_alone = advantages(a_alone, settings, alone)
         stats_alone = alone.train(samples_alone, adv_alone, counts(samples_alone))
         stepped_alone = alone.step_adapters(["a"])
         assert abs(stats["a"].loss_sum - stats_alone["a"].loss_sum) < 1e-5
@@ -87,8 +98,42 @@ def test_the_adapter_settings_are_the_ones_applied(tiny_model_dir):
     assert max_abs_diff(results[0], results[2]) > 1e-5
 
 
-def test_per_token_estimators_are_refused_with_a_clear_error():
-    with pytest.raises(ValueError, match="reinforce_plus_plus gives per-token advantages"):
-        adapter_sample_advantages(torch.tensor([1.0, 0.0]), [2], ["a"], [[1], [1]],
-                                  {"a": LossSettings(advantage_estimator="reinforce_plus_plus",
-                                                     normalize_advantages=True)})
+def test_reward_kl_is_the_policy_to_base_kl_of_each_response_token(tiny_model_dir):
+    """After one step the policy has left the base: `reward_kl` is approx_kl(policy, base)
+    on the response tokens, with each adapter's estimator, and the reinforce++ advantages
+    are `compute_advantages` of those KLs."""
+    settings = {"a": LossSettings(advantage_estimator="reinforce_plus_plus", normalize_advantages=True, kl_coef=0.5,
+                                  kl_loss_type="k2", gamma=0.8)}
+    actor = new_actor(tiny_model_dir)
+    actor.load_adapter(spec("a", 0, loss=settings["a"], lr=0.2))
+    groups = make_groups("a", 0, 2, 3, seed=7)
+    samples, adv = advantages(groups, settings, actor)
+    assert all(v == 0.0 for kl in actor.reward_kl(samples) for v in kl)  # a fresh adapter is the base
+    actor.train(samples, adv, counts(samples))
+    actor.step_adapters(["a"])
+    policy = actor.logprobs(samples)
+    base = actor.logprobs([dataclasses.replace(s, slot=-1) for s in samples])  # slot -1: the base model
+    kl = actor.reward_kl(samples)
+    for sample, p, b, k in zip(samples, policy, base, kl):
+        assert len(k) == len(sample.response_ids)
+        expected = approx_kl(torch.tensor(p), torch.tensor(b), "k2")
+        assert torch.allclose(torch.tensor(k), expected, atol=1e-6)
+    assert max(abs(v) for k in kl for v in k) > 1e-6
+    _, adv = advantages(groups, settings, actor)
+    width = max(len(s.response_ids) for s in samples)
+    mask = torch.zeros(len(samples), width)
+    kl_NT = torch.zeros(len(samples), width)
+    for i, s in enumerate(samples):
+        mask[i, : len(s.response_ids)] = 1
+        kl_NT[i, : len(s.response_ids)] = torch.tensor(kl[i])
+    expected = compute_advantages(settings["a"], torch.tensor([s.reward for s in samples]), mask,
+                                  group_sizes=[3, 3], kl_NT=kl_NT)
+    for i, s in enumerate(samples):
+        assert torch.allclose(torch.tensor(adv[i]), expected[i, : len(s.response_ids)], atol=1e-6)
+
+
+def test_reinforce_plus_plus_with_kl_coef_needs_the_kl():
+    with pytest.raises(ValueError, match="adapter 'a': --kl-coef 0.1 shapes the reinforce_plus_plus reward"):
+        adapter_token_advantages(torch.tensor([1.0, 0.0]), [2], ["a"], [[1], [1]],
+                                 {"a": LossSettings(advantage_estimator="reinforce_plus_plus",
+                                                    normalize_advantages=True, kl_coef=0.1)})
