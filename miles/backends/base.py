@@ -13,6 +13,11 @@ iteration's snapshot.
     result = await backend.train(rollout_id, batch)                  # forward + backward
     steps = await backend.step_adapters(batch.step_names)            # those slots only
     export = await backend.export_adapter(name)                      # for a weight push
+    # in-place pushes: the exporting rank joins a weights-update group with every engine
+    host, port = await backend.update_group_endpoint()
+    await asyncio.gather(backend.join_update_group(spec), <every engine joins spec>)
+    await asyncio.gather(backend.broadcast_adapter(export), <every engine receives>)
+    await backend.leave_update_group()
     await backend.save_adapter(SaveRequest(name, step, data_position))
     await backend.cleanup_adapter(name)
     await backend.shutdown()
@@ -32,6 +37,7 @@ from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition, RolloutBatch
 
 if TYPE_CHECKING:
+    from miles.backends.weight_sync import UpdateGroupSpec
     from miles.utils.types import AdapterRun
 
 
@@ -129,6 +135,12 @@ class LoraExport:
     peft_config: dict[str, Any]
     """Contents of `adapter_config.json`."""
     tensors: Any
+    names: list[str] = field(default_factory=list)
+    """The tensors' names, dtypes and shapes in broadcast order (the body of an in-place push)."""
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    nbytes: int = 0
+    """Bytes of the tensors: what one push sends to each engine."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +171,21 @@ class TrainingBackend(Protocol):
 
     async def export_adapter(self, name: str) -> LoraExport:
         """The adapter's current LoRA tensors for a weight push."""
+
+    async def update_group_endpoint(self) -> tuple[str, int]:
+        """Host and free port where the exporting rank hosts a weights-update group's rendezvous
+        (its node's address when the cluster has more than one node, else loopback)."""
+
+    async def join_update_group(self, spec: UpdateGroupSpec) -> None:
+        """The exporting rank joins `spec` as rank 0 (returns once every engine rank joined too);
+        a group it was in before is left first."""
+
+    async def leave_update_group(self) -> None:
+        """The exporting rank leaves its weights-update group (none: nothing to do)."""
+
+    async def broadcast_adapter(self, export: LoraExport) -> int:
+        """The exporting rank broadcasts `export.tensors` over its group, in `export.names` order,
+        while every engine receives them; returns the bytes sent."""
 
     async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
         """Forward and backward of a batch (every adapter in it must be loaded); the

@@ -22,9 +22,10 @@ records in `trainer_state.json` and a resume hands back.
 
 `controller` is the controller actor handle (`snapshot`, `retire_adapters`,
 `free_slot`, `set_adapter_step`, `record_weight_update`, `mark_batch_trained`);
-`rollout_manager` the rollout manager's (`data_positions`, `restore_data_position`);
-`receivers` the engine handles, each with `push_lora(slot, version, peft_config,
-tensors)`. Every call is `await handle.method.remote(...)`.
+`rollout_manager` the rollout manager's (`data_positions`, `restore_data_position`).
+Every call is `await handle.method.remote(...)`. `pusher` moves exported weights to the
+engines in the `--engine-lora-update` mode (`miles.main.engine_push.EnginePusher`) and
+unloads the slot of an adapter that left.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from miles.backends.base import AdapterSpec, AdapterStepStats, SaveRequest, TrainingBackend, TrainResult
+from miles.backends.base import AdapterSpec, AdapterStepStats, LoraExport, SaveRequest, TrainingBackend, TrainResult
+from miles.main.engine_push import PushStats
 from miles.utils.types import DataPosition, MultiLoRASnapshot, RolloutBatch, next_slot_version
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class _Loaded:
     """An adapter the backend holds."""
 
     registration_id: str
+    slot: int
     saves: bool
     """It has a save directory."""
     step: int
@@ -65,14 +68,24 @@ class TrainedBatch:
     """Adapters that took an optimizer step with this batch."""
 
 
+class Pusher(Protocol):
+    """Moves exported LoRA weights to every engine (`miles.main.engine_push.EnginePusher`)."""
+
+    async def push(self, pushes: Sequence[tuple[int, int, LoraExport]]) -> PushStats: ...
+
+    async def unload(self, slot: int) -> None: ...
+
+
 class AdapterSync:
     def __init__(self, backend: TrainingBackend, controller: Any, rollout_manager: Any, *,
-                 save_interval: int | None = None, receivers: Sequence[Any] = ()) -> None:
+                 save_interval: int | None = None, pusher: Pusher | None = None) -> None:
         self.backend = backend
         self.controller = controller
         self.rollout_manager = rollout_manager
         self.save_interval = save_interval
-        self.receivers = list(receivers)
+        self.pusher = pusher
+        self.last_push: PushStats | None = None
+        """The latest push stage that sent anything (time and bytes per engine)."""
         self._loaded: dict[str, _Loaded] = {}
 
     @property
@@ -105,6 +118,8 @@ class AdapterSync:
         for name in gone:
             await self._save(name, positions.get(name))
             await self.backend.cleanup_adapter(name)
+            if self.pusher is not None:  # the engines stop serving the slot before another adapter takes it
+                await self.pusher.unload(self._loaded[name].slot)
             del self._loaded[name]
             logger.info("Adapter '%s' cleaned up", name)
         for name in sorted(snapshot.cleanup):  # also those never loaded here: nothing to save
@@ -126,7 +141,8 @@ class AdapterSync:
                 # Before its first push: the adapter is PENDING, so nothing was sampled yet.
                 await self.rollout_manager.restore_data_position.remote(name, run.registration_id,
                                                                         loaded.data_position)
-            self._loaded[name] = _Loaded(registration_id=run.registration_id, saves=spec.save_dir is not None,
+            self._loaded[name] = _Loaded(registration_id=run.registration_id, slot=run.slot,
+                                         saves=spec.save_dir is not None,
                                          step=loaded.step, saved_step=loaded.step)
         return snapshot
 
@@ -140,10 +156,12 @@ class AdapterSync:
             return snapshot
         exports = await asyncio.gather(*(self.backend.export_adapter(name) for name in names))
         pushed = {name: next_slot_version(live[name].version) for name in names}
-        await asyncio.gather(*(
-            receiver.push_lora.remote(live[name].slot, pushed[name], export.peft_config, export.tensors)
-            for name, export in zip(names, exports) for receiver in self.receivers
-        ))
+        if self.pusher is not None:
+            stats = await self.pusher.push([(live[name].slot, pushed[name], export)
+                                            for name, export in zip(names, exports)])
+            self.last_push = stats
+            logger.info("Pushed %d adapter(s), %d bytes per engine, in %.3fs", stats.adapters, stats.bytes,
+                        stats.seconds)
         versions = await self.controller.record_weight_update.remote(names)
         for name in names:
             self._loaded[name].stale = False

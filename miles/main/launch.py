@@ -20,6 +20,7 @@ import ray
 
 from miles.backends.base import TrainingBackend
 from miles.main.adapter_sync import AdapterSync
+from miles.main.engine_push import EnginePusher
 from miles.main.progress import RunProgress, make_view
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
@@ -86,8 +87,9 @@ async def launch(cfg: MilesConfig) -> Components:
     await asyncio.gather(rollout_manager.start.remote(controller), backend.start())
     router_url = await rollout_manager.get_router_address.remote()
     await controller.set_router_url.remote(router_url)
-    sync = AdapterSync(backend, controller, rollout_manager, save_interval=cfg.save_interval,
-                       receivers=await rollout_manager.engines.remote())
+    pusher = EnginePusher(backend, await rollout_manager.engines.remote(), rollout_manager,
+                          mode=cfg.engine_lora_update)
+    sync = AdapterSync(backend, controller, rollout_manager, save_interval=cfg.save_interval, pusher=pusher)
     logger.info("Router at %s", router_url)
     return Components(controller, rollout_manager, backend, sync)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from miles.backends.weight_sync import UpdateGroupSpec
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.collection import BatchCollector, CollectionConfig
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
@@ -59,7 +60,8 @@ class LocalRolloutManager:
         if self._fleet is not None:
             return self._fleet.router_url
         tokenizer = await asyncio.to_thread(_load_tokenizer, self.cfg.hf_checkpoint)
-        self._fleet = await EngineFleet.start(EngineFleetConfig.from_config(self.cfg))
+        self._fleet = await EngineFleet.start(EngineFleetConfig.from_config(self.cfg,
+                                                                        lora_update=self.cfg.engine_lora_update))
         buffers = AdapterBuffers()
         self._source = MultiLoRADataSource(DataSourceConfig.from_config(self.cfg), tokenizer)
         self._producer = RolloutProducer(
@@ -102,6 +104,20 @@ class LocalRolloutManager:
         if self._source is None:
             raise RolloutNotStartedError("call start() before restoring a data position")
         self._source.restore(name, registration_id, position)
+
+    def versions_in_flight(self) -> dict[int, int]:
+        """Slot -> the oldest slot version a prompt group in flight was stamped with (its
+        requests name that version): a versioned push keeps it loaded until then."""
+        if self._producer is None:
+            raise RolloutNotStartedError("call start() before asking for versions in flight")
+        return self._producer.versions_in_flight()
+
+    def update_group_spec(self, master_address: str, master_port: int, group_name: str,
+                          timeout_s: float) -> UpdateGroupSpec:
+        """The weights-update group of a sender at `master_address:master_port` and every engine."""
+        if self._fleet is None:
+            raise RolloutNotStartedError("call start() before asking for the weights-update group")
+        return self._fleet.update_group_spec(master_address, master_port, group_name=group_name, timeout_s=timeout_s)
 
     def get_router_address(self) -> str:
         if self._fleet is None:

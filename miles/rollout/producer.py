@@ -9,7 +9,8 @@ across the sampleable adapters (round robin), and for each group:
    function (`miles.rollout.generate`: one turn by default, a custom multi-turn one by
    `--custom-generate-function-path` or the adapter's `custom_generate_function_path`),
    every request going to the router's `POST /generate` with
-   `rid = "<adapter>::<uuid4 hex>"` and `lora_path` = the slot's engine-side name;
+   `rid = "<adapter>::<uuid4 hex>"` and `lora_path` = the engine-side name of the
+   stamped (slot, version) (`engine_lora_name`), on every turn of the group;
 3. drops it whole if any sample was aborted (its adapter was retired meanwhile);
 4. rewards every sample, applies the optional dynamic filter (drops counted per reason)
    and rollout sample filter (`miles.rollout.filters`), and puts it in the adapter's
@@ -177,6 +178,8 @@ class RolloutProducer:
         """Cumulative (adapter, reason) counts of groups the dynamic filter dropped."""
         self.in_flight: Counter[str] = Counter()
         """Groups submitted and not finished, per adapter."""
+        self._stamps_in_flight: Counter[tuple[int, int]] = Counter()
+        """Groups in flight per stamped (slot, version)."""
 
     # ---- lifecycle ----
 
@@ -294,17 +297,28 @@ class RolloutProducer:
             self._filters[path] = load_dynamic_filter(path)
         return self._filters[path]
 
-    def _current_lora_name(self, run: AdapterRun) -> str | None:
-        """The engine-side name of `run`'s registration now; None once it is no longer sampleable."""
+    def _stamped_lora_name(self, run: AdapterRun) -> str | None:
+        """The engine-side name of the version `run`'s group was stamped with (so its staleness is exact
+        and every turn uses the weights of that version); None once the registration is no longer sampleable."""
         now = self._snapshot.sampleable.get(run.name)
         if now is None or now.registration_id != run.registration_id:
             return None
-        return self.lora_name(now.slot, now.version)
+        return self.lora_name(run.slot, run.version)
+
+    def versions_in_flight(self) -> dict[int, int]:
+        """Slot -> the oldest version a group in flight was stamped with (its requests still use it)."""
+        oldest: dict[int, int] = {}
+        for (slot, version), n in self._stamps_in_flight.items():
+            if n > 0:
+                oldest[slot] = min(version, oldest.get(slot, version))
+        return oldest
 
     # ---- one group ----
 
     async def _produce_counted(self, run: AdapterRun) -> None:
         self.in_flight[run.name] += 1
+        stamp = (run.slot, run.version)
+        self._stamps_in_flight[stamp] += 1
         try:
             # Drawn inside the task so a prompt that cannot be rendered fails this group only.
             await self._produce(run, self.data_source.next_prompt(run))
@@ -313,6 +327,9 @@ class RolloutProducer:
             raise
         finally:
             self.in_flight[run.name] -= 1
+            self._stamps_in_flight[stamp] -= 1
+            if not self._stamps_in_flight[stamp]:
+                del self._stamps_in_flight[stamp]
 
     async def _produce(self, run: AdapterRun, item: PromptItem) -> None:
         # Stamped now, at submission: staleness counts pushes since the request left.
@@ -320,7 +337,7 @@ class RolloutProducer:
                             registration_id=run.registration_id,
                             samples=item.new_samples(run.config.n_samples_per_prompt))
         generate = self._generate_fn(run)
-        engine = AdapterEngine(self._client, self.router_url, run.name, lambda: self._current_lora_name(run))
+        engine = AdapterEngine(self._client, self.router_url, run.name, lambda: self._stamped_lora_name(run))
         results = await asyncio.gather(
             *(call_generate_function(generate, GenerateFnInput(args=self.reward_args, sample=s, engine=engine,
                                                                sampling_params=self.config.sampling_params(),

@@ -84,6 +84,10 @@ class MilesConfig:
 
     # ---- engines and router ----
     rollout_engine: Literal["builtin", "sglang"] = _flag("builtin", "Inference server kind.")
+    engine_lora_update: Literal["in_place", "versioned"] = _flag(
+        "in_place", "How pushed LoRA weights reach the engines: in_place (one name per slot, tensors broadcast "
+                    "over a weights-update group, replaced between decode steps) or versioned (a new name per "
+                    "push loaded from a PEFT directory beside the previous version; for SGLang without upsert).")
     rollout_num_engines: int | None = _flag(
         None, "Inference engines (one server process each); default: --rollout-num-gpus over "
               "--rollout-num-gpus-per-engine, else 1.")

@@ -9,13 +9,14 @@
 - `FakeRollout`: a rollout manager that generates whole groups for every sampleable
   adapter from a per-registration prompt cursor (the data position), records each batch
   with the controller as the collector does, and honours restored positions.
-- `RecordingReceiver`: an engine that records every pushed LoRA.
+- `RecordingPusher`: the engines' side of pushes; records every pushed LoRA and unload.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from miles.backends.base import (
     TrainResult,
 )
 from miles.controller.backend import MultiLoRABackend
+from miles.main.engine_push import PushStats
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import (
     AdapterRolloutStats,
@@ -143,6 +145,19 @@ class FakeBackend:
         spec = self.specs[name]
         return LoraExport(peft_config={"r": spec.rank}, tensors={"w": self.weights[name]})
 
+    # Weights-update group: `RecordingPusher` takes exports as they are, so nothing is sent.
+    async def update_group_endpoint(self) -> tuple[str, int]:
+        return "127.0.0.1", 0
+
+    async def join_update_group(self, spec: Any) -> None:
+        self.calls.append(("join_update_group", spec.group_name))
+
+    async def leave_update_group(self) -> None:
+        pass
+
+    async def broadcast_adapter(self, export: LoraExport) -> int:
+        return 0
+
     async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
         if self.train_gate is not None:
             await self.train_gate.wait()
@@ -232,9 +247,17 @@ class FakeRollout:
 
 
 @dataclass
-class RecordingReceiver:
+class RecordingPusher:
+    """Implements `adapter_sync.Pusher`: records what reaches the engines."""
+
     pushes: list[tuple[int, int, float]] = field(default_factory=list)
     """(slot, version, pushed weights) in push order."""
+    unloads: list[int] = field(default_factory=list)
 
-    def push_lora(self, slot: int, version: int, peft_config: dict[str, Any], tensors: dict[str, Any]) -> None:
-        self.pushes.append((slot, version, tensors["w"]))
+    async def push(self, pushes: Sequence[tuple[int, int, LoraExport]]) -> PushStats:
+        for slot, version, export in pushes:
+            self.pushes.append((slot, version, export.tensors["w"]))
+        return PushStats(adapters=len(pushes), bytes=0, seconds=0.0)
+
+    async def unload(self, slot: int) -> None:
+        self.unloads.append(slot)

@@ -14,7 +14,7 @@ import json
 import logging
 
 import pytest
-from lifecycle_fakes import FakeBackend, FakeRollout, InProcessController, InProcessHandle, RecordingReceiver
+from lifecycle_fakes import FakeBackend, FakeRollout, InProcessController, InProcessHandle, RecordingPusher
 
 from miles.backends.base import TrainingBackend
 from miles.main import train_async, train_multi_lora_async
@@ -37,10 +37,10 @@ class Trainer:
                                               rm_type="math", save=str(tmp_path / "save"))
         handle = InProcessHandle(self.controller)
         self.rollout = FakeRollout(handle)
-        self.receiver = RecordingReceiver()
+        self.receiver = RecordingPusher()
         self.backend = FakeBackend(disk={} if disk is None else disk)
         sync = AdapterSync(self.backend, handle, InProcessHandle(self.rollout), save_interval=1,
-                           receivers=[InProcessHandle(self.receiver)])
+                           pusher=self.receiver)
         self.components = Components(handle, InProcessHandle(self.rollout), self.backend, sync)
         self.metrics = MetricsLogger(tmp_path / "run")
         self.progress = RunProgress(self.metrics)
@@ -74,6 +74,7 @@ async def test_register_train_retire_reregister_resume(tmp_path, caplog):
     a, b = t.status("a"), t.status("b")
     assert (a.state, a.step, b.state, b.step) == (AdapterState.COMPLETED, 2, AdapterState.COMPLETED, 3)
     assert t.backend.slots == {} and t.backend.specs == {}
+    assert sorted(t.receiver.unloads) == [0, 1], "a retired adapter's slot stays loaded on the engines"
     save_a, save_b = str(tmp_path / "save" / "adapters" / "a"), str(tmp_path / "save" / "adapters" / "b")
     disk = t.backend.disk
     assert sorted(disk[save_a]) == [1, 2] and sorted(disk[save_b]) == [1, 2, 3]

@@ -113,8 +113,7 @@ class MegatronTrainGroup(TrainGroup):
         """Every rank takes part in the TP gather; rank 0's whole tensors stay in the object store."""
         refs = [actor.export_adapter.remote(name) for actor in self._actors]
         await asyncio.gather(*refs[1:])
-        peft_config = await self._actors[0].peft_config.remote(name)
-        return LoraExport(peft_config=peft_config, tensors=refs[0])
+        return await self._with_metadata(name, refs[0])
 
     async def save_adapter(self, request: SaveRequest) -> Path:
         paths = await self._all("save_adapter", request.name, request.step, request.data_position)

@@ -43,6 +43,13 @@ from miles.backends.lora import (
     use_slots,
 )
 from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult
+from miles.backends.weight_sync import (
+    UpdateGroupSpec,
+    broadcast_tensors,
+    join_update_group,
+    leave_update_group,
+    tensor_metadata,
+)
 from miles.backends.torch.batching import (
     Advantage,
     MicroBatch,
@@ -62,6 +69,7 @@ from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
+from miles.utils.network import cluster_host
 from miles.utils.types import DataPosition, Sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -145,6 +153,10 @@ def adapter_seed(seed: int, name: str) -> int:
 class TorchTrainActor:
     """One DP rank: frozen base + slot page table + per-slot AdamW + per-adapter schedules."""
 
+    _update_group: dist.ProcessGroup | None = None
+    """The weights-update group this rank sends LoRA tensors over (rank 0 only)."""
+    _update_group_backend: str = "gloo"
+
     def __init__(self, config: TrainActorConfig, rank: int = 0, world_size: int = 1) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -180,8 +192,10 @@ class TorchTrainActor:
     def ready(self) -> int:
         return self.rank
 
-    def master_address(self, host: str = "127.0.0.1") -> str:
-        """A free TCP address for the process group (called on rank 0)."""
+    def master_address(self, host: str | None = None) -> str:
+        """A free TCP address for the process group (called on rank 0): on `host`, by default
+        this node's address when the cluster has more than one node, else loopback."""
+        host = host or cluster_host()
         with socket.socket() as sock:
             sock.bind((host, 0))
             port = sock.getsockname()[1]
@@ -197,8 +211,42 @@ class TorchTrainActor:
         )
 
     def shutdown(self) -> None:
+        self.leave_update_group()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    # ---- weights-update group (the exporting rank: rank 0) ---------------------------
+
+    def update_group_endpoint(self) -> tuple[str, int]:
+        """Host and free port for a weights-update group's rendezvous on this rank's node."""
+        host = cluster_host()
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            return host, sock.getsockname()[1]
+
+    def join_update_group(self, spec: UpdateGroupSpec) -> None:
+        """Join `spec` as its sender (rank 0); blocks until every engine rank joined."""
+        self.leave_update_group()
+        self._update_group = join_update_group(spec, 0)
+        self._update_group_backend = spec.backend
+
+    def leave_update_group(self) -> None:
+        group, self._update_group = self._update_group, None
+        if group is not None:
+            leave_update_group(group)
+
+    def broadcast_tensors(self, tensors: dict[str, Tensor]) -> int:
+        """Send `tensors` (an export of this rank) to every engine of the group; returns the bytes sent."""
+        if self._update_group is None:
+            raise RuntimeError("broadcast_tensors before join_update_group: join the weights-update group first")
+        device = self.device if self._update_group_backend == "nccl" else None
+        return broadcast_tensors(self._update_group, tensors, device=device)
+
+    @staticmethod
+    def tensor_metadata(tensors: dict[str, Tensor]) -> tuple[list[str], list[str], list[list[int]], int]:
+        """(names, dtypes, shapes, bytes) of an export, for the engines' side of a broadcast."""
+        names, dtypes, shapes = tensor_metadata(tensors)
+        return names, dtypes, shapes, sum(t.numel() * t.element_size() for t in tensors.values())
 
     # ---- adapters in slots ----------------------------------------------------------
 

@@ -10,6 +10,8 @@ over gloo on CPU or nccl on GPU):
     result = await group.train(rollout_id, batch)   # groups split whole over the ranks
     await group.step_adapters(batch.step_names)
     export = await group.export_adapter(name)       # rank 0's tensors, for a weight push
+    await group.join_update_group(spec)             # rank 0 joins the engines' update group ...
+    await group.broadcast_adapter(export)           # ... and broadcasts the export over it
     await group.save_adapter(SaveRequest(name, step)); await group.shutdown()
 
 It never calls the controller: which adapters to load, push and save, and under which
@@ -38,6 +40,7 @@ from miles.backends.base import (
 )
 from miles.backends.torch.actor import LossSums, TorchTrainActor, TrainActorConfig
 from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.backends.weight_sync import UpdateGroupSpec
 from miles.backends.torch.batching import Advantage
 from miles.backends.torch.loss import adapter_token_advantages, needs_reward_kl
 from miles.utils.arguments import MilesConfig
@@ -54,8 +57,9 @@ class TrainGroupConfig:
     """Data-parallel ranks (`--actor-num-workers`)."""
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 0.0
-    master_host: str = "127.0.0.1"
-    """Rendezvous host of the process group (all ranks on this node)."""
+    master_host: str | None = None
+    """Rendezvous host of the process group; default rank 0's node address when the
+    cluster has more than one node, else loopback."""
 
     def __post_init__(self) -> None:
         if self.n_workers <= 0:
@@ -137,8 +141,29 @@ class TrainGroup:
     async def export_adapter(self, name: str) -> LoraExport:
         """Rank 0 exports once; the tensors stay in the object store for every engine."""
         tensors_ref = self._actors[0].export_adapter.remote(name)
+        return await self._with_metadata(name, tensors_ref)
+
+    async def _with_metadata(self, name: str, tensors_ref: Any) -> LoraExport:
         peft_config = await self._actors[0].peft_config.remote(name)
-        return LoraExport(peft_config=peft_config, tensors=tensors_ref)
+        names, dtypes, shapes, nbytes = await self._actors[0].tensor_metadata.remote(tensors_ref)
+        return LoraExport(peft_config=peft_config, tensors=tensors_ref, names=names, dtypes=dtypes, shapes=shapes,
+                          nbytes=nbytes)
+
+    # ---- weights-update group (rank 0 exports, so rank 0 sends) -------------------------
+
+    async def update_group_endpoint(self) -> tuple[str, int]:
+        host, port = await self._actors[0].update_group_endpoint.remote()
+        return host, port
+
+    async def join_update_group(self, spec: UpdateGroupSpec) -> None:
+        await self._actors[0].join_update_group.remote(spec)
+
+    async def leave_update_group(self) -> None:
+        await self._actors[0].leave_update_group.remote()
+
+    async def broadcast_adapter(self, export: LoraExport) -> int:
+        """Rank 0 sends the exported tensors (read back from its own object store)."""
+        return await self._actors[0].broadcast_tensors.remote(export.tensors)
 
     # ---- training --------------------------------------------------------------------
 

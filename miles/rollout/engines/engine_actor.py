@@ -257,12 +257,14 @@ class EngineServer:
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> dict[str, Any]:
-        """Join the sender's weights-update group (blocks until every rank joined)."""
-        answer = await self._post("/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend})
-        self._group_joined = True
-        return answer
+        """Join the sender's weights-update group (blocks until every rank joined); after a
+        restart in progress, so the server that joins is the one that stays."""
+        async with self._lock:
+            answer = await self._post("/init_weights_update_group", {
+                "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend})
+            self._group_joined = True
+            return answer
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         """Leave the group; a server that is not in it (e.g. just restarted) is fine."""

@@ -20,6 +20,7 @@ rollout manager actor and by tests; plain Python, no Ray actor of its own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,12 +111,13 @@ class EngineFleet:
         ]))
 
     def update_group_spec(self, master_address: str, master_port: int, *, group_name: str = "miles_lora_update",
-                          backend: str | None = None) -> UpdateGroupSpec:
+                          backend: str | None = None, timeout_s: float | None = None) -> UpdateGroupSpec:
         """The weights-update group of the sender (rank 0) and every engine rank."""
         backend = backend or ("nccl" if self.cfg.server.device == "cuda" else "gloo")
-        return UpdateGroupSpec(master_address=master_address, master_port=master_port,
+        spec = UpdateGroupSpec(master_address=master_address, master_port=master_port,
                                world_size=1 + self.cfg.num_engines * self._ranks_per_engine(),
                                group_name=group_name, backend=backend)
+        return spec if timeout_s is None else dataclasses.replace(spec, timeout_s=timeout_s)
 
     async def join_update_group(self, spec: UpdateGroupSpec) -> None:
         """Every engine joins `spec` (returns once the sender joined too)."""

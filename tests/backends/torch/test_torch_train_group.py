@@ -23,6 +23,7 @@ from miles.backends.torch.loss import LossConfig
 from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig, split_prompt_groups
 from miles.controller.registry import AdapterRegistry
 from miles.main.adapter_sync import AdapterSync
+from miles.main.engine_push import EnginePusher
 from miles.utils.adapter_config import AdapterDefaults, resolve_adapter_config
 from miles.utils.types import AdapterState, DataPosition, RolloutBatch
 
@@ -84,6 +85,9 @@ class RecordingRollout:
     def restore_data_position(self, name, registration_id, position):
         self.restored.append((name, registration_id, position))
 
+    def versions_in_flight(self):
+        return {}
+
     def take_restored(self):
         return self.restored
 
@@ -95,6 +99,9 @@ class RecordingReceiver:
 
     def push_lora(self, slot, version, peft_config, tensors):
         self.received.append((slot, version, peft_config, tensors))
+
+    def unload_slot(self, slot):
+        pass
 
     def take(self):
         out, self.received = self.received, []
@@ -138,8 +145,10 @@ async def _started(model_dir, tmp_path, n_workers, receivers=(), positions=None)
     group = TrainGroup(_group_config(model_dir, n_workers))
     assert isinstance(group, TrainingBackend)
     await group.start()
-    sync = AdapterSync(group, registry, RecordingRollout.remote(positions or {}), save_interval=1,
-                       receivers=list(receivers))
+    rollout = RecordingRollout.remote(positions or {})
+    # Versioned pushes: every receiver gets the export through the object store.
+    pusher = EnginePusher(group, receivers, rollout, mode="versioned") if receivers else None
+    sync = AdapterSync(group, registry, rollout, save_interval=1, pusher=pusher)
     snapshot = await sync.reconcile(await registry.snapshot.remote())
     assert sync.loaded == ["a", "b"] and {r.step for r in snapshot.live.values()} == {0}
     return registry, group, sync
