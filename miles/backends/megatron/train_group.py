@@ -89,7 +89,8 @@ class MegatronTrainGroup(TrainGroup):
                     world, self.config.n_replicas, self.config.tp_size)
 
     async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
-        """Advantages over whole groups, groups split over DP replicas, forward and backward."""
+        """`TrainGroup.train` with the prompt groups split over DP replicas: every TP rank of a
+        replica gets the replica's share (and only TP rank 0 reports loss sums)."""
         samples = batch.samples
         if not samples:
             return TrainResult()
@@ -97,15 +98,16 @@ class MegatronTrainGroup(TrainGroup):
         if missing:
             raise RuntimeError(f"rollout {rollout_id} has samples of adapters not loaded on the trainer: {missing}; "
                                "adapters must be loaded before generation")
-        advantages = self._advantages(batch)
+        replica_parts = split_prompt_groups(batch.prompt_group_sizes, self.config.n_replicas)
+        parts = [replica_parts[rank // self.config.tp_size] for rank in range(len(self._actors))]
+        # Each TP rank of a replica scores the same share; they write the same values.
+        advantages = self._advantages(batch, await self._reward_kl(batch, parts))
         counts: dict[str, int] = {}
         for sample in samples:
             counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
-        parts = split_prompt_groups(batch.prompt_group_sizes, self.config.n_replicas)
-        tp = self.config.tp_size
         per_rank: list[dict[str, LossSums]] = await asyncio.gather(*(
-            actor.train.remote([samples[i] for i in parts[rank // tp]], [advantages[i] for i in parts[rank // tp]], counts)
-            for rank, actor in enumerate(self._actors)
+            actor.train.remote([samples[i] for i in part], [advantages[i] for i in part], counts)
+            for actor, part in zip(self._actors, parts)
         ))
         return TrainResult(samples=len(samples), adapters=_adapter_stats(per_rank))
 
