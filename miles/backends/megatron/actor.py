@@ -81,6 +81,10 @@ class MegatronTrainActor(TorchTrainActor):
         self.shape.check_tp(tp)
         self.adapters: dict[str, _Loaded] = {}
         self.model: Any = None
+        # The rest of what `TorchTrainActor.__init__` sets (not called: it loads an HF model);
+        # the model, page table and optimizer come in `init_process_group`.
+        self._train_calls = 0
+        self._undo = None
 
     # ---- distributed set-up and the model ---------------------------------------------
 
