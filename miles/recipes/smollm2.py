@@ -29,8 +29,12 @@ chat messages; the trainer's data source applies the tokenizer's chat template (
 `input_key: messages` in the adapter config) and the built-in `exact` reward compares
 the reply with the label.
 
-    acc = evaluate_adapter_dir(".cache/smollm2", "runs/demo-real/adapters/max/checkpoints/step_12",
+    acc = evaluate_adapter_dir(".cache/smollm2", "runs/demo-real/adapters/max/checkpoints/step_14",
                                ".cache/smollm2/data/max_test.jsonl", n=100)
+
+Measured on the development machine (2 CPU cores shared with other jobs): conversion
+40-55 s; base greedy exact-match on 100 held-out rows: next 0.06, max 0.44; after
+`make demo-real` (10 and 14 adapter steps): next 0.80, max 0.73.
 """
 
 from __future__ import annotations
