@@ -154,6 +154,12 @@ class SaveRequest:
     """Recorded in `trainer_state.json` so a resume continues the dataset there."""
 
 
+class TrainRankLostError(RuntimeError):
+    """A train rank is gone (its process died). The adapters' weights and optimizer state
+    are still on the surviving ranks (DP replicas hold identical copies), so they can be
+    saved; the backend cannot train any more."""
+
+
 @runtime_checkable
 class TrainingBackend(Protocol):
     """What the driver calls on a training backend. Every method is a coroutine."""
@@ -189,7 +195,8 @@ class TrainingBackend(Protocol):
 
     async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
         """Forward and backward of a batch (every adapter in it must be loaded); the
-        gradients accumulate per slot until that adapter steps."""
+        gradients accumulate per slot until that adapter steps. If it raises, no rank keeps
+        any part of the batch (gradients, LR clocks); a dead rank raises `TrainRankLostError`."""
 
     async def step_adapters(self, names: list[str]) -> dict[str, AdapterStepStats]:
         """Optimizer step of exactly these adapters; every other slot is untouched."""

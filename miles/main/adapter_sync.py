@@ -9,7 +9,7 @@ after the stage's own calls, so the driver passes one snapshot down the loop:
     snapshot = await sync.reconcile(snapshot)       # retire -> clean up -> load (resume)
     snapshot = await sync.update_weights(snapshot)  # push stale adapters, record versions
     batch = await rollout_manager.generate.remote(rollout_id, snapshot)
-    trained = await sync.train(rollout_id, batch)   # backend train + step
+    trained = await sync.train(rollout_id, batch)   # backend train + step (None: failed, not committed)
     snapshot = await sync.commit(rollout_id)        # registry steps; re-read
     await sync.save(snapshot)                       # on each adapter's save_interval
     ...
@@ -36,7 +36,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from miles.backends.base import AdapterSpec, AdapterStepStats, LoraExport, SaveRequest, TrainingBackend, TrainResult
+from miles.backends.base import (
+    AdapterSpec,
+    AdapterStepStats,
+    LoraExport,
+    SaveRequest,
+    TrainingBackend,
+    TrainRankLostError,
+    TrainResult,
+)
 from miles.main.engine_push import PushStats
 from miles.utils.types import DataPosition, MultiLoRASnapshot, RolloutBatch, next_slot_version
 
@@ -78,7 +86,8 @@ class Pusher(Protocol):
 
 class AdapterSync:
     def __init__(self, backend: TrainingBackend, controller: Any, rollout_manager: Any, *,
-                 save_interval: int | None = None, pusher: Pusher | None = None) -> None:
+                 save_interval: int | None = None, pusher: Pusher | None = None,
+                 max_train_failures: int = 3) -> None:
         self.backend = backend
         self.controller = controller
         self.rollout_manager = rollout_manager
@@ -87,6 +96,9 @@ class AdapterSync:
         self.last_push: PushStats | None = None
         """The latest push stage that sent anything (time and bytes per engine)."""
         self._loaded: dict[str, _Loaded] = {}
+        self.max_train_failures = max_train_failures
+        self.train_failures = 0
+        """Train calls failed in a row."""
 
     @property
     def loaded(self) -> list[str]:
@@ -172,9 +184,33 @@ class AdapterSync:
 
     # ---- train and commit ---------------------------------------------------------------
 
-    async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainedBatch:
-        """Forward and backward of the batch, then the optimizer step of `step_names`."""
-        result = await self.backend.train(rollout_id, batch)
+    async def train(self, rollout_id: int, batch: RolloutBatch, *, drop_failed: bool = True) -> TrainedBatch | None:
+        """Forward and backward of the batch, then the optimizer step of `step_names`.
+
+        None when the backend failed on this batch: it took the batch's gradients back on
+        every rank, nothing stepped, and the caller must not commit it; the next batch
+        trains as usual. `max_train_failures` failures in a row, a dead rank
+        (`TrainRankLostError`), or any failure with `drop_failed=False` are raised: the
+        run stops and every adapter is saved on the way out.
+        """
+        try:
+            result = await self.backend.train(rollout_id, batch)
+        except TrainRankLostError as exc:
+            logger.error("%s. Stopping: every adapter is saved from the surviving ranks; start the trainer again "
+                         "with the same --save to resume from those checkpoints", exc)
+            raise
+        except Exception as exc:
+            self.train_failures += 1
+            if not drop_failed:
+                raise
+            if self.train_failures >= self.max_train_failures:
+                logger.error("Training failed %d times in a row; stopping", self.train_failures)
+                raise
+            logger.error("Training rollout %d failed (%s: %s); its batch is dropped and counts for no adapter "
+                         "(%d failure(s) in a row, the run stops at %d)", rollout_id, type(exc).__name__, exc,
+                         self.train_failures, self.max_train_failures)
+            return None
+        self.train_failures = 0
         steps = await self.backend.step_adapters(sorted(set(batch.step_names)))
         for name in steps:
             self._loaded[name].stale = True

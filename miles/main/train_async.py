@@ -60,7 +60,7 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             if rollout_id + 1 < cfg.num_rollout and not stop.is_set():
                 next_rollout = asyncio.ensure_future(generate(c, rollout_id + 1))
             with timer("train"):
-                trained = await c.sync.train(rollout_id, rollout)
+                trained = await c.sync.train(rollout_id, rollout, drop_failed=False)
             with timer("commit"):
                 snapshot = await c.sync.commit(rollout_id)
             if (rollout_id + 1) % cfg.update_weights_interval == 0:

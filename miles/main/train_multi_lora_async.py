@@ -60,6 +60,9 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             continue
         with timer("train"):
             trained = await c.sync.train(rollout_id, rollout)
+        if trained is None:  # dropped: the registry never counts it, the backend took it back
+            rollout_id += 1
+            continue
         with timer("commit"):
             snapshot = await c.sync.commit(rollout_id)
         with timer("save"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -94,6 +95,10 @@ class TrainActorConfig:
     loss: LossSettings = field(default_factory=LossSettings)
     """The trainer's loss flags (`cfg.loss`): the settings of adapters whose spec has none.
     A `LossConfig` is accepted and read as the settings it implements."""
+    fault_train_calls: frozenset[tuple[int, int]] = frozenset()
+    """Test only: (rank, call) pairs; that rank's call-th train call (1-based) raises
+    `InjectedTrainFault` after its first micro-batch's backward; rank -1 means every rank.
+    Set from `MILES_TEST_FAULT_TRAIN_CALLS`: "2,5" (every rank) or "1:2" (rank 1 only)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, LossConfig):
@@ -117,7 +122,24 @@ class TrainActorConfig:
             clip_grad=cfg.clip_grad,
             min_lr=cfg.min_lr,
             loss=cfg.loss,
+            fault_train_calls=fault_train_calls_from_env(),
         )
+
+
+FAULT_TRAIN_CALLS_ENV = "MILES_TEST_FAULT_TRAIN_CALLS"
+
+
+class InjectedTrainFault(RuntimeError):
+    """Raised by a train call named in `TrainActorConfig.fault_train_calls` (tests only)."""
+
+
+def fault_train_calls_from_env() -> frozenset[tuple[int, int]]:
+    out = set()
+    for part in os.environ.get(FAULT_TRAIN_CALLS_ENV, "").split(","):
+        rank, _, call = part.strip().rpartition(":")
+        if call:
+            out.add((int(rank) if rank else -1, int(call)))
+    return frozenset(out)
 
 
 @dataclass
@@ -142,6 +164,16 @@ class LossSums:
 class _Loaded:
     spec: AdapterSpec
     schedule: LRSchedule
+
+
+@dataclass
+class _BatchUndo:
+    """What the latest train call changed, so it can be taken back until a step."""
+
+    grads: dict[int, list[Tensor]]
+    """Slot -> copies of its gradients before the call."""
+    samples_seen: dict[str, int]
+    """Adapter -> its LR clock before the call."""
 
 
 def adapter_seed(seed: int, name: str) -> int:
@@ -186,6 +218,8 @@ class TorchTrainActor:
         self.optimizer = SlotAdamW(params, n_slots=config.n_slots, betas=config.adam_betas, eps=config.adam_eps)
         self.target_short_names = sorted({n.rsplit(".", 1)[-1] for n in self.module_names})
         self.adapters: dict[str, _Loaded] = {}
+        self._train_calls = 0
+        self._undo: _BatchUndo | None = None
 
     # ---- distributed set-up -------------------------------------------------------
 
@@ -322,6 +356,7 @@ class TorchTrainActor:
         clear_slot(self.model, loaded.spec.slot)
         self.optimizer.reset_slot(loaded.spec.slot)
         del self.adapters[name]
+        self._undo = None
 
     def loaded_adapters(self) -> dict[str, int]:
         return {name: a.spec.slot for name, a in self.adapters.items()}
@@ -353,11 +388,43 @@ class TorchTrainActor:
         stats: dict[str, LossSums] = {}
         need_rollout = any(self._loss_settings(name).needs_rollout_logprobs for name in {s.adapter for s in samples})
         batches = make_micro_batches(samples, advantages, self.config.micro_batch_size, need_rollout_logprobs=need_rollout)
-        for batch in batches:
-            self._train_micro_batch(batch.to(self.device), stats)
-        for name, n in samples_per_adapter.items():
-            self.adapters[name].schedule.add_samples(n)
+        self._remember_batch({s.adapter for s in samples} | set(samples_per_adapter))
+        self._train_calls += 1
+        try:
+            for i, batch in enumerate(batches):
+                self._train_micro_batch(batch.to(self.device), stats)
+                if i == 0 and self._fault_due():
+                    raise InjectedTrainFault(f"injected fault in train call {self._train_calls} of rank {self.rank}")
+            for name, n in samples_per_adapter.items():
+                self.adapters[name].schedule.add_samples(n)
+        except BaseException:
+            self.discard_batch()
+            raise
         return stats
+
+    def _fault_due(self) -> bool:
+        faults = self.config.fault_train_calls
+        return (self.rank, self._train_calls) in faults or (-1, self._train_calls) in faults
+
+    def _remember_batch(self, names: set[str]) -> None:
+        slots = {self.adapters[name].spec.slot for name in names}
+        self._undo = _BatchUndo(
+            grads={slot: [g.clone() for g in self.optimizer.slot_grads(slot)] for slot in sorted(slots)},
+            samples_seen={name: self.adapters[name].schedule.samples_seen for name in names},
+        )
+
+    def discard_batch(self) -> None:
+        """Take back the latest train call (its gradients and LR clock advance), unless an
+        adapter stepped since; a failed call does this itself, and `TrainGroup` asks every
+        rank when any rank failed, so the batch counts nowhere."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return
+        for slot, saved in undo.grads.items():
+            torch._foreach_copy_(self.optimizer.slot_grads(slot), saved)
+        for name, seen in undo.samples_seen.items():
+            if name in self.adapters:
+                self.adapters[name].schedule.samples_seen = seen
 
     def _forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: bool = False) -> Any:
         """Next-token logprobs [B, L-1]; with `entropy`, also the entropy of each of those
@@ -410,6 +477,7 @@ class TorchTrainActor:
         """Optimizer step of the given adapters only; every rank must call it with the same names."""
         names = sorted(names)
         loaded = [self._loaded(name) for name in names]
+        self._undo = None  # a batch that stepped is kept
         self._all_reduce_slot_grads([a.spec.slot for a in loaded])
         out = {}
         for a in loaded:

@@ -36,6 +36,7 @@ from miles.backends.base import (
     LoadResult,
     LoraExport,
     SaveRequest,
+    TrainRankLostError,
     TrainResult,
 )
 from miles.backends.torch.actor import LossSums, TorchTrainActor, TrainActorConfig
@@ -177,14 +178,24 @@ class TrainGroup:
             raise RuntimeError(f"rollout {rollout_id} has samples of adapters not loaded on the trainer: {missing}; "
                                "adapters must be loaded before generation")
         parts = split_prompt_groups(batch.prompt_group_sizes, len(self._actors))
-        advantages = self._advantages(batch, await self._reward_kl(batch, parts))
+        try:
+            reward_kl = await self._reward_kl(batch, parts)
+        except Exception as exc:
+            raise _rank_error(exc, f"scoring rollout {rollout_id}") from exc
+        advantages = self._advantages(batch, reward_kl)
         counts: dict[str, int] = {}
         for sample in samples:
             counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
-        per_rank: list[dict[str, LossSums]] = await asyncio.gather(*(
+        per_rank = await asyncio.gather(*(
             actor.train.remote([samples[i] for i in part], [advantages[i] for i in part], counts)
             for actor, part in zip(self._actors, parts)
-        ))
+        ), return_exceptions=True)
+        failures = [out for out in per_rank if isinstance(out, BaseException)]
+        if failures:
+            # A failed rank took its own share back; the others take theirs back too, so
+            # the batch counts on no rank and a later batch is not counted twice.
+            await asyncio.gather(*(actor.discard_batch.remote() for actor in self._actors), return_exceptions=True)
+            raise _rank_error(failures[0], f"training rollout {rollout_id}")
         return TrainResult(samples=len(samples), adapters=_adapter_stats(per_rank))
 
     def _settings(self, name: str) -> LossSettings:
@@ -229,19 +240,41 @@ class TrainGroup:
     # ---- checkpoints -------------------------------------------------------------------
 
     async def save_adapter(self, request: SaveRequest) -> Path:
-        path = await self._actors[0].save_adapter.remote(request.name, request.step, request.data_position)
-        return Path(path)
+        """The first live rank writes it (every rank holds the same weights, moments and clock)."""
+        import ray
+
+        for rank, actor in enumerate(self._actors):
+            try:
+                path = await actor.save_adapter.remote(request.name, request.step, request.data_position)
+            except ray.exceptions.RayActorError:
+                logger.warning("Train rank %d is gone; saving adapter '%s' from the next rank", rank, request.name)
+                continue
+            return Path(path)
+        raise TrainRankLostError(f"no train rank is alive to save adapter '{request.name}' at step {request.step}; "
+                                 "it resumes from its latest checkpoint")
 
     async def shutdown(self) -> None:
         import ray
 
         if not self._actors:
             return
-        await self._all("shutdown")
+        results = await asyncio.gather(*(actor.shutdown.remote() for actor in self._actors), return_exceptions=True)
+        for rank, result in enumerate(results):
+            if isinstance(result, BaseException):
+                logger.warning("Train rank %d did not shut down cleanly: %s", rank, result)
         for actor in self._actors:
             ray.kill(actor)
         self._actors = []
         self._specs.clear()
+
+
+def _rank_error(exc: BaseException, doing: str) -> BaseException:
+    """A dead rank becomes `TrainRankLostError`; any other failure is raised as it came."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return TrainRankLostError(f"a train rank died while {doing}: {exc}")
+    return exc
 
 
 def _adapter_stats(per_rank: list[dict[str, LossSums]]) -> dict[str, AdapterTrainStats]:
