@@ -14,7 +14,7 @@ import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -24,6 +24,9 @@ from miles.main.engine_push import EnginePusher
 from miles.main.progress import RunProgress, make_view
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
+
+if TYPE_CHECKING:
+    from miles.controller.backend import ControllerHooks
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +73,23 @@ class Components:
     """The adapter lifecycle over the three above."""
 
 
+def controller_hooks(cfg: MilesConfig) -> ControllerHooks:
+    """The checks the controller runs at registration (it imports no rollout code): the
+    dataset's rows that fit `--rollout-max-prompt-len` (so `num_step` is derived after the
+    filter, as in Miles) and the reward."""
+    from miles.controller.backend import ControllerHooks
+    from miles.rollout.data_source import DatasetCheck
+    from miles.rollout.rewards import validate_reward_spec
+
+    return ControllerHooks(validate_dataset=DatasetCheck.from_config(cfg), validate_reward=validate_reward_spec)
+
+
 async def launch(cfg: MilesConfig) -> Components:
     """Controller first (it owns the adapter registry), then engines + router, then trainers."""
     from miles.controller.actor import create_multilora_controller
-    from miles.controller.backend import ControllerHooks
-    from miles.rollout.datasets import validate_dataset
     from miles.rollout.manager import RolloutManager
-    from miles.rollout.rewards import validate_reward_spec
 
-    # The controller imports no rollout code: it is handed the checks run at registration.
-    hooks = ControllerHooks(validate_dataset=validate_dataset, validate_reward=validate_reward_spec)
-    controller = create_multilora_controller(cfg, router_url=None, hooks=hooks)  # logs its URL
+    controller = create_multilora_controller(cfg, router_url=None, hooks=controller_hooks(cfg))  # logs its URL
     rollout_manager = RolloutManager.options(name="miles_rollout_manager").remote(cfg)
     backend = build_backend(cfg)
     # Engines and train ranks load the base model in parallel.
@@ -166,7 +175,7 @@ async def trainer_run(cfg: MilesConfig) -> AsyncIterator[TrainerRun]:
     stop = asyncio.Event()
     install_stop_handlers(stop)
     components = await launch(cfg)
-    metrics = MetricsLogger(cfg.resolved_run_dir, use_wandb=cfg.use_wandb, wandb_project=cfg.wandb_project)
+    metrics = MetricsLogger.from_config(cfg)
     progress = RunProgress(metrics, view=make_view(), controller=components.controller)
     try:
         yield TrainerRun(components, stop, progress)

@@ -612,9 +612,8 @@ def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
             warn(name, "in multi-LoRA training each adapter stops at its own num_step (as in Miles)")
         elif name in ("reward_key", "group_rm") and value:
             warn(name, "the rollout producer scores each sample with compute_reward and does not apply it yet")
-        elif name in ("wandb_group", "wandb_key", "disable_wandb_random_suffix") and value:
-            warn(name, "the launcher does not build its metrics logger with MetricsLogger.from_config yet"
-                 if cfg.use_wandb else "--use-wandb is not set")
+        elif name in ("wandb_group", "wandb_key", "disable_wandb_random_suffix") and value and not cfg.use_wandb:
+            warn(name, "--use-wandb is not set")
         elif name == "wandb_project" and not cfg.use_wandb:
             warn(name, "--use-wandb is not set")
         elif name == "rm_url" and value and cfg.rm_type != "remote_rm":

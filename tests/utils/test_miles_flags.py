@@ -78,8 +78,6 @@ NO_EFFECT_WITH_TORCH = {
     "--use-dynamic-batch-size", "--max-tokens-per-gpu", "--pause-generation-mode", "--num-rollout",
     # SGLang server argument with the builtin engine
     "--sglang-mem-fraction-static",
-    # W&B naming and login, not passed to W&B yet
-    "--wandb-group", "--wandb-key", "--disable-wandb-random-suffix",
 }
 
 
