@@ -102,6 +102,12 @@ class MegatronTrainActor(TorchTrainActor):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.config.tensor_model_parallel_size)
+        if self.device.type == "cuda":
+            from megatron.core import tensor_parallel
+
+            # Attention forks the TP RNG tracker around dropout (0 here); on CUDA the fork
+            # needs the tracker's states (on CPU `cpu_shims` makes the fork a no-op).
+            tensor_parallel.model_parallel_cuda_manual_seed(self.config.seed)
         self._build_model()
 
     def _build_model(self) -> None:
