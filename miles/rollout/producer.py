@@ -12,9 +12,11 @@ across the sampleable adapters (round robin), and for each group:
    `rid = "<adapter>::<uuid4 hex>"` and `lora_path` = the engine-side name of the
    stamped (slot, version) (`engine_lora_name`), on every turn of the group;
 3. drops it whole if any sample was aborted (its adapter was retired meanwhile);
-4. rewards every sample, applies the optional dynamic filter (drops counted per reason)
-   and rollout sample filter (`miles.rollout.filters`), and puts it in the adapter's
-   buffer (`AdapterBuffers`) for collection.
+4. rewards every sample (`score_group`: with `--group-rm` an adapter's custom reward scores
+   the whole group in one call; `--reward-key` picks the reward of a dict reward), applies
+   the optional dynamic filter (drops counted per reason) and rollout sample filter
+   (`miles.rollout.filters`), and puts it in the adapter's buffer (`AdapterBuffers`) for
+   collection.
 
 A failed group (HTTP error, reward error) is logged and counted; after
 `max_consecutive_failures` failures in a row the producer dies and
@@ -51,7 +53,7 @@ from miles.rollout.generate import (
     generate_single_turn,
     load_generate_function,
 )
-from miles.rollout.rewards import compute_reward
+from miles.rollout.rewards.evaluate import score_group
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import AdapterRun, GenerationCounts, MultiLoRASnapshot, PromptGroup
 
@@ -95,6 +97,10 @@ class ProducerConfig:
     buffer_steps: int | None = 1
     """Stop submitting for an adapter once its buffered plus in-flight groups cover this
     many of its optimizer steps (None: only `max_groups_in_flight` limits it)."""
+    group_rm: bool = False
+    """`--group-rm`: an adapter's custom reward scores the whole group in one call."""
+    reward_key: str | None = None
+    """`--reward-key`: the key of a dict reward (e.g. `dapo`'s "score") that is the reward."""
 
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> ProducerConfig:
@@ -109,6 +115,8 @@ class ProducerConfig:
             custom_generate_path=cfg.custom_generate_function_path,
             rollout_sample_filter_path=cfg.rollout_sample_filter_path,
             buffer_steps=cfg.rollout_buffer_steps,
+            group_rm=cfg.group_rm,
+            reward_key=cfg.reward_key,
         )
 
     def sampling_params(self) -> dict[str, Any]:
@@ -351,8 +359,8 @@ class RolloutProducer:
         if group.aborted:
             self.counts[run.name, GroupEvent.ABORTED] += 1
             return
-        rewards = await asyncio.gather(*(compute_reward(item.reward.resolve(s), self.reward_args, s)
-                                         for s in group.samples))
+        rewards = await score_group(item.reward, self.reward_args, group.samples, group_rm=self.config.group_rm,
+                                    reward_key=self.config.reward_key)
         for sample, reward in zip(group.samples, rewards):
             sample.reward = reward
         if (dynamic_filter := self._dynamic_filter(run)) is not None:

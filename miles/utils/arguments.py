@@ -610,8 +610,6 @@ def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
             warn(name, "the trainer does not pause the engines for a weight update")
         elif name == "num_rollout" and cfg.multi_lora_n_adapters > 0:
             warn(name, "in multi-LoRA training each adapter stops at its own num_step (as in Miles)")
-        elif name in ("reward_key", "group_rm") and value:
-            warn(name, "the rollout producer scores each sample with compute_reward and does not apply it yet")
         elif name in ("wandb_group", "wandb_key", "disable_wandb_random_suffix") and value and not cfg.use_wandb:
             warn(name, "--use-wandb is not set")
         elif name == "wandb_project" and not cfg.use_wandb:

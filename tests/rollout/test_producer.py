@@ -153,3 +153,63 @@ async def test_repeated_failures_kill_the_producer_and_surface_the_cause(dataset
             prod.raise_if_failed()
         assert isinstance(info.value.__cause__, aiohttp.ClientResponseError)
         await prod.stop()
+
+
+@pytest.mark.parametrize("reward_key, response, reward", [("score", "Answer: 12", 1.0), ("score", "Answer: 7", -1.0),
+                                                          ("acc", "Answer: 12", 1.0)])
+async def test_reward_key_picks_the_reward_of_a_dict_reward(dataset, reward_key, response, reward):
+    a = run_for(dataset, "a", 0, n_samples=2)
+    a = dataclasses.replace(a, config=a.config.model_copy(update={"rm_type": "dapo"}))
+    async with FakeEngineServer(response) as server:
+        prod, buffers, _ = producer(server, FakeController(active(a)), in_flight=1, reward_key=reward_key)
+        prod.start()
+        await wait_for(lambda: len(buffers.get("a")) >= 1, what="a group")
+        await prod.stop()
+    group = buffers.get("a").pop(1)[0]
+    assert [s.reward for s in group.samples] == [reward, reward]
+
+
+async def test_a_dict_reward_without_reward_key_fails_the_group_naming_the_flag(dataset, caplog):
+    a = run_for(dataset, "a", 0)
+    a = dataclasses.replace(a, config=a.config.model_copy(update={"rm_type": "dapo"}))
+    async with FakeEngineServer("Answer: 12") as server:
+        prod, _, _ = producer(server, FakeController(active(a)), max_consecutive_failures=1)
+        prod.start()
+        await wait_for(lambda: prod.failure is not None, what="producer death")
+        await prod.stop()
+    assert "set --reward-key" in str(prod.failure)
+
+
+@pytest.fixture
+def group_reward_module(tmp_path, monkeypatch):
+    (tmp_path / "my_group_rewards.py").write_text(textwrap.dedent("""
+        CALLS = []
+
+        def rank_in_group(args, samples):
+            if not isinstance(samples, list):  # called with one sample
+                CALLS.append(1)
+                return {"r": 5.0}
+            CALLS.append(len(samples))
+            return [{"r": float(i)} for i in range(len(samples))]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("my_group_rewards", None)
+
+
+@pytest.mark.parametrize("group_rm", [True, False])
+async def test_group_rm_scores_the_whole_group_with_one_call(dataset, group_reward_module, group_rm):
+    a = run_for(dataset, "a", 0, n_samples=3)
+    a = dataclasses.replace(a, config=a.config.model_copy(update={"custom_rm_path": "my_group_rewards.rank_in_group"}))
+    async with FakeEngineServer() as server:
+        prod, buffers, _ = producer(server, FakeController(active(a)), in_flight=1, group_rm=group_rm,
+                                    reward_key="r", max_consecutive_failures=1)
+        prod.start()
+        await wait_for(lambda: len(buffers.get("a")) >= 1, what="a group")
+        await prod.stop()
+    calls = sys.modules["my_group_rewards"].CALLS
+    rewards = [s.reward for s in buffers.get("a").pop(1)[0].samples]
+    if group_rm:
+        assert rewards == [0.0, 1.0, 2.0] and set(calls) == {3}  # one call per group, with all its samples
+    else:  # without --group-rm the custom reward is called per sample
+        assert rewards == [5.0, 5.0, 5.0] and set(calls) == {1}
