@@ -206,8 +206,9 @@ class AdapterSync:
             if self.train_failures >= self.max_train_failures:
                 logger.error("Training failed %d times in a row; stopping", self.train_failures)
                 raise
+            cause = getattr(exc, "cause", None) or exc  # through Ray: the rank's own error, without its traceback
             logger.error("Training rollout %d failed (%s: %s); its batch is dropped and counts for no adapter "
-                         "(%d failure(s) in a row, the run stops at %d)", rollout_id, type(exc).__name__, exc,
+                         "(%d failure(s) in a row, the run stops at %d)", rollout_id, type(cause).__name__, cause,
                          self.train_failures, self.max_train_failures)
             return None
         self.train_failures = 0
