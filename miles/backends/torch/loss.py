@@ -341,45 +341,6 @@ SAMPLE_LEVEL_ESTIMATORS = ("grpo", "gspo")
 """Estimators whose advantage is the same on every response token of a sample."""
 
 
-def adapter_sample_advantages(
-    rewards_N: Tensor,
-    group_sizes: Sequence[int],
-    group_adapters: Sequence[str],
-    response_masks: Sequence[Sequence[int]],
-    settings: dict[str, LossSettings],
-) -> Tensor:
-    """One advantage per sample of a mixed batch, each adapter's from its own samples and
-    settings alone (`compute_advantages`): so an adapter's advantages do not depend on the
-    other adapters in the batch.
-
-    Groups are consecutive (`group_sizes`, `group_adapters[g]` the adapter of group g);
-    `response_masks[i]` is 1 on the response tokens of sample i that carry loss (the
-    token count weights `--normalize-advantages`). Only the estimators of
-    SAMPLE_LEVEL_ESTIMATORS have one value per sample; the others raise ValueError.
-    """
-    if len(group_sizes) != len(group_adapters):
-        raise ValueError(f"{len(group_sizes)} group sizes but {len(group_adapters)} group adapters")
-    starts = [sum(group_sizes[:g]) for g in range(len(group_sizes))]
-    out = torch.zeros(rewards_N.shape[0], dtype=torch.float32)
-    for adapter in dict.fromkeys(group_adapters):
-        setting = settings[adapter]
-        if setting.advantage_estimator not in SAMPLE_LEVEL_ESTIMATORS:
-            raise ValueError(
-                f"adapter '{adapter}': --advantage-estimator {setting.advantage_estimator} gives per-token "
-                f"advantages, which the torch trainer does not train on yet; use one of {', '.join(SAMPLE_LEVEL_ESTIMATORS)}"
-            )
-        groups = [g for g, name in enumerate(group_adapters) if name == adapter]
-        rows = [i for g in groups for i in range(starts[g], starts[g] + group_sizes[g])]
-        width = max([len(response_masks[i]) for i in rows] + [1])
-        mask = torch.zeros(len(rows), width)
-        for r, i in enumerate(rows):
-            mask[r, : len(response_masks[i])] = torch.as_tensor(list(response_masks[i]), dtype=torch.float32)
-        adv_NT = compute_advantages(setting, rewards_N[rows], mask, group_sizes=[group_sizes[g] for g in groups])
-        tokens = mask.sum(dim=1)
-        out[rows] = torch.where(tokens > 0, (adv_NT * mask).sum(dim=1) / tokens.clamp(min=1), torch.zeros_like(tokens))
-    return out
-
-
 def adapter_token_advantages(
     rewards_N: Tensor,
     group_sizes: Sequence[int],
