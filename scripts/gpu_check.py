@@ -19,6 +19,9 @@ against the builtin engine on CPU, to test this script itself). It runs unattend
                  upsert) serves the sent weights; SKIP on SGLang builds without that route
   service        the end-to-end service scenario with --rollout-engine sglang: SKIP until
                  the driver's push orchestration drives SGLang engines
+  megatron-tp1   the Megatron backend on CUDA (bf16) against the torch backend: logprobs of a
+  megatron-tp2   mixed batch and LoRA weights after one step within 1e-2 (TP 2: SKIP with
+                 fewer than two GPUs)
 """
 
 from __future__ import annotations
@@ -277,6 +280,32 @@ async def run(args: argparse.Namespace, v: Verdicts) -> None:
     else:
         v.report("SKIP", "in-place", f"only {v.left():.0f} s of the budget left")
     v.report("SKIP", "service", "the driver's push orchestration does not drive SGLang engines yet")
+    check_megatron(v, model_dir, 1, device)
+    if args.cpu_rehearsal:  # TP 2 on CPU is covered by tests/backends/megatron
+        v.report("SKIP", "megatron-tp2", "CPU rehearsal")
+    else:
+        check_megatron(v, model_dir, 2, device)
+
+
+def check_megatron(v: Verdicts, model_dir: Path, tp: int, device: str) -> None:
+    """The Megatron check prints its own verdict line; a crash or a time-out is one FAIL line."""
+    if v.left() < 60:
+        v.report("SKIP", f"megatron-tp{tp}", f"only {v.left():.0f} s of the budget left")
+        return
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    command = [sys.executable, "-m", "miles.backends.megatron.gpu_check", "--hf-checkpoint", str(model_dir),
+               "--device", device, "--dtype", dtype, "--tp", str(tp)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=v.left() - 10, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        v.report("FAIL", f"megatron-tp{tp}", "did not finish within the budget")
+        return
+    verdict = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
+    if verdict:
+        print(verdict[-1], flush=True)
+        v.failed |= verdict[-1].startswith("FAIL")
+    else:
+        v.report("FAIL", f"megatron-tp{tp}", f"exit {done.returncode}: {(done.stderr or done.stdout)[-300:]}")
 
 
 def main(argv: list[str] | None = None) -> int:

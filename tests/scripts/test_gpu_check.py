@@ -31,4 +31,5 @@ def test_cpu_rehearsal_passes_every_check(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     checks = {line.split(" ", 2)[1].rstrip(":"): line.split(" ", 1)[0] for line in verdicts}
     assert checks == {"install": "SKIP", "adapters": "PASS", "sglang-peft": "PASS", "sglang-trainer": "PASS",
-                      "push-in-flight": "PASS", "in-place": "PASS", "service": "SKIP"}
+                      "push-in-flight": "PASS", "in-place": "PASS", "service": "SKIP",
+                      "megatron-tp1": "PASS", "megatron-tp2": "SKIP"}
