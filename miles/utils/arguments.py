@@ -326,9 +326,6 @@ class MilesConfig:
             raise ConfigError("multi-LoRA needs --pipeline-model-parallel-size 1 (no rank would hold a whole adapter)")
         if self.train_backend == "megatron" and self.tensor_model_parallel_size <= 0:
             raise ConfigError(f"--tensor-model-parallel-size must be > 0, got {self.tensor_model_parallel_size}")
-        if self.train_backend == "megatron" and self.sequence_parallel:
-            raise ConfigError("--sequence-parallel is not supported by the Megatron backend's slot page table yet; "
-                              "leave it off (tensor parallelism works without it)")
         for token in self.sglang_server_args:
             if token.startswith("--") and token[2:].replace("-", "_") in SGLANG_ARGS_SET_BY_TRAINER:
                 raise ConfigError(
@@ -602,6 +599,9 @@ def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
             for token in (t for t in value if t.startswith("--")):
                 out.append(f"--sglang-{token[2:]} has no effect: it is an SGLang server argument, and this run "
                            f"uses --rollout-engine {cfg.rollout_engine}")
+        elif name == "sequence_parallel" and value:
+            warn(name, "the Megatron backend runs tensor parallelism without it (the same numbers; "
+                       "activations are not split along the sequence)")
         elif name == "lora_dropout" and value != 0:
             warn(name, "the slot LoRA layers apply no dropout")
         elif name == "calculate_per_token_loss" and value:

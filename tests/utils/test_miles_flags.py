@@ -120,6 +120,7 @@ def test_megatron_flags_are_kept_quietly_for_the_megatron_backend():
     cfg = parse_args(example_argv() + ["--train-backend", "megatron"])
     warned = {line.split(" has no effect")[0] for line in inert_flag_warnings(cfg, set(EXPECTED) | {"train_backend"})}
     assert "--tensor-model-parallel-size" not in warned and "--num-layers" not in warned
+    assert "--sequence-parallel" in warned  # accepted; tensor parallelism runs without it
     # data-parallel ranks = 4 GPUs / (tensor 2 x pipeline 1 x context 1)
     assert (cfg.tensor_model_parallel_size, cfg.actor_num_workers) == (2, 2)
 

@@ -55,9 +55,6 @@ class MegatronActorConfig(TrainActorConfig):
 
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> MegatronActorConfig:
-        if cfg.sequence_parallel:
-            raise ValueError("--sequence-parallel is not supported by the Megatron backend's slot page table yet; "
-                             "leave it off (tensor parallelism works without it)")
         base = TrainActorConfig.from_config(cfg)
         return cls(**{f: getattr(base, f) for f in base.__dataclass_fields__},
                    tensor_model_parallel_size=cfg.tensor_model_parallel_size)

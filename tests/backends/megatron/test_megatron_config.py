@@ -38,7 +38,6 @@ def test_launch_builds_the_backend_the_flag_names(tiny_model_dir):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--sequence-parallel"], "--sequence-parallel is not supported"),
     (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be > 0"),
 ])
 def test_unsupported_layouts_are_refused_at_parse_time(tiny_model_dir, extra, message, capsys):
