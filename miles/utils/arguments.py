@@ -88,6 +88,9 @@ class MilesConfig:
         "in_place", "How pushed LoRA weights reach the engines: in_place (one name per slot, tensors broadcast "
                     "over a weights-update group, replaced between decode steps) or versioned (a new name per "
                     "push loaded from a PEFT directory beside the previous version; for SGLang without upsert).")
+    engine_python: str | None = _flag(
+        None, "Python interpreter that runs each SGLang server (default: this one). SGLang pins its own torch "
+              "and transformers, so it usually lives in a virtual environment of its own, e.g. .venv-sglang/bin/python.")
     rollout_num_engines: int | None = _flag(
         None, "Inference engines (one server process each); default: --rollout-num-gpus over "
               "--rollout-num-gpus-per-engine, else 1.")

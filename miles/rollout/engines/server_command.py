@@ -63,6 +63,7 @@ class EngineServerConfig:
             device=cfg.resolved_device, max_running_requests=cfg.engine_max_running_requests, seed=cfg.seed,
             tp_size=cfg.rollout_num_gpus_per_engine, lora_update=lora_update,
             extra_args=tuple(cfg.sglang_server_args) if cfg.rollout_engine == "sglang" else (),
+            python=cfg.engine_python or sys.executable,
         )
 
     def lora_capacity(self) -> int:

@@ -158,3 +158,12 @@ def test_builtin_command_takes_the_same_capacity_and_mode():
     argv = server_command(cfg, "127.0.0.1", 1)
     assert flag_values(argv, "--engine-lora-update") == ["versioned"]
     assert flag_values(argv, "--max-loras-per-batch") == flag_values(argv, "--max-loaded-loras") == ["7"]
+
+
+def test_sglang_runs_under_the_interpreter_given_by_engine_python():
+    cfg = EngineServerConfig.from_config(parse_args([
+        "--hf-checkpoint", "/models/qwen", "--rollout-engine", "sglang", "--multi-lora-n-adapters", "2",
+        "--engine-python", "/opt/sglang-env/bin/python",
+    ]))
+    argv = build_sglang_command(cfg, "127.0.0.1", 30001)
+    assert argv[:3] == ["/opt/sglang-env/bin/python", "-m", "sglang.launch_server"]
