@@ -121,13 +121,31 @@ def reward(args: Any, sample: Sample, **kwargs: Any) -> float:
     return 1.0 if numbers_equal(extract_final_number(final_answer(sample.response)), parse_number(sample.label)) else 0.0
 
 
-def make_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        rows.append({"text": f"{a}*{b}=", "label": str(a * b)})
-    return rows
+def solved(sample: Sample) -> bool:
+    """The tool was asked the problem's own expression and the final answer is right.
+
+    >>> s = Sample("calc", 0, 0, 0, "47*36=", "1692", {}, [], response="<calc>47*36</calc><result>1692</result>1692")
+    >>> solved(s), solved(Sample("calc", 0, 0, 0, "47*36=", "1692", {}, [], response="1692"))
+    (True, False)
+    """
+    head = sample.response.split(RESULT_OPEN, 1)[0]
+    return tool_call(head) == sample.prompt.rstrip("=") and reward(None, sample) == 1.0
+
+
+TEST_ROWS = 500
+
+
+def split_rows(seed: int = 0) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """All two-digit products, shuffled with `seed`: (train, test), the first TEST_ROWS held out."""
+    rows = [{"text": f"{a}*{b}=", "label": str(a * b)} for a in range(10, 100) for b in range(10, 100)]
+    random.Random(f"calc:{seed}").shuffle(rows)
+    return rows[TEST_ROWS:], rows[:TEST_ROWS]
+
+
+def make_rows(n: int, seed: int = 0, split: str = "train") -> list[dict[str, str]]:
+    """The first n rows of a split of `split_rows(seed)`."""
+    train, test = split_rows(seed)
+    return (train if split == "train" else test)[:n]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,9 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--n", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--split", choices=("train", "test"), default="train")
     args = parser.parse_args(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in make_rows(args.n, args.seed)))
+    rows = make_rows(args.n, args.seed, args.split)
+    Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 if __name__ == "__main__":
