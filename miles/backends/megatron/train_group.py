@@ -23,8 +23,7 @@ from typing import Any
 
 from miles.backends.base import LoraExport, SaveRequest, TrainResult
 from miles.backends.megatron.actor import MegatronActorConfig, MegatronTrainActor
-from miles.backends.torch.actor import LossSums
-from miles.backends.torch.train_group import TrainGroup, _adapter_stats, split_prompt_groups
+from miles.backends.torch.train_group import TrainGroup, _adapter_stats, _rank_error, split_prompt_groups
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import RolloutBatch
 
@@ -105,10 +104,14 @@ class MegatronTrainGroup(TrainGroup):
         counts: dict[str, int] = {}
         for sample in samples:
             counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
-        per_rank: list[dict[str, LossSums]] = await asyncio.gather(*(
+        per_rank = await asyncio.gather(*(
             actor.train.remote([samples[i] for i in part], [advantages[i] for i in part], counts)
             for actor, part in zip(self._actors, parts)
-        ))
+        ), return_exceptions=True)
+        failures = [out for out in per_rank if isinstance(out, BaseException)]
+        if failures:  # as `TrainGroup.train`: no rank keeps any part of the batch
+            await asyncio.gather(*(actor.discard_batch.remote() for actor in self._actors), return_exceptions=True)
+            raise _rank_error(failures[0], f"training rollout {rollout_id}")
         return TrainResult(samples=len(samples), adapters=_adapter_stats(per_rank))
 
     async def export_adapter(self, name: str) -> LoraExport:
