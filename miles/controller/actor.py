@@ -190,6 +190,9 @@ class MultiLoRAController:
     async def mark_batch_trained(self, rollout_id: int) -> list[str]:
         return self.backend.mark_batch_trained(rollout_id)
 
+    async def requeue_for_new_trainer(self) -> list[str]:
+        return self.backend.requeue_for_new_trainer()
+
     async def set_adapter_step(self, name: str, step: int) -> None:
         self.backend.set_adapter_step(name, step)
 

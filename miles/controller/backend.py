@@ -282,6 +282,14 @@ class MultiLoRABackend:
         self._persist()
         return stepped
 
+    def requeue_for_new_trainer(self) -> list[str]:
+        """A new trainer over a restored registry: live adapters wait for its first push."""
+        requeued = self.registry.requeue_for_new_trainer()
+        if requeued:
+            self._persist()
+            logger.info("Restored adapters wait for this trainer's first push: %s", ", ".join(requeued))
+        return requeued
+
     def set_adapter_step(self, name: str, step: int) -> None:
         self.registry.set_step(name, step)
         self._persist()

@@ -70,6 +70,8 @@ class _Record:
     start_step: int = 0
     """Step the adapter (re)started at; `num_step` counts from here."""
     accumulated_groups: int = 0
+    pushed: bool = False
+    """Its weights were pushed at least once (its `start_step` is fixed from then on)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ def _record_to_json(record: _Record) -> dict[str, Any]:
         "name": record.name, "config": record.config.model_dump(mode="json"), "slot": record.slot,
         "registration_id": record.registration_id, "state": record.state.value, "step": record.step,
         "start_step": record.start_step, "accumulated_groups": record.accumulated_groups,
+        "pushed": record.pushed,
     }
 
 
@@ -107,6 +110,7 @@ def _record_from_json(raw: dict[str, Any]) -> _Record:
         name=raw["name"], config=AdapterRunConfig.model_validate_json(json.dumps(raw["config"])),
         slot=raw["slot"], registration_id=raw["registration_id"], state=AdapterState(raw["state"]),
         step=raw["step"], start_step=raw["start_step"], accumulated_groups=raw["accumulated_groups"],
+        pushed=raw.get("pushed", raw["state"] != AdapterState.PENDING.value),
     )
 
 
@@ -230,7 +234,22 @@ class AdapterRegistry:
             versions[name] = self._slot_versions[record.slot]
             if record.state is AdapterState.PENDING:
                 record.state = AdapterState.ACTIVE
+            record.pushed = True
         return versions
+
+    def requeue_for_new_trainer(self) -> list[str]:
+        """ACTIVE → PENDING for a trainer that starts over a restored registry.
+
+        Its engines hold no adapter yet, so nothing may be sampled before the trainer has
+        loaded (resumed) and pushed it; the next push makes it ACTIVE again. Steps, slots,
+        versions, registration ids and `start_step` are kept. Returns the names requeued.
+        """
+        requeued = []
+        for record in self._live.values():
+            if record.state is AdapterState.ACTIVE:
+                record.state = AdapterState.PENDING
+                requeued.append(record.name)
+        return sorted(requeued)
 
     def record_batch_adapters(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
         """Remember what a batch holds; nothing advances until `mark_batch_trained`."""
@@ -288,7 +307,7 @@ class AdapterRegistry:
         record = self._record(name)
         record.step = step
         record.accumulated_groups = 0
-        if record.state is AdapterState.PENDING:
+        if record.state is AdapterState.PENDING and not record.pushed:
             record.start_step = step
 
     # ---- reads ------------------------------------------------------------------

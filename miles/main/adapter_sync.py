@@ -145,10 +145,16 @@ class AdapterSync:
                 continue
             spec = AdapterSpec.from_run(run)
             loaded = await self.backend.load_adapter(spec)
-            if loaded.checkpoint is not None:
+            # A restored registry may be ahead of the weights (no checkpoint, or an older one):
+            # the weights win, so the step always matches what the backend holds.
+            if loaded.checkpoint is not None or loaded.step != run.step:
                 await self.controller.set_adapter_step.remote(name, loaded.step)
                 snapshot = snapshot.with_step(name, loaded.step)
+            if loaded.checkpoint is not None:
                 logger.info("Adapter '%s' resumed from %s (step %d)", name, loaded.checkpoint, loaded.step)
+            elif loaded.step != run.step:
+                logger.warning("Adapter '%s' had step %d but no checkpoint: it starts again from step %d",
+                               name, run.step, loaded.step)
             if loaded.data_position is not None:
                 # Before its first push: the adapter is PENDING, so nothing was sampled yet.
                 await self.rollout_manager.restore_data_position.remote(name, run.registration_id,

@@ -90,6 +90,8 @@ async def launch(cfg: MilesConfig) -> Components:
     from miles.rollout.manager import RolloutManager
 
     controller = create_multilora_controller(cfg, router_url=None, hooks=controller_hooks(cfg))  # logs its URL
+    # A registry restored from --save: nothing is sampled before this trainer pushed it.
+    await controller.requeue_for_new_trainer.remote()
     rollout_manager = RolloutManager.options(name="miles_rollout_manager").remote(cfg)
     backend = build_backend(cfg)
     # Engines and train ranks load the base model in parallel.

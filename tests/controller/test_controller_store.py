@@ -172,3 +172,27 @@ async def test_restarted_trainer_keeps_the_start_step_of_a_running_adapter(
     reopened.set_adapter_step("a", 4)  # its latest checkpoint
     run = reopened.snapshot().active["a"]
     assert (run.step, run.start_step, run.accumulated_groups, run.final_step) == (4, 2, 0, 8)
+
+
+async def test_a_new_trainer_over_a_restored_registry_pushes_before_anything_is_sampled(
+        tmp_path: Path, defaults: AdapterDefaults, data_root: Path) -> None:
+    path = tmp_path / "controller" / "registry.sqlite"
+    data = str(write_dataset(data_root / "rows.jsonl", 20))
+    first = open_backend(path, defaults)
+    await first.register("a", config={"data": data, "rollout_batch_size": 2, "num_step": 100})
+    first.set_adapter_step("a", 4)  # resumed before its first push: num_step counts from 4
+    first.record_weight_update(["a"])
+    first.record_batch_adapters(0, {"a": 2}, ["a"])
+    first.mark_batch_trained(0)
+    assert first.snapshot().active["a"].step == 5
+
+    restored = open_backend(path, defaults)  # the trainer crashed and starts again
+    assert restored.requeue_for_new_trainer() == ["a"]
+    snapshot = restored.snapshot()
+    assert "a" in snapshot.pending and not snapshot.sampleable
+    restored.set_adapter_step("a", 5)  # the new trainer resumes the checkpoint of step 5
+    run = restored.snapshot().pending["a"]
+    assert (run.step, run.start_step) == (5, 4)  # num_step still counts from the registration's start
+    restored.record_weight_update(["a"])
+    assert "a" in restored.snapshot().active
+    assert open_backend(path, defaults).snapshot() == restored.snapshot()

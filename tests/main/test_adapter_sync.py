@@ -136,6 +136,14 @@ async def test_a_new_trainer_resumes_from_the_disk_and_saves_at_shutdown(tmp_pat
     assert second.rollout.restores[0][2] == DataPosition(0, 6)
 
 
+async def test_a_restored_step_without_a_checkpoint_follows_the_weights(tmp_path):
+    trainer = Trainer(tmp_path)  # its backend's disk is empty: no checkpoint of "a"
+    await trainer.register("a", num_step=5)
+    trainer.controller.set_adapter_step("a", 3)  # what a registry restored from --save may hold
+    snapshot = await trainer.components.sync.reconcile(trainer.controller.snapshot())
+    assert snapshot.pending["a"].step == 0 and trainer.controller.snapshot().pending["a"].step == 0
+
+
 async def test_adapter_named_like_the_loop_metrics_gets_its_own_records(tmp_path):
     t = Trainer(tmp_path)
     await t.register("perf", num_step=1)
