@@ -22,10 +22,16 @@ equals the label.
     #   custom_generate_function_path: miles.recipes.calculator_tool.generate
     #   custom_rm_path: miles.recipes.calculator_tool.reward
 
-    python -m miles.recipes.calculator_tool --out data/calc_train.jsonl --n 2000
+    python -m miles.recipes.calculator_tool --out data/calc_train.jsonl --n 2000 [--split test]
 
 writes `{"text": "47*36=", "label": "1692"}` rows (two-digit products, which the tiny
-base cannot do in its head).
+base cannot do in its head; `split_rows` holds 500 of the 8,100 out for testing).
+
+The tiny base never writes `<calc>` by itself (it was pretrained to write digits after
+`=`), so an adapter starts with a short supervised warm start on this format and then
+learns with RL; `scripts/calculator_check.py` does both in one process and prints the
+held-out success rate (`solved`: the tool asked the problem's expression and the final
+answer is right) before and after RL.
 """
 
 from __future__ import annotations
