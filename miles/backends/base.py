@@ -15,9 +15,9 @@ iteration's snapshot.
     export = await backend.export_adapter(name)                      # for a weight push
     # in-place pushes: the exporting rank joins a weights-update group with every engine
     host, port = await backend.update_group_endpoint()
-    await asyncio.gather(backend.join_update_group(spec), <every engine joins spec>)
-    await asyncio.gather(backend.broadcast_adapter(export), <every engine receives>)
-    await backend.leave_update_group()
+    await asyncio.gather(backend.join_update_group(spec), <the engine joins spec>)   # one group per engine
+    failed = await backend.broadcast_adapter(export, [spec.group_name, ...])   # while each engine receives
+    await backend.leave_update_group(spec.group_name)
     await backend.save_adapter(SaveRequest(name, step, data_position))
     await backend.cleanup_adapter(name)
     await backend.shutdown()
@@ -29,6 +29,7 @@ To add a backend (e.g. Megatron), implement `TrainingBackend` and build it in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -183,15 +184,16 @@ class TrainingBackend(Protocol):
         (its node's address when the cluster has more than one node, else loopback)."""
 
     async def join_update_group(self, spec: UpdateGroupSpec) -> None:
-        """The exporting rank joins `spec` as rank 0 (returns once every engine rank joined too);
-        a group it was in before is left first."""
+        """The exporting rank joins `spec` as rank 0 (returns once every engine rank of it joined
+        too); a group of the same name it was in before is left first."""
 
-    async def leave_update_group(self) -> None:
-        """The exporting rank leaves its weights-update group (none: nothing to do)."""
+    async def leave_update_group(self, group_name: str | None = None) -> None:
+        """The exporting rank leaves that weights-update group (None: every one it is in)."""
 
-    async def broadcast_adapter(self, export: LoraExport) -> int:
-        """The exporting rank broadcasts `export.tensors` over its group, in `export.names` order,
-        while every engine receives them; returns the bytes sent."""
+    async def broadcast_adapter(self, export: LoraExport, group_names: Sequence[str]) -> dict[str, str]:
+        """The exporting rank broadcasts `export.tensors` over each named group in turn, in
+        `export.names` order, while the engines receive them; returns the groups whose
+        broadcast failed (a dead engine), with the error."""
 
     async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
         """Forward and backward of a batch (every adapter in it must be loaded); the

@@ -5,10 +5,12 @@
     await pusher.unload(slot)                                    # the adapter left its slot
     await pusher.close()
 
-`in_place`: the exporting train rank and every engine form a weights-update group
-(joined at the first push, and again whenever an engine is out of it, e.g. after its
+`in_place`: the exporting train rank forms a weights-update group with each engine
+(joined at the first push, and again whenever the engine is out of it, e.g. after its
 server restarted); each push sends names, dtypes and shapes to the engines and the
-tensors by broadcast from the train rank. The slot keeps its engine-side name; an engine
+tensors by broadcast from the train rank, group after group. One group per engine
+rather than one for all: a server that dies mid-push breaks only its own group (the
+others finish at once) and is rejoined alone. The slot keeps its engine-side name; an engine
 swaps the weights between two decode steps, so a request decoding across a push
 produces its earlier tokens with the old weights and its later ones with the new (its
 group is stamped with the old version, so staleness counts it as the older policy).
@@ -53,14 +55,14 @@ class PushStats:
     """LoRA bytes sent to each engine (the sum over the pushed adapters)."""
     seconds: float
     joins: int = 0
-    """Weights-update groups (re)built during the stage (in_place)."""
+    """Weights-update groups (one per engine) built or rebuilt during the stage (in_place)."""
 
 
 class EnginePusher:
     def __init__(self, backend: TrainingBackend, engines: Sequence[Any], rollout_manager: Any, *,
                  mode: LoraUpdateMode = "in_place", drain_timeout_s: float = 300.0) -> None:
         """`engines`: engine actor handles (`miles.rollout.engines.engine_actor.EngineActor`);
-        `rollout_manager`: its `update_group_spec` and `versions_in_flight` are used."""
+        `rollout_manager`: its `update_group_layout` and `versions_in_flight` are used."""
         if mode not in ("in_place", "versioned"):
             raise ValueError(f"unknown --engine-lora-update {mode!r}: use in_place or versioned")
         self.backend = backend
@@ -68,7 +70,12 @@ class EnginePusher:
         self.rollout_manager = rollout_manager
         self.mode = mode
         self.drain_timeout_s = drain_timeout_s
-        self._group: UpdateGroupSpec | None = None
+        self._groups: dict[int, UpdateGroupSpec] = {}
+        """Engine index -> the weights-update group it shares with the exporting train rank."""
+        self._broken: set[int] = set()
+        """Engines whose group failed a push (rebuilt before their next push)."""
+        self._layout: tuple[str, int] | None = None
+        """(process-group backend, ranks per engine), asked of the rollout manager once."""
 
     async def push(self, pushes: Sequence[tuple[int, int, LoraExport]]) -> PushStats:
         """Load each (slot, version, export) into every engine; returns once every engine serves them."""
@@ -89,65 +96,80 @@ class EnginePusher:
 
     async def close(self) -> None:
         """Leave the weights-update group (the engines leave theirs when they shut down)."""
-        if self._group is not None:
-            self._group = None
-            await self.backend.leave_update_group()
+        if self._groups:
+            self._groups.clear()
+            await self.backend.leave_update_group(None)
 
     # ---- in_place ----------------------------------------------------------------------
 
     async def _push_in_place(self, slot: int, version: int, export: LoraExport) -> int:
-        joins = 0
+        """Broadcast to every engine; an engine whose push fails (its server died) is rejoined and
+        pushed again, the others are not held up by it."""
+        joins, pending = 0, list(range(len(self.engines)))
         for attempt in range(1, IN_PLACE_ATTEMPTS + 1):
-            if not await self._group_ready():
-                await self._join()
-                joins += 1
-            assert self._group is not None
-            results = await asyncio.gather(
-                self.backend.broadcast_adapter(export),
-                *(e.push_lora_from_distributed.remote(slot, version, export.peft_config, export.names, export.dtypes,
-                                                      export.shapes, self._group.group_name,
-                                                      weights_ref=[export.tensors])
-                  for e in self.engines),
+            joins += await self._join_missing(pending)
+            unjoined = [i for i in pending if i not in self._groups]
+            if unjoined and attempt == IN_PLACE_ATTEMPTS:
+                raise RuntimeError(f"engines {unjoined} could not join a weights-update group for slot {slot} "
+                                   f"v{version} after {IN_PLACE_ATTEMPTS} attempts (see the warnings above)")
+            pending = [i for i in pending if i in self._groups]
+            names = [self._groups[i].group_name for i in pending]
+            sent, *loaded = await asyncio.gather(
+                self.backend.broadcast_adapter(export, names),
+                *(self.engines[i].push_lora_from_distributed.remote(
+                    slot, version, export.peft_config, export.names, export.dtypes, export.shapes,
+                    self._groups[i].group_name, weights_ref=[export.tensors]) for i in pending),
                 return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if not errors:
+            if isinstance(sent, BaseException):
+                raise sent
+            failed = []
+            for i, name, result in zip(pending, names, loaded):
+                if name in sent:  # the engine's server died mid-push: its group is broken
+                    self._broken.add(i)
+                if isinstance(result, BaseException):
+                    failed.append(i)
+                    self._broken.add(i)
+                    logger.warning("In-place push of slot %d v%d to engine %d failed (attempt %d/%d): %s", slot,
+                                   version, i, attempt, IN_PLACE_ATTEMPTS, result)
+                # else: it serves the version (a restarted one reloaded it from the object store)
+            if not failed and not unjoined:
                 return joins
-            if not any(isinstance(r, BaseException) for r in results[1:]):
-                # The sender failed but every engine holds the version (one that died meanwhile
-                # reloaded it from the object store on restart): only the group is broken.
-                logger.warning("Broadcast of slot %d v%d failed (%s); every engine loaded it, rejoining the "
-                               "weights-update group before the next push", slot, version, errors[0])
-                self._group = None
-                return joins
-            logger.warning("In-place push of slot %d v%d failed (attempt %d/%d): %s", slot, version, attempt,
-                           IN_PLACE_ATTEMPTS, errors[0])
-            self._group = None  # rejoin: an engine may have restarted, or the group is broken
             if attempt == IN_PLACE_ATTEMPTS:
-                raise errors[0]
+                raise loaded[pending.index(failed[0])]
+            pending = failed + unjoined
         raise AssertionError("unreachable")
 
-    async def _group_ready(self) -> bool:
-        if self._group is None:
-            return False
-        return all(await asyncio.gather(*(e.update_group_joined.remote() for e in self.engines)))
+    async def _join_missing(self, engines: list[int]) -> int:
+        """(Re)build the weights-update group of every listed engine that is out of its group."""
+        joined = await asyncio.gather(*(self.engines[i].update_group_joined.remote() for i in engines))
+        missing = [i for i, ok in zip(engines, joined) if not ok or i not in self._groups or i in self._broken]
+        if missing:
+            if self._layout is None:
+                self._layout = tuple(await self.rollout_manager.update_group_layout.remote())
+            results = await asyncio.gather(*(self._join(i) for i in missing), return_exceptions=True)
+            for i, result in zip(missing, results):
+                if isinstance(result, BaseException):
+                    logger.warning("Engine %d could not join a weights-update group: %s", i, result)
+        return len(missing)
 
-    async def _join(self) -> None:
-        """(Re)build the weights-update group: the exporting rank at 0, every engine at its offset."""
-        old, self._group = self._group, None
-        await asyncio.gather(self.backend.leave_update_group(),
-                             *(e.destroy_weights_update_group.remote(old.group_name) for e in self.engines
-                               if old is not None))
+    async def _join(self, i: int) -> None:
+        """One group per engine: the exporting train rank at 0, the engine's ranks after it, so a
+        dead engine breaks only its own group."""
+        engine, old = self.engines[i], self._groups.pop(i, None)
+        self._broken.discard(i)
+        if old is not None:
+            await asyncio.gather(self.backend.leave_update_group(old.group_name),
+                                 engine.destroy_weights_update_group.remote(old.group_name))
+        backend, ranks = self._layout
         host, port = await self.backend.update_group_endpoint()
-        spec: UpdateGroupSpec = await self.rollout_manager.update_group_spec.remote(
-            host, port, f"miles_lora_update_{uuid.uuid4().hex[:12]}", UPDATE_GROUP_TIMEOUT_S)
-        ranks_per_engine = (spec.world_size - 1) // len(self.engines)
-        await asyncio.gather(
-            self.backend.join_update_group(spec),
-            *(e.init_weights_update_group.remote(**spec.init_request(rank_offset=1 + i * ranks_per_engine))
-              for i, e in enumerate(self.engines)))
-        self._group = spec
-        logger.info("Weights-update group %s: the exporting train rank and %d engine(s) at %s:%d (%s)",
-                    spec.group_name, len(self.engines), host, port, spec.backend)
+        spec = UpdateGroupSpec(master_address=host, master_port=port, world_size=1 + ranks,
+                               group_name=f"miles_lora_update_{i}_{uuid.uuid4().hex[:8]}", backend=backend,
+                               timeout_s=UPDATE_GROUP_TIMEOUT_S)
+        await asyncio.gather(self.backend.join_update_group(spec),
+                             engine.init_weights_update_group.remote(**spec.init_request(rank_offset=1)))
+        self._groups[i] = spec
+        logger.info("Weights-update group %s: the exporting train rank and engine %d at %s:%d (%s)",
+                    spec.group_name, i, host, port, backend)
 
     # ---- versioned ---------------------------------------------------------------------
 

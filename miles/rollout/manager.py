@@ -20,7 +20,6 @@ from typing import Any
 
 import ray
 
-from miles.backends.weight_sync import UpdateGroupSpec
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.collection import BatchCollector, CollectionConfig
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
@@ -112,12 +111,11 @@ class LocalRolloutManager:
             raise RolloutNotStartedError("call start() before asking for versions in flight")
         return self._producer.versions_in_flight()
 
-    def update_group_spec(self, master_address: str, master_port: int, group_name: str,
-                          timeout_s: float) -> UpdateGroupSpec:
-        """The weights-update group of a sender at `master_address:master_port` and every engine."""
+    def update_group_layout(self) -> tuple[str, int]:
+        """(process-group backend, ranks per engine) of the engines' weights-update groups."""
         if self._fleet is None:
-            raise RolloutNotStartedError("call start() before asking for the weights-update group")
-        return self._fleet.update_group_spec(master_address, master_port, group_name=group_name, timeout_s=timeout_s)
+            raise RolloutNotStartedError("call start() before asking for the weights-update group layout")
+        return self._fleet.update_group_layout()
 
     def get_router_address(self) -> str:
         if self._fleet is None:

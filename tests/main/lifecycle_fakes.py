@@ -152,11 +152,11 @@ class FakeBackend:
     async def join_update_group(self, spec: Any) -> None:
         self.calls.append(("join_update_group", spec.group_name))
 
-    async def leave_update_group(self) -> None:
+    async def leave_update_group(self, group_name: str | None = None) -> None:
         pass
 
-    async def broadcast_adapter(self, export: LoraExport) -> int:
-        return 0
+    async def broadcast_adapter(self, export: LoraExport, group_names: Sequence[str]) -> dict[str, str]:
+        return {}
 
     async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
         if self.train_gate is not None:

@@ -6,6 +6,9 @@ random model and drives it over the control plane's HTTP API.
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import time
 from pathlib import Path
 
@@ -144,5 +147,75 @@ def test_non_service_mode_exits_when_adapters_finish(tiny_model_dir, workdir):
         checkpoint = latest_checkpoint(save / "adapters" / "add")
         assert checkpoint is not None and checkpoint.name == "step_2"
         assert (save / "metrics.jsonl").exists()
+    finally:
+        driver.kill()
+
+
+def _server_pids(root_pid: int) -> list[int]:
+    """Builtin inference servers among the descendants of `root_pid` (this trainer's own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        for child in children.get(pid, []):
+            todo.append(child)
+            try:
+                cmdline = (Path("/proc") / str(child) / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"miles.rollout.engines.builtin_server" in cmdline:
+                found.append(child)
+    return found
+
+
+PUSH_LINE = re.compile(r"Pushed (\d+) adapter\(s\), (\d+) bytes per engine, in ([0-9.]+)s")
+
+
+@pytest.mark.parametrize("mode", ["in_place", "versioned"])
+def test_update_modes_survive_a_killed_server_mid_rollout(tiny_model_dir, workdir, mode):
+    """Two engines; a server is SIGKILLed while both adapters generate: its engine restarts it
+    with every slot, the groups it held are regenerated, and every adapter keeps stepping."""
+    port = free_port()
+    flags = tiny_run_flags(tiny_model_dir, workdir / "save", n_adapters=2, port=port)
+    flags[flags.index("--rollout-num-engines") + 1] = "2"
+    flags += ["--engine-lora-update", mode]
+    driver = DriverProcess(TRAINER, flags, workdir / "trainer.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        driver.wait_for_http(url)
+        client = ControlPlaneClient(url)
+        client.register("a", config={"data": str(workdir / "data" / "add.jsonl")})
+        client.register("b", config={"data": str(workdir / "data" / "sub.jsonl")})
+        wait_until(lambda: min(client.status(n).step for n in "ab") >= 1, 240, "both adapters to step", driver)
+        servers = wait_until(lambda: _server_pids(driver.proc.pid), 30, "the engine servers", driver)
+        assert len(servers) == 2
+        steps = {n: client.status(n).step for n in "ab"}
+        os.kill(servers[0], signal.SIGKILL)
+        wait_until(lambda: "is back at" in driver.log_path.read_text(), 240, "the server to be restarted", driver)
+        wait_until(lambda: all(client.status(n).step >= steps[n] + 2 for n in "ab"), 240,
+                   "both adapters to keep stepping after the kill", driver)
+        # A retired adapter leaves the engines; the other one keeps training.
+        client.deregister("a")
+        client.wait_for_state("a", AdapterState.COMPLETED, timeout=240)
+        step_b = client.status("b").step
+        wait_until(lambda: client.status("b").step > step_b, 240, "b to keep stepping after a left", driver)
+        assert driver.terminate() == 0, driver.log_tail()
+
+        log = driver.log_path.read_text()
+        assert "rollout producer died" not in log
+        if mode == "in_place":  # one group per engine; the restarted server's is rebuilt before its next push
+            assert log.count("Weights-update group miles_lora_update_") >= 3
+        pushes = [(int(n), int(b), float(s)) for n, b, s in PUSH_LINE.findall(log)]
+        assert pushes and all(b > 0 for _, b, _ in pushes)
+        per_adapter = [b / n for n, b, _ in pushes]
+        print(f"\n{mode}: {len(pushes)} pushes, {per_adapter[0]:.0f} bytes per adapter per engine, "
+              f"median push {sorted(s for _, _, s in pushes)[len(pushes) // 2] * 1000:.1f} ms")
     finally:
         driver.kill()

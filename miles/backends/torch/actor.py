@@ -185,9 +185,9 @@ def adapter_seed(seed: int, name: str) -> int:
 class TorchTrainActor:
     """One DP rank: frozen base + slot page table + per-slot AdamW + per-adapter schedules."""
 
-    _update_group: dist.ProcessGroup | None = None
-    """The weights-update group this rank sends LoRA tensors over (rank 0 only)."""
-    _update_group_backend: str = "gloo"
+    _update_groups: dict[str, tuple[dist.ProcessGroup, str]] = {}
+    """Weights-update groups this rank sends LoRA tensors over (rank 0 only): name -> (group, backend).
+    Replaced by an instance dict at the first join."""
 
     def __init__(self, config: TrainActorConfig, rank: int = 0, world_size: int = 1) -> None:
         from transformers import AutoModelForCausalLM
@@ -259,22 +259,34 @@ class TorchTrainActor:
             return host, sock.getsockname()[1]
 
     def join_update_group(self, spec: UpdateGroupSpec) -> None:
-        """Join `spec` as its sender (rank 0); blocks until every engine rank joined."""
-        self.leave_update_group()
-        self._update_group = join_update_group(spec, 0)
-        self._update_group_backend = spec.backend
+        """Join `spec` as its sender (rank 0); blocks until every engine rank of it joined."""
+        self.leave_update_group(spec.group_name)
+        group = join_update_group(spec, 0)
+        self._update_groups = {**self._update_groups, spec.group_name: (group, spec.backend)}
 
-    def leave_update_group(self) -> None:
-        group, self._update_group = self._update_group, None
-        if group is not None:
-            leave_update_group(group)
+    def leave_update_group(self, group_name: str | None = None) -> None:
+        """Leave one weights-update group (every one when `group_name` is None)."""
+        names = list(self._update_groups) if group_name is None else [group_name]
+        for name in names:
+            entry = self._update_groups.get(name)
+            self._update_groups = {k: v for k, v in self._update_groups.items() if k != name}
+            if entry is not None:
+                leave_update_group(entry[0])
 
-    def broadcast_tensors(self, tensors: dict[str, Tensor]) -> int:
-        """Send `tensors` (an export of this rank) to every engine of the group; returns the bytes sent."""
-        if self._update_group is None:
-            raise RuntimeError("broadcast_tensors before join_update_group: join the weights-update group first")
-        device = self.device if self._update_group_backend == "nccl" else None
-        return broadcast_tensors(self._update_group, tensors, device=device)
+    def broadcast_tensors(self, tensors: dict[str, Tensor], group_names: Sequence[str]) -> dict[str, str]:
+        """Send `tensors` (an export of this rank) over each named group in turn; returns the groups
+        whose broadcast failed, with the error (one dead engine does not stop the others' pushes)."""
+        failed = {}
+        for name in group_names:
+            if name not in self._update_groups:
+                failed[name] = "not joined"
+                continue
+            group, backend = self._update_groups[name]
+            try:
+                broadcast_tensors(group, tensors, device=self.device if backend == "nccl" else None)
+            except RuntimeError as exc:  # gloo/nccl: the peer is gone
+                failed[name] = str(exc)
+        return failed
 
     @staticmethod
     def tensor_metadata(tensors: dict[str, Tensor]) -> tuple[list[str], list[str], list[list[int]], int]:

@@ -159,12 +159,12 @@ class TrainGroup:
     async def join_update_group(self, spec: UpdateGroupSpec) -> None:
         await self._actors[0].join_update_group.remote(spec)
 
-    async def leave_update_group(self) -> None:
-        await self._actors[0].leave_update_group.remote()
+    async def leave_update_group(self, group_name: str | None = None) -> None:
+        await self._actors[0].leave_update_group.remote(group_name)
 
-    async def broadcast_adapter(self, export: LoraExport) -> int:
-        """Rank 0 sends the exported tensors (read back from its own object store)."""
-        return await self._actors[0].broadcast_tensors.remote(export.tensors)
+    async def broadcast_adapter(self, export: LoraExport, group_names: Sequence[str]) -> dict[str, str]:
+        """Rank 0 sends the exported tensors (read back from its own object store) over each group."""
+        return await self._actors[0].broadcast_tensors.remote(export.tensors, list(group_names))
 
     # ---- training --------------------------------------------------------------------
 

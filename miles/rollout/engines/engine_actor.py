@@ -257,14 +257,34 @@ class EngineServer:
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> dict[str, Any]:
-        """Join the sender's weights-update group (blocks until every rank joined); after a
-        restart in progress, so the server that joins is the one that stays."""
-        async with self._lock:
-            answer = await self._post("/init_weights_update_group", {
-                "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-                "world_size": world_size, "group_name": group_name, "backend": backend})
-            self._group_joined = True
-            return answer
+        """Join the sender's weights-update group (blocks until every rank joined). A server that
+        died is restarted first, so the server that joins is the one that stays."""
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}
+        for attempt in range(2):
+            if self._process is not None and not self._process.alive():
+                await self.recover()
+            async with self._lock:
+                try:
+                    answer = await self._post("/init_weights_update_group", body)
+                except httpx.TransportError:
+                    if attempt or not await self._server_died():
+                        raise
+                    continue
+                self._group_joined = True
+                return answer
+        raise AssertionError("unreachable")
+
+    async def _server_died(self) -> bool:
+        """After a request failed at the transport level: whether the server process is dead
+        (its exit can show a moment after its socket closed)."""
+        if self._process is None:
+            return False
+        for _ in range(40):
+            if not self._process.alive():
+                return True
+            await asyncio.sleep(0.05)
+        return False
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         """Leave the group; a server that is not in it (e.g. just restarted) is fine."""
@@ -302,7 +322,7 @@ class EngineServer:
             try:
                 served = await load()
             except httpx.TransportError:
-                if self._process is None or self._process.alive() or not (weights.path or weights.weights_ref):
+                if not (weights.path or weights.weights_ref) or not await self._server_died():
                     raise
                 served = None
             self._remember(slot, weights)

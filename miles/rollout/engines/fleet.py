@@ -119,6 +119,10 @@ class EngineFleet:
                                group_name=group_name, backend=backend)
         return spec if timeout_s is None else dataclasses.replace(spec, timeout_s=timeout_s)
 
+    def update_group_layout(self) -> tuple[str, int]:
+        """(process-group backend, ranks per engine) of a weights-update group with these engines."""
+        return ("nccl" if self.cfg.server.device == "cuda" else "gloo"), self._ranks_per_engine()
+
     async def join_update_group(self, spec: UpdateGroupSpec) -> None:
         """Every engine joins `spec` (returns once the sender joined too)."""
         await asyncio.gather(*[
