@@ -34,7 +34,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -75,8 +75,7 @@ class Setup:
     train: list[dict[str, str]]
     test: list[dict[str, str]]
     workdir: Path
-    rank: int = 8
-    alpha: float = 16.0
+    seeds: random.Random = field(default_factory=lambda: random.Random(0))
 
 
 def warm_start_batch(tokenizer, rows: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,8 +128,10 @@ async def rollout(s: Setup, rows: list[dict[str, str]], n: int, temperature: flo
         prompt_ids = s.tokenizer.encode(row["text"], add_special_tokens=False)
         for i in range(n):
             samples.append(Sample(ADAPTER, SLOT, g, i, row["text"], row["label"], {}, list(prompt_ids)))
-    inputs = [GenerateFnInput(args=cfg, sample=x, sampling_params=dict(params), engine=handle, tokenizer=s.tokenizer)
-              for x in samples]
+    # A seed per conversation makes its sampling independent of how the engine batches it.
+    seeds = [s.seeds.randrange(2**31) for _ in samples]
+    inputs = [GenerateFnInput(args=cfg, sample=x, sampling_params={**params, "seed": seed}, engine=handle,
+                              tokenizer=s.tokenizer) for x, seed in zip(samples, seeds)]
     return list(await asyncio.gather(*(call_generate_function(calc.generate, i) for i in inputs)))
 
 
@@ -184,7 +185,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
     train, test = calc.split_rows(args.seed)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        s = Setup(model, tokenizer, engine, opt, train, test[: args.eval_rows], Path(tmp))
+        s = Setup(model, tokenizer, engine, opt, train, test[: args.eval_rows], Path(tmp), random.Random(args.seed))
         try:
             version = 0
             await push(s, version)

@@ -51,4 +51,4 @@ async def test_rl_raises_the_held_out_success_rate_over_the_warm_start():
     result = await _check_module().run(args)
     assert result["fresh"] == 0.0  # the base never writes a tool call by itself
     assert 0.2 < result["warm"] < 0.8  # a warm start that leaves room to learn
-    assert result["rl"] >= result["warm"] + 0.08
+    assert result["rl"] >= result["warm"] + 0.10  # measured: 0.535 -> 0.730
