@@ -44,6 +44,7 @@ from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.backends.weight_sync import UpdateGroupSpec
 from miles.backends.torch.batching import Advantage
 from miles.backends.torch.loss import adapter_token_advantages, needs_reward_kl
+from miles.utils import placement
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import RolloutBatch
@@ -95,6 +96,8 @@ class TrainGroup:
         self.config = config
         self._actors: list[Any] = []
         self._specs: dict[str, AdapterSpec] = {}
+        self._placement: Any = None
+        """The rank actors' placement group (one bundle per rank)."""
         """Loaded adapters (what every rank holds)."""
 
     @property
@@ -115,11 +118,14 @@ class TrainGroup:
 
         if self._actors:
             raise RuntimeError("TrainGroup.start() was already called")
-        remote_cls = ray.remote(TorchTrainActor).options(
-            num_cpus=self.config.num_cpus_per_worker, num_gpus=self.config.num_gpus_per_worker
-        )
         n = self.config.n_workers
-        self._actors = [remote_cls.remote(self.config.actor, rank, n) for rank in range(n)]
+        cpus, gpus = self.config.num_cpus_per_worker, self.config.num_gpus_per_worker
+        # One bundle per rank; ranks that do not fit on one node spread over nodes.
+        self._placement = await placement.one_bundle_each(n, cpus=cpus, gpus=gpus)
+        remote_cls = ray.remote(TorchTrainActor)
+        self._actors = [remote_cls.options(num_cpus=cpus, num_gpus=gpus,
+                                           scheduling_strategy=placement.bundle_strategy(self._placement, rank))
+                        .remote(self.config.actor, rank, n) for rank in range(n)]
         await self._all("ready")
         if n > 1:
             address = await self._actors[0].master_address.remote(self.config.master_host)
@@ -266,6 +272,8 @@ class TrainGroup:
             ray.kill(actor)
         self._actors = []
         self._specs.clear()
+        placement.remove(self._placement)
+        self._placement = None
 
 
 def _rank_error(exc: BaseException, doing: str) -> BaseException:

@@ -46,6 +46,7 @@ from miles.backends.lora import write_peft_dir
 from miles.rollout.engines.process import ServerProcess, free_port
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig, server_command
+from miles.utils.network import cluster_host
 from miles.utils.types import engine_lora_name, engine_lora_slot
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,9 @@ class EngineServer:
     """Plain-Python body of `EngineActor` (usable without Ray)."""
 
     def __init__(self, cfg: EngineServerConfig, work_dir: str, *, start_timeout_s: float = START_TIMEOUT_S,
-                 host: str = LOOPBACK, supervise_interval_s: float = SUPERVISE_INTERVAL_S):
-        """`host`: the address the server binds; loopback unless a router on another node must reach it."""
+                 host: str | None = LOOPBACK, supervise_interval_s: float = SUPERVISE_INTERVAL_S):
+        """`host`: the address the server binds; None: this node's address when the cluster has
+        more than one node (a router on another node must reach it), else loopback."""
         self.cfg = cfg
         self.mode = cfg.lora_update
         self.host = host
@@ -107,6 +109,7 @@ class EngineServer:
         if self._url is not None:
             return self._url
         self._lock = asyncio.Lock()
+        self.host = self.host or cluster_host()
         self._url = await self._launch()
         self._supervisor = asyncio.create_task(self._supervise(), name="engine-supervisor")
         return self._url

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -31,7 +32,9 @@ from miles.rollout.engines.engine_actor import EngineActor
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
 from miles.backends.weight_sync import UpdateGroupSpec
+from miles.utils import placement
 from miles.utils.arguments import MilesConfig
+from miles.utils.network import cluster_host
 from miles.utils.types import LoraPush, LoraUpdateMode, engine_lora_name
 
 logger = logging.getLogger(__name__)
@@ -47,8 +50,9 @@ class EngineFleetConfig:
     router_port: int | None = None
     router_policy: str = "round_robin"
     start_timeout_s: float = 300.0
-    engine_host: str = "127.0.0.1"
-    """Address engines bind; loopback keeps them private to a single-node run."""
+    engine_host: str | None = None
+    """Address engines bind; default each engine's node address when the cluster has more
+    than one node, else loopback (private to a single-node run)."""
 
     @classmethod
     def from_config(cls, cfg: MilesConfig, *, lora_update: LoraUpdateMode = "in_place") -> EngineFleetConfig:
@@ -61,8 +65,11 @@ class EngineFleetConfig:
 
 
 class EngineFleet:
-    def __init__(self, cfg: EngineFleetConfig, engines: list[ray.actor.ActorHandle], urls: list[str], router: Router):
+    def __init__(self, cfg: EngineFleetConfig, engines: list[ray.actor.ActorHandle], urls: list[str], router: Router,
+                 placement_group: Any = None):
         self.cfg = cfg
+        self.placement_group = placement_group
+        """One bundle per engine (its GPUs)."""
         self.engines = engines
         self.urls = urls
         self.router = router
@@ -83,9 +90,11 @@ class EngineFleet:
     @classmethod
     async def start(cls, cfg: EngineFleetConfig) -> EngineFleet:
         gpus = cfg.server.tp_size if cfg.server.device == "cuda" else 0
+        pg = await placement.one_bundle_each(cfg.num_engines, cpus=0.0, gpus=gpus)
         engines = [
-            EngineActor.options(num_gpus=gpus).remote(cfg.server, str(Path(cfg.work_dir) / f"engine_{i}"),
-                                                      start_timeout_s=cfg.start_timeout_s, host=cfg.engine_host)
+            EngineActor.options(num_gpus=gpus, scheduling_strategy=placement.bundle_strategy(pg, i)).remote(
+                cfg.server, str(Path(cfg.work_dir) / f"engine_{i}"), start_timeout_s=cfg.start_timeout_s,
+                host=cfg.engine_host)
             for i in range(cfg.num_engines)
         ]
         try:
@@ -94,15 +103,17 @@ class EngineFleet:
             await asyncio.gather(*[e.set_router.remote(router.url) for e in engines])
         except BaseException:
             await asyncio.gather(*[e.shutdown.remote() for e in engines], return_exceptions=True)
+            placement.remove(pg)
             raise
         logger.info("Engines %s behind router %s", urls, router.url)
-        return cls(cfg, engines, urls, router)
+        return cls(cfg, engines, urls, router, pg)
 
     @staticmethod
     async def _router(cfg: EngineFleetConfig, urls: list[str]) -> Router:
         if cfg.router_ip is not None:
             return await Router.attach(f"http://{cfg.router_ip}:{cfg.router_port}", urls)
-        return await Router.launch(urls, log_path=Path(cfg.work_dir) / "router.log", policy=cfg.router_policy)
+        return await Router.launch(urls, log_path=Path(cfg.work_dir) / "router.log", policy=cfg.router_policy,
+                                   host=cluster_host())
 
     async def push_lora(self, push: LoraPush) -> list[str]:
         """Load one adapter's weights into every engine (through the object store); returns the served names."""
@@ -173,3 +184,4 @@ class EngineFleet:
             if isinstance(result, BaseException):
                 logger.warning("Engine shutdown failed: %s", result)
             ray.kill(engine)
+        placement.remove(self.placement_group)

@@ -1,0 +1,64 @@
+"""Placement on a two-node Ray cluster on one machine (`ray.cluster_utils.Cluster`, loopback).
+
+Two train ranks of one CPU each on two one-CPU nodes: one bundle per rank puts them on
+different nodes, they rendezvous at rank 0's node address, and a train step all-reduces
+over that process group. Runs in its own process: the suite's Ray session stays untouched.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = textwrap.dedent('''
+    import asyncio, json, sys
+    import ray
+    from ray.cluster_utils import Cluster
+    from miles.backends.base import AdapterSpec
+    from miles.backends.torch.actor import TrainActorConfig
+    from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
+    from miles.utils.types import RolloutBatch, Sample
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, include_dashboard=False)
+
+    async def main():
+        group = TrainGroup(TrainGroupConfig(actor=TrainActorConfig(hf_checkpoint=sys.argv[1], n_slots=1, lora_rank=2),
+                                            n_workers=2, num_cpus_per_worker=1))
+        await group.start()
+        nodes = ray.util.placement_group_table(group._placement)["bundles_to_node_id"]
+        address = await group.actors[0].master_address.remote()
+        await group.load_adapter(AdapterSpec(name="a", slot=0, rank=2, alpha=4.0, global_batch_size=4, lr=0.1))
+        samples = [Sample(adapter="a", slot=0, group_index=g, index=i, prompt="", label=None, metadata={},
+                          prompt_ids=[5, 6, 7], response_ids=[8 + i, 9], reward=float(i))
+                   for g in range(2) for i in range(2)]
+        await group.train(0, RolloutBatch(rollout_id=0, samples=samples, prompt_group_sizes=[2, 2],
+                                          groups_per_adapter={"a": 2}, step_names=["a"]))
+        steps = await group.step_adapters(["a"])
+        await group.shutdown()
+        print(json.dumps({"nodes": sorted(set(nodes.values())), "n_bundles": len(nodes), "address": address,
+                          "alive_nodes": sum(n["Alive"] for n in ray.nodes()), "grad_norm": steps["a"].grad_norm}))
+
+    asyncio.run(main())
+    ray.shutdown()
+    cluster.shutdown()
+''')
+
+
+def test_two_ranks_on_two_nodes_rendezvous_and_step(tiny_model_dir):
+    import json
+
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir)], capture_output=True, text=True,
+                         timeout=300, env={"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
+                                           "PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["alive_nodes"] == 2 and result["n_bundles"] == 2
+    assert len(result["nodes"]) == 2, "one bundle per rank should have put the two ranks on the two nodes"
+    assert result["address"].startswith("tcp://") and result["grad_norm"] > 0
