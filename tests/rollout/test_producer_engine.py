@@ -89,7 +89,7 @@ async def test_two_adapters_then_deregistration_aborts_only_its_requests(router_
     router, engine = router_url
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(8)))
-    common = dict(data=str(data), input_key="text", label_key="label", rm_type="math", n_samples=2)
+    common = dict(data=str(data), input_key="text", label_key="label", rm_type="final_number", n_samples=2)
     a = make_run("a", 0, version=3, registration_id="reg-a-1", **common)
     b = make_run("b", 1, version=7, registration_id="reg-b-1", **common)
     controller = FakeController(active(a, b))
@@ -142,7 +142,7 @@ OBSERVATION = " ok "
 async def generate(input):
     sample, engine = input.sample, input.engine
     ids, mask, logps = [], [], []
-    for turn, extra in enumerate(({"max_new_tokens": 4}, {"max_new_tokens": 200, "ignore_eos": True})):
+    for turn, extra in enumerate(({"max_new_tokens": 4}, {"max_new_tokens": 480, "ignore_eos": True})):
         if turn == 1:
             SECOND_TURNS.append(sample)
         out = await engine.generate(sample.prompt_ids + ids, {**input.sampling_params, **extra})
@@ -175,7 +175,7 @@ async def test_two_turn_generate_function_then_prefix_abort_in_the_second_turn(r
     router, engine = router_url
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(8)))
-    a = make_run("a", 1, data=str(data), input_key="text", label_key="label", rm_type="math", n_samples=1,
+    a = make_run("a", 1, data=str(data), input_key="text", label_key="label", rm_type="final_number", n_samples=1,
                  custom_generate_function_path="two_turns.generate")
     controller = FakeController(active(a))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -195,13 +195,13 @@ async def test_two_turn_generate_function_then_prefix_abort_in_the_second_turn(r
         second = sample.response_ids[len(first) + len(observation):]
         assert sample.response_ids[len(first): len(first) + len(observation)] == observation
         assert sample.loss_mask == [1] * len(first) + [0] * len(observation) + [1] * len(second)
-        assert len(second) == 200 and len(sample.rollout_logprobs) == sample.response_length
+        assert len(second) == 480 and len(sample.rollout_logprobs) == sample.response_length
         # Greedy: the engine, asked directly with the conversation so far and the slot's
         # LoRA, continues exactly as the second turn did.
         async with httpx.AsyncClient(trust_env=False, timeout=120) as client:
             reply = await client.post(f"{engine}/generate", json={
                 "input_ids": sample.prompt_ids + first + observation, "lora_path": engine_lora_name(1),
-                "sampling_params": {"max_new_tokens": 200, "temperature": 0.0, "top_k": 1, "ignore_eos": True}})
+                "sampling_params": {"max_new_tokens": 480, "temperature": 0.0, "top_k": 1, "ignore_eos": True}})
         assert reply.json()["output_ids"] == second
 
         # The controller's deregistration while a conversation is in its second turn.
