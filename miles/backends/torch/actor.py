@@ -67,7 +67,7 @@ from miles.backends.torch.loss import (
     policy_loss_terms,
 )
 from miles.backends.torch.lr_schedule import LRSchedule
-from miles.backends.torch.optimizer import SlotAdamW
+from miles.backends.torch.optimizer import SlotAdamW, SlotStep
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
 from miles.utils.network import cluster_host
@@ -491,17 +491,13 @@ class TorchTrainActor:
         loaded = [self._loaded(name) for name in names]
         self._undo = None  # a batch that stepped is kept
         self._all_reduce_slot_grads([a.spec.slot for a in loaded])
-        out = {}
-        for a in loaded:
-            slot = a.spec.slot
-            self.optimizer.mask_slot_grad(slot)
-            self.optimizer.scale_slot_grad(slot, 1.0 / a.spec.global_batch_size)
-            grad_norm = self.optimizer.clip_slot_grad(slot, self.config.clip_grad)
-            lr = a.schedule.begin_step()
-            self.optimizer.step_slot(slot, lr)
-            self.optimizer.zero_slot_grad(slot)
-            out[a.spec.name] = AdapterStepStats(grad_norm=grad_norm, lr=lr)
-        return out
+        lrs = {a.spec.name: a.schedule.begin_step() for a in loaded}
+        norms = self.optimizer.step_slots(  # one fused pass over every stepping slot
+            [SlotStep(slot=a.spec.slot, lr=lrs[a.spec.name], grad_scale=1.0 / a.spec.global_batch_size)
+             for a in loaded],
+            max_norm=self.config.clip_grad,
+        )
+        return {a.spec.name: AdapterStepStats(grad_norm=norms[a.spec.slot], lr=lrs[a.spec.name]) for a in loaded}
 
     def _all_reduce_slot_grads(self, slots: list[int]) -> None:
         if self.world_size == 1 or not slots:
