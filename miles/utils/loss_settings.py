@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from miles.backends.torch.loss import LossConfig
+from typing import Any
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -97,19 +94,6 @@ class LossSettings:
     @property
     def needs_rollout_logprobs(self) -> bool:
         return self.use_tis or self.use_rollout_logprobs
-
-    @classmethod
-    def from_loss_config(cls, config: LossConfig) -> LossSettings:
-        """The settings that `policy_loss(config=...)` implements (k3 KL term, TIS cap only)."""
-        return cls(
-            eps_clip=config.eps_clip,
-            eps_clip_high=config.eps_clip_high,
-            use_tis=config.use_tis,
-            tis_clip=config.tis_clip,
-            use_kl_loss=config.kl_coef > 0,
-            kl_loss_coef=config.kl_coef,
-            kl_loss_type="k3",
-        )
 
     @classmethod
     def from_flags(cls, **flags: Any) -> LossSettings:

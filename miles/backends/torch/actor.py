@@ -102,7 +102,7 @@ class TrainActorConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, LossConfig):
-            object.__setattr__(self, "loss", LossSettings.from_loss_config(self.loss))
+            object.__setattr__(self, "loss", self.loss.to_settings())
 
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> TrainActorConfig:

@@ -75,6 +75,12 @@ class LossConfig:
         return cls(eps_clip=s.eps_clip, eps_clip_high=s.clip_high, use_tis=s.use_tis, tis_clip=s.tis_clip,
                    kl_coef=s.kl_loss_coef if use_k3_kl else 0.0)
 
+    def to_settings(self) -> LossSettings:
+        """The settings that `policy_loss(config=self)` implements (k3 KL term, TIS cap only)."""
+        return LossSettings(eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high, use_tis=self.use_tis,
+                            tis_clip=self.tis_clip, use_kl_loss=self.kl_coef > 0, kl_loss_coef=self.kl_coef,
+                            kl_loss_type="k3")
+
 
 @dataclass
 class PolicyLossOutput:
@@ -567,72 +573,33 @@ def policy_loss_terms(
     mask = active.to(torch.float32)
     B = logprobs_BT.shape[0]
     logp = logprobs_BT.float()
-
-    def col(t_B: Tensor) -> Tensor:
-        return t_B.to(logp.device).view(B, 1)
-
     adv = advantages.to(logp.device).float()
     if adv.dim() == 1:
         adv = adv.unsqueeze(1).expand_as(logp)
-    adv = torch.where(active, torch.nan_to_num(adv, nan=0.0, posinf=0.0, neginf=0.0), 0.0)
+    adv = _masked(adv, active)
 
     needs_rollout = bool(params.use_rollout_logprobs_B.any() or params.use_tis_B.any())
     if needs_rollout and rollout_logprobs_BT is None:
         raise ValueError("--use-tis and --use-rollout-logprobs need the engine's logprobs of every response token")
-    old = old_logprobs_BT.detach().float()
-    trainer_old = old
+    trainer_old = old_logprobs_BT.detach().float()
+    old = trainer_old
     if bool(params.use_rollout_logprobs_B.any()):
-        old = torch.where(col(params.use_rollout_logprobs_B), rollout_logprobs_BT.detach().float(), old)
+        old = torch.where(_col(params.use_rollout_logprobs_B, logp), rollout_logprobs_BT.detach().float(), old)
 
-    token_kl = old - logp
-    seq_kl = (token_kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
-    ppo_kl = torch.where(col(params.gspo_B), seq_kl.expand_as(token_kl), token_kl)
-    ppo_kl = torch.where(active, torch.nan_to_num(ppo_kl, nan=0.0, posinf=0.0, neginf=0.0), 0.0)
+    ppo_kl = _ppo_kl(old, logp, mask, active, params)
+    pg, clipfrac = _clipped_policy_gradient(ppo_kl, adv, params)
+    tis = _importance_weights(pg, trainer_old, rollout_logprobs_BT, mask, active, params, tis_args)
 
-    ratio = torch.exp(safe_log_ratio(-ppo_kl))
-    loss1 = -ratio * adv
-    loss2 = -ratio.clamp(1 - col(params.eps_clip_B), 1 + col(params.eps_clip_high_B)) * adv
-    pg = torch.maximum(loss1, loss2)
-    clipfrac = (loss2 > loss1).float()
-    dual = col(~torch.isnan(params.eps_clip_c_B))
-    loss3 = -torch.nan_to_num(col(params.eps_clip_c_B)) * adv
-    pg = torch.where(dual & (adv < 0), torch.minimum(loss3, pg), pg)
-
-    weight_mask = mask  # numerator and denominator mask; a custom TIS may reject tokens
-    ones = torch.ones_like(pg)
-    tis, tis_clipfrac, ois = ones, torch.zeros_like(pg), torch.exp(-ppo_kl).detach()
-    no_custom_B = torch.tensor([p is None for p in params.custom_tis_paths], dtype=torch.bool)
-    builtin_tis = params.use_tis_B & no_custom_B.to(params.use_tis_B.device)
-    if bool(builtin_tis.any()):
-        raw = torch.exp(trainer_old - rollout_logprobs_BT.detach().float())
-        weights = torch.minimum(torch.maximum(raw, col(params.tis_clip_low_B)), col(params.tis_clip_B))
-        on = col(builtin_tis.to(logp.device))
-        pg = torch.where(on, pg * weights, pg)
-        tis = torch.where(on, raw, tis)
-        tis_clipfrac = torch.where(on, (weights != raw).float(), tis_clipfrac)
-    for path in sorted({p for p in params.custom_tis_paths if p is not None}):
-        rows = [i for i, p in enumerate(params.custom_tis_paths) if p == path]
-        sub_loss, sub_mask, metrics = _apply_custom_tis(
-            path, rows, pg, trainer_old, rollout_logprobs_BT.detach().float(), active, tis_args
-        )
-        index = torch.tensor(rows, device=pg.device)
-        pg = pg.index_put((index,), sub_loss)
-        weight_mask = weight_mask.index_put((index,), sub_mask)
-        if "tis" in metrics:
-            tis = tis.index_put((index,), metrics["tis"])
-        if "tis_clipfrac" in metrics:
-            tis_clipfrac = tis_clipfrac.index_put((index,), metrics["tis_clipfrac"])
-
-    denom = weight_mask.sum(dim=1).clamp(min=1)
+    denom = tis.weight_mask.sum(dim=1).clamp(min=1)
 
     def token_mean(x: Tensor) -> Tensor:
-        return (x * weight_mask).sum(dim=1) / denom
+        return (x * tis.weight_mask).sum(dim=1) / denom
 
     def mean_before_rejection(x: Tensor) -> Tensor:
         # TIS metrics count every response token, rejected ones too (as Miles)
         return (x * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
 
-    pg_loss_B = token_mean(pg)
+    pg_loss_B = token_mean(tis.pg)
     loss_B = pg_loss_B
 
     entropy_B = torch.zeros(B, device=logp.device)
@@ -645,14 +612,7 @@ def policy_loss_terms(
 
     kl_loss_B = torch.zeros(B, device=logp.device)
     if bool(params.use_kl_loss_B.any()):
-        if ref_logprobs_BT is None:
-            raise ValueError("--use-kl-loss needs the base model's logprobs (ref_logprobs_BT)")
-        importance = None
-        if bool(params.use_unbiased_kl_B.any()):
-            unbiased = torch.exp(logp - old)
-            importance = torch.where(col(params.use_unbiased_kl_B), unbiased, torch.ones_like(unbiased))
-        kl = approx_kl_per_sample(logp, ref_logprobs_BT.detach(), params.kl_type_B, importance)
-        kl = torch.where(active, torch.nan_to_num(kl, nan=0.0, posinf=0.0, neginf=0.0), 0.0)
+        kl = _kl_to_reference(logp, old, ref_logprobs_BT, active, params)
         kl_loss_B = torch.where(params.use_kl_loss_B.to(logp.device), token_mean(kl), 0.0)
         loss_B = loss_B + params.kl_loss_coef_B.to(logp.device) * kl_loss_B
 
@@ -663,11 +623,95 @@ def policy_loss_terms(
         ppo_kl_B=token_mean(ppo_kl).detach(),
         entropy_B=entropy_B.detach(),
         kl_loss_B=kl_loss_B.detach(),
-        tis_B=mean_before_rejection(tis).detach(),
-        tis_clipfrac_B=mean_before_rejection(tis_clipfrac).detach(),
-        ois_B=mean_before_rejection(ois).detach(),
+        tis_B=mean_before_rejection(tis.weights).detach(),
+        tis_clipfrac_B=mean_before_rejection(tis.clipfrac).detach(),
+        ois_B=mean_before_rejection(torch.exp(-ppo_kl).detach()).detach(),
         tokens_B=mask.sum(dim=1),
     )
+
+
+def _col(t_B: Tensor, like_BT: Tensor) -> Tensor:
+    """A per-sample [B] value as a [B, 1] column on `like_BT`'s device."""
+    return t_B.to(like_BT.device).view(like_BT.shape[0], 1)
+
+
+def _masked(x_BT: Tensor, active_BT: Tensor) -> Tensor:
+    """Non-finite values and tokens outside the response become 0."""
+    return torch.where(active_BT, torch.nan_to_num(x_BT, nan=0.0, posinf=0.0, neginf=0.0), 0.0)
+
+
+def _ppo_kl(old_BT: Tensor, logp_BT: Tensor, mask_BT: Tensor, active_BT: Tensor, params: LossParams) -> Tensor:
+    """`old - logp` per token; for GSPO samples its mean over the response on every token."""
+    token_kl = old_BT - logp_BT
+    seq_kl = (token_kl * mask_BT).sum(dim=1, keepdim=True) / mask_BT.sum(dim=1, keepdim=True).clamp(min=1)
+    ppo_kl = torch.where(_col(params.gspo_B, logp_BT), seq_kl.expand_as(token_kl), token_kl)
+    return _masked(ppo_kl, active_BT)
+
+
+def _clipped_policy_gradient(ppo_kl_BT: Tensor, adv_BT: Tensor, params: LossParams) -> tuple[Tensor, Tensor]:
+    """PPO's clipped term with each sample's clip range, and the dual clip where set;
+    returns the per-token loss and where the clipped term was the active one."""
+    ratio = torch.exp(safe_log_ratio(-ppo_kl_BT))
+    loss1 = -ratio * adv_BT
+    loss2 = -ratio.clamp(1 - _col(params.eps_clip_B, adv_BT), 1 + _col(params.eps_clip_high_B, adv_BT)) * adv_BT
+    pg = torch.maximum(loss1, loss2)
+    clipfrac = (loss2 > loss1).float()
+    dual = _col(~torch.isnan(params.eps_clip_c_B), adv_BT)
+    loss3 = -torch.nan_to_num(_col(params.eps_clip_c_B, adv_BT)) * adv_BT
+    return torch.where(dual & (adv_BT < 0), torch.minimum(loss3, pg), pg), clipfrac
+
+
+@dataclass
+class _Weighted:
+    pg: Tensor
+    """Per-token loss after the importance weights."""
+    weight_mask: Tensor
+    """Tokens in the loss's token means (a custom TIS may reject some)."""
+    weights: Tensor
+    """Raw TIS weights (ones where no TIS applies), for the metrics."""
+    clipfrac: Tensor
+
+
+def _importance_weights(pg_BT: Tensor, trainer_old_BT: Tensor, rollout_logprobs_BT: Tensor | None,
+                        mask_BT: Tensor, active_BT: Tensor, params: LossParams, tis_args: Any) -> _Weighted:
+    """Built-in TIS (clamped, detached weights) or each sample's custom TIS function."""
+    pg, weight_mask = pg_BT, mask_BT
+    weights, clipfrac = torch.ones_like(pg_BT), torch.zeros_like(pg_BT)
+    no_custom_B = torch.tensor([p is None for p in params.custom_tis_paths], dtype=torch.bool)
+    builtin_tis = params.use_tis_B & no_custom_B.to(params.use_tis_B.device)
+    if bool(builtin_tis.any()):
+        raw = torch.exp(trainer_old_BT - rollout_logprobs_BT.detach().float())
+        clamped = torch.minimum(torch.maximum(raw, _col(params.tis_clip_low_B, pg)), _col(params.tis_clip_B, pg))
+        on = _col(builtin_tis, pg)
+        pg = torch.where(on, pg * clamped, pg)
+        weights = torch.where(on, raw, weights)
+        clipfrac = torch.where(on, (clamped != raw).float(), clipfrac)
+    for path in sorted({p for p in params.custom_tis_paths if p is not None}):
+        rows = [i for i, p in enumerate(params.custom_tis_paths) if p == path]
+        sub_loss, sub_mask, metrics = _apply_custom_tis(
+            path, rows, pg, trainer_old_BT, rollout_logprobs_BT.detach().float(), active_BT, tis_args
+        )
+        index = torch.tensor(rows, device=pg.device)
+        pg = pg.index_put((index,), sub_loss)
+        weight_mask = weight_mask.index_put((index,), sub_mask)
+        if "tis" in metrics:
+            weights = weights.index_put((index,), metrics["tis"])
+        if "tis_clipfrac" in metrics:
+            clipfrac = clipfrac.index_put((index,), metrics["tis_clipfrac"])
+    return _Weighted(pg=pg, weight_mask=weight_mask, weights=weights, clipfrac=clipfrac)
+
+
+def _kl_to_reference(logp_BT: Tensor, old_BT: Tensor, ref_logprobs_BT: Tensor | None, active_BT: Tensor,
+                     params: LossParams) -> Tensor:
+    """Each sample's KL estimator to the base model (times `exp(logp - old)` where unbiased)."""
+    if ref_logprobs_BT is None:
+        raise ValueError("--use-kl-loss needs the base model's logprobs (ref_logprobs_BT)")
+    importance = None
+    if bool(params.use_unbiased_kl_B.any()):
+        unbiased = torch.exp(logp_BT - old_BT)
+        importance = torch.where(_col(params.use_unbiased_kl_B, logp_BT), unbiased, torch.ones_like(unbiased))
+    kl = approx_kl_per_sample(logp_BT, ref_logprobs_BT.detach(), params.kl_type_B, importance)
+    return _masked(kl, active_BT)
 
 
 def entropy_from_logits(logits_BTV: Tensor) -> Tensor:

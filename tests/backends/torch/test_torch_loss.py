@@ -343,7 +343,7 @@ def test_new_settings_reproduce_the_loss_config_path():
     cfg = LossConfig(eps_clip=0.2, eps_clip_high=0.28, use_tis=True, tis_clip=1.5, kl_coef=0.05)
     a = policy_loss(logp, old, adv, mask, config=cfg, rollout_logprobs_BT=rollout, ref_logprobs_BT=ref)
     (grad_a,) = torch.autograd.grad(a.loss_B.sum(), logp)
-    b = terms(logp, old, adv, mask, LossSettings.from_loss_config(cfg), rollout_logprobs_BT=rollout, ref_logprobs_BT=ref)
+    b = terms(logp, old, adv, mask, cfg.to_settings(), rollout_logprobs_BT=rollout, ref_logprobs_BT=ref)
     (grad_b,) = torch.autograd.grad(b.loss_B.sum(), logp)
     assert b.loss_B.tolist() == pytest.approx(a.loss_B.tolist(), abs=1e-6)
     assert grad_b.flatten().tolist() == pytest.approx(grad_a.flatten().tolist(), abs=1e-6)
