@@ -54,6 +54,7 @@ from miles.backends.weight_sync import (
 from miles.backends.torch.batching import (
     Advantage,
     MicroBatch,
+    logits_to_keep,
     make_micro_batches,
     next_token_logprobs,
     response_logprobs,
@@ -440,15 +441,25 @@ class TorchTrainActor:
 
     def _forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: bool = False) -> Any:
         """Next-token logprobs [B, L-1]; with `entropy`, also the entropy of each of those
-        next-token distributions."""
+        next-token distributions [B, L-1].
+
+        The LM head runs on the response window only (`logits_to_keep`): no logits, log-softmax
+        or their gradients for prompt positions that predict no response token in any row.
+        Positions before the window read 0 (logprob and entropy); every loss term and every
+        caller reads response positions only, so the numbers are those of the full forward.
+        """
+        keep = logits_to_keep(batch)
         with use_slots(self.model, slots):
-            logits = self.model(
-                input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False
+            logits_BKV = self.model(
+                input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False,
+                logits_to_keep=keep,
             ).logits
-        logprobs = next_token_logprobs(logits, batch.input_ids_BL)
+        logprobs_BT = next_token_logprobs(logits_BKV, batch.input_ids_BL)
         if not entropy:
-            return logprobs
-        return logprobs, entropy_from_logits(logits[:, :-1])  # position t predicts token t + 1
+            return logprobs_BT
+        # kept position k predicts token L - keep + k + 1; the last kept one predicts nothing
+        entropy_BT = entropy_from_logits(logits_BKV[:, :-1])
+        return logprobs_BT, torch.nn.functional.pad(entropy_BT, (logprobs_BT.shape[1] - entropy_BT.shape[1], 0))
 
     def _loss_settings(self, adapter: str) -> LossSettings:
         return self._loaded(adapter).spec.loss or self.config.loss

@@ -137,3 +137,72 @@ def test_reinforce_plus_plus_with_kl_coef_needs_the_kl():
         adapter_token_advantages(torch.tensor([1.0, 0.0]), [2], ["a"], [[1], [1]],
                                  {"a": LossSettings(advantage_estimator="reinforce_plus_plus",
                                                     normalize_advantages=True, kl_coef=0.1)})
+
+
+WINDOW_SETTINGS = {
+    "a": LossSettings(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.05, use_tis=True, tis_clip=1.5, tis_clip_low=0.5),
+    "b": LossSettings(use_rollout_logprobs=True, use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=0.2),
+    "c": LossSettings(advantage_estimator="gspo", entropy_coef=0.02, eps_clip_c=3.0, use_kl_loss=True,
+                      use_unbiased_kl=True, kl_loss_coef=0.1),
+}
+
+
+def _window_run(model_dir):
+    """Two train steps of three adapters on one mixed micro-batch (prompts of 8-12 tokens, a
+    loss mask with holes); returns what a caller can see: loss sums, gradients before each
+    step, grad norms, logprobs, reward KLs and the trained weights."""
+    actor = new_actor(model_dir, n_slots=3)
+    for slot, name in enumerate(WINDOW_SETTINGS):
+        actor.load_adapter(spec(name, slot, loss=WINDOW_SETTINGS[name], lr=0.05))
+    seen = []
+    for step in range(2):
+        groups = [make_groups(name, slot, 1, 3, seed=50 + 10 * step + slot)[0]
+                  for slot, name in enumerate(WINDOW_SETTINGS)]
+        samples = [
+            dataclasses.replace(s, prompt_ids=[7] * (6 + (s.index + s.slot) % 5) + s.prompt_ids[:2],
+                                loss_mask=[int(t % 3 != 0) for t in range(len(s.response_ids))])
+            for g in groups for s in g
+        ]
+        samples, adv = advantages([samples[i : i + 3] for i in range(0, len(samples), 3)], WINDOW_SETTINGS)
+        stats = actor.train(samples, adv, counts(samples))
+        grads = [g.clone() for slot in range(3) for g in actor.optimizer.slot_grads(slot)]
+        norms = actor.step_adapters(list(WINDOW_SETTINGS))
+        seen.append((stats, grads, norms, actor.logprobs(samples), actor.reward_kl(samples)))
+    return seen, {name: actor.export_adapter(name) for name in WINDOW_SETTINGS}, actor, samples
+
+
+def test_the_response_window_gives_the_numbers_of_the_full_forward(tiny_model_dir, monkeypatch):
+    """The LM head on the response window only (`logits_to_keep`) changes no logprob,
+    entropy, loss term or gradient (fp32; KL to the reference, TIS, rollout logprobs,
+    entropy bonus, GSPO and a loss mask, three adapters in one micro-batch)."""
+    from miles.backends.torch import actor as actor_module
+    from miles.backends.torch.batching import logits_to_keep, make_micro_batches
+    from miles.backends.torch.loss import entropy_from_logits
+
+    windowed, windowed_weights, actor, samples = _window_run(tiny_model_dir)
+    (batch,) = make_micro_batches(samples, [0.0] * len(samples), None)
+    length, keep = batch.input_ids_BL.shape[1], logits_to_keep(batch)
+    assert keep <= length - 7  # the window leaves out at least 7 prompt positions
+    with torch.no_grad():
+        logprobs_BT, entropy_BT = actor._forward_logprobs(batch, batch.slots, entropy=True)
+        from miles.backends.lora import use_slots
+
+        with use_slots(actor.model, batch.slots):
+            full_BLV = actor.model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
+    assert torch.all(logprobs_BT[:, : length - keep] == 0) and torch.all(entropy_BT[:, : length - keep] == 0)
+    window = slice(length - keep, None)
+    torch.testing.assert_close(entropy_BT[:, window], entropy_from_logits(full_BLV[:, :-1])[:, window], atol=1e-6, rtol=0)
+
+    monkeypatch.setattr(actor_module, "logits_to_keep", lambda batch: batch.input_ids_BL.shape[1])
+    full, full_weights, _, _ = _window_run(tiny_model_dir)
+    for (stats_w, grads_w, norms_w, logp_w, kl_w), (stats_f, grads_f, norms_f, logp_f, kl_f) in zip(windowed, full):
+        for name in WINDOW_SETTINGS:
+            for field in dataclasses.fields(stats_w[name]):
+                assert getattr(stats_w[name], field.name) == pytest.approx(getattr(stats_f[name], field.name), abs=1e-6)
+            assert norms_w[name].grad_norm == pytest.approx(norms_f[name].grad_norm, abs=1e-6)
+        assert max(float((w - f).abs().max()) for w, f in zip(grads_w, grads_f)) <= 1e-6
+        assert max(float(w.abs().max()) for w in grads_w) > 1e-4  # a real gradient
+        for w, f in zip(logp_w + kl_w, logp_f + kl_f):
+            torch.testing.assert_close(torch.tensor(w), torch.tensor(f), atol=1e-6, rtol=0)
+    for name in WINDOW_SETTINGS:
+        assert max_abs_diff(windowed_weights[name], full_weights[name]) <= 1e-6
