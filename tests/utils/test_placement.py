@@ -2,7 +2,10 @@
 
 Two train ranks of one CPU each on two one-CPU nodes: one bundle per rank puts them on
 different nodes, they rendezvous at rank 0's node address, and a train step all-reduces
-over that process group. Runs in its own process: the suite's Ray session stays untouched.
+over that process group. Then the same for the two tensor-parallel ranks of one Megatron
+replica (placed by the same `TrainGroup.start`): the step's gradient norm is summed over
+the TP shards on the two nodes. Runs in its own process: the suite's Ray session stays
+untouched.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ SCRIPT = textwrap.dedent('''
     import ray
     from ray.cluster_utils import Cluster
     from miles.backends.base import AdapterSpec
+    from miles.backends.megatron.actor import MegatronActorConfig
+    from miles.backends.megatron.train_group import MegatronGroupConfig, MegatronTrainGroup
     from miles.backends.torch.actor import TrainActorConfig
     from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
     from miles.utils.types import RolloutBatch, Sample
@@ -28,9 +33,7 @@ SCRIPT = textwrap.dedent('''
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, include_dashboard=False)
 
-    async def main():
-        group = TrainGroup(TrainGroupConfig(actor=TrainActorConfig(hf_checkpoint=sys.argv[1], n_slots=1, lora_rank=2),
-                                            n_workers=2, num_cpus_per_worker=1))
+    async def two_ranks(group):
         await group.start()
         nodes = ray.util.placement_group_table(group._placement)["bundles_to_node_id"]
         address = await group.actors[0].master_address.remote()
@@ -42,8 +45,16 @@ SCRIPT = textwrap.dedent('''
                                           groups_per_adapter={"a": 2}, step_names=["a"]))
         steps = await group.step_adapters(["a"])
         await group.shutdown()
-        print(json.dumps({"nodes": sorted(set(nodes.values())), "n_bundles": len(nodes), "address": address,
-                          "alive_nodes": sum(n["Alive"] for n in ray.nodes()), "grad_norm": steps["a"].grad_norm}))
+        return {"nodes": sorted(set(nodes.values())), "n_bundles": len(nodes), "address": address,
+                "alive_nodes": sum(n["Alive"] for n in ray.nodes()), "grad_norm": steps["a"].grad_norm}
+
+    async def main():
+        actor = TrainActorConfig(hf_checkpoint=sys.argv[1], n_slots=1, lora_rank=2)
+        torch_ranks = await two_ranks(TrainGroup(TrainGroupConfig(actor=actor, n_workers=2, num_cpus_per_worker=1)))
+        megatron = MegatronActorConfig(**actor.__dict__, tensor_model_parallel_size=2)
+        tp_ranks = await two_ranks(MegatronTrainGroup(MegatronGroupConfig(actor=megatron, n_workers=1,
+                                                                          num_cpus_per_worker=1)))
+        print(json.dumps({"torch": torch_ranks, "megatron": tp_ranks}))
 
     asyncio.run(main())
     ray.shutdown()
@@ -52,13 +63,16 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_two_ranks_on_two_nodes_rendezvous_and_step(tiny_model_dir):
+    """Torch DP ranks and Megatron TP ranks alike: one per node, joined at rank 0's node address."""
     import json
 
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir)], capture_output=True, text=True,
                          timeout=300, env={"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
                                            "PATH": "/usr/bin:/bin", "HOME": "/tmp"})
     assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["alive_nodes"] == 2 and result["n_bundles"] == 2
-    assert len(result["nodes"]) == 2, "one bundle per rank should have put the two ranks on the two nodes"
-    assert result["address"].startswith("tcp://") and result["grad_norm"] > 0
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for backend, result in results.items():
+        assert result["alive_nodes"] == 2 and result["n_bundles"] == 2, backend
+        assert len(result["nodes"]) == 2, f"one bundle per {backend} rank should have put the two ranks on the two nodes"
+        assert result["address"].startswith("tcp://") and not result["address"].startswith("tcp://127."), backend
+        assert result["grad_norm"] > 0, backend

@@ -67,6 +67,11 @@ class TrainGroupConfig:
         if self.n_workers <= 0:
             raise ValueError(f"--actor-num-workers must be > 0, got {self.n_workers}")
 
+    @property
+    def world_size(self) -> int:
+        """Rank actors in the process group (one placement bundle each)."""
+        return self.n_workers
+
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> TrainGroupConfig:
         actor = TrainActorConfig.from_config(cfg)
@@ -92,6 +97,9 @@ def split_prompt_groups(group_sizes: Sequence[int], n_ranks: int) -> list[list[i
 class TrainGroup:
     """The torch `TrainingBackend`: N `TorchTrainActor` ranks driven as one."""
 
+    actor_class: type = TorchTrainActor
+    """The rank actor; built as `actor_class(config.actor, rank, config.world_size)`."""
+
     def __init__(self, config: TrainGroupConfig) -> None:
         self.config = config
         self._actors: list[Any] = []
@@ -113,24 +121,27 @@ class TrainGroup:
         return await asyncio.gather(*(getattr(actor, method).remote(*args) for actor in self._actors))
 
     async def start(self) -> None:
-        """Create the N rank actors and join them in one process group."""
+        """Create the rank actors, one placement bundle each, and join them in one process
+        group whose rendezvous is at rank 0's node address."""
         import ray
 
         if self._actors:
-            raise RuntimeError("TrainGroup.start() was already called")
-        n = self.config.n_workers
+            raise RuntimeError(f"{type(self).__name__}.start() was already called")
+        n = self.config.world_size
         cpus, gpus = self.config.num_cpus_per_worker, self.config.num_gpus_per_worker
         # One bundle per rank; ranks that do not fit on one node spread over nodes.
         self._placement = await placement.one_bundle_each(n, cpus=cpus, gpus=gpus)
-        remote_cls = ray.remote(TorchTrainActor)
+        remote_cls = ray.remote(self.actor_class)
         self._actors = [remote_cls.options(num_cpus=cpus, num_gpus=gpus,
                                            scheduling_strategy=placement.bundle_strategy(self._placement, rank))
                         .remote(self.config.actor, rank, n) for rank in range(n)]
         await self._all("ready")
-        if n > 1:
-            address = await self._actors[0].master_address.remote(self.config.master_host)
-            await self._all("init_process_group", address)
-        logger.info("Started %d torch train rank(s)", n)
+        address = await self._actors[0].master_address.remote(self.config.master_host)
+        await self._all("init_process_group", address)  # a one-rank torch group returns at once
+        logger.info("Started %s", self._layout())
+
+    def _layout(self) -> str:
+        return f"{self.config.world_size} torch train rank(s)"
 
     # ---- adapters in slots -------------------------------------------------------------
 
@@ -183,7 +194,7 @@ class TrainGroup:
         if missing:
             raise RuntimeError(f"rollout {rollout_id} has samples of adapters not loaded on the trainer: {missing}; "
                                "adapters must be loaded before generation")
-        parts = split_prompt_groups(batch.prompt_group_sizes, len(self._actors))
+        parts = self._rank_parts(batch)
         try:
             reward_kl = await self._reward_kl(batch, parts)
         except Exception as exc:
@@ -203,6 +214,10 @@ class TrainGroup:
             await asyncio.gather(*(actor.discard_batch.remote() for actor in self._actors), return_exceptions=True)
             raise _rank_error(failures[0], f"training rollout {rollout_id}")
         return TrainResult(samples=len(samples), adapters=_adapter_stats(per_rank))
+
+    def _rank_parts(self, batch: RolloutBatch) -> list[list[int]]:
+        """Sample indices of each rank: whole prompt groups, dealt over the ranks."""
+        return split_prompt_groups(batch.prompt_group_sizes, len(self._actors))
 
     def _settings(self, name: str) -> LossSettings:
         return self._specs[name].loss or self.config.actor.loss

@@ -16,15 +16,15 @@ def _args(model_dir, *extra: str) -> list[str]:
 def test_tensor_parallel_ranks_per_data_parallel_replica(tiny_model_dir):
     cfg = parse_args(_args(tiny_model_dir, "--tensor-model-parallel-size", "2", "--actor-num-workers", "3"))
     group = MegatronGroupConfig.from_config(cfg)
-    assert (group.n_replicas, group.tp_size, group.world_size) == (3, 2, 6)
-    assert group.actor.n_slots == 2 and group.num_gpus_per_rank == 0.0
+    assert (group.n_workers, group.tp_size, group.world_size) == (3, 2, 6)
+    assert group.actor.n_slots == 2 and group.num_gpus_per_worker == 0.0
 
 
 def test_miles_placement_divides_the_gpus_by_the_tensor_parallel_size(tiny_model_dir):
     cfg = parse_args(_args(tiny_model_dir, "--tensor-model-parallel-size", "2",
                            "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4"))
     group = MegatronGroupConfig.from_config(cfg)
-    assert (group.n_replicas, group.world_size) == (4, 8)
+    assert (group.n_workers, group.world_size) == (4, 8)
 
 
 def test_launch_builds_the_backend_the_flag_names(tiny_model_dir):
