@@ -17,11 +17,25 @@ against the builtin engine on CPU, to test this script itself). It runs unattend
                  then serves the new weights
   in-place       a broadcast push over NCCL (`/load_lora_adapter_from_distributed` with
                  upsert) serves the sent weights; SKIP on SGLang builds without that route
-  service        the end-to-end service scenario with --rollout-engine sglang: SKIP until
-                 the driver's push orchestration drives SGLang engines
+  service-versioned  the real trainer (`python -m miles.main.train_multi_lora_async`,
+  service-in-place   --rollout-engine sglang, torch backend on CUDA in bf16) driven over its
+                 control plane: 'first' is POSTed and steps, 'second' joins mid-run and both
+                 step, 'first' is DELETEd mid-run and retires (its slot cleaned up, unloaded
+                 from the engines and taken by a third adapter) while 'second' keeps stepping,
+                 then SIGTERM saves and exits 0; once per --engine-lora-update mode (in_place:
+                 SKIP, unsupported, on SGLang builds without the in-place route)
   megatron-tp1   the Megatron backend on CUDA (bf16) against the torch backend: logprobs of a
   megatron-tp2   mixed batch and LoRA weights after one step within 1e-2 (TP 2: SKIP with
                  fewer than two GPUs)
+  megatron-sglang-tp1  the trainer with --train-backend megatron (TP 1, TP 2) and
+  megatron-sglang-tp2  --rollout-engine sglang: two adapters registered together each step
+                 twice, then SIGTERM saves and exits 0
+
+The trainer runs join a Ray cluster this script starts (RAY_ADDRESS, as under `ray job
+submit`), each within 150 s. They need a GPU per train rank plus one for the engine; with
+fewer, a one-rank run with versioned pushes shares GPU 0 with the engine, and the others
+SKIP saying how many GPUs they need. `--cpu-rehearsal` runs each of them with the builtin
+engine and the CPU backends (fewest steps, tiny model; TP 2 is left to the CPU tests).
 """
 
 from __future__ import annotations
@@ -29,6 +43,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -44,11 +60,15 @@ RANK = 8
 LOGPROB_TOL = 1e-2
 PROMPTS = ["12+34=", "hello there", "(7*6)-5=", "abc xyz"]
 NEW_TOKENS = 12
+SKIPPABLE = ["service-versioned", "service-in-place", "megatron-tp1", "megatron-tp2", "megatron-sglang-tp1",
+             "megatron-sglang-tp2"]
 
 
 class Verdicts:
-    def __init__(self, deadline: float):
+    def __init__(self, deadline: float, skip: frozenset[str] = frozenset()):
         self.deadline = deadline
+        self.started = time.monotonic()
+        self.skip = skip
         self.failed = False
 
     def left(self) -> float:
@@ -56,7 +76,17 @@ class Verdicts:
 
     def report(self, status: str, check: str, detail: str) -> None:
         self.failed |= status == "FAIL"
-        print(f"{status} {check}: {detail}", flush=True)
+        print(f"{status} {check}: {detail} [{time.monotonic() - self.started:.0f} s]", flush=True)
+
+    def wanted(self, check: str, min_left_s: float = 60.0) -> bool:
+        """False (and a SKIP line) when `check` was skipped by --skip or the budget is nearly spent."""
+        if check in self.skip:
+            self.report("SKIP", check, "--skip")
+        elif self.left() < min_left_s:
+            self.report("SKIP", check, f"only {self.left():.0f} s of the budget left")
+        else:
+            return True
+        return False
 
 
 def install_sglang(venv: Path, version: str, timeout_s: float) -> tuple[bool, str]:
@@ -202,7 +232,8 @@ async def check_versioned(v: Verdicts, cfg, work: Path, ref: Reference, tokenize
         await server.shutdown()
 
 
-async def check_in_place(v: Verdicts, cfg, work: Path, ref: Reference, tokenizer) -> None:
+async def check_in_place(v: Verdicts, cfg, work: Path, ref: Reference, tokenizer) -> str | None:
+    """Returns why this engine cannot replace a LoRA in place (None: it can)."""
     import httpx
 
     from miles.backends import weight_sync
@@ -213,9 +244,10 @@ async def check_in_place(v: Verdicts, cfg, work: Path, ref: Reference, tokenizer
     try:
         await server.start()
     except EngineConfigError as exc:
-        v.report("SKIP", "in-place", str(exc).split(";")[0])
+        reason = str(exc).split(";")[0]
+        v.report("SKIP", "in-place", reason)
         await server.shutdown()
-        return
+        return reason
     group = None
     try:
         device = "cuda" if cfg.device == "cuda" else "cpu"
@@ -237,6 +269,7 @@ async def check_in_place(v: Verdicts, cfg, work: Path, ref: Reference, tokenizer
             good.append(out["output_ids"] == ref.peft_greedy(adapter, prompt_ids))
         v.report("PASS" if all(good) else "FAIL", "in-place",
                  f"broadcast pushes (fresh, then upsert) equal PEFT's greedy tokens: {good}")
+        return None
     finally:
         await server.shutdown()
         if group is not None:
@@ -275,22 +308,304 @@ async def run(args: argparse.Namespace, v: Verdicts) -> None:
                                   python=python, extra_args=tuple(args.sglang_args.split()))
 
     await check_versioned(v, config("versioned"), work, ref, tokenizer)
+    in_place_gap: str | None = f"only {v.left():.0f} s of the budget left to check it"
     if v.left() > 90:
-        await check_in_place(v, config("in_place"), work, ref, tokenizer)
+        in_place_gap = await check_in_place(v, config("in_place"), work, ref, tokenizer)
     else:
-        v.report("SKIP", "in-place", f"only {v.left():.0f} s of the budget left")
-    v.report("SKIP", "service", "the driver's push orchestration does not drive SGLang engines yet")
-    check_megatron(v, model_dir, 1, device)
-    if args.cpu_rehearsal:  # TP 2 on CPU is covered by tests/backends/megatron
-        v.report("SKIP", "megatron-tp2", "CPU rehearsal")
-    else:
-        check_megatron(v, model_dir, 2, device)
+        v.report("SKIP", "in-place", in_place_gap)
+    data_dir = work / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    write_arithmetic_data(data_dir / "add.jsonl", "+", seed=1)
+    write_arithmetic_data(data_dir / "sub.jsonl", "-", seed=2)
+    trainers = TrainerRuns(args, v, model_dir, work, data_dir)
+    try:
+        await trainers.check("service-versioned", run_service_scenario, mode="versioned")
+        await trainers.check("service-in-place", run_service_scenario, mode="in_place", unsupported=in_place_gap)
+        check_megatron(v, model_dir, 1, device)
+        if args.cpu_rehearsal:  # TP 2 on CPU is covered by tests/backends/megatron
+            v.report("SKIP", "megatron-tp2", "CPU rehearsal")
+        else:
+            check_megatron(v, model_dir, 2, device)
+        await trainers.check("megatron-sglang-tp1", run_two_adapters, mode=trainers.mode(1, in_place_gap),
+                             backend="megatron", tp=1)
+        if args.cpu_rehearsal:  # TP 2 end to end on CPU: tests/backends/megatron/test_megatron_service.py
+            v.report("SKIP", "megatron-sglang-tp2", "CPU rehearsal")
+        else:
+            await trainers.check("megatron-sglang-tp2", run_two_adapters, mode=trainers.mode(2, in_place_gap),
+                                 backend="megatron", tp=2)
+    finally:
+        trainers.shutdown()
+
+
+class TrainerRuns:
+    """Runs the real trainer once per check on a Ray cluster of this script's, one verdict each.
+
+    GPUs: one per train rank and one for the SGLang engine. With fewer, a one-rank run with
+    versioned pushes shares the GPU (train rank and engine on device 0); a broadcast push
+    cannot (NCCL puts no two ranks of a group on one GPU), nor can TP ranks (each needs its own).
+    """
+
+    def __init__(self, args: argparse.Namespace, v: Verdicts, model_dir: Path, work: Path, data_dir: Path):
+        self.args, self.v, self.model_dir, self.work, self.data_dir = args, v, model_dir, work, data_dir
+        self.gpus = 0 if args.cpu_rehearsal else torch.cuda.device_count()
+        self._clusters: dict[bool, RayCluster] = {}
+
+    def mode(self, ranks: int, in_place_gap: str | None) -> str:
+        """in_place where the engine and the GPUs allow it, else versioned."""
+        fits = not isinstance(gpu_plan(self.gpus, 0 if self.args.cpu_rehearsal else ranks, "in_place"), str)
+        return "in_place" if in_place_gap is None and fits else "versioned"
+
+    def _cluster(self, ranks: int, mode: str) -> RayCluster | str:
+        """The cluster this run fits on, or why none does."""
+        plan = gpu_plan(self.gpus, 0 if self.args.cpu_rehearsal else ranks, mode)
+        if isinstance(plan, str):
+            return plan
+        advertised, share = plan
+        if share not in self._clusters:
+            for other in list(self._clusters):  # one cluster at a time
+                self._clusters.pop(other).shutdown()
+            self._clusters[share] = RayCluster(gpus=advertised, share_gpus=share)
+        return self._clusters[share]
+
+    async def check(self, name: str, scenario, *, mode: str, backend: str = "torch", tp: int = 1,
+                    unsupported: str | None = None) -> None:
+        if unsupported is not None and mode == "in_place":
+            self.v.report("SKIP", name, f"--engine-lora-update in_place: {unsupported}")
+            return
+        if not self.v.wanted(name):
+            return
+        cluster = self._cluster(tp, mode)
+        if isinstance(cluster, str):
+            self.v.report("SKIP", name, cluster)
+            return
+        from miles.rollout.engines.process import free_port
+
+        run_dir = self.work / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        port = free_port()
+        flags = trainer_flags(self.args, self.model_dir, run_dir, self.data_dir, mode=mode, port=port,
+                              backend=backend, tp=tp)
+        deadline = time.monotonic() + min(TRAINER_RUN_CAP_S, self.v.left() - 10)
+        started = time.monotonic()
+        trainer = TrainerProcess(flags, run_dir / "trainer.log", cluster.address)
+        what = f"--engine-lora-update {mode}, --train-backend {backend}" + (f" TP {tp}" if backend == "megatron" else "")
+        try:
+            detail = await asyncio.to_thread(scenario, trainer, f"http://127.0.0.1:{port}", self.data_dir, deadline)
+            code = await asyncio.to_thread(trainer.stop, deadline + 30)
+        except Exception as exc:  # one verdict line, whatever broke
+            trainer.kill()
+            if not isinstance(exc, StepFailed):
+                exc = StepFailed(f"{type(exc).__name__}: {str(exc)[:300]}")
+            if NO_IN_PLACE_ROUTE in trainer.log():
+                self.v.report("SKIP", name, "--engine-lora-update in_place is unsupported by this SGLang build "
+                                            f"({NO_IN_PLACE_ROUTE})")
+            else:
+                self.v.report("FAIL", name, f"{what}: {exc} (log: {run_dir / 'trainer.log'})")
+            return
+        finally:
+            trainer.kill()
+        if code != 0:
+            self.v.report("FAIL", name, f"{what}: {detail}; but the trainer exited {code} at SIGTERM: {trainer.tail()}")
+            return
+        self.v.report("PASS", name, f"{what}: {detail}; saved and exited at SIGTERM ({time.monotonic() - started:.0f} s)")
+
+    def shutdown(self) -> None:
+        for cluster in self._clusters.values():
+            cluster.shutdown()
+        self._clusters.clear()
+
+
+# ---- the trainer end to end: service scenario and a Megatron run, on a Ray cluster of our own ----
+
+TRAINER = "miles.main.train_multi_lora_async"
+TRAINER_RUN_CAP_S = 150.0
+"""Most seconds one trainer run may take (start, adapters stepping, SIGTERM and exit)."""
+NO_IN_PLACE_ROUTE = "no /load_lora_adapter_from_distributed"
+"""What the engine actor says when an SGLang build cannot replace a LoRA in place."""
+
+
+def gpu_plan(gpus: int, train_ranks: int, mode: str) -> tuple[int, bool] | str:
+    """(GPUs the Ray cluster advertises, whether they are shared) for a trainer run of
+    `train_ranks` GPU ranks (0: on CPU) and one SGLang engine on a machine with `gpus`; or why
+    it cannot run there. One rank and versioned pushes share: the train rank and the engine
+    both use device 0. A broadcast push cannot (NCCL puts no two ranks of a group on one
+    device), nor can TP ranks (each needs a device of its own)."""
+    need = train_ranks + 1 if train_ranks else 0
+    if need <= gpus:
+        return gpus, False
+    if train_ranks > 1 or mode == "in_place":
+        why = "TP ranks need a GPU each" if train_ranks > 1 else "a broadcast push needs the engine on a GPU of its own"
+        return f"needs {need} GPUs ({train_ranks} train rank(s) + 1 SGLang engine: {why}); {gpus} present"
+    return need, True
+
+
+class StepFailed(AssertionError):
+    """A trainer check went wrong; the message is the verdict's detail."""
+
+
+def write_arithmetic_data(path: Path, op: str, seed: int, n: int = 200) -> Path:
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with path.open("w") as fh:
+        for _ in range(n):
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            fh.write(json.dumps({"text": f"{a}{op}{b}=", "label": str(a + b if op == "+" else a - b)}) + "\n")
+    return path
+
+
+class RayCluster:
+    """A local Ray cluster the trainers join (RAY_ADDRESS), as `ray job submit` runs them.
+
+    `share_gpus`: more GPUs are advertised than there are, and Ray leaves CUDA_VISIBLE_DEVICES
+    alone, so a train rank and an SGLang engine share a device (one-GPU machines).
+    """
+
+    def __init__(self, gpus: int, share_gpus: bool):
+        from ray.cluster_utils import Cluster
+
+        self.gpus, self.share_gpus = gpus, share_gpus
+        saved = os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")
+        if share_gpus:  # read by the raylet and the workers it starts
+            os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+        try:
+            self.cluster = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": max(os.cpu_count() or 1, 8), "num_gpus": gpus, "include_dashboard": False})
+        finally:
+            if saved is None:
+                os.environ.pop("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", None)
+        self.address = self.cluster.address
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+class TrainerProcess:
+    """`python -m miles.main.train_multi_lora_async FLAGS` on the cluster, its log in a file."""
+
+    def __init__(self, flags: list[str], log_path: Path, ray_address: str):
+        env = {**os.environ, "RAY_ADDRESS": ray_address, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-m", TRAINER, *flags], cwd=ROOT, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, n: int = 400) -> str:
+        return " | ".join(self.log().strip().splitlines()[-3:])[-n:]
+
+    def wait_until(self, predicate, deadline: float, what: str, poll_s: float = 0.5):
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                raise StepFailed(f"the trainer exited ({self.proc.returncode}) while waiting for {what}: {self.tail()}")
+            time.sleep(poll_s)
+        raise StepFailed(f"timed out waiting for {what}: {self.tail()}")
+
+    def wait_for_http(self, url: str, deadline: float) -> None:
+        import httpx
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        self.wait_until(healthy, deadline, "the control plane")
+
+    def stop(self, deadline: float) -> int:
+        """SIGTERM (every loaded adapter is saved), then the exit code; SIGKILL past the deadline."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return -signal.SIGKILL
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+
+def trainer_flags(args: argparse.Namespace, model_dir: Path, run_dir: Path, data_dir: Path, *, mode: str,
+                  port: int, backend: str = "torch", tp: int = 1) -> list[str]:
+    """The fewest steps on the tiny model: two groups of four samples per step, short answers."""
+    flags = ["--hf-checkpoint", str(model_dir), "--multi-lora-n-adapters", "2", "--lora-rank", str(RANK),
+             "--multi-lora-api-port", str(port), "--multi-lora-allowed-roots", str(data_dir), str(run_dir),
+             "--multi-lora-idle-poll-s", "0.5", "--multi-lora-max-empty-wait-s", "60",
+             "--multi-lora-max-coalesce-wait-s", "0.2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+             "--rollout-max-response-len", "8", "--rollout-num-engines", "1", "--rm-type", "random", "--lr", "1e-3",
+             "--save", str(run_dir / "save"), "--engine-lora-update", mode, "--train-backend", backend]
+    if backend == "megatron":
+        flags += ["--tensor-model-parallel-size", str(tp)]
+    if args.cpu_rehearsal:
+        return flags + ["--rollout-engine", "builtin", "--device", "cpu", "--dtype", "float32"]
+    # The SGLang flags of this script, as the trainer takes them (--NAME -> --sglang-NAME).
+    sglang = [f"--sglang-{token[2:]}" if token.startswith("--") else token for token in args.sglang_args.split()]
+    return flags + ["--rollout-engine", "sglang", "--engine-python", str(Path(args.sglang_venv) / "bin" / "python"),
+                    "--device", "cuda", "--dtype", "bfloat16", *sglang]
+
+
+def run_service_scenario(trainer: TrainerProcess, url: str, data_dir: Path, deadline: float) -> str:
+    """One adapter joins and one retires mid-run; returns the verdict's detail."""
+    from miles.controller.client import ControlPlaneClient
+    from miles.utils.types import AdapterState
+
+    trainer.wait_for_http(url, deadline)
+    client = ControlPlaneClient(url)
+    add, sub = str(data_dir / "add.jsonl"), str(data_dir / "sub.jsonl")
+    client.register("first", config={"data": add})
+    trainer.wait_until(lambda: client.status("first").step >= 1, deadline, "'first' to step")
+    client.register("second", config={"data": sub})  # joins mid-run
+    first_at_join = client.status("first").step
+    trainer.wait_until(lambda: client.status("second").step >= 1, deadline, "'second' (joined mid-run) to step")
+    trainer.wait_until(lambda: client.status("first").step > first_at_join, deadline,
+                       "'first' to keep stepping beside 'second'")
+    client.deregister("first")  # retires mid-run
+    trainer.wait_until(lambda: client.status("first").state is AdapterState.COMPLETED, deadline, "'first' to retire")
+    first = client.status("first")
+    second_at_retire = client.status("second").step
+    trainer.wait_until(lambda: client.status("second").step > second_at_retire, deadline,
+                       "'second' to keep stepping after 'first' retired")
+    if "Adapter 'first' cleaned up" not in trainer.log():
+        raise StepFailed("'first' is COMPLETED but the trainer never cleaned its slot up")
+    # Two slots: a third adapter fits only in the one 'first' freed.
+    third_slot = client.register("third", config={"data": add})
+    if third_slot != first.slot:
+        raise StepFailed(f"'third' got slot {third_slot}, not slot {first.slot} that 'first' left")
+    return (f"'first' stepped {first_at_join} time(s) alone, 'second' joined and both stepped; 'first' retired at "
+            f"step {first.step} (slot {first.slot} freed: cleaned up, unloaded, taken by 'third'), "
+            f"'second' at step {client.status('second').step}")
+
+
+def run_two_adapters(trainer: TrainerProcess, url: str, data_dir: Path, deadline: float) -> str:
+    """Two adapters registered together, each steps twice; returns the verdict's detail."""
+    from miles.controller.client import ControlPlaneClient
+
+    trainer.wait_for_http(url, deadline)
+    client = ControlPlaneClient(url)
+    client.register("first", config={"data": str(data_dir / "add.jsonl")})
+    client.register("second", config={"data": str(data_dir / "sub.jsonl")})
+    for name in ("first", "second"):
+        trainer.wait_until(lambda: client.status(name).step >= 2, deadline, f"'{name}' to step twice")
+    steps = {name: client.status(name).step for name in ("first", "second")}
+    return f"two adapters trained at once: steps {steps}"
+
 
 
 def check_megatron(v: Verdicts, model_dir: Path, tp: int, device: str) -> None:
     """The Megatron check prints its own verdict line; a crash or a time-out is one FAIL line."""
-    if v.left() < 60:
-        v.report("SKIP", f"megatron-tp{tp}", f"only {v.left():.0f} s of the budget left")
+    if not v.wanted(f"megatron-tp{tp}"):
         return
     dtype = "bfloat16" if device == "cuda" else "float32"
     command = [sys.executable, "-m", "miles.backends.megatron.gpu_check", "--hf-checkpoint", str(model_dir),
@@ -302,7 +617,7 @@ def check_megatron(v: Verdicts, model_dir: Path, tp: int, device: str) -> None:
         return
     verdict = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
     if verdict:
-        print(verdict[-1], flush=True)
+        print(f"{verdict[-1]} [{time.monotonic() - v.started:.0f} s]", flush=True)
         v.failed |= verdict[-1].startswith("FAIL")
     else:
         v.report("FAIL", f"megatron-tp{tp}", f"exit {done.returncode}: {(done.stderr or done.stdout)[-300:]}")
@@ -319,12 +634,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="Extra SGLang server flags (float32 needs kernels that take it).")
     parser.add_argument("--cpu-rehearsal", action="store_true",
                         help="Run every check against the builtin engine on CPU (tests this script).")
+    parser.add_argument("--skip", nargs="*", default=[], choices=SKIPPABLE,
+                        help="Checks not to run (each still prints a SKIP line).")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() or args.cpu_rehearsal):
         print("gpu-check needs a CUDA GPU (torch.cuda.is_available() is False); run it on a GPU machine", flush=True)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    verdicts = Verdicts(deadline=time.monotonic() + args.budget_s)
+    verdicts = Verdicts(deadline=time.monotonic() + args.budget_s, skip=frozenset(args.skip))
     started = time.monotonic()
     try:
         asyncio.run(asyncio.wait_for(run(args, verdicts), timeout=args.budget_s))
