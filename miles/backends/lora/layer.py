@@ -18,15 +18,19 @@ unsorted batches and sorted ones of equal counts), or stacked: every slot up to 
 LoRA, each row scaled on its own slot's columns (three ops whatever the mix: best for
 decode steps, whose GEMMs have a few rows). All give the same numbers.
 Everything that depends only on the batch (row grouping, per-row scale) is computed once
-per batch in `SlotBatch`, not in every layer.
+per batch in `SlotBatch`, and `use_slots` keeps one per distinct slot list, so that the
+steps of a decode loop share it; each layer keeps the operands of its last no-grad stacked
+step (`_DecodePlan`) while the batch and its weights stay the same.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import itertools
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -179,6 +183,9 @@ class MultiLoRALinear(nn.Module):
         self._stacked_b_cache: tuple[tuple, torch.Tensor] | None = None
         self.slot_scales: tuple[float, ...] = (0.0,) * n_slots
         """alpha / rank of every slot (0 when empty), as a tuple a batch compares at C speed."""
+        self._decode_plan: _DecodePlan | None = None
+        """What the last no-grad stacked step used (A's transpose, per-row scale, stacked B),
+        reused while the batch, the weights and the input shape stay the same."""
 
     @property
     def n_slots(self) -> int:
@@ -204,6 +211,12 @@ class MultiLoRALinear(nn.Module):
         batch = _ACTIVE.get().get(id(self))
         if batch is None or not batch.present:
             return out
+        plan = self._decode_plan
+        if plan is not None and plan.fits(self, x, batch):
+            # A decode step like the last one: the stacked path's three ops, nothing else.
+            h_NC = torch.mm(x.reshape(-1, self.base.in_features), plan.a_IC)
+            h_NC.mul_(plan.scale_BC)
+            return torch.addmm(out.reshape(-1, plan.b_CO.shape[1]), h_NC, plan.b_CO).reshape(out.shape)
         if x.shape[0] != batch.batch_size:
             raise ValueError(
                 f"use_slots gave {batch.batch_size} slot ids but the layer input has batch size "
@@ -254,13 +267,15 @@ class MultiLoRALinear(nn.Module):
         b_CO = self._stacked_b()[:n_cols]
         out_NO = out.reshape(-1, self.out_features)
         if out_NO.dtype == h_NC.dtype:
+            if rows_per_sample == 1 and x.dtype == a_CI.dtype and not _training(self):
+                self._decode_plan = _DecodePlan(self, x, batch, a_CI.detach().transpose(0, 1), scale_BC, b_CO)
             return torch.addmm(out_NO, h_NC, b_CO).reshape(out.shape)
         return out + (h_NC @ b_CO).to(out.dtype).reshape(out.shape)
 
     def _stacked_b(self) -> torch.Tensor:
         """B of every slot as [n_slots * max_rank, out]: row s * max_rank + k is B[s, :, k]."""
         b = self.lora_B
-        if torch.is_grad_enabled() and b.requires_grad:
+        if _training(self):
             return b.transpose(1, 2).reshape(-1, self.out_features)
         key = (b.data_ptr(), b._version, b.dtype, b.device)
         if self._stacked_b_cache is None or self._stacked_b_cache[0] != key:
@@ -367,6 +382,43 @@ class MultiLoRALinear(nn.Module):
         return a.contiguous(), b.contiguous()
 
 
+def _training(layer: MultiLoRALinear) -> bool:
+    """Autograd records this forward: the LoRA weights are read in place, never from a copy."""
+    return torch.is_grad_enabled() and (layer.lora_A.requires_grad or layer.lora_B.requires_grad)
+
+
+class _DecodePlan:
+    """The operands of one layer's stacked decode step, kept for the next step.
+
+    Valid while the step runs the same `SlotBatch` object (cached per slot list by
+    `use_slots`) on an input of the same size and dtype, with A and B unchanged (same
+    storage and version counter: a slot load or an optimizer step bumps it) and the same
+    delta mode and slot scales. Then a step is GEMM, in-place scale, addmm: the same ops
+    and numbers as `_add_stacked_delta`, without its Python.
+    """
+
+    __slots__ = ("batch", "numel", "dtype", "a_key", "b_key", "delta_mode", "slot_scales", "a_IC", "scale_BC", "b_CO")
+
+    def __init__(self, layer: MultiLoRALinear, x: torch.Tensor, batch: SlotBatch, a_IC: torch.Tensor,
+                 scale_BC: torch.Tensor, b_CO: torch.Tensor):
+        self.batch, self.numel, self.dtype = batch, x.numel(), x.dtype
+        self.a_key, self.b_key = _weight_key(layer.lora_A), _weight_key(layer.lora_B)
+        self.delta_mode, self.slot_scales = layer.delta_mode, layer.slot_scales
+        self.a_IC, self.scale_BC, self.b_CO = a_IC, scale_BC, b_CO
+
+    def fits(self, layer: MultiLoRALinear, x: torch.Tensor, batch: SlotBatch) -> bool:
+        return (
+            batch is self.batch and x.numel() == self.numel and x.dtype == self.dtype
+            and layer.slot_scales is self.slot_scales and layer.delta_mode == self.delta_mode
+            and not _training(layer)
+            and _weight_key(layer.lora_A) == self.a_key and _weight_key(layer.lora_B) == self.b_key
+        )
+
+
+def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
+    return weight.data_ptr(), weight._version
+
+
 def _check_rank(rank: int, max_rank: int) -> None:
     if not 0 < rank <= max_rank:
         raise ValueError(f"LoRA rank {rank} does not fit the slot width: need 0 < rank <= max_rank={max_rank}")
@@ -425,6 +477,7 @@ def inject_multi_lora(
             raise ValueError(f"target_modules {sorted(missing)} match no nn.Linear in the decoder layers of this model")
     for p in model.parameters():
         p.requires_grad_(False)
+    _LAYERS.pop(model, None)
     for name in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -469,16 +522,28 @@ def use_slots(model: nn.Module, slot_ids: Sequence[int] | torch.Tensor) -> Itera
     routing is restored on exit. With activation checkpointing the backward re-runs
     the forward, so call `backward()` inside the block too.
     """
-    modules = _require_lora(model)
-    first = next(iter(modules.values()))
-    batch = SlotBatch.build(
-        slot_ids, first.lora_A.device, scales=first.slot_scales, max_rank=first.max_rank
-    )
+    layers = _LAYERS.get(model)
+    if layers is None:
+        layers = _LAYERS[model] = tuple(_require_lora(model).values())
+    first = layers[0]
+    ids = slot_ids.reshape(-1).tolist() if isinstance(slot_ids, torch.Tensor) else slot_ids
+    batch = _slot_batch(tuple(ids), first.lora_A.device, first.slot_scales, first.max_rank)
     for slot in batch.present:
         if slot >= first.n_slots:
             raise ValueError(f"slot {slot} does not exist: the page table has {first.n_slots} slots (0..{first.n_slots - 1})")
-    token = _ACTIVE.set({**_ACTIVE.get(), **{id(m): batch for m in modules.values()}})
+    token = _ACTIVE.set({**_ACTIVE.get(), **dict.fromkeys(map(id, layers), batch)})
     try:
         yield batch
     finally:
         _ACTIVE.reset(token)
+
+
+# The multi-LoRA layers of a model, found once (a decode step must not walk the module tree).
+_LAYERS: weakref.WeakKeyDictionary[nn.Module, tuple[MultiLoRALinear, ...]] = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=256)
+def _slot_batch(slot_ids: tuple[int, ...], device: torch.device, scales: tuple[float, ...], max_rank: int) -> SlotBatch:
+    """One `SlotBatch` per distinct batch: decode steps repeat the same slots step after
+    step, and the batch (routing, per-row scales) depends on nothing else."""
+    return SlotBatch.build(slot_ids, device, scales=scales, max_rank=max_rank)

@@ -233,3 +233,51 @@ def test_stacked_path_sees_every_write_to_b(base_model):
     stacked_after_step, segment_after_step = both_paths()
     assert (segment_after_step - segment_after_load).abs().max() > 1e-3
     torch.testing.assert_close(stacked_after_step, segment_after_step, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("slots", [[3, -1, 1, 3, 0, 2], [0, 0, 1, 1], [2, -1, -1, 2]])
+def test_repeated_decode_steps_equal_the_segment_path(base_model, slots):
+    """Decode steps (one token per row, no grad) reuse the stacked path's operands from
+    the previous step; they equal the per-slot segment path for mixed slots, base-only
+    rows and present slots that are not 0..P-1, and a write to A (slot load) or to B
+    between two steps shows in the next one."""
+    model = multi_lora_copy(base_model)
+    gen = torch.Generator().manual_seed(5)
+    for slot, rank in zip(range(N_SLOTS), (2, 8, 5, 1)):
+        init_slot(model, slot, rank=rank, alpha=2.0 * rank + slot, generator=gen)
+        with torch.no_grad():
+            for module in lora_modules(model).values():
+                module.lora_B[slot, :, :rank].copy_(torch.randn(module.out_features, rank, generator=gen) * 0.1)
+    layers = list(lora_modules(model).values())
+    steps = [input_batch(len(slots), seq=1, seed=seed) for seed in (4, 5)]
+
+    def decode_and_segment(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        set_delta_mode(model, "auto")
+        decoded = logits(model, ids, slots)
+        set_delta_mode(model, "segment")
+        return decoded, logits(model, ids, slots)
+
+    first, segment = decode_and_segment(steps[0])
+    torch.testing.assert_close(first, segment, atol=ATOL, rtol=0)
+    assert (segment - logits(model, steps[0], [-1] * len(slots))).abs().max() > 1e-3  # the adapters matter
+    plans = [layer._decode_plan for layer in layers]
+    assert all(plan is not None for plan in plans)
+    second, segment = decode_and_segment(steps[1])
+    torch.testing.assert_close(second, segment, atol=ATOL, rtol=0)
+    assert all(layer._decode_plan is plan for layer, plan in zip(layers, plans))  # reused, not rebuilt
+    present = max(slots)
+    weights = get_slot_weights(model, present)
+    for name in weights:
+        if name.endswith("lora_A.weight"):
+            weights[name] = torch.randn(weights[name].shape, generator=gen) * 0.3
+    rank, alpha = lora_modules(model)[next(iter(lora_modules(model)))].ranks[present], 2.0 * 5
+    set_slot_weights(model, present, weights, rank=rank, alpha=alpha)  # new A and a new scale
+    after_load, segment_after_load = decode_and_segment(steps[1])
+    assert (segment_after_load - segment).abs().max() > 1e-3
+    torch.testing.assert_close(after_load, segment_after_load, atol=ATOL, rtol=0)
+    with torch.no_grad():
+        for layer in layers:
+            layer.lora_B[present].mul_(-2.0)  # in place, like an optimizer step
+    after_step, segment_after_step = decode_and_segment(steps[1])
+    assert (segment_after_step - segment_after_load).abs().max() > 1e-3
+    torch.testing.assert_close(after_step, segment_after_step, atol=ATOL, rtol=0)
