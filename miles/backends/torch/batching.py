@@ -190,14 +190,21 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_BT: Tensor):  # type: ignore[override]
         logits_BKV, targets_BT, lse_BT = ctx.saved_tensors
-        grad_logits = torch.zeros_like(logits_BKV)
+        # The blocks cover every position but the last (it predicts nothing): only that one
+        # is zeroed, not the whole [B, K, V] gradient.
+        grad_logits = torch.empty_like(logits_BKV)
+        grad_logits[:, -1] = 0
         grad_BT = grad_BT.float()
         for rows, pos in ctx.blocks:
             g_bt1 = grad_BT[rows, pos, None]
             # d(logit[y] - lse)/d logits = onehot(y) - softmax
-            probs = torch.exp(logits_BKV[rows, pos].float() - lse_BT[rows, pos, None])
+            if grad_logits.dtype == torch.float32:  # computed in place in the gradient's block
+                probs = torch.sub(logits_BKV[rows, pos], lse_BT[rows, pos, None], out=grad_logits[rows, pos]).exp_()
+            else:
+                probs = torch.exp(logits_BKV[rows, pos].float() - lse_BT[rows, pos, None])
             g = probs.mul_(g_bt1).neg_().scatter_add_(-1, targets_BT[rows, pos, None], g_bt1)
-            grad_logits[rows, pos] = g.to(grad_logits.dtype)
+            if grad_logits.dtype != torch.float32:
+                grad_logits[rows, pos] = g.to(grad_logits.dtype)
         return grad_logits, None, None
 
 
