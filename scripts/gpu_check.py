@@ -372,7 +372,7 @@ class TrainerRuns:
         if unsupported is not None and mode == "in_place":
             self.v.report("SKIP", name, f"--engine-lora-update in_place: {unsupported}")
             return
-        if not self.v.wanted(name):
+        if not self.v.wanted(name, min_left_s=2 * STOP_S + 60):
             return
         cluster = self._cluster(tp, mode)
         if isinstance(cluster, str):
@@ -386,13 +386,14 @@ class TrainerRuns:
         port = free_port()
         flags = trainer_flags(self.args, self.model_dir, run_dir, self.data_dir, mode=mode, port=port,
                               backend=backend, tp=tp)
-        deadline = time.monotonic() + min(TRAINER_RUN_CAP_S, self.v.left() - 10)
+        # The scenario, then SIGTERM's saves and exit, all within the run's cap and the budget.
+        deadline = time.monotonic() + min(TRAINER_RUN_CAP_S - STOP_S, self.v.left() - STOP_S - 5)
         started = time.monotonic()
         trainer = TrainerProcess(flags, run_dir / "trainer.log", cluster.address)
         what = f"--engine-lora-update {mode}, --train-backend {backend}" + (f" TP {tp}" if backend == "megatron" else "")
         try:
             detail = await asyncio.to_thread(scenario, trainer, f"http://127.0.0.1:{port}", self.data_dir, deadline)
-            code = await asyncio.to_thread(trainer.stop, deadline + 30)
+            code = await asyncio.to_thread(trainer.stop, deadline + STOP_S)
         except Exception as exc:  # one verdict line, whatever broke
             trainer.kill()
             if not isinstance(exc, StepFailed):
@@ -421,6 +422,8 @@ class TrainerRuns:
 TRAINER = "miles.main.train_multi_lora_async"
 TRAINER_RUN_CAP_S = 150.0
 """Most seconds one trainer run may take (start, adapters stepping, SIGTERM and exit)."""
+STOP_S = 30.0
+"""Of which at most this long for SIGTERM: the final saves, engines and Ray actors stopped."""
 NO_IN_PLACE_ROUTE = "no /load_lora_adapter_from_distributed"
 """What the engine actor says when an SGLang build cannot replace a LoRA in place."""
 
