@@ -52,6 +52,9 @@ class AdapterSpec:
     alpha: float
     global_batch_size: int
     """rollout_batch_size * n_samples_per_prompt: the gradient is divided by it at step."""
+    rollout_batch_size: int | None = None
+    """Prompt groups per step; a resumed part-window gradient is kept only if it covers fewer
+    (and `global_batch_size / rollout_batch_size` samples each). None: only `global_batch_size` is checked."""
     lr: float = 1e-4
     weight_decay: float = 0.0
     lr_decay_style: str = "constant"
@@ -70,6 +73,7 @@ class AdapterSpec:
         return cls(
             name=run.name, slot=run.slot, rank=cfg.rank, alpha=float(cfg.alpha),
             global_batch_size=cfg.rollout_batch_size * cfg.n_samples_per_prompt,
+            rollout_batch_size=cfg.rollout_batch_size,
             lr=cfg.lr, weight_decay=cfg.weight_decay, lr_decay_style=cfg.lr_decay_style,
             lr_warmup_steps=cfg.lr_warmup_steps, num_step=cfg.num_step,
             registration_id=run.registration_id, save_dir=None if cfg.save is None else str(cfg.save),
@@ -87,6 +91,9 @@ class LoadResult:
     """The step recorded in that checkpoint (0 when fresh): the registry takes it over."""
     data_position: DataPosition | None = None
     """Where its dataset stood at that checkpoint; None when fresh or not recorded."""
+    accumulated_groups: int = 0
+    """Groups toward the next step whose gradient the checkpoint held and the slot holds
+    again: the registry takes the count over."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,11 @@ class SaveRequest:
     """The adapter's step as the registry counts it (the snapshot's `AdapterRun.step`)."""
     data_position: DataPosition | None = None
     """Recorded in `trainer_state.json` so a resume continues the dataset there."""
+    accumulated_groups: int = 0
+    """Groups trained toward step `step + 1` (the snapshot's `AdapterRun.accumulated_groups`):
+    when > 0 their gradient is saved with the checkpoint, if the backend holds exactly
+    `accumulated_samples` samples of it (else it is dropped with a warning)."""
+    accumulated_samples: int = 0
 
 
 class TrainRankLostError(RuntimeError):
@@ -170,7 +182,8 @@ class TrainingBackend(Protocol):
 
     async def load_adapter(self, spec: AdapterSpec) -> LoadResult:
         """Put an adapter into `spec.slot` (which must be empty): from the latest complete
-        checkpoint under `spec.save_dir` if there is one, else fresh (A random, B zero)."""
+        checkpoint under `spec.save_dir` if there is one (with the gradient of its accumulated
+        groups, if it holds one), else fresh (A random, B zero)."""
 
     async def cleanup_adapter(self, name: str) -> None:
         """Empty the adapter's slot: weights, optimizer moments and counters, retained
@@ -204,7 +217,8 @@ class TrainingBackend(Protocol):
         """Optimizer step of exactly these adapters; every other slot is untouched."""
 
     async def save_adapter(self, request: SaveRequest) -> Path:
-        """Write a checkpoint of a loaded adapter; returns its directory."""
+        """Write a checkpoint of a loaded adapter, with the gradient of its accumulated groups
+        summed over ranks when `request.accumulated_groups > 0`; returns its directory."""
 
     async def shutdown(self) -> None:
         """Stop the ranks."""

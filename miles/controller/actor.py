@@ -193,8 +193,8 @@ class MultiLoRAController:
     async def requeue_for_new_trainer(self) -> list[str]:
         return self.backend.requeue_for_new_trainer()
 
-    async def set_adapter_step(self, name: str, step: int) -> None:
-        self.backend.set_adapter_step(name, step)
+    async def set_adapter_step(self, name: str, step: int, accumulated_groups: int = 0) -> None:
+        self.backend.set_adapter_step(name, step, accumulated_groups)
 
     async def adapter_step(self, name: str) -> int:
         return self.backend.adapter_step(name)

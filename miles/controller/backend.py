@@ -290,8 +290,8 @@ class MultiLoRABackend:
             logger.info("Restored adapters wait for this trainer's first push: %s", ", ".join(requeued))
         return requeued
 
-    def set_adapter_step(self, name: str, step: int) -> None:
-        self.registry.set_step(name, step)
+    def set_adapter_step(self, name: str, step: int, accumulated_groups: int = 0) -> None:
+        self.registry.set_step(name, step, accumulated_groups)
         self._persist()
 
     def adapter_step(self, name: str) -> int:

@@ -295,18 +295,22 @@ class AdapterRegistry:
             record.state = AdapterState.RETIRING
             logger.info("Adapter '%s' reached num_step=%d (step %d): RETIRING", record.name, num_step, record.step)
 
-    def set_step(self, name: str, step: int) -> None:
-        """Resume: the adapter continues at `step` (its checkpoint's step).
+    def set_step(self, name: str, step: int, accumulated_groups: int = 0) -> None:
+        """Resume: the adapter continues at `step` (its checkpoint's step), with the
+        `accumulated_groups` toward the next step whose gradient the checkpoint held.
 
         Before its first push (PENDING) `num_step` counts from here. Later (a trainer
         that restarted reloads a live adapter from its checkpoint) the start stays where
-        the registration began, and the groups accumulated since the lost step are dropped.
+        the registration began, and the groups accumulated since that checkpoint are dropped.
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         record = self._record(name)
+        if not 0 <= accumulated_groups < record.config.rollout_batch_size:
+            raise ValueError(f"adapter '{name}': accumulated groups must be in 0..{record.config.rollout_batch_size - 1} "
+                             f"(rollout_batch_size - 1), got {accumulated_groups}")
         record.step = step
-        record.accumulated_groups = 0
+        record.accumulated_groups = accumulated_groups
         if record.state is AdapterState.PENDING and not record.pushed:
             record.start_step = step
 

@@ -65,6 +65,12 @@ class _Loaded:
     """Step of the checkpoint last written or resumed from (no second save of a step)."""
     stale: bool = True
     """The engines do not serve its current weights (newly loaded, or stepped since)."""
+    samples_per_group: int = 1
+    """Its `n_samples_per_prompt`."""
+    accumulated_groups: int = 0
+    """The registry's groups toward the next step as of the latest snapshot (a copy)."""
+    saved_groups: int = 0
+    """Accumulated groups in the checkpoint last written or resumed from."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,7 @@ class AdapterSync:
             run = live.get(name)
             if run is not None and run.registration_id == entry.registration_id:
                 entry.step = run.step
+                entry.accumulated_groups = run.accumulated_groups
 
     # ---- reconcile --------------------------------------------------------------------
 
@@ -146,10 +153,11 @@ class AdapterSync:
             spec = AdapterSpec.from_run(run)
             loaded = await self.backend.load_adapter(spec)
             # A restored registry may be ahead of the weights (no checkpoint, or an older one):
-            # the weights win, so the step always matches what the backend holds.
-            if loaded.checkpoint is not None or loaded.step != run.step:
-                await self.controller.set_adapter_step.remote(name, loaded.step)
-                snapshot = snapshot.with_step(name, loaded.step)
+            # the weights win, so the step and the groups accumulated toward the next one
+            # always match what the backend holds.
+            if loaded.checkpoint is not None or (loaded.step, loaded.accumulated_groups) != (run.step, run.accumulated_groups):
+                await self.controller.set_adapter_step.remote(name, loaded.step, loaded.accumulated_groups)
+                snapshot = snapshot.with_step(name, loaded.step, loaded.accumulated_groups)
             if loaded.checkpoint is not None:
                 logger.info("Adapter '%s' resumed from %s (step %d)", name, loaded.checkpoint, loaded.step)
             elif loaded.step != run.step:
@@ -161,7 +169,10 @@ class AdapterSync:
                                                                         loaded.data_position)
             self._loaded[name] = _Loaded(registration_id=run.registration_id, slot=run.slot,
                                          saves=spec.save_dir is not None,
-                                         step=loaded.step, saved_step=loaded.step)
+                                         step=loaded.step, saved_step=loaded.step,
+                                         samples_per_group=run.config.n_samples_per_prompt,
+                                         accumulated_groups=loaded.accumulated_groups,
+                                         saved_groups=loaded.accumulated_groups)
         return snapshot
 
     # ---- weight push ------------------------------------------------------------------
@@ -250,7 +261,8 @@ class AdapterSync:
         return [name for name in due if await self._save(name, positions.get(name))]
 
     async def save_all(self) -> list[str]:
-        """Shutdown: save every loaded adapter that stepped since its last checkpoint."""
+        """Shutdown: save every loaded adapter that stepped or trained groups since its last
+        checkpoint (the gradient of a step's unfinished window is saved with it)."""
         if not self._loaded:
             return []
         # Re-read: shutdown may come at any stage of an iteration.
@@ -264,14 +276,19 @@ class AdapterSync:
 
     async def _save(self, name: str, data_position: DataPosition | None) -> bool:
         entry = self._loaded[name]
-        if entry.step == entry.saved_step or entry.step == 0:
+        state = (entry.step, entry.accumulated_groups)
+        if state == (entry.saved_step, entry.saved_groups) or state == (0, 0):
             return False
         if not entry.saves:
             logger.warning("Adapter '%s' has no save directory; its step %d is not saved", name, entry.step)
             return False
-        path = await self.backend.save_adapter(SaveRequest(name, entry.step, data_position))
-        entry.saved_step = entry.step
-        logger.info("Adapter '%s' saved at step %d to %s", name, entry.step, path)
+        path = await self.backend.save_adapter(SaveRequest(
+            name, entry.step, data_position, accumulated_groups=entry.accumulated_groups,
+            accumulated_samples=entry.accumulated_groups * entry.samples_per_group,
+        ))
+        entry.saved_step, entry.saved_groups = state
+        logger.info("Adapter '%s' saved at step %d (%d group(s) toward the next) to %s", name, entry.step,
+                    entry.accumulated_groups, path)
         return True
 
     async def _data_positions(self) -> dict[str, DataPosition]:

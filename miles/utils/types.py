@@ -162,9 +162,10 @@ class MultiLoRASnapshot:
         freed = set(names)
         return replace(self, cleanup=self.cleanup - freed, completed=self.completed | freed)
 
-    def with_step(self, name: str, step: int) -> MultiLoRASnapshot:
-        """`set_adapter_step(name, step)` (a resume) was applied."""
-        return self._with_run(name, lambda run: replace(run, step=step, start_step=step))
+    def with_step(self, name: str, step: int, accumulated_groups: int = 0) -> MultiLoRASnapshot:
+        """`set_adapter_step(name, step, accumulated_groups)` (a resume) was applied."""
+        return self._with_run(name, lambda run: replace(run, step=step, start_step=step,
+                                                        accumulated_groups=accumulated_groups))
 
     def after_push(self, versions: dict[str, int]) -> MultiLoRASnapshot:
         """`record_weight_update` answered `versions`: new slot versions, PENDING -> ACTIVE."""

@@ -90,8 +90,8 @@ class InProcessController:
     def mark_batch_trained(self, rollout_id: int) -> list[str]:
         return self.backend.mark_batch_trained(rollout_id)
 
-    def set_adapter_step(self, name: str, step: int) -> None:
-        self.backend.set_adapter_step(name, step)
+    def set_adapter_step(self, name: str, step: int, accumulated_groups: int = 0) -> None:
+        self.backend.set_adapter_step(name, step, accumulated_groups)
 
     def adapter_status(self, name: str) -> Any:
         return self.backend.adapter_status(name)

@@ -39,7 +39,7 @@ from miles.backends.megatron import lora as mlora
 from miles.backends.megatron.model import ModelShape, build_gpt_model, forward_logits, load_hf_weights, read_hf_state_dict
 from miles.backends.torch.actor import DTYPES, LossSums, TorchTrainActor, TrainActorConfig, _Loaded, adapter_seed
 from miles.backends.torch.batching import MicroBatch, next_token_logprobs
-from miles.backends.torch.checkpoint import OptimizerState, TrainerState, read_checkpoint, write_checkpoint
+from miles.backends.torch.checkpoint import AccumulatedGrad, OptimizerState, read_checkpoint, write_checkpoint
 from miles.backends.torch.loss import entropy_from_logits
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW
@@ -183,18 +183,23 @@ class MegatronTrainActor(TorchTrainActor):
         saved = LRSchedule.from_state_dict(ckpt.scheduler)
         schedule = replace(fresh, samples_seen=saved.samples_seen, samples_at_last_step=saved.samples_at_last_step)
         return LoadResult(checkpoint=path, step=ckpt.trainer_state.step,
-                          data_position=ckpt.trainer_state.data_position), schedule
+                          data_position=ckpt.trainer_state.data_position,
+                          accumulated_groups=self._restore_accumulated_grad(spec, ckpt, schedule)), schedule
 
-    def _pad_moments(self, tensors: dict[str, Tensor], spec: AdapterSpec, path: Path) -> list[Tensor]:
-        """Whole rank-sliced moments (HF shapes) -> this rank's padded slot views."""
+    def _first_replica(self) -> bool:
+        return self.dp_rank == 0
+
+    def _pad_moments(self, tensors: dict[str, Tensor], spec: AdapterSpec, path: Path,
+                     what: str = "optimizer state") -> list[Tensor]:
+        """Whole rank-sliced moments or gradients (HF shapes) -> this rank's padded slot views."""
         out = []
         for name, (param, rank_dim), (part, which) in zip(self.param_names, self.optimizer.params, self._param_parts):
             if name not in tensors:
-                raise ValueError(f"checkpoint {path} has no optimizer state for {name}: it was saved for another model")
+                raise ValueError(f"checkpoint {path} has no {what} for {name}: it was saved for another model")
             whole = tensors[name]
             expected = (spec.rank, part.in_features) if which == "A" else (part.out_features, spec.rank)
             if tuple(whole.shape) != expected:
-                raise ValueError(f"checkpoint {path}: optimizer state {name} has shape {list(whole.shape)}, expected {list(expected)}")
+                raise ValueError(f"checkpoint {path}: {what} {name} has shape {list(whole.shape)}, expected {list(expected)}")
             full = torch.zeros_like(param[spec.slot])
             full.narrow(rank_dim - 1, 0, spec.rank).copy_(part.shard_slot_view(which, whole))
             out.append(full)
@@ -292,24 +297,41 @@ class MegatronTrainActor(TorchTrainActor):
         hyper = {"lr": spec.lr, "weight_decay": spec.weight_decay, "betas": list(self.optimizer.betas), "eps": self.optimizer.eps}
         return OptimizerState(exp_avg=whole(exp_avg), exp_avg_sq=whole(exp_avg_sq), step=step, hyper=hyper)
 
-    def save_adapter(self, name: str, step: int, data_position: DataPosition | None = None) -> str:
-        """Write `{save}/checkpoints/step_{step}` (every rank of DP replica 0 gathers; rank 0
-        writes and returns the path, the others return '')."""
+    def accumulated_grad(self, name: str) -> tuple[dict[str, Tensor], int]:
+        """The adapter's gradient toward its next step, summed over the DP replicas and gathered
+        over TP (every rank must call): whole and rank-sliced by LoRA parameter name on rank 0,
+        none on the others; and the samples it covers (every rank's clock agrees)."""
         a = self._loaded(name)
         spec = a.spec
-        if spec.save_dir is None:
-            raise ValueError(f"adapter '{name}' has no save directory: set 'save' in its config or --save")
+        samples = a.schedule.samples_seen - a.schedule.samples_at_last_step
+        grads = [g.detach().clone() for g in self.optimizer.slot_grads(spec.slot)]
+        if self.world_size > self.config.tensor_model_parallel_size:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._dp_group())
+            grads = [chunk.view_as(g) for chunk, g in zip(torch.split(flat, [g.numel() for g in grads]), grads)]
+        if self.dp_rank != 0:
+            return {}, samples
+        tensors = {n: part.gather(which, g, spec.rank).cpu().contiguous()
+                   for n, g, (part, which) in zip(self.param_names, grads, self._param_parts)}
+        return (tensors if self.rank == 0 else {}), samples
+
+    def save_adapter(self, name: str, step: int, data_position: DataPosition | None = None,
+                     accumulated: AccumulatedGrad | None = None) -> str:
+        """Write `{save}/checkpoints/step_{step}` (every rank of DP replica 0 gathers; rank 0
+        writes and returns the path, the others return ''). `accumulated`: the part-window
+        gradient as `accumulated_grad` gathered it (None: nothing toward the next step kept)."""
+        a = self._loaded(name)
+        spec = a.spec
+        state, scheduler = self._checkpoint_state(name, step, data_position, accumulated)
         if self.dp_rank != 0:
             return ""
         tensors = mlora.gather_slot_weights(self.parts, spec.slot)
         optimizer = self.optimizer_state(name)
         if self.rank != 0:
             return ""
-        state = TrainerState(name=name, step=step, registration_id=spec.registration_id, rank=spec.rank,
-                             alpha=spec.alpha, data_position=data_position)
         path = write_checkpoint(
-            spec.save_dir, step, write_adapter=lambda p: write_peft_dir(p, tensors, self.peft_config(name)),
-            optimizer=optimizer, scheduler=a.schedule.state_dict(), trainer_state=state,
+            spec.save_dir, step, write_adapter=lambda p: write_peft_dir(p, tensors, self.peft_config(name)),  # type: ignore[arg-type]
+            optimizer=optimizer, scheduler=scheduler, trainer_state=state, accumulated_grad=accumulated,
         )
         return str(path)
 

@@ -80,5 +80,10 @@ class MegatronTrainGroup(TrainGroup):
         return await self._with_metadata(name, refs[0])
 
     async def save_adapter(self, request: SaveRequest) -> Path:
-        paths = await self._all("save_adapter", request.name, request.step, request.data_position)
+        """Every rank takes part in the gathers (gradient over DP and TP, weights over TP); rank 0 writes."""
+        import ray
+
+        accumulated = await self._accumulated_grad(request)
+        ref = None if accumulated is None else ray.put(accumulated)  # one copy for every rank
+        paths = await self._all("save_adapter", request.name, request.step, request.data_position, ref)
         return Path(paths[0])

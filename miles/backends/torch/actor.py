@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import hashlib
+import logging
 import os
 import socket
 from collections.abc import Sequence
@@ -60,7 +61,14 @@ from miles.backends.torch.batching import (
     next_token_logprobs,
     response_logprobs,
 )
-from miles.backends.torch.checkpoint import OptimizerState, TrainerState, read_checkpoint, write_checkpoint
+from miles.backends.torch.checkpoint import (
+    AccumulatedGrad,
+    Checkpoint,
+    OptimizerState,
+    TrainerState,
+    read_checkpoint,
+    write_checkpoint,
+)
 from miles.backends.torch.loss import (
     LossConfig,
     LossParams,
@@ -74,6 +82,8 @@ from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
 from miles.utils.network import cluster_host
 from miles.utils.types import DataPosition, Sample
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WINDOW_MIN_SKIPPED_LOGITS = 2**16
@@ -372,18 +382,46 @@ class TorchTrainActor:
         saved = LRSchedule.from_state_dict(ckpt.scheduler)
         schedule = replace(fresh, samples_seen=saved.samples_seen, samples_at_last_step=saved.samples_at_last_step)
         result = LoadResult(checkpoint=path, step=ckpt.trainer_state.step,
-                            data_position=ckpt.trainer_state.data_position)
+                            data_position=ckpt.trainer_state.data_position,
+                            accumulated_groups=self._restore_accumulated_grad(spec, ckpt, schedule))
         return result, schedule
 
-    def _pad_moments(self, tensors: dict[str, Tensor], spec: AdapterSpec, path: Path) -> list[Tensor]:
+    def _restore_accumulated_grad(self, spec: AdapterSpec, ckpt: Checkpoint, schedule: LRSchedule) -> int:
+        """Put a checkpoint's part-window gradient back into the slot; returns the groups it
+        covers. The first DP replica holds the whole sum and the others zeros, so the step's
+        all-reduce gives the sum the interrupted run would have had."""
+        acc = ckpt.accumulated_grad
+        if acc is None:
+            return 0
+        rbs = spec.rollout_batch_size
+        fits = acc.samples < spec.global_batch_size and \
+            (rbs is None or (acc.groups < rbs and acc.samples == acc.groups * (spec.global_batch_size // rbs)))
+        if not fits:
+            logger.warning("Adapter '%s': the gradient of %d group(s) (%d samples) in %s does not fit its batch "
+                           "(%s groups, %d samples per step) as configured now; it is dropped and the step's "
+                           "window starts empty", spec.name, acc.groups, acc.samples, ckpt.path, rbs,
+                           spec.global_batch_size)
+            schedule.samples_seen = schedule.samples_at_last_step
+            return 0
+        if self._first_replica():
+            grads = self._pad_moments(acc.tensors, spec, ckpt.path, what="accumulated gradient")
+            torch._foreach_copy_(self.optimizer.slot_grads(spec.slot), grads)
+        return acc.groups
+
+    def _first_replica(self) -> bool:
+        """This rank belongs to data-parallel replica 0."""
+        return self.rank == 0
+
+    def _pad_moments(self, tensors: dict[str, Tensor], spec: AdapterSpec, path: Path,
+                     what: str = "optimizer state") -> list[Tensor]:
         out = []
         for name, (param, rank_dim) in zip(self.param_names, self.optimizer.params):
             if name not in tensors:
-                raise ValueError(f"checkpoint {path} has no optimizer state for {name}: it was saved for another model")
+                raise ValueError(f"checkpoint {path} has no {what} for {name}: it was saved for another model")
             full = torch.zeros_like(param[spec.slot])
             region = full.narrow(rank_dim - 1, 0, spec.rank)
             if tensors[name].shape != region.shape:
-                raise ValueError(f"checkpoint {path}: optimizer state {name} has shape {list(tensors[name].shape)}, expected {list(region.shape)}")
+                raise ValueError(f"checkpoint {path}: {what} {name} has shape {list(tensors[name].shape)}, expected {list(region.shape)}")
             region.copy_(tensors[name])
             out.append(full)
         return out
@@ -612,22 +650,50 @@ class TorchTrainActor:
     def schedule_state(self, name: str) -> dict[str, Any]:
         return self._loaded(name).schedule.state_dict()
 
-    def save_adapter(self, name: str, step: int, data_position: DataPosition | None = None) -> str:
-        """Write `{save}/checkpoints/step_{step}` for the adapter; returns its path.
+    def accumulated_grad(self, name: str) -> tuple[dict[str, Tensor], int]:
+        """This rank's share of the adapter's gradient toward its next step (by LoRA parameter
+        name, rank-sliced, CPU, not scaled), and the samples of all ranks trained toward
+        that step (the LR clock's count, the same on every rank)."""
+        a = self._loaded(name)
+        spec = a.spec
+        tensors = {n: g.narrow(dim - 1, 0, spec.rank).detach().cpu().clone()
+                   for n, g, (_, dim) in zip(self.param_names, self.optimizer.slot_grads(spec.slot), self.optimizer.params)}
+        return tensors, a.schedule.samples_seen - a.schedule.samples_at_last_step
 
-        `step` is the adapter's step as the registry counts it; this rank keeps none.
-        """
+    def _checkpoint_state(self, name: str, step: int, data_position: DataPosition | None,
+                          accumulated: AccumulatedGrad | None) -> tuple[TrainerState, dict[str, Any]]:
+        """`trainer_state.json` and `scheduler.json` of a save. Without a gradient the saved
+        clock drops the samples trained since the last step, as the resumed window will."""
         a = self._loaded(name)
         spec = a.spec
         if spec.save_dir is None:
             raise ValueError(f"adapter '{name}' has no save directory: set 'save' in its config or --save")
         state = TrainerState(
             name=name, step=step, registration_id=spec.registration_id, rank=spec.rank, alpha=spec.alpha,
-            data_position=data_position,
+            data_position=data_position, accumulated_groups=0 if accumulated is None else accumulated.groups,
+            accumulated_samples=0 if accumulated is None else accumulated.samples,
         )
+        scheduler = a.schedule.state_dict()
+        if accumulated is None:
+            scheduler["samples_seen"] = scheduler["samples_at_last_step"]
+        return state, scheduler
+
+    def save_adapter(self, name: str, step: int, data_position: DataPosition | None = None,
+                     accumulated: AccumulatedGrad | None = None) -> str:
+        """Write `{save}/checkpoints/step_{step}` for the adapter; returns its path.
+
+        `step` is the adapter's step as the registry counts it; this rank keeps none.
+        `accumulated` is the adapter's part-window gradient summed over every rank (the
+        train group gathers it with `accumulated_grad`); None: nothing toward the next step
+        is kept.
+        """
+        a = self._loaded(name)
+        spec = a.spec
+        state, scheduler = self._checkpoint_state(name, step, data_position, accumulated)
         path = write_checkpoint(
-            spec.save_dir, step,
+            spec.save_dir, step,  # type: ignore[arg-type]
             write_adapter=lambda p: export_peft_adapter(self.model, spec.slot, p, rank=spec.rank, alpha=spec.alpha),
-            optimizer=self.optimizer_state(name), scheduler=a.schedule.state_dict(), trainer_state=state,
+            optimizer=self.optimizer_state(name), scheduler=scheduler, trainer_state=state,
+            accumulated_grad=accumulated,
         )
         return str(path)

@@ -6,6 +6,13 @@ Layout under an adapter's save directory:
         adapter_model.safetensors  adapter_config.json   # PEFT, loadable as is
         optimizer.safetensors                             # this adapter's AdamW moments
         optimizer.json  scheduler.json  trainer_state.json
+        accumulated_grad.safetensors                      # only mid-window, see below
+
+A checkpoint written while the adapter is part way through a step's window (some of its
+`rollout_batch_size` groups trained, no step yet) also holds the gradient of those groups,
+summed over the data-parallel ranks and not yet scaled, keyed like the moments; its
+`trainer_state.json` says how many groups and samples it covers. A resume puts it back
+and the registry's count with it, so the next step is the one an uninterrupted run takes.
 
 A checkpoint is written into a temporary directory next to its final place and
 renamed into place, so `latest_checkpoint` never sees a partial one. Nothing is
@@ -37,6 +44,7 @@ TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_SCALARS = "optimizer.json"
 SCHEDULER = "scheduler.json"
+ACCUMULATED_GRAD = "accumulated_grad.safetensors"
 PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 COMPLETE_MARKERS = (TRAINER_STATE, OPTIMIZER_TENSORS, OPTIMIZER_SCALARS, SCHEDULER, *PEFT_FILES)
 
@@ -52,6 +60,17 @@ class TrainerState:
     alpha: float
     data_position: DataPosition | None = None
     """Where the adapter's dataset continues (None: not recorded; a resume starts it over)."""
+    accumulated_groups: int = 0
+    """Prompt groups trained toward step `step + 1` whose gradient `accumulated_grad.safetensors`
+    holds (0: none, the file is absent). They lie before `data_position`."""
+    accumulated_samples: int = 0
+    """The samples of those groups (what the gradient is summed over)."""
+
+    def __post_init__(self) -> None:
+        if self.accumulated_groups < 0 or self.accumulated_samples < 0 or \
+                (self.accumulated_groups == 0) != (self.accumulated_samples == 0):
+            raise ValueError(f"accumulated groups and samples must both be 0 or both > 0, got "
+                             f"{self.accumulated_groups} groups, {self.accumulated_samples} samples")
 
 
 @dataclass
@@ -66,11 +85,29 @@ class OptimizerState:
 
 
 @dataclass
+class AccumulatedGrad:
+    """An adapter's gradient toward its next step, summed over every rank and sample so far
+    (not yet divided by the global batch size), with what it covers."""
+
+    tensors: dict[str, Tensor]
+    """By LoRA parameter name, rank-sliced (whole HF shapes, like `OptimizerState`'s moments)."""
+    groups: int
+    """Prompt groups it covers, as the registry counts them."""
+    samples: int
+
+    def __post_init__(self) -> None:
+        if self.groups <= 0 or self.samples <= 0:
+            raise ValueError(f"an accumulated gradient covers > 0 groups and samples, got {self.groups}, {self.samples}")
+
+
+@dataclass
 class Checkpoint:
     path: Path
     trainer_state: TrainerState
     optimizer: OptimizerState
     scheduler: dict[str, Any]
+    accumulated_grad: AccumulatedGrad | None = None
+    """The gradient of the groups trained since step `trainer_state.step`; None: none."""
 
 
 def checkpoints_root(save_dir: str | Path) -> Path:
@@ -85,8 +122,15 @@ def write_checkpoint(
     optimizer: OptimizerState,
     scheduler: dict[str, Any],
     trainer_state: TrainerState,
+    accumulated_grad: AccumulatedGrad | None = None,
 ) -> Path:
-    """Write `{save_dir}/checkpoints/step_{step}` atomically (replacing one of that step)."""
+    """Write `{save_dir}/checkpoints/step_{step}` atomically (replacing one of that step).
+
+    With `accumulated_grad`, `trainer_state` must record the same groups and samples."""
+    covered = (0, 0) if accumulated_grad is None else (accumulated_grad.groups, accumulated_grad.samples)
+    if covered != (trainer_state.accumulated_groups, trainer_state.accumulated_samples):
+        raise ValueError(f"the trainer state records {trainer_state.accumulated_groups} accumulated groups, "
+                         f"{trainer_state.accumulated_samples} samples, but the gradient given covers {covered}")
     root = checkpoints_root(save_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
@@ -99,6 +143,8 @@ def write_checkpoint(
         tensors = {f"exp_avg.{k}": v.contiguous() for k, v in optimizer.exp_avg.items()}
         tensors.update({f"exp_avg_sq.{k}": v.contiguous() for k, v in optimizer.exp_avg_sq.items()})
         save_file(tensors, str(tmp / OPTIMIZER_TENSORS))
+        if accumulated_grad is not None:
+            save_file({k: v.contiguous() for k, v in accumulated_grad.tensors.items()}, str(tmp / ACCUMULATED_GRAD))
         _write_json(tmp / OPTIMIZER_SCALARS, {"step": optimizer.step, "hyper": optimizer.hyper})
         _write_json(tmp / SCHEDULER, scheduler)
         _write_json(tmp / TRAINER_STATE, asdict(trainer_state))
@@ -114,22 +160,33 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
     root = checkpoints_root(save_dir)
     if not root.is_dir():
         return None
-    best: tuple[int, Path] | None = None
+    steps = []
     for child in root.iterdir():
         match = STEP_DIR.match(child.name)
-        if not match or not child.is_dir():
-            continue
-        if not all((child / name).is_file() for name in COMPLETE_MARKERS):
-            continue
-        step = int(match.group(1))
-        if best is None or step > best[0]:
-            best = (step, child)
-    return best[1] if best else None
+        if match and child.is_dir():
+            steps.append((int(match.group(1)), child))
+    for _, child in sorted(steps, reverse=True):
+        if not _missing_files(child):
+            return child
+    return None
+
+
+def _missing_files(path: Path) -> list[str]:
+    """The files a complete checkpoint at `path` has and it lacks (the gradient file when
+    its trainer state counts accumulated groups)."""
+    missing = [name for name in COMPLETE_MARKERS if not (path / name).is_file()]
+    if missing:
+        return missing
+    try:
+        groups = _read_json(path / TRAINER_STATE).get("accumulated_groups", 0)
+    except (OSError, ValueError, AttributeError):
+        return [TRAINER_STATE]
+    return [ACCUMULATED_GRAD] if groups and not (path / ACCUMULATED_GRAD).is_file() else []
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
-    missing = [name for name in COMPLETE_MARKERS if not (path / name).is_file()]
+    missing = _missing_files(path)
     if missing:
         raise FileNotFoundError(f"{path} is not a complete checkpoint: missing {missing}")
     tensors = load_file(str(path / OPTIMIZER_TENSORS))
@@ -140,12 +197,13 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         step=int(scalars["step"]),
         hyper=scalars.get("hyper", {}),
     )
-    return Checkpoint(
-        path=path,
-        trainer_state=_trainer_state(_read_json(path / TRAINER_STATE)),
-        optimizer=optimizer,
-        scheduler=_read_json(path / SCHEDULER),
-    )
+    state = _trainer_state(_read_json(path / TRAINER_STATE))
+    accumulated = None
+    if state.accumulated_groups:
+        accumulated = AccumulatedGrad(load_file(str(path / ACCUMULATED_GRAD)), groups=state.accumulated_groups,
+                                      samples=state.accumulated_samples)
+    return Checkpoint(path=path, trainer_state=state, optimizer=optimizer, scheduler=_read_json(path / SCHEDULER),
+                      accumulated_grad=accumulated)
 
 
 def _trainer_state(raw: dict[str, Any]) -> TrainerState:

@@ -40,7 +40,7 @@ from miles.backends.base import (
     TrainResult,
 )
 from miles.backends.torch.actor import LossSums, TorchTrainActor, TrainActorConfig
-from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.backends.torch.checkpoint import AccumulatedGrad, latest_checkpoint
 from miles.backends.weight_sync import UpdateGroupSpec
 from miles.backends.torch.batching import Advantage
 from miles.backends.torch.loss import adapter_token_advantages, needs_reward_kl
@@ -261,18 +261,47 @@ class TrainGroup:
     # ---- checkpoints -------------------------------------------------------------------
 
     async def save_adapter(self, request: SaveRequest) -> Path:
-        """The first live rank writes it (every rank holds the same weights, moments and clock)."""
+        """The first live rank writes it (every rank holds the same weights, moments and clock),
+        with the accumulated gradient summed over every rank's share."""
         import ray
 
+        accumulated = await self._accumulated_grad(request)
         for rank, actor in enumerate(self._actors):
             try:
-                path = await actor.save_adapter.remote(request.name, request.step, request.data_position)
+                path = await actor.save_adapter.remote(request.name, request.step, request.data_position, accumulated)
             except ray.exceptions.RayActorError:
                 logger.warning("Train rank %d is gone; saving adapter '%s' from the next rank", rank, request.name)
                 continue
             return Path(path)
         raise TrainRankLostError(f"no train rank is alive to save adapter '{request.name}' at step {request.step}; "
                                  "it resumes from its latest checkpoint")
+
+    async def _accumulated_grad(self, request: SaveRequest) -> AccumulatedGrad | None:
+        """The gradient of the adapter's `request.accumulated_groups` groups, summed over the
+        ranks' shares; None when there is none, or when it cannot be whole (a rank is gone, or
+        the ranks hold another number of samples than the registry counts, e.g. a batch
+        trained but not committed): then the save keeps nothing of the window, as before."""
+        if request.accumulated_groups == 0:
+            return None
+        shares = await asyncio.gather(*(actor.accumulated_grad.remote(request.name) for actor in self._actors),
+                                      return_exceptions=True)
+        failed = [rank for rank, share in enumerate(shares) if isinstance(share, BaseException)]
+        if failed:
+            logger.warning("Adapter '%s': train rank(s) %s are gone, so the gradient of its %d accumulated group(s) "
+                           "is lost; the resumed adapter starts its step's window again", request.name, failed,
+                           request.accumulated_groups)
+            return None
+        samples = shares[0][1]
+        if samples != request.accumulated_samples:
+            logger.warning("Adapter '%s': the trainer holds the gradient of %d samples but the registry counts %d "
+                           "group(s) (%d samples) toward the next step; the gradient is not saved", request.name,
+                           samples, request.accumulated_groups, request.accumulated_samples)
+            return None
+        tensors: dict[str, torch.Tensor] = {}
+        for share, _ in shares:  # each rank's share of the sum (a Megatron rank past 0 returns none)
+            for key, value in share.items():
+                tensors[key] = tensors[key] + value if key in tensors else value
+        return AccumulatedGrad(tensors, groups=request.accumulated_groups, samples=samples)
 
     async def shutdown(self) -> None:
         import ray

@@ -13,7 +13,10 @@ The tests compare the two. The script:
    exported; c must be untouched);
 4. a's checkpoint written at step 1 ("ckpt_a"), then a loaded into slot 3 as "a2" from
    `work/torch_ckpt` (a checkpoint the torch backend wrote at step 1) and both trained one
-   more step on the same samples ("step2").
+   more step on the same samples ("step2");
+5. one group of a's next window trained, a saved at step 2 with that gradient
+   ("ckpt_a_mid"), c cleaned up and a resumed from that checkpoint into slot 1 as "a3";
+   a and a3 trained on the same second group and stepped ("step3").
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch"))
 from torch_backend_data import counts, flatten_with_advantages, make_groups, spec  # noqa: E402
 
+from miles.backends.torch.checkpoint import AccumulatedGrad  # noqa: E402
 from miles.utils.types import Sample  # noqa: E402
 
 N_SLOTS, RANK = 4, 4
@@ -47,6 +51,10 @@ def step1_groups():
 
 def step2_groups():
     return make_groups("a", 0, 2, 2, seed=3) + make_groups("a2", 3, 2, 2, seed=3)
+
+
+def step3_groups(names: tuple[str, ...], seed: int):
+    return [g for name in names for g in make_groups(name, {"a": 0, "a3": 1}[name], 1, 2, seed=seed)]
 
 
 def logprob_samples() -> list[Sample]:
@@ -83,7 +91,25 @@ def play(actor, *, set_weights, logits_fn, save_dir: Path, torch_ckpt: Path) -> 
     actor.train(samples, adv, counts(samples))
     actor.step_adapters(["a", "a2"])
     seen["step2"] = {n: actor.export_adapter(n) for n in ("a", "a2")}
+    samples, adv = flatten_with_advantages(step3_groups(("a",), seed=8))
+    actor.train(samples, adv, counts(samples))
+    tensors, n_samples = actor.accumulated_grad("a")  # a TP gather in Megatron: rank 0 holds it
+    seen["ckpt_a_mid"] = actor.save_adapter("a", 2, None, AccumulatedGrad(tensors, groups=1, samples=n_samples))
+    _barrier()  # rank 0 writes; every rank reads it back
+    actor.cleanup_adapter("c")
+    actor.load_adapter(spec("a3", 1, rank=RANK, global_batch_size=6), str(save_dir / "a" / "checkpoints" / "step_2"))
+    samples, adv = flatten_with_advantages(step3_groups(("a", "a3"), seed=9))
+    actor.train(samples, adv, counts(samples))
+    actor.step_adapters(["a", "a3"])
+    seen["step3"] = {n: actor.export_adapter(n) for n in ("a", "a3")}
     return seen
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _broadcast_shapes(shapes):

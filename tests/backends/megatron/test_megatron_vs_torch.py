@@ -4,7 +4,8 @@ Same tiny model, same adapters, same samples, fp32: logits and logprobs of mixed
 batches (slot -1 included) within 1e-4, one step of two adapters within 1e-5 with the
 co-tenant untouched bit for bit, and checkpoints that cross between the backends (a
 Megatron checkpoint written at TP = 2 loads in PEFT with the torch backend's logprobs
-and resumes in the torch backend; a torch checkpoint resumes in Megatron).
+and resumes in the torch backend; a torch checkpoint resumes in Megatron; the gradient of
+an unfinished window is saved whole and resumes into the TP shards).
 """
 
 from __future__ import annotations
@@ -128,3 +129,16 @@ def test_two_data_parallel_replicas_step_like_one_torch_rank(tiny_model_dir, tor
         for name in ("a", "b"):
             assert max_abs_diff(seen[name], ref["step1"][name]) <= 1e-5
         assert all(torch.equal(seen["c"][k], ref["c_before"][k]) for k in seen["c"])
+
+
+def test_a_mid_window_gradient_is_saved_whole_and_resumes_into_the_shards(runs):
+    """a's gradient of one group of a window, gathered over TP into the checkpoint, equals the
+    torch backend's; put back into the shards, the resumed copy a3 finishes the window as a does."""
+    _, _, meg, ref = runs
+    saved, torch_saved = read_checkpoint(meg["ckpt_a_mid"]), read_checkpoint(ref["ckpt_a_mid"])
+    assert saved.trainer_state.accumulated_groups == 1 and saved.accumulated_grad is not None
+    grad, torch_grad = saved.accumulated_grad.tensors, torch_saved.accumulated_grad.tensors
+    assert {k: v.shape for k, v in grad.items()} == {k: v.shape for k, v in torch_grad.items()}
+    assert max_abs_diff(grad, torch_grad) <= 1e-5 * max(float(v.abs().max()) for v in torch_grad.values())
+    assert max_abs_diff(meg["step3"]["a3"], meg["step3"]["a"]) <= 1e-6
+    assert max_abs_diff(meg["step3"]["a"], ref["step3"]["a"]) <= 1e-5

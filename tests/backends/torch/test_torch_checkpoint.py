@@ -1,4 +1,5 @@
-"""Checkpoint files: atomic placement, picking the latest complete step, exact round trip."""
+"""Checkpoint files: atomic placement, picking the latest complete step, exact round trip
+(with the gradient of an unfinished step's window)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from miles.backends.torch.checkpoint import (
+    ACCUMULATED_GRAD,
+    COMPLETE_MARKERS,
+    AccumulatedGrad,
     OptimizerState,
     TrainerState,
     latest_checkpoint,
@@ -82,3 +86,56 @@ def test_incomplete_directory_is_rejected_with_what_is_missing(tmp_path):
     (tmp_path / "step_1").mkdir()
     with pytest.raises(FileNotFoundError, match="trainer_state.json"):
         read_checkpoint(tmp_path / "step_1")
+
+
+def _save_mid_window(save_dir: Path, step: int, groups: int = 3, samples: int = 6) -> tuple[Path, dict]:
+    grad = {"layer.lora_A": torch.randn(2, 3, generator=torch.Generator().manual_seed(99))}
+    optimizer = OptimizerState(exp_avg={"layer.lora_A": torch.zeros(2, 3)}, exp_avg_sq={"layer.lora_A": torch.zeros(2, 3)},
+                               step=step)
+    state = TrainerState(name="a", step=step, registration_id="r1", rank=2, alpha=4.0,
+                         data_position=DataPosition(epoch=0, index=5), accumulated_groups=groups,
+                         accumulated_samples=samples)
+    path = write_checkpoint(save_dir, step, write_adapter=_write_peft, optimizer=optimizer, scheduler={},
+                            trainer_state=state, accumulated_grad=AccumulatedGrad(grad, groups=groups, samples=samples))
+    return path, grad
+
+
+def test_the_gradient_of_an_unfinished_window_round_trips_next_to_unchanged_peft_files(tmp_path):
+    plain = read_checkpoint(_save(tmp_path / "plain", 4))
+    assert plain.accumulated_grad is None and plain.trainer_state.accumulated_groups == 0
+    path, grad = _save_mid_window(tmp_path / "mid", 4)
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        [*COMPLETE_MARKERS, ACCUMULATED_GRAD])  # the PEFT pair as always, plus one file
+    ckpt = read_checkpoint(path)
+    assert ckpt.accumulated_grad is not None
+    assert (ckpt.accumulated_grad.groups, ckpt.accumulated_grad.samples) == (3, 6)
+    assert torch.equal(ckpt.accumulated_grad.tensors["layer.lora_A"], grad["layer.lora_A"])
+    raw = json.loads((path / "trainer_state.json").read_text())
+    assert (raw["accumulated_groups"], raw["accumulated_samples"]) == (3, 6)
+
+    # A trainer_state.json written before these fields existed loads as a checkpoint without one.
+    del raw["accumulated_groups"], raw["accumulated_samples"]
+    (path / "trainer_state.json").write_text(json.dumps(raw))
+    old = read_checkpoint(path)
+    assert old.accumulated_grad is None and old.trainer_state.step == 4
+
+
+def test_a_checkpoint_that_counts_groups_without_their_gradient_is_never_picked(tmp_path):
+    earlier = _save(tmp_path, 2)
+    path, _ = _save_mid_window(tmp_path, 5)
+    assert latest_checkpoint(tmp_path) == path
+    (path / ACCUMULATED_GRAD).unlink()
+    assert latest_checkpoint(tmp_path) == earlier
+    with pytest.raises(FileNotFoundError, match=ACCUMULATED_GRAD):
+        read_checkpoint(path)
+
+
+def test_the_trainer_state_must_count_what_the_gradient_covers(tmp_path):
+    optimizer = OptimizerState(exp_avg={}, exp_avg_sq={}, step=1)
+    state = TrainerState(name="a", step=1, registration_id="r1", rank=2, alpha=4.0, accumulated_groups=2,
+                         accumulated_samples=4)
+    with pytest.raises(ValueError, match="2 accumulated groups"):
+        write_checkpoint(tmp_path, 1, write_adapter=_write_peft, optimizer=optimizer, scheduler={}, trainer_state=state)
+    with pytest.raises(ValueError, match="both be 0 or both > 0"):
+        TrainerState(name="a", step=1, registration_id="r1", rank=2, alpha=4.0, accumulated_groups=2)
+    assert not (tmp_path / "checkpoints" / "step_1").exists()

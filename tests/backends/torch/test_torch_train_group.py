@@ -52,8 +52,8 @@ class RegistryActor:
     def free_slot(self, name):
         return self.registry.free_slot(name)
 
-    def set_adapter_step(self, name, step):
-        self.registry.set_step(name, step)
+    def set_adapter_step(self, name, step, accumulated_groups=0):
+        self.registry.set_step(name, step, accumulated_groups)
 
     def record_weight_update(self, names):
         return self.registry.record_weight_update(names)
@@ -87,6 +87,12 @@ class RecordingRollout:
 
     def versions_in_flight(self):
         return {}
+
+    def record_push(self, push):
+        pass
+
+    def forget_slot(self, slot):
+        pass
 
     def take_restored(self):
         return self.restored
@@ -262,3 +268,65 @@ async def test_reconcile_saves_cleans_up_and_resumes(ray_session, tiny_model_dir
         DataPosition(epoch=1, index=0)
     assert await sync2.save_all() == []  # nothing new since the checkpoint it resumed from
     await group2.shutdown()
+
+
+def _window_config(tmp_path, name, rollout_batch_size):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "1+1", "label": "2"}) + "\n")
+    raw = {"data": str(data), "rank": 4, "alpha": 8.0, "rollout_batch_size": rollout_batch_size,
+           "n_samples_per_prompt": 2, "save": str(tmp_path / name), "rm_type": "math", "lr": 0.02,
+           "weight_decay": 0.01, "lr_warmup_steps": 3}
+    return resolve_adapter_config(name, raw, AdapterDefaults(lora_rank=4, dp_size=2))
+
+
+async def _window_trainer(group, save_root, positions):
+    """A new registry and adapter sync over a started DP-2 group: a steps every 3 groups, b every 2."""
+    registry = RegistryActor.remote(4)
+    for name, groups in (("a", 3), ("b", 2)):
+        await registry.register.remote(name, _window_config(save_root, name, groups))
+    rollout = RecordingRollout.remote(positions)
+    sync = AdapterSync(group, registry, rollout, save_interval=1)
+    snapshot = await sync.reconcile(await registry.snapshot.remote())
+    await sync.update_weights(snapshot)  # ACTIVE: only ACTIVE adapters count groups
+    return registry, rollout, sync, snapshot
+
+
+async def test_a_stop_mid_window_keeps_its_gradient_and_the_resumed_step_equals_an_uninterrupted_run(
+        ray_session, tiny_model_dir, tmp_path):
+    """A save mid-window changes nothing in memory, so the trainer that saved goes on as the
+    uninterrupted run; a fresh DP-2 group with a new registry resumes from the save."""
+    # Batch 0: a's groups land on both ranks (2 of 3), b's on rank 0 (1 of 2); batch 1 completes both.
+    first = _batch(0, make_groups("a", 0, 2, 2, seed=1) + make_groups("b", 1, 1, 2, seed=2), [])
+    second = _batch(1, make_groups("a", 0, 1, 2, seed=3) + make_groups("b", 1, 1, 2, seed=4), ["a", "b"])
+    positions = {"a": DataPosition(epoch=0, index=2), "b": DataPosition(epoch=0, index=1)}
+    group, fresh = TrainGroup(_group_config(tiny_model_dir, 2)), TrainGroup(_group_config(tiny_model_dir, 2))
+    await asyncio.gather(group.start(), fresh.start())
+    registry, _, sync, _ = await _window_trainer(group, tmp_path, positions)
+    _, snapshot = await _train_and_commit(registry, sync, first)
+    assert {n: (r.step, r.accumulated_groups) for n, r in snapshot.live.items()} == {"a": (0, 2), "b": (0, 1)}
+    assert await sync.save(snapshot) == []  # nothing stepped: no save on the cadence
+    assert await sync.save_all() == ["a", "b"]  # what a stop does
+    assert await sync.save_all() == []  # nothing new since
+    for name, groups in (("a", 2), ("b", 1)):
+        ckpt = read_checkpoint(latest_checkpoint(tmp_path / name))
+        assert ckpt.path.name == "step_0" and ckpt.accumulated_grad is not None
+        assert (ckpt.trainer_state.accumulated_groups, ckpt.trainer_state.accumulated_samples) == (groups, 2 * groups)
+        assert ckpt.trainer_state.data_position == positions[name]
+    trained, snapshot = await _train_and_commit(registry, sync, second)
+    assert {n: (r.step, r.accumulated_groups) for n, r in snapshot.live.items()} == {"a": (1, 0), "b": (1, 0)}
+
+    # The new trainer: the count, the data position and the gradient come back.
+    registry_r, rollout_r, sync_r, snapshot = await _window_trainer(fresh, tmp_path, {})
+    assert {n: (r.step, r.accumulated_groups) for n, r in snapshot.live.items()} == {"a": (0, 2), "b": (0, 1)}
+    assert {(name, position) for name, _, position in await rollout_r.take_restored.remote()} == \
+        set(positions.items())
+    trained_r, snapshot = await _train_and_commit(registry_r, sync_r, second)
+    assert {n: (r.step, r.accumulated_groups) for n, r in snapshot.live.items()} == {"a": (1, 0), "b": (1, 0)}
+    for name in ("a", "b"):
+        assert trained_r.steps[name].lr == trained.steps[name].lr
+        assert trained_r.steps[name].grad_norm == pytest.approx(trained.steps[name].grad_norm, rel=1e-6)
+        expected = await group.actors[0].export_adapter.remote(name)
+        for rank in (0, 1):
+            assert max_abs_diff(await fresh.actors[rank].export_adapter.remote(name), expected) <= 1e-6
+    await asyncio.gather(group.shutdown(), fresh.shutdown())
