@@ -101,6 +101,8 @@ class AdapterSync:
         self.pusher = pusher
         self.last_push: PushStats | None = None
         """The latest push stage that sent anything (time and bytes per engine)."""
+        self._pushes: list[PushStats] = []
+        """Pushes since the last `pop_push_metrics`."""
         self._loaded: dict[str, _Loaded] = {}
         self.max_train_failures = max_train_failures
         self.train_failures = 0
@@ -178,17 +180,28 @@ class AdapterSync:
     # ---- weight push ------------------------------------------------------------------
 
     async def update_weights(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
-        """Push the stale adapters to every engine, then record the new slot versions."""
+        """Push the stale adapters to every engine, then record the new slot versions.
+
+        Adapters waiting for their first push (PENDING) go first and are recorded at once:
+        a new registration becomes ACTIVE without waiting for the stepped adapters' pushes.
+        """
         live = snapshot.live
-        names = [name for name, entry in sorted(self._loaded.items()) if entry.stale and name in live]
-        if not names:
-            return snapshot
+        stale = [name for name, entry in sorted(self._loaded.items()) if entry.stale and name in live]
+        new = [name for name in stale if name in snapshot.pending]
+        for names in (new, [name for name in stale if name not in snapshot.pending]):
+            if names:
+                snapshot = await self._push(snapshot, names)
+        return snapshot
+
+    async def _push(self, snapshot: MultiLoRASnapshot, names: list[str]) -> MultiLoRASnapshot:
+        live = snapshot.live
         exports = await asyncio.gather(*(self.backend.export_adapter(name) for name in names))
         pushed = {name: next_slot_version(live[name].version) for name in names}
         if self.pusher is not None:
             stats = await self.pusher.push([(live[name].slot, pushed[name], export)
                                             for name, export in zip(names, exports)])
             self.last_push = stats
+            self._pushes.append(stats)
             logger.info("Pushed %d adapter(s), %d bytes per engine, in %.3fs", stats.adapters, stats.bytes,
                         stats.seconds)
         versions = await self.controller.record_weight_update.remote(names)
@@ -198,6 +211,16 @@ class AdapterSync:
                 logger.warning("Adapter '%s' was pushed as version %s but the registry recorded %s",
                                name, pushed[name], versions.get(name))
         return snapshot.after_push(versions)
+
+    def pop_push_metrics(self) -> dict[str, float]:
+        """The pushes since the last call, summed, for the loop's record (nothing if none):
+        engine push seconds, LoRA bytes sent to each engine, adapters pushed."""
+        pushes, self._pushes = self._pushes, []
+        if not pushes:
+            return {}
+        return {"perf/push_time": sum(p.seconds for p in pushes),
+                "perf/push_bytes": float(sum(p.bytes for p in pushes)),
+                "perf/push_adapters": float(sum(p.adapters for p in pushes))}
 
     # ---- train and commit ---------------------------------------------------------------
 

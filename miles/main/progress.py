@@ -284,7 +284,8 @@ class RunProgress:
             total = "" if entry.final_step is None else f"/{entry.final_step}"
             reward = f" reward={entry.rewards[-1]:.3f}" if entry.rewards else ""
             parts.append(f"{name}: step {entry.step}{total} groups={groups}{reward}")
-        times = " ".join(f"{k.removeprefix('perf/').removesuffix('_time')}={v:.2f}s" for k, v in perf.items())
+        times = " ".join(f"{k.removeprefix('perf/').removesuffix('_time')}={v:.2f}s" for k, v in perf.items()
+                         if k.endswith("_time"))
         return f"rollout {rollout_id} | {'; '.join(parts) or 'no groups'} | {times}"
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 
 from miles.main.launch import Components, configure_logging, register_initial_adapters, sleep_unless, trainer_run
 from miles.main.progress import RunProgress
@@ -37,6 +38,9 @@ def is_empty_batch_timeout(exc: BaseException) -> bool:
 async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progress: RunProgress) -> None:
     timer = StageTimer()
     rollout_id = 0
+    # Iterations tile the wall clock between two records (idle waits excluded), so
+    # iteration - generate - train is everything the loop itself costs.
+    iteration_start = time.perf_counter()
     while not stop.is_set():
         with timer("snapshot"):
             snapshot = await c.controller.snapshot.remote()
@@ -47,6 +51,8 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
                 return
             progress.idle(cfg.multi_lora_idle_poll_s)
             await sleep_unless(stop, cfg.multi_lora_idle_poll_s)
+            timer.pop_metrics()
+            iteration_start = time.perf_counter()
             continue
         with timer("reconcile"):
             snapshot = await c.sync.reconcile(snapshot)
@@ -67,7 +73,11 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             snapshot = await c.sync.commit(rollout_id)
         with timer("save"):
             await c.sync.save(snapshot)
-        await progress.record(rollout_id, rollout, trained, snapshot, timer.pop_metrics())
+        now = time.perf_counter()
+        perf = {**timer.pop_metrics(), **c.sync.pop_push_metrics(), "perf/iteration_time": now - iteration_start,
+                "perf/stepped_adapters": float(len(trained.steps))}
+        iteration_start = now
+        await progress.record(rollout_id, rollout, trained, snapshot, perf)
         rollout_id += 1
 
 

@@ -160,6 +160,47 @@ async def test_adapter_named_like_the_loop_metrics_gets_its_own_records(tmp_path
     assert {"perf/train_time", "perf/generate_time", "perf/commit_time"} <= set(loop[0]["metrics"])
 
 
+async def test_loop_records_time_the_whole_iteration_and_push_only_what_stepped(tmp_path):
+    t = Trainer(tmp_path)
+    await t.register("a", num_step=3)
+    await t.register("b", num_step=3)
+    await t.run_until_idle()
+    t.metrics.close()
+    loop = [r["metrics"] for r in read_metrics(t.metrics.path) if r["kind"] == "loop"]
+    assert [m["perf/stepped_adapters"] for m in loop] == [2.0, 2.0, 2.0]
+    # The first push loads both; each later one re-sends exactly the adapters the previous batch stepped
+    # (after the third step both retire: nothing more is pushed).
+    assert [m.get("perf/push_adapters") for m in loop] == [2.0, 2.0, 2.0]
+    assert len(t.receiver.pushes) == 6
+    for m in loop:
+        stages = sum(v for k, v in m.items() if k.endswith("_time") and k not in ("perf/iteration_time", "perf/push_time"))
+        assert m["perf/iteration_time"] >= stages > 0
+        assert m["perf/push_time"] <= m["perf/update_weights_time"]
+
+
+async def test_a_new_adapter_is_pushed_and_active_before_the_stepped_ones_are_pushed(tmp_path):
+    t = Trainer(tmp_path, n_slots=2)
+    sync, registry = t.components.sync, t.controller
+    await t.register("a", num_step=5)
+    snapshot = await sync.update_weights(await sync.reconcile(registry.snapshot()))
+    await sync.train(0, await t.rollout.generate(0, snapshot))
+    await sync.commit(0)  # a stepped: stale
+    await t.register("b", num_step=5)
+    states_at_push = []
+    push = t.receiver.push
+
+    async def recording_push(pushes):
+        states_at_push.append((pushes[0][0], registry.adapter_status("b").state))
+        return await push(pushes)
+
+    t.receiver.push = recording_push
+    snapshot = await sync.update_weights(await sync.reconcile(registry.snapshot()))
+    assert snapshot == registry.snapshot() and set(snapshot.active) == {"a", "b"}
+    # b (slot 1) alone first, then a (slot 0), by which time b is already ACTIVE.
+    assert states_at_push == [(1, AdapterState.PENDING), (0, AdapterState.ACTIVE)]
+    assert sync.pop_push_metrics()["perf/push_adapters"] == 3.0  # a's first push, then b, then a
+
+
 class BlockingRollout(FakeRollout):
     """Rollout 0 comes at once; later ones start, then wait until cancelled (and say so)."""
 
