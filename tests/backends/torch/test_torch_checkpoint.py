@@ -1,5 +1,6 @@
 """Checkpoint files: atomic placement, picking the latest complete step, exact round trip
-(with the gradient of an unfinished step's window)."""
+(with the gradient of an unfinished step's window); that gradient is saved as the sum of
+every rank or not at all, and resumed on the first rank only while it fits the window."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
 
 from miles.backends.torch.checkpoint import (
     ACCUMULATED_GRAD,
@@ -20,6 +22,8 @@ from miles.backends.torch.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from miles.backends.base import SaveRequest
+from miles.backends.torch.train_group import TrainGroup
 from miles.utils.types import DataPosition
 
 
@@ -139,3 +143,57 @@ def test_the_trainer_state_must_count_what_the_gradient_covers(tmp_path):
     with pytest.raises(ValueError, match="both be 0 or both > 0"):
         TrainerState(name="a", step=1, registration_id="r1", rank=2, alpha=4.0, accumulated_groups=2)
     assert not (tmp_path / "checkpoints" / "step_1").exists()
+
+
+class _Rank:
+    """A train rank's `accumulated_grad` as the train group calls it (`.remote` is awaited)."""
+
+    def __init__(self, share: dict[str, torch.Tensor] | None, samples: int) -> None:
+        async def remote(name: str):
+            if share is None:
+                raise RuntimeError("the rank is gone")
+            return share, samples
+
+        self.accumulated_grad = type("Method", (), {"remote": staticmethod(remote)})
+
+
+async def _gathered(ranks: list[_Rank], groups: int, samples: int) -> AccumulatedGrad | None:
+    group = TrainGroup.__new__(TrainGroup)
+    group._actors = ranks
+    return await group._accumulated_grad(SaveRequest("a", 3, None, accumulated_groups=groups,
+                                                     accumulated_samples=samples))
+
+
+async def test_the_saved_gradient_is_the_sum_of_every_rank_or_nothing():
+    one, two = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([0.5, -4.0])}
+    summed = await _gathered([_Rank(one, 4), _Rank(two, 4)], groups=2, samples=4)
+    assert summed is not None and (summed.groups, summed.samples) == (2, 4)
+    assert torch.equal(summed.tensors["w"], torch.tensor([1.5, -2.0]))
+    assert await _gathered([_Rank(one, 4), _Rank(two, 4)], groups=0, samples=0) is None  # nothing accumulated
+    assert await _gathered([_Rank(one, 4), _Rank(None, 4)], groups=2, samples=4) is None  # a rank is gone
+    assert await _gathered([_Rank(one, 6), _Rank(two, 6)], groups=2, samples=4) is None  # a batch not committed
+
+
+def test_a_resumed_gradient_goes_back_on_the_first_rank_only_and_only_if_it_fits(tiny_model_dir, tmp_path):
+    actor = new_actor(tiny_model_dir)
+    actor.load_adapter(spec("a", 0, global_batch_size=6, rollout_batch_size=3, save_dir=tmp_path))
+    samples, advantages = flatten_with_advantages(make_groups("a", 0, 2, 2, seed=5))
+    actor.train(samples, advantages, counts(samples))
+    tensors, n_samples = actor.accumulated_grad("a")
+    assert n_samples == 4 and any(float(t.abs().max()) > 0 for t in tensors.values())  # B (A waits for B != 0)
+    path = actor.save_adapter("a", 0, None, AccumulatedGrad(tensors, groups=2, samples=n_samples))
+
+    def resumed(rank: int, **kw) -> tuple[int, dict[str, torch.Tensor], dict]:
+        other = new_actor(tiny_model_dir)
+        other.rank = rank
+        loaded = other.load_adapter(spec("a", 1, save_dir=tmp_path, **kw), path)
+        return loaded.accumulated_groups, other.accumulated_grad("a")[0], other.schedule_state("a")
+
+    groups, grads, clock = resumed(0, global_batch_size=6, rollout_batch_size=3)
+    assert groups == 2 and max_abs_diff(grads, tensors) == 0.0
+    assert clock["samples_seen"] - clock["samples_at_last_step"] == 4
+    groups, grads, _ = resumed(1, global_batch_size=6, rollout_batch_size=3)  # zeros: the sum stays whole
+    assert groups == 2 and all(float(t.abs().max()) == 0 for t in grads.values())
+    groups, grads, clock = resumed(0, global_batch_size=4, rollout_batch_size=2)  # a window of 2 groups now
+    assert groups == 0 and all(float(t.abs().max()) == 0 for t in grads.values())
+    assert clock["samples_seen"] == clock["samples_at_last_step"]
