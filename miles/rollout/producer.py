@@ -178,6 +178,8 @@ class RolloutProducer:
         self._cursor = 0
         self._snapshot = MultiLoRASnapshot()
         self._snapshot_at = float("-inf")
+        self._served: set[str] = set()
+        """Registration ids seen ACTIVE (pushed to the engines) and still sampleable."""
         self._consecutive_failures = 0
         self.failure: BaseException | None = None
         self.counts: Counter[tuple[str, GroupEvent]] = Counter()
@@ -254,10 +256,15 @@ class RolloutProducer:
         if now - self._snapshot_at >= self.config.snapshot_poll_s:
             self._snapshot = await self.controller.snapshot.remote()
             self._snapshot_at = now
+            # A RETIRING adapter is sampled only if it was seen ACTIVE: one deregistered while
+            # PENDING was never pushed, so the engines hold no weights for its slot.
+            retiring = {run.registration_id for run in self._snapshot.retiring.values()}
+            self._served = {run.registration_id for run in self._snapshot.active.values()} | (self._served & retiring)
         return self._snapshot
 
     def _submit(self, snapshot: MultiLoRASnapshot, in_flight: set[asyncio.Task[None]]) -> None:
-        runs = [run for _, run in sorted(snapshot.sampleable.items()) if self.data_source.ready(run)]
+        runs = [run for _, run in sorted(snapshot.sampleable.items())
+                if run.registration_id in self._served and self.data_source.ready(run)]
         ahead = Counter(self.buffers.queue_lengths()) + self.in_flight
         while len(in_flight) < self.config.max_groups_in_flight:
             # Backpressure: an adapter whose next steps are already covered waits, so its

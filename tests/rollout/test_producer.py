@@ -213,3 +213,21 @@ async def test_group_rm_scores_the_whole_group_with_one_call(dataset, group_rewa
         assert rewards == [0.0, 1.0, 2.0] and set(calls) == {3}  # one call per group, with all its samples
     else:  # without --group-rm the custom reward is called per sample
         assert rewards == [5.0, 5.0, 5.0] and set(calls) == {1}
+
+
+async def test_an_adapter_deregistered_before_its_first_push_is_never_sampled(dataset):
+    """PENDING -> RETIRING (DELETE before the first push): the engines never held its weights."""
+    a, b = run_for(dataset, "a", 0), run_for(dataset, "b", 1)
+    controller = FakeController(active(a, retiring=(b,)))
+    async with FakeEngineServer() as server:
+        prod, buffers, _ = producer(server, controller, in_flight=2)
+        prod.start()
+        await wait_for(lambda: len(buffers.get("a")) >= 3, what="three groups of a")
+        assert {r["lora_path"] for r in server.requests} == {"__miles_slot_0"}
+        # An adapter seen ACTIVE keeps generating while RETIRING, as before.
+        controller.current = active(retiring=(a,))
+        buffers.discard("a")  # its next step is no longer covered: the producer submits again
+        served = len(server.requests)
+        await wait_for(lambda: len(server.requests) > served + 2, what="a's requests while retiring")
+        await prod.stop()
+    assert not buffers.get("b") and {r["lora_path"] for r in server.requests} == {"__miles_slot_0"}
