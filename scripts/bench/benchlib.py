@@ -142,7 +142,7 @@ class Figure:
     ratio_of: str
     """"ours/baseline" or "baseline/ours": which way the ratio is taken."""
     target: str
-    """e.g. "<= 1.10" or ">= 0.80"."""
+    """e.g. "<= 1.10", ">= 0.80", "== 1" (within 1e-9), or "report" (no target)."""
     params: dict = field(default_factory=dict)
 
     @property
@@ -157,8 +157,12 @@ class Figure:
         return statistics.median(self.ratios)
 
     @property
-    def met(self) -> bool:
+    def met(self) -> bool | None:
+        if self.target == "report":
+            return None
         op, value = self.target.split()
+        if op == "==":
+            return all(abs(r - float(value)) <= 1e-9 for r in self.ratios)
         return self.ratio <= float(value) if op == "<=" else self.ratio >= float(value)
 
     def summary(self) -> dict:
@@ -176,7 +180,8 @@ def report(figures: list[Figure], json_path: str | None, command: list[str]) -> 
         print(
             f"{f.figure} [{f.model}] {f.ours_label}: {s['ours_median']:.4g} {f.unit} | {f.baseline_label}: "
             f"{s['baseline_median']:.4g} {f.unit} | ratio ({f.ratio_of}) {s['ratio']:.3f} "
-            f"[{s['ratio_min']:.3f}..{s['ratio_max']:.3f}] target {f.target} {'ok' if f.met else 'MISSED'}"
+            f"[{s['ratio_min']:.3f}..{s['ratio_max']:.3f}] target {f.target} "
+            f"{'' if f.met is None else 'ok' if f.met else 'MISSED'}"
         )
     if json_path:
         payload = {"command": " ".join(command), "figures": [f.summary() for f in figures]}

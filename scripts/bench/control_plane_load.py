@@ -12,6 +12,12 @@ partition the table, counts match the accepted requests).
     python scripts/bench/control_plane_load.py --requests 2000 --concurrency 32
     python scripts/bench/control_plane_load.py --requests 300 --json out.json   # as the test runs it
 
+With `--url`, the same load goes to a control plane that is already serving, such as a
+running trainer's (`--token`, `--data-dir` with small `.jsonl` files inside its allowed
+roots); the checks are then made over HTTP (`check_http_invariants`).
+`scripts/bench/trainer_service.py` runs this load against a real trainer it starts, while
+the trainer trains, and checks the trainer kept stepping and leaked no slot.
+
 Prints requests/s, p50/p99 latency per kind and the 5xx count; exits 1 on a 5xx or a
 broken invariant.
 """
@@ -44,16 +50,24 @@ from miles.controller.http_server import HTTPServerConfig  # noqa: E402
 from miles.rollout.datasets import validate_dataset  # noqa: E402
 from miles.rollout.rewards import validate_reward_spec  # noqa: E402
 from miles.utils.adapter_config import AdapterDefaults  # noqa: E402
+from miles.utils.types import AdapterState  # noqa: E402
 
 TOKEN = "load-test-token"
 
 
-def make_controller(workdir: Path, n_slots: int) -> MultiLoRAController:
-    data = workdir / "data"
+def write_datasets(data: Path, n: int = 4, rows: int = 64) -> list[Path]:
+    """Small arithmetic datasets (`{"text": "j+i=", "label": "i+j"}`) for the registrations."""
     data.mkdir(parents=True, exist_ok=True)
-    for i in range(4):
-        (data / f"d{i}.jsonl").write_text("".join(json.dumps({"text": f"{j}+{i}=", "label": str(i + j)}) + "\n"
-                                                  for j in range(64)))
+    paths = []
+    for i in range(n):
+        path = data / f"d{i}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"{j}+{i}=", "label": str(i + j)}) + "\n" for j in range(rows)))
+        paths.append(path)
+    return paths
+
+
+def make_controller(workdir: Path, n_slots: int) -> MultiLoRAController:
+    write_datasets(workdir / "data")
     defaults = AdapterDefaults(lora_rank=8, rollout_batch_size=4, n_samples_per_prompt=2, save=str(workdir / "save"),
                                rm_type="math", max_adapter_global_batch_size=64)
     config = ControllerConfig(
@@ -110,7 +124,11 @@ def check_invariants(controller: MultiLoRAController, accepted: int, n_slots: in
     return problems
 
 
-async def run_load(url: str, n_requests: int, concurrency: int, seed: int, workdir: Path) -> dict[str, Any]:
+async def run_load(url: str, n_requests: int, concurrency: int, seed: int, datasets: list[str], *,
+                   token: str = TOKEN, register_config: dict[str, Any] | None = None,
+                   name_prefix: str = "a") -> dict[str, Any]:
+    """`n_requests` requests, `concurrency` in flight: 60% reads, 25% registrations (names
+    `{name_prefix}{i}`, one of `datasets`, `register_config` added), 15% deletions."""
     rng = random.Random(seed)
     names: list[str] = []
     latencies: dict[str, list[float]] = {}
@@ -124,9 +142,9 @@ async def run_load(url: str, n_requests: int, concurrency: int, seed: int, workd
         nonlocal accepted
         roll = rng.random()
         if roll < 0.25:
-            kind, name = "register", f"a{i}"
+            kind, name = "register", f"{name_prefix}{i}"
             request = http.post("/adapter_runs", json={"name": name, "config": {
-                "data": str(workdir / "data" / f"d{i % 4}.jsonl"), "num_step": rng.randint(1, 5)}})
+                **(register_config or {}), "data": datasets[i % len(datasets)], "num_step": rng.randint(1, 5)}})
         elif roll < 0.40 and names:
             kind = "delete"
             request = http.delete(f"/adapter_runs/{rng.choice(names)}")
@@ -152,7 +170,7 @@ async def run_load(url: str, n_requests: int, concurrency: int, seed: int, workd
             await one(http, queue.get_nowait())
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, limits=limits,
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, limits=limits,
                                  timeout=60, trust_env=False) as http:
         start = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
@@ -166,12 +184,49 @@ async def run_load(url: str, n_requests: int, concurrency: int, seed: int, workd
                     for k, v in sorted(latencies.items())},
         "statuses": dict(sorted(statuses.items())),
         "server_errors": sum(n for key, n in statuses.items() if key.split()[1].startswith("5")),
-        "accepted_registrations": accepted,
+        "accepted_registrations": accepted, "registered_names": names,
     }
 
 
-def load_in_process(url: str, n_requests: int, concurrency: int, seed: int, workdir: Path) -> dict[str, Any]:
-    return asyncio.run(run_load(url, n_requests, concurrency, seed, workdir))
+def load_in_process(url: str, n_requests: int, concurrency: int, seed: int, datasets: list[str],
+                    **kwargs: Any) -> dict[str, Any]:
+    return asyncio.run(run_load(url, n_requests, concurrency, seed, datasets, **kwargs))
+
+
+def load_in_subprocess(url: str, n_requests: int, concurrency: int, seed: int, datasets: list[str],
+                       **kwargs: Any) -> dict[str, Any]:
+    """The client in its own process, so that it does not share a GIL with the server or the caller."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as client:
+        return client.submit(load_in_process, url, n_requests, concurrency, seed, datasets, **kwargs).result()
+
+
+def check_http_invariants(url: str, token: str, n_slots: int, registrations: int | None = None) -> list[str]:
+    """The registry as a running control plane serves it: every adapter that holds a slot
+    holds its own, valid one; `/metrics` counts what it lists; with `registrations`, the
+    registration counter equals the registrations answered 200."""
+    headers = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=60, trust_env=False) as http:
+        runs = http.get("/adapter_runs").raise_for_status().json()
+        metrics = http.get("/metrics").raise_for_status().text
+    runs = runs["adapters"] if isinstance(runs, dict) else runs
+    problems = []
+    holding = {r["name"]: r["slot"] for r in runs if AdapterState(r["state"]).holds_slot}
+    held = list(holding.values())
+    if len(held) != len(set(held)):
+        problems.append(f"a slot is held twice: {holding}")
+    if any(not 0 <= slot < n_slots for slot in held):
+        problems.append(f"an adapter holds no valid slot: {holding}")
+    counted = {line.split('state="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+               for line in metrics.splitlines() if line.startswith("miles_controller_adapters{")}
+    by_state = Counter(r["state"] for r in runs)
+    if any(counted.get(state, 0.0) != n for state, n in by_state.items()):
+        problems.append(f"/metrics counts {counted}, /adapter_runs lists {dict(by_state)}")
+    if registrations is not None:
+        total = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("miles_controller_registrations_total ")]
+        if total != [float(registrations)]:
+            problems.append(f"{registrations} registrations answered 200 but /metrics counts {total}")
+    return problems
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -186,7 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--url", help="load a control plane that is already serving (e.g. a running trainer's)")
+    parser.add_argument("--token", default=TOKEN, help="its bearer token (with --url)")
+    parser.add_argument("--data-dir", type=Path,
+                        help="with --url: where to write the small datasets (inside the server's allowed roots)")
     args = parser.parse_args(argv)
+    if args.url:
+        return load_running(args)
 
     workdir = Path(tempfile.mkdtemp(prefix="control_plane_load_"))
     controller = make_controller(workdir, args.slots)
@@ -198,10 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = asyncio.Event()
     trainer = asyncio.run_coroutine_threadsafe(trainer_stand_in(controller, stop), loop)
     try:
-        # The client runs in its own process, so it does not share this process's GIL with the server.
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as client:
-            result = client.submit(load_in_process, f"http://127.0.0.1:{port}", args.requests, args.concurrency,
-                                   args.seed, workdir).result()
+        datasets = [str(workdir / "data" / f"d{i}.jsonl") for i in range(4)]
+        result = load_in_subprocess(f"http://127.0.0.1:{port}", args.requests, args.concurrency, args.seed, datasets)
     finally:
         loop.call_soon_threadsafe(stop.set)
         result_iterations = trainer.result(timeout=60)
@@ -215,17 +274,34 @@ def main(argv: list[str] | None = None) -> int:
     loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=10)
 
+    print_result(result)
+    print(f"  trainer stand-in iterations: {result_iterations}; invariants: "
+          f"{'hold' if not result['invariant_problems'] else result['invariant_problems']}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 1 if result["server_errors"] or result["invariant_problems"] else 0
+
+
+def load_running(args: argparse.Namespace) -> int:
+    """The load against a control plane that is already serving; checks over HTTP only."""
+    data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="control_plane_load_data_"))
+    datasets = [str(p.resolve()) for p in write_datasets(data_dir)]
+    result = load_in_subprocess(args.url, args.requests, args.concurrency, args.seed, datasets, token=args.token)
+    result["invariant_problems"] = check_http_invariants(args.url, args.token, args.slots)
+    print_result(result)
+    print(f"  invariants: {'hold' if not result['invariant_problems'] else result['invariant_problems']}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 1 if result["server_errors"] or result["invariant_problems"] else 0
+
+
+def print_result(result: dict[str, Any]) -> None:
     print(f"{result['requests']} requests at concurrency {result['concurrency']} in {result['seconds']:.1f} s: "
           f"{result['requests_per_s']:.0f} requests/s, p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms, "
           f"5xx: {result['server_errors']}")
     for kind, row in result["by_kind"].items():
         print(f"  {kind:9s} n={row['n']:5d}  p50 {row['p50_ms']:7.1f} ms  p99 {row['p99_ms']:7.1f} ms")
     print(f"  statuses: {result['statuses']}")
-    print(f"  trainer stand-in iterations: {result_iterations}; invariants: "
-          f"{'hold' if not result['invariant_problems'] else result['invariant_problems']}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-    return 1 if result["server_errors"] or result["invariant_problems"] else 0
 
 
 if __name__ == "__main__":

@@ -1,12 +1,19 @@
 """Run every benchmark and write docs/BENCHMARKS.md and docs/benchmarks.json.
 
     python scripts/bench/run_all.py [--models tiny,llama60m] [--only train_mixed,decode]
-                                    [--before docs/benchmarks_before.json] [--quick]
+                                    [--before docs/benchmarks_before.json] [--quick] [--merge]
 
 Each script runs in its own process per model (see its docstring for what it
 measures); its figures, the exact command, the machine and the date are collected into
 `docs/benchmarks.json`, and `docs/BENCHMARKS.md` gets one table row per figure. With
 `--before`, an earlier `benchmarks.json` adds a "before" column for the same figures.
+With `--merge`, the figures of this run replace those of the same script and model in
+the existing `benchmarks.json` and every other figure is kept as it was (its date too),
+so one script can be rerun without rerunning the rest.
+
+Scripts run on the models they support (`SCRIPT_MODELS`; the others on every model):
+`trainer_service` starts a real trainer with a model's demo settings, so it runs on
+`tiny` and `smollm2` only.
 """
 
 from __future__ import annotations
@@ -26,13 +33,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-SCRIPTS = ("train_mixed", "peft_vs_mixed", "memory", "decode")
-NOT_COVERED = (
-    "weight push time ÷ train step time, and bytes pushed ÷ LoRA bytes of the adapters that stepped",
-    "POST /adapter_runs → ACTIVE, and → first optimizer step, in a running trainer",
-    "loop overhead (snapshot + reconcile + push + guard + save) ÷ iteration",
-    "control plane under load while training: requests/s, p50/p99, 5xx",
-)
+SCRIPTS = ("train_mixed", "peft_vs_mixed", "memory", "decode", "trainer_service")
+SCRIPT_MODELS = {"trainer_service": ("tiny", "smollm2")}
 
 
 def machine() -> dict:
@@ -96,18 +98,56 @@ def markdown(results: dict, before: dict | None) -> str:
         if before:
             old = before_by_key.get((f["figure"], f["model"]))
             row.append(f"{old['ratio']:.2f}" if old else "–")
-        row += [f["target"], "yes" if f["met"] else "no"]
+        met = f["met"]
+        row += [f["target"] if f["target"] != "report" else "–", "–" if met is None else "yes" if met else "no"]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Ratios are taken so that the target direction reads as written: `ours/baseline` for the",
               "train-step, memory and tokens/s figures, `baseline/ours` (PEFT time ÷ ours) for the PEFT training figure.",
               "", "## Commands", ""]
     for command in dict.fromkeys(f["command"] for f in results["figures"]):
         lines.append(f"    {command}")
-    lines += ["", "## Not measured here", ""]
-    lines += [f"- {item}" for item in NOT_COVERED]
+    models = results.get("models") or sorted({f["model"] for f in results["figures"]})
+    missing = [f"{name}.py on {model}" for name in SCRIPTS for model in models
+               if model in SCRIPT_MODELS.get(name, (model,))
+               and not any(f["command"].split()[1] == f"scripts/bench/{name}.py" and f["model"] == model
+                           for f in results["figures"])]
+    if missing:
+        lines += ["", "## Not measured here", ""]
+        lines += [f"- scripts/bench/{item}" for item in missing]
+    if results.get("notes") or results.get("script_notes"):
+        lines += ["", "## Notes", ""]
     if results.get("notes"):
-        lines += ["", "## Notes", "", results["notes"]]
+        lines += [results["notes"].rstrip()]
+    for name, text in sorted(results.get("script_notes", {}).items()):
+        lines += ["", f"### scripts/bench/{name}.py", "", text]
     return "\n".join(lines) + "\n"
+
+
+def script_notes(items: list[str]) -> dict[str, str]:
+    notes = {}
+    for item in items:
+        name, _, path = item.partition("=")
+        notes[name] = Path(path).read_text().strip()
+    return notes
+
+
+def script_of(figure: dict) -> str:
+    return figure["command"].split()[1]
+
+
+def merge(old: dict, new: dict) -> dict:
+    """`old` with the figures of `new` in place of those of the same script and model (new
+    ones after the rest), and `new`'s notes per script in place of the old ones; the date
+    line names this run's date for its scripts."""
+    replaced = {(script_of(f), f["model"]) for f in new["figures"]}
+    stamp = {"date": new["date"], "load_avg_1m_at_start": new["machine"]["load_avg_1m_at_start"]}
+    figures = [f for f in old["figures"] if (script_of(f), f["model"]) not in replaced]
+    figures += [{**f, **stamp} for f in new["figures"]]
+    scripts = ", ".join(sorted({Path(s).stem for s, _ in replaced}))
+    dates = [d for d in old["date"].split(" / ") if not d.endswith(f"({scripts})")]
+    return {**old, "figures": figures, "date": " / ".join([*dates, f"{new['date']} ({scripts})"]),
+            "models": sorted(set(old.get("models", [])) | set(new.get("models", []))),
+            "script_notes": {**old.get("script_notes", {}), **new.get("script_notes", {})}}
 
 
 def main() -> None:
@@ -122,6 +162,10 @@ def main() -> None:
     parser.add_argument("--script-args", action="append", default=[], metavar="MODEL:SCRIPT=ARGS",
                         help="extra arguments for one script on one model (model '*' for all), e.g. "
                              "'llama60m:memory=--peft-processes 2'; repeatable")
+    parser.add_argument("--script-notes", action="append", default=[], metavar="SCRIPT=FILE",
+                        help="a markdown file of notes on one script's figures (kept per script by --merge)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the figures of the existing benchmarks.json that this run does not produce")
     parser.add_argument("--render", default=None, metavar="JSON",
                         help="run nothing: write the doc (and JSON) from an earlier run's benchmarks.json")
     args = parser.parse_args()
@@ -131,6 +175,7 @@ def main() -> None:
         results = json.loads(Path(args.render).read_text())
         if args.notes:
             results["notes"] = Path(args.notes).read_text()
+        results["script_notes"] = {**results.get("script_notes", {}), **script_notes(args.script_notes)}
         out.mkdir(parents=True, exist_ok=True)
         (out / "benchmarks.json").write_text(json.dumps(results, indent=1))
         (out / "BENCHMARKS.md").write_text(markdown(results, before))
@@ -144,12 +189,18 @@ def main() -> None:
         target, _, script_args = item.partition("=")
         model, _, name = target.partition(":")
         per_script.setdefault((model, name), []).extend(shlex.split(script_args))
-    for model in args.models.split(","):
+    results["models"] = args.models.split(",")
+    for model in results["models"]:
         for name in args.only.split(","):
+            if model not in SCRIPT_MODELS.get(name, (model,)):
+                continue
             more = per_script.get(("*", name), []) + per_script.get((model, name), [])
             results["figures"] += run_script(name, model, extra + more)["figures"]
     if args.notes:
         results["notes"] = Path(args.notes).read_text()
+    results["script_notes"] = script_notes(args.script_notes)
+    if args.merge and (out / "benchmarks.json").exists():
+        results = merge(json.loads((out / "benchmarks.json").read_text()), results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "benchmarks.json").write_text(json.dumps(results, indent=1))
     (out / "BENCHMARKS.md").write_text(markdown(results, before))
