@@ -303,6 +303,19 @@ def test_set_step_and_adapter_step() -> None:
         registry.set_step("b", 1)
 
 
+def test_a_resume_restores_the_groups_of_an_unfinished_step() -> None:
+    registry = AdapterRegistry(n_slots=1)
+    registry.register("a", make_config("a", rollout_batch_size=3))
+    registry.set_step("a", 4, accumulated_groups=2)  # a checkpoint saved 2 of 3 groups' gradient
+    assert (registry.step("a"), registry.status("a").accumulated_groups) == (4, 2)
+    assert registry.snapshot().pending["a"].accumulated_groups == 2
+    for bad in (-1, 3):  # a full window would have stepped
+        with pytest.raises(ValueError, match=r"0\.\.2"):
+            registry.set_step("a", 4, accumulated_groups=bad)
+    registry.set_step("a", 5)
+    assert registry.status("a").accumulated_groups == 0
+
+
 def test_weight_update_of_unknown_name_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
     registry = AdapterRegistry(n_slots=1)
     walk_to(registry, "a", AdapterState.COMPLETED)
