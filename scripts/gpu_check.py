@@ -479,6 +479,8 @@ class RayCluster:
         finally:
             if saved is None:
                 os.environ.pop("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = saved
         self.address = self.cluster.address
 
     def shutdown(self) -> None:
