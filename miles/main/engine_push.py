@@ -21,8 +21,13 @@ unloading any older one. Groups name the version they were stamped with on every
 so before a push the pusher waits until no group in flight is stamped older than the
 version served now (the rollout manager's `versions_in_flight`).
 
-Engines keep the object-store reference of every push, so one that restarts reloads
-each live slot at its current version before it takes requests.
+Engines keep the object-store reference of every push, so one whose server restarts
+reloads each live slot at its current version before it takes requests. Each push is also
+recorded with the rollout manager's engine fleet before it is sent (`record_push`; an
+unload calls `forget_slot` first): an engine actor that Ray restarted comes back empty,
+and the fleet loads every recorded slot into it before it goes back behind the router. An
+engine that is down when a push reaches it (`engine_down`) is skipped for that push, since
+the fleet loads the recorded push into it before it serves again.
 """
 
 from __future__ import annotations
@@ -31,19 +36,27 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from miles.backends.base import LoraExport, TrainingBackend
 from miles.backends.weight_sync import UpdateGroupSpec
-from miles.utils.types import LoraUpdateMode
+from miles.rollout.engines.engine_actor import EngineNotReadyError
+from miles.utils.types import LoraUpdateMode, SlotPush
 
 logger = logging.getLogger(__name__)
 
 UPDATE_GROUP_TIMEOUT_S = 120.0
 IN_PLACE_ATTEMPTS = 3
 DRAIN_POLL_S = 0.05
+
+
+def engine_down(exc: BaseException) -> bool:
+    """The engine actor is dead or being restarted by Ray, or has no server yet."""
+    return isinstance(exc, (RayActorError, EngineNotReadyError))
 
 
 @dataclass(frozen=True)
@@ -62,7 +75,8 @@ class EnginePusher:
     def __init__(self, backend: TrainingBackend, engines: Sequence[Any], rollout_manager: Any, *,
                  mode: LoraUpdateMode = "in_place", drain_timeout_s: float = 300.0) -> None:
         """`engines`: engine actor handles (`miles.rollout.engines.engine_actor.EngineActor`);
-        `rollout_manager`: its `update_group_layout` and `versions_in_flight` are used."""
+        `rollout_manager`: its `update_group_layout`, `versions_in_flight`, `record_push` and
+        `forget_slot` are used."""
         if mode not in ("in_place", "versioned"):
             raise ValueError(f"unknown --engine-lora-update {mode!r}: use in_place or versioned")
         self.backend = backend
@@ -76,15 +90,19 @@ class EnginePusher:
         """Engines whose group failed a push (rebuilt before their next push)."""
         self._layout: tuple[str, int] | None = None
         """(process-group backend, ranks per engine), asked of the rollout manager once."""
+        self._down: set[int] = set()
+        """Engines found down (dead, restarting, or without a server) since they last answered."""
 
     async def push(self, pushes: Sequence[tuple[int, int, LoraExport]]) -> PushStats:
         """Load each (slot, version, export) into every engine; returns once every engine serves them."""
         start, joins = time.perf_counter(), 0
         for slot, version, export in pushes:
+            await self.rollout_manager.record_push.remote(SlotPush(slot, version, export.peft_config, export.tensors))
             if self.mode == "versioned":
                 await self._wait_drained(slot, version)
-                await asyncio.gather(*(e.push_lora.remote(slot, version, export.peft_config, export.tensors)
-                                       for e in self.engines))
+                results = await asyncio.gather(*(e.push_lora.remote(slot, version, export.peft_config, export.tensors)
+                                                 for e in self.engines), return_exceptions=True)
+                self._raise_unless_down(enumerate(results), f"slot {slot} v{version}")
             else:
                 joins += await self._push_in_place(slot, version, export)
         return PushStats(adapters=len(pushes), bytes=sum(export.nbytes for _, _, export in pushes),
@@ -92,7 +110,26 @@ class EnginePusher:
 
     async def unload(self, slot: int) -> None:
         """Unload every version of `slot` from every engine."""
-        await asyncio.gather(*(e.unload_slot.remote(slot) for e in self.engines))
+        await self.rollout_manager.forget_slot.remote(slot)
+        results = await asyncio.gather(*(e.unload_slot.remote(slot) for e in self.engines), return_exceptions=True)
+        self._raise_unless_down(enumerate(results), f"the unload of slot {slot}")
+
+    def _raise_unless_down(self, results: Iterable[tuple[int, Any]], what: str) -> None:
+        """Raise the first failure of an engine that is up; an engine that is down misses `what`
+        (the fleet loads the live slots into it before it serves again)."""
+        for i, result in results:
+            if not isinstance(result, BaseException):
+                self._down.discard(i)
+            elif not engine_down(result):
+                raise result
+            else:
+                self._log_down(i, what, result)
+
+    def _log_down(self, i: int, what: str, cause: BaseException) -> None:
+        level = logging.DEBUG if i in self._down else logging.WARNING  # once per outage
+        self._down.add(i)
+        logger.log(level, "Engine %d is down (%s) and misses %s; the fleet loads every live slot into it "
+                   "before it serves again", i, type(cause).__name__, what)
 
     async def close(self) -> None:
         """Leave the weights-update group (the engines leave theirs when they shut down)."""
@@ -107,7 +144,8 @@ class EnginePusher:
         pushed again, the others are not held up by it."""
         joins, pending = 0, list(range(len(self.engines)))
         for attempt in range(1, IN_PLACE_ATTEMPTS + 1):
-            joins += await self._join_missing(pending)
+            pending, joined = await self._join_missing(pending, f"slot {slot} v{version}")
+            joins += joined
             unjoined = [i for i in pending if i not in self._groups]
             if unjoined and attempt == IN_PLACE_ATTEMPTS:
                 raise RuntimeError(f"engines {unjoined} could not join a weights-update group for slot {slot} "
@@ -126,7 +164,10 @@ class EnginePusher:
             for i, name, result in zip(pending, names, loaded):
                 if name in sent:  # the engine's server died mid-push: its group is broken
                     self._broken.add(i)
-                if isinstance(result, BaseException):
+                if isinstance(result, BaseException) and engine_down(result):
+                    self._broken.add(i)
+                    self._log_down(i, f"slot {slot} v{version}", result)
+                elif isinstance(result, BaseException):
                     failed.append(i)
                     self._broken.add(i)
                     logger.warning("In-place push of slot %d v%d to engine %d failed (attempt %d/%d): %s", slot,
@@ -139,10 +180,15 @@ class EnginePusher:
             pending = failed + unjoined
         raise AssertionError("unreachable")
 
-    async def _join_missing(self, engines: list[int]) -> int:
-        """(Re)build the weights-update group of every listed engine that is out of its group."""
-        joined = await asyncio.gather(*(self.engines[i].update_group_joined.remote() for i in engines))
-        missing = [i for i, ok in zip(engines, joined) if not ok or i not in self._groups or i in self._broken]
+    async def _join_missing(self, engines: list[int], what: str) -> tuple[list[int], int]:
+        """(Re)build the weights-update group of every listed engine that is out of its group.
+        Returns the engines that are up (those down miss `what`) and the number of joins tried."""
+        answers = await asyncio.gather(*(self.engines[i].update_group_joined.remote() for i in engines),
+                                       return_exceptions=True)
+        self._raise_unless_down(zip(engines, answers), what)
+        joined = {i: ok for i, ok in zip(engines, answers) if not isinstance(ok, BaseException)}
+        engines = list(joined)
+        missing = [i for i, ok in joined.items() if not ok or i not in self._groups or i in self._broken]
         if missing:
             if self._layout is None:
                 self._layout = tuple(await self.rollout_manager.update_group_layout.remote())
@@ -150,7 +196,7 @@ class EnginePusher:
             for i, result in zip(missing, results):
                 if isinstance(result, BaseException):
                     logger.warning("Engine %d could not join a weights-update group: %s", i, result)
-        return len(missing)
+        return engines, len(missing)
 
     async def _join(self, i: int) -> None:
         """One group per engine: the exporting train rank at 0, the engine's ranks after it, so a

@@ -25,7 +25,7 @@ from miles.rollout.collection import BatchCollector, CollectionConfig
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
 from miles.rollout.producer import ProducerConfig, RolloutProducer
 from miles.utils.arguments import MilesConfig
-from miles.utils.types import DataPosition, MultiLoRASnapshot, RolloutBatch
+from miles.utils.types import DataPosition, MultiLoRASnapshot, RolloutBatch, SlotPush
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class LocalRolloutManager:
         self._producer = RolloutProducer(
             ProducerConfig.from_config(self.cfg), router_url=self._fleet.router_url, controller=controller,
             data_source=self._source, buffers=buffers, lora_name=self._fleet.lora_name, reward_args=self.cfg,
+            engines_serving=self._fleet.serving,
         )
         self._collector = BatchCollector(CollectionConfig.from_config(self.cfg), buffers, controller,
                                          self._producer)
@@ -116,6 +117,19 @@ class LocalRolloutManager:
         if self._fleet is None:
             raise RolloutNotStartedError("call start() before asking for the weights-update group layout")
         return self._fleet.update_group_layout()
+
+    def record_push(self, push: SlotPush) -> None:
+        """The latest push of a slot, kept by the fleet for engines that Ray restarts; the
+        pusher calls it before sending the push to the engines."""
+        if self._fleet is None:
+            raise RolloutNotStartedError("call start() before recording a push")
+        self._fleet.record_push(push)
+
+    def forget_slot(self, slot: int) -> None:
+        """The slot's adapter left: a restarted engine no longer loads it."""
+        if self._fleet is None:
+            raise RolloutNotStartedError("call start() before forgetting a slot")
+        self._fleet.forget_slot(slot)
 
     def get_router_address(self) -> str:
         if self._fleet is None:

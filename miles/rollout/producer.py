@@ -20,7 +20,9 @@ across the sampleable adapters (round robin), and for each group:
 
 A failed group (HTTP error, reward error) is logged and counted; after
 `max_consecutive_failures` failures in a row the producer dies and
-`raise_if_failed()` re-raises, chained from the cause, at the next collection.
+`raise_if_failed()` re-raises, chained from the cause, at the next collection. While no
+engine serves (every one is restarting), failed groups are dropped without counting and
+no new group is submitted.
 """
 
 from __future__ import annotations
@@ -155,7 +157,11 @@ class RolloutProducer:
         lora_name: Callable[[int, int], str],
         reward_args: Any,
         client: aiohttp.ClientSession | None = None,
+        engines_serving: Callable[[], bool] | None = None,
     ) -> None:
+        """`engines_serving`: whether any engine behind the router takes requests now (the
+        fleet's `serving`); while none does, no group is submitted and failed groups do not
+        count toward `max_consecutive_failures` (new groups take their place once one is back)."""
         self.config = config
         self.router_url = router_url.rstrip("/")
         self.controller = controller
@@ -165,6 +171,7 @@ class RolloutProducer:
         self.reward_args = reward_args
         self._client = client
         self._owns_client = client is None
+        self._engines_serving = engines_serving or (lambda: True)
         # Plug-ins are loaded (and checked) here, so a bad flag fails at start; an
         # adapter's own paths are loaded at its first group (checked at registration).
         self._generate_fns: dict[str | None, GenerateFn] = {None: generate_single_turn}
@@ -233,7 +240,8 @@ class RolloutProducer:
             while True:
                 snapshot = await self._refresh_snapshot()
                 self.data_source.sync(snapshot)
-                self._submit(snapshot, in_flight)
+                if self._engines_serving():
+                    self._submit(snapshot, in_flight)
                 if not in_flight:
                     await asyncio.sleep(self.config.snapshot_poll_s)
                     continue
@@ -286,6 +294,9 @@ class RolloutProducer:
         exc = task.exception()
         if exc is None:
             self._consecutive_failures = 0
+            return
+        if not self._engines_serving():
+            logger.info("Prompt group dropped while no engine serves (%s: %s)", type(exc).__name__, exc)
             return
         self._consecutive_failures += 1
         logger.warning("Prompt group failed (%d in a row): %s: %s", self._consecutive_failures,

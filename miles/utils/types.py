@@ -640,6 +640,19 @@ class LoraPush:
     tensors_ref: Any
 
 
+@dataclass(frozen=True)
+class SlotPush:
+    """The latest push of one live slot, as the engine fleet keeps it: what an engine that
+    Ray restarted loads before it takes requests."""
+
+    slot: int
+    version: int
+    peft_config: dict[str, Any]
+    tensors_ref: Any
+    """ObjectRef to the `{PEFT name: tensor}` dict; the fleet holds it, so the object lives
+    as long as the slot does (its owner, the process that exported it, outlives engines)."""
+
+
 # --------------------------------------------------------------------------------------
 # Engine HTTP API (the subset of SGLang's that every engine serves)
 # --------------------------------------------------------------------------------------

@@ -25,14 +25,24 @@ broadcast push the object-store reference it was given). If the server process d
 the actor restarts it, loads every live slot at its current version, and only then puts
 it back behind the router. A restarted server is out of the weights-update group until
 the next `init_weights_update_group` (see `update_group_joined`).
+
+If the actor itself dies, Ray restarts it (`EngineFleet` creates it with `max_restarts`)
+with nothing in memory: a fresh incarnation (`identity()`), no server, every request raising
+`EngineNotReadyError`. The fleet notices the new incarnation, calls `start()` (which first
+stops a server the dead actor left behind), `sync_slots` with the latest push of every live
+slot that it keeps, and only then puts the server behind the router.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import shutil
+import signal
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +57,7 @@ from miles.rollout.engines.process import ServerProcess, free_port
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig, server_command
 from miles.utils.network import cluster_host
-from miles.utils.types import engine_lora_name, engine_lora_slot
+from miles.utils.types import SlotPush, engine_lora_name, engine_lora_slot
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +73,11 @@ class EngineRequestFailed(RuntimeError):
 
 class EngineConfigError(RuntimeError):
     """The server cannot work in the configured mode (the message says what to change)."""
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine has no server yet (not started, or Ray just restarted the actor): the fleet
+    starts it and loads every live slot before it serves; a push to it can be skipped."""
 
 
 @dataclass
@@ -97,19 +112,21 @@ class EngineServer:
         self._served: dict[int, list[int]] = {}
         """Slot -> versions loaded on the current server process, oldest first."""
         self._group_joined = False
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()
         """Pushes, unloads and restarts never interleave."""
         self._supervisor: asyncio.Task | None = None
         self._closing = False
         self.restarts = 0
+        self._incarnation = uuid.uuid4().hex
+        self._recovering = False
 
     # ---- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> str:
         if self._url is not None:
             return self._url
-        self._lock = asyncio.Lock()
         self.host = self.host or cluster_host()
+        await asyncio.to_thread(self._stop_leftover_server)
         self._url = await self._launch()
         self._supervisor = asyncio.create_task(self._supervise(), name="engine-supervisor")
         return self._url
@@ -129,7 +146,27 @@ class EngineServer:
             process.terminate()
             raise
         self._process = process
+        self._pid_file.write_text(json.dumps({"pid": process.pid, "command": process.command}))
         return url
+
+    @property
+    def _pid_file(self) -> Path:
+        return self.work_dir / "server.pid"
+
+    def _stop_leftover_server(self) -> None:
+        """Kill the server a dead predecessor of this actor left running (it holds the device's
+        memory); the pid counts only if that process still runs the command recorded with it."""
+        try:
+            recorded = json.loads(self._pid_file.read_text())
+            cmdline = Path(f"/proc/{recorded['pid']}/cmdline").read_bytes().split(b"\0")[:-1]
+        except (OSError, ValueError, KeyError):
+            return
+        if [part.decode(errors="replace") for part in cmdline] != recorded["command"]:
+            return
+        logger.warning("Stopping the %s server (pid %d) left by this engine's previous actor", self.cfg.kind,
+                       recorded["pid"])
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(recorded["pid"], signal.SIGKILL)
 
     async def _require_distributed_route(self, url: str) -> None:
         async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
@@ -146,8 +183,19 @@ class EngineServer:
 
     def url(self) -> str:
         if self._url is None:
-            raise RuntimeError("the engine is not started: call start() first")
+            raise EngineNotReadyError(f"the engine in {self.work_dir} has no server: call start() first")
         return self._url
+
+    def identity(self) -> tuple[str, str | None, bool]:
+        """(incarnation, server URL or None, whether the server takes requests now). The
+        incarnation is a new id each time the actor is created: Ray restarts it with an empty
+        memory and no server."""
+        serving = self._process is not None and self._process.alive() and not self._recovering
+        return self._incarnation, self._url, serving
+
+    def actor_pid(self) -> int:
+        """Process id of this actor (tests kill it to exercise a Ray restart)."""
+        return os.getpid()
 
     def restart_count(self) -> int:
         """How many times the server was restarted after dying."""
@@ -202,6 +250,7 @@ class EngineServer:
             logger.warning("The %s server at %s exited with code %s; restarting it", self.cfg.kind, old_url,
                            self._process.popen.returncode if self._process else None)
             router = Router(self._router_url, None) if self._router_url else None
+            self._recovering = True
             if router is not None and old_url is not None:
                 await router.remove_workers([old_url])
             self._served.clear()
@@ -218,6 +267,7 @@ class EngineServer:
                 # Not ready for requests: stop it, so the next supervision round starts over.
                 await asyncio.to_thread(self._process.terminate)
                 raise
+            self._recovering = False
             self.restarts += 1
             logger.warning("The %s server is back at %s with slots %s", self.cfg.kind, self._url,
                            {s: w.version for s, w in self._slots.items()})
@@ -245,12 +295,15 @@ class EngineServer:
         return {slot: weights.version for slot, weights in self._slots.items()}
 
     def update_group_joined(self) -> bool:
-        """False until `init_weights_update_group` succeeds, and again after a restart."""
+        """False until `init_weights_update_group` succeeds, and again after a restart; raises
+        `EngineNotReadyError` while there is no server to join."""
+        self.url()
         return self._group_joined
 
     async def push_lora(self, slot: int, version: int, peft_config: dict[str, Any],
                         tensors: dict[str, torch.Tensor] | ray.ObjectRef) -> str:
         """Write the adapter on this node and load it as (slot, version); return the served name."""
+        self.url()
         if isinstance(tensors, ray.ObjectRef):
             tensors = await tensors
         path = self._slot_dir(slot, version)
@@ -292,7 +345,7 @@ class EngineServer:
     async def destroy_weights_update_group(self, group_name: str) -> None:
         """Leave the group; a server that is not in it (e.g. just restarted) is fine."""
         self._group_joined = False
-        with contextlib.suppress(EngineRequestFailed):
+        with contextlib.suppress(EngineRequestFailed, EngineNotReadyError):
             await self._post("/destroy_weights_update_group", {"group_name": group_name})
 
     async def push_lora_from_distributed(self, slot: int, version: int, peft_config: dict[str, Any],
@@ -337,10 +390,41 @@ class EngineServer:
     async def unload_slot(self, slot: int) -> None:
         """Unload every version of `slot` and forget its weights (the adapter left)."""
         async with self._lock:
-            for version in self._served.pop(slot, []):
-                await self._post("/unload_lora_adapter", {"lora_name": engine_lora_name(slot, version, self.mode)})
-            self._slots.pop(slot, None)
-            shutil.rmtree(self.work_dir / "loras" / f"slot_{slot}", ignore_errors=True)
+            await self._unload(slot)
+
+    async def _unload(self, slot: int) -> None:
+        for version in self._served.pop(slot, []):
+            await self._post("/unload_lora_adapter", {"lora_name": engine_lora_name(slot, version, self.mode)})
+        self._slots.pop(slot, None)
+        shutil.rmtree(self.work_dir / "loras" / f"slot_{slot}", ignore_errors=True)
+
+    async def sync_slots(self, pushes: Sequence[SlotPush]) -> dict[int, int]:
+        """Serve exactly `pushes`: the latest push of every live slot and, in versioned mode,
+        the one before it (a healthy engine keeps it for groups still in flight). Loads, from
+        the object store, each slot whose latest version this server does not hold, and
+        unloads every other slot. Returns slot -> latest version served. Used on a server the
+        router does not list yet."""
+        self.url()
+        wanted: dict[int, list[SlotPush]] = {}
+        for push in sorted(pushes, key=lambda p: (p.slot, p.version)):
+            wanted.setdefault(push.slot, []).append(push)
+        async with self._lock:
+            for slot in sorted(set(self._slots) - set(wanted)):
+                await self._unload(slot)
+            for slot, chain in sorted(wanted.items()):
+                have = self._slots.get(slot)
+                if have is not None and have.version == chain[-1].version and slot in self._served:
+                    continue
+                for push in chain:
+                    weights = _SlotWeights(push.version, push.peft_config, weights_ref=[push.tensors_ref])
+                    path = await self._write_from_ref(slot, weights)
+                    if self.mode == "in_place" and self.cfg.kind != "builtin" and self._served.get(slot):
+                        # SGLang upserts only by broadcast; this server takes no requests yet: unload, then load.
+                        await self._post("/unload_lora_adapter", {"lora_name": engine_lora_name(slot, None, self.mode)})
+                        self._served.pop(slot)
+                    await self._load_version(slot, push.version, path)
+                self._remember(slot, weights)
+        return self.slots()
 
     async def _load_version(self, slot: int, version: int, path: Path) -> str:
         """Load (slot, version) from `path` into the running server (caller holds the lock)."""

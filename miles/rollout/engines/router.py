@@ -97,6 +97,8 @@ class Router:
                     response = await client.post(self.url + "/remove_worker", params={"url": worker})
                 if response.status_code >= 400:
                     logger.warning("Router %s did not remove worker %s: HTTP %d", self.url, worker, response.status_code)
+                elif worker in self.added:
+                    self.added.remove(worker)
 
     async def workers(self) -> list[str]:
         async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
