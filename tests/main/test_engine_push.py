@@ -6,7 +6,9 @@ The engines' logprobs for the generated tokens must equal the train rank's logpr
 the same tokens under the same weights, after each of two optimizer steps (so the
 weights of the second push differ from the first). Serving an old version, or naming a
 LoRA the engines do not hold, fails these checks. In-place pushes also survive a killed
-server: the pusher rejoins the weights-update group before the next push.
+server: the pusher rejoins the weights-update group before the next push. In both modes an
+engine actor killed as a push starts is restarted by Ray and reloaded by the fleet with the
+version that push recorded before the router lists it again.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
 class RolloutStandIn:
-    """The two rollout-manager methods a pusher calls, over a fleet in this process."""
+    """The rollout-manager methods a pusher calls, over a fleet in this process."""
 
     def __init__(self, fleet: EngineFleet):
         self.fleet = fleet
         self.update_group_layout = _Remote(fleet.update_group_layout)
         self.versions_in_flight = _Remote(lambda: {})
+        self.record_push = _Remote(fleet.record_push)
+        self.forget_slot = _Remote(fleet.forget_slot)
 
 
 class _Remote:
@@ -130,11 +134,43 @@ async def test_a_group_after_a_push_is_generated_by_the_pushed_weights(ray_sessi
                     tokens, logprobs = await generate(client, url, fleet.lora_name(SLOT, 3))
                     assert max_diff(logprobs, await trainer_logprobs(group, tokens)) < 1e-4
 
-            # Retired: no engine serves the slot any more.
+            # Ray restarts a killed engine actor. The push sent right after the kill misses it (it is
+            # down), yet the fleet loads the version that push recorded before routing to it again.
+            version = 4 if mode == "in_place" else 3
+            urls = await fleet.engine_urls()
+            os.kill(await fleet.engines[1].actor_pid.remote(), signal.SIGKILL)
+            await pusher.push([(SLOT, version, await group.export_adapter("a"))])
+            deadline = time.monotonic() + 180
+            while fleet.actor_restarts < 1:
+                assert time.monotonic() < deadline, "the fleet did not restore the restarted engine actor"
+                await asyncio.sleep(0.2)
+            new_urls = await fleet.engine_urls()
+            assert new_urls[0] == urls[0] and new_urls[1] != urls[1]
+            assert set(await fleet.router.workers()) == set(new_urls)
+            assert fleet.live_slots() == {SLOT: version}
+            assert await fleet.engines[1].slots.remote() == {SLOT: version}
+            # The same LoRAs as its peer (versioned: the version before too, for groups in flight).
+            peer, restored = [set((await client.get(u + "/get_server_info")).json()["loaded_loras"]) for u in new_urls]
+            assert restored == peer == ({fleet.lora_name(SLOT, version)} if mode == "in_place" else
+                                        {fleet.lora_name(SLOT, version - 1), fleet.lora_name(SLOT, version)})
+            tokens, logprobs = await generate(client, new_urls[1], fleet.lora_name(SLOT, version))
+            assert max_diff(logprobs, await trainer_logprobs(group, tokens)) < 1e-4
+            # The next push reaches it like any other engine (in place: after rejoining its group).
+            version += 1
+            await group.train(version, training_batch(version, seed=version))
+            await group.step_adapters(["a"])
+            stats = await pusher.push([(SLOT, version, await group.export_adapter("a"))])
+            assert stats.joins == (1 if mode == "in_place" else 0)
+            for url in [*new_urls, fleet.router_url]:
+                tokens, logprobs = await generate(client, url, fleet.lora_name(SLOT, version))
+                assert max_diff(logprobs, await trainer_logprobs(group, tokens)) < 1e-4
+
+            # Retired: no engine serves the slot any more, and a restarted engine would not load it.
             await pusher.unload(SLOT)
-            for url in await fleet.engine_urls():
+            assert fleet.live_slots() == {}
+            for url in new_urls:
                 gone = await client.post(url + "/generate", json={
-                    "input_ids": PROMPT, "lora_path": fleet.lora_name(SLOT, 2), "sampling_params": GREEDY})
+                    "input_ids": PROMPT, "lora_path": fleet.lora_name(SLOT, version), "sampling_params": GREEDY})
                 assert gone.status_code == 400, gone.text
     finally:
         await pusher.close()

@@ -6,18 +6,21 @@ random model and drives it over the control plane's HTTP API.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from miles.controller.client import ControlPlaneClient
 from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
-from miles.utils.types import AdapterState
+from miles.rollout.engines.router import Router
+from miles.utils.types import AdapterState, engine_lora_name
 from driver_harness import DriverProcess, free_port, tiny_run_flags, write_arithmetic_dataset
 
 pytestmark = pytest.mark.slow
@@ -176,12 +179,24 @@ def _server_pids(root_pid: int) -> list[int]:
 
 
 PUSH_LINE = re.compile(r"Pushed (\d+) adapter\(s\), (\d+) bytes per engine, in ([0-9.]+)s")
+ACTOR_RESTORED = re.compile(r"Engine (\d+) was restarted by Ray; its server is back at (\S+) behind router (\S+) ")
+
+
+def _parent_pid(pid: int) -> int:
+    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _loaded_loras(url: str) -> set[str]:
+    return set(httpx.get(url + "/get_server_info", timeout=10, trust_env=False).json()["loaded_loras"])
 
 
 @pytest.mark.parametrize("mode", ["in_place", "versioned"])
 def test_update_modes_survive_a_killed_server_mid_rollout(tiny_model_dir, workdir, mode):
     """Two engines; a server is SIGKILLed while both adapters generate: its engine restarts it
-    with every slot, the groups it held are regenerated, and every adapter keeps stepping."""
+    with every slot, the groups it held are regenerated, and every adapter keeps stepping.
+    Then the other engine's actor process is SIGKILLed: Ray restarts the actor, the fleet
+    starts its server with every live slot and puts it back behind the router, and every
+    adapter keeps stepping."""
     port = free_port()
     flags = tiny_run_flags(tiny_model_dir, workdir / "save", n_adapters=2, port=port)
     flags[flags.index("--rollout-num-engines") + 1] = "2"
@@ -201,6 +216,25 @@ def test_update_modes_survive_a_killed_server_mid_rollout(tiny_model_dir, workdi
         wait_until(lambda: "is back at" in driver.log_path.read_text(), 240, "the server to be restarted", driver)
         wait_until(lambda: all(client.status(n).step >= steps[n] + 2 for n in "ab"), 240,
                    "both adapters to keep stepping after the kill", driver)
+
+        # The other engine's actor process dies (its server goes with it): Ray restarts the actor.
+        steps = {n: client.status(n).step for n in "ab"}
+        os.kill(_parent_pid(servers[1]), signal.SIGKILL)
+        restored = wait_until(lambda: ACTOR_RESTORED.search(driver.log_path.read_text()), 240,
+                              "the fleet to restore the restarted engine actor", driver)
+        _, engine_url, router_url = restored.groups()
+        workers = set(asyncio.run(Router(router_url, None).workers()))
+        assert engine_url in workers and len(workers) == 2, workers  # the dead server was taken out
+        peer = (workers - {engine_url}).pop()
+
+        def serves_current_versions() -> bool:
+            names = {engine_lora_name(s.slot, s.version, mode) for s in (client.status(n) for n in "ab")}
+            loaded = _loaded_loras(engine_url)
+            return names <= loaded and loaded == _loaded_loras(peer)
+
+        wait_until(serves_current_versions, 30, "the restored engine to serve what its peer serves", driver, 0.1)
+        wait_until(lambda: all(client.status(n).step >= steps[n] + 2 for n in "ab"), 240,
+                   "both adapters to keep stepping after the actor restart", driver)
         # A retired adapter leaves the engines; the other one keeps training.
         client.deregister("a")
         client.wait_for_state("a", AdapterState.COMPLETED, timeout=240)

@@ -1,18 +1,24 @@
 """The RolloutManager actor end to end on CPU: real controller actor, builtin engine
 and router from the engine fleet, two registered adapters (one resuming its data
 stream from a saved position), one train batch with exact accounting and typed
-per-adapter stats, and an idempotent dispose that takes the router down."""
+per-adapter stats; then the only engine's actor is killed and the next batch still comes,
+from the restarted engine with the recorded slots; an idempotent dispose takes the router
+down."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import httpx
 import pytest
+import ray
 
+from miles.backends.lora.peft_io import read_peft_dir
 from miles.rollout.data_source import AdapterDataset
 from miles.utils.arguments import MilesConfig
-from miles.utils.types import AdapterRolloutStats, DataPosition, engine_lora_name
+from miles.utils.types import AdapterRolloutStats, DataPosition, SlotPush, engine_lora_name
 
 pytestmark = pytest.mark.slow
 
@@ -96,6 +102,24 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
         stream_index = {name: p.epoch * len(rows) + p.index for name, p in positions.items()}
         assert 10 <= stream_index["a"] <= 12 and 2 <= stream_index["b"] <= 4  # at most one step drawn ahead
         assert await controller.mark_batch_trained.remote(0) == ["a", "b"]
+
+        # The only engine's actor dies. Ray restarts it; the fleet loads the recorded slots and
+        # routes to it again; meanwhile the producer waits instead of dying of failed groups.
+        for name, slot in slots.items():
+            tensors, config = read_peft_dir(tmp_path / f"peft_{name}")
+            await manager.record_push.remote(SlotPush(slot, 1, config, ray.put(tensors)))
+        [engine] = await manager.engines.remote()
+        [old_url] = await worker_urls(router)
+        os.kill(await engine.actor_pid.remote(), signal.SIGKILL)
+        for rollout_id in (1, 2):  # at most one step is drawn ahead: the second needs the restarted engine
+            batch = await manager.generate.remote(rollout_id)
+            assert batch.groups_per_adapter == {"a": 2, "b": 2}
+            assert await controller.mark_batch_trained.remote(rollout_id) == ["a", "b"]
+        [new_url] = await worker_urls(router)
+        assert new_url != old_url and new_url == (await engine.identity.remote())[1]
+        async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
+            info = (await client.get(f"{new_url}/get_server_info")).json()
+        assert set(info["loaded_loras"]) == {engine_lora_name(0), engine_lora_name(1)}
     finally:
         await manager.dispose.remote()
         await manager.dispose.remote()  # idempotent

@@ -33,7 +33,7 @@ def run_for(dataset, name, slot, **kwargs):
     return make_run(name, slot, data=dataset, input_key="text", label_key="label", rm_type="final_number", **kwargs)
 
 
-def producer(server, controller, *, in_flight=4, **config):
+def producer(server, controller, *, in_flight=4, engines_serving=None, **config):
     tokenizer = build_char_tokenizer()
     source = MultiLoRADataSource(DataSourceConfig(seed=0, apply_chat_template=False, default_rm_type=None),
                                  tokenizer)
@@ -41,7 +41,8 @@ def producer(server, controller, *, in_flight=4, **config):
                          stop=("\n",), snapshot_poll_s=0.02, **config)
     buffers = AdapterBuffers()
     prod = RolloutProducer(cfg, router_url=server.url, controller=controller, data_source=source,
-                           buffers=buffers, lora_name=engine_lora_name, reward_args=None)
+                           buffers=buffers, lora_name=engine_lora_name, reward_args=None,
+                           engines_serving=engines_serving)
     return prod, buffers, tokenizer
 
 
@@ -153,6 +154,26 @@ async def test_repeated_failures_kill_the_producer_and_surface_the_cause(dataset
             prod.raise_if_failed()
         assert isinstance(info.value.__cause__, aiohttp.ClientResponseError)
         await prod.stop()
+
+
+async def test_groups_that_fail_while_no_engine_serves_do_not_count_toward_death(dataset):
+    serving = {"now": True}
+    async with FakeEngineServer() as server:
+        prod, _, _ = producer(server, FakeController(active(run_for(dataset, "a", 0))), max_consecutive_failures=2,
+                              engines_serving=lambda: serving["now"])
+
+        async def lost_engine():
+            raise aiohttp.ClientConnectionError("the engine went away")
+
+        failed = asyncio.ensure_future(lost_engine())
+        await asyncio.gather(failed, return_exceptions=True)
+        serving["now"] = False  # every engine restarting: any number of failures is not the groups' fault
+        for _ in range(3):
+            await prod._settle(failed)
+        serving["now"] = True
+        await prod._settle(failed)  # 1 of 2
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await prod._settle(failed)
 
 
 @pytest.mark.parametrize("reward_key, response, reward", [("score", "Answer: 12", 1.0), ("score", "Answer: 7", -1.0),

@@ -1,5 +1,7 @@
 """Engine supervision: start failures are explained; pushes in both update modes; a killed
-server comes back behind the router serving every slot at its current version."""
+server comes back behind the router serving every slot at its current version; an engine
+created again in the same place (what Ray does after the actor died) stops the server its
+predecessor left and serves exactly the slots the fleet gives it."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import pytest
 import ray
 
 from miles.backends import lora, weight_sync
-from miles.rollout.engines.engine_actor import EngineServer
+from miles.rollout.engines.engine_actor import EngineNotReadyError, EngineServer
 from miles.rollout.engines.process import ServerStartError, free_port
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
+from miles.utils.types import SlotPush
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 
@@ -168,3 +171,40 @@ async def test_a_push_to_a_dead_server_lands_after_the_restart(tiny_model_dir, t
             assert await loaded(client, server.url()) == {served}
     finally:
         await server.shutdown()
+
+
+@pytest.mark.slow
+@session_loop
+async def test_a_recreated_engine_stops_the_old_server_and_serves_the_slots_it_is_given(
+        ray_session, tiny_model_dir, trainer_reference, tmp_path, lora_max_rank):
+    cfg = builtin_config(str(tiny_model_dir), lora_max_rank, "versioned")
+    first = EngineServer(cfg, str(tmp_path), start_timeout_s=120)
+    await first.start()
+    leftover = first._process
+    second = EngineServer(cfg, str(tmp_path), start_timeout_s=120)  # same arguments, empty memory
+    try:
+        assert second.identity()[0] != first.identity()[0] and second.identity()[1] is None
+        with pytest.raises(EngineNotReadyError):
+            second.update_group_joined()
+        with pytest.raises(EngineNotReadyError):
+            await second.push_lora(0, 1, *peft_payload(trainer_reference, "ad0"))
+        url = await second.start()
+        assert await asyncio.to_thread(leftover.popen.wait, 30) == -signal.SIGKILL
+
+        def push(slot: int, version: int, adapter: str) -> SlotPush:
+            config, tensors = peft_payload(trainer_reference, adapter)
+            return SlotPush(slot, version, config, ray.put(tensors))
+
+        # The fleet's record: slot 0 at v2 with v1 before it, slot 1 at v1.
+        assert await second.sync_slots([push(0, 2, "ad2"), push(1, 1, "ad1"), push(0, 1, "ad0")]) == {0: 2, 1: 1}
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            assert await loaded(client, url) == {"__miles_slot_0_v1", "__miles_slot_0_v2", "__miles_slot_1_v1"}
+            for name, adapter in (("__miles_slot_0_v2", "ad2"), ("__miles_slot_0_v1", "ad0"),
+                                  ("__miles_slot_1_v1", "ad1")):
+                assert await greedy_matches(client, url, name, trainer_reference, adapter)
+            # Slot 1 left meanwhile: a second pass unloads it and leaves slot 0 as it is.
+            assert await second.sync_slots([push(0, 2, "ad2")]) == {0: 2}
+            assert await loaded(client, url) == {"__miles_slot_0_v1", "__miles_slot_0_v2"}
+    finally:
+        await second.shutdown()
+        await first.shutdown()
