@@ -61,11 +61,20 @@ class AdapterSpec:
     lr_warmup_steps: int = 0
     num_step: int | None = None
     """Steps this registration trains for (decaying schedules end there)."""
+    start_step: int | None = None
+    """Step this registration started at, once fixed (it was pushed before: a trainer that
+    restarted over the registry); None: the step it loads at."""
     registration_id: str = ""
     save_dir: str | None = None
     """Where its checkpoints live (`{save_dir}/checkpoints/step_N`); None: never saved."""
     loss: LossSettings | None = None
     """Its loss and advantage settings (the trainer's flags with its `loss:` keys); None: the trainer's."""
+
+    def final_step(self, loaded_step: int) -> int | None:
+        """The step its decaying LR schedule ends at, for weights loaded at `loaded_step`."""
+        if self.num_step is None:
+            return None
+        return (loaded_step if self.start_step is None else self.start_step) + self.num_step
 
     @classmethod
     def from_run(cls, run: AdapterRun) -> AdapterSpec:
@@ -76,6 +85,7 @@ class AdapterSpec:
             rollout_batch_size=cfg.rollout_batch_size,
             lr=cfg.lr, weight_decay=cfg.weight_decay, lr_decay_style=cfg.lr_decay_style,
             lr_warmup_steps=cfg.lr_warmup_steps, num_step=cfg.num_step,
+            start_step=run.start_step if run.pushed else None,
             registration_id=run.registration_id, save_dir=None if cfg.save is None else str(cfg.save),
             loss=None if cfg.loss is None else cfg.loss_settings(),
         )

@@ -359,7 +359,7 @@ class AdapterRegistry:
                 name=record.name, config=record.config, slot=record.slot,
                 version=self._slot_versions[record.slot], step=record.step,
                 accumulated_groups=record.accumulated_groups, registration_id=record.registration_id,
-                start_step=record.start_step,
+                start_step=record.start_step, pushed=record.pushed,
             )
         return MultiLoRASnapshot(
             pending=views[AdapterState.PENDING], active=views[AdapterState.ACTIVE],

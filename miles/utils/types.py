@@ -114,6 +114,9 @@ class AdapterRun:
     """uuid4 hex issued at registration; a re-registration gets a new one."""
     start_step: int = 0
     """Step this registration started at (its resumed step); `num_step` counts from here."""
+    pushed: bool = False
+    """Its weights were pushed at least once: `start_step` is fixed from then on (a trainer
+    that restarts over the registry resumes it without moving its end)."""
 
     @property
     def final_step(self) -> int | None:
@@ -164,7 +167,7 @@ class MultiLoRASnapshot:
 
     def with_step(self, name: str, step: int, accumulated_groups: int = 0) -> MultiLoRASnapshot:
         """`set_adapter_step(name, step, accumulated_groups)` (a resume) was applied."""
-        return self._with_run(name, lambda run: replace(run, step=step, start_step=step,
+        return self._with_run(name, lambda run: replace(run, step=step, start_step=run.start_step if run.pushed else step,
                                                         accumulated_groups=accumulated_groups))
 
     def after_push(self, versions: dict[str, int]) -> MultiLoRASnapshot:

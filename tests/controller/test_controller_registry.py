@@ -252,6 +252,28 @@ def test_num_step_auto_retires_relative_to_the_resumed_step() -> None:
     assert states == [(11, AdapterState.ACTIVE), (12, AdapterState.RETIRING)]
 
 
+def test_a_trainer_restarted_over_the_registry_keeps_the_registration_end() -> None:
+    """num_step counts from the registration's start, not from the step a new trainer loads at."""
+    from miles.backends.base import AdapterSpec
+
+    registry = AdapterRegistry(n_slots=1)
+    registry.register("a", make_config("a", rollout_batch_size=1, num_step=10))
+    registry.set_step("a", 2)  # resumed from a step-2 checkpoint before its first push
+    first = registry.snapshot().pending["a"]
+    assert not first.pushed and AdapterSpec.from_run(first).final_step(2) == 12
+    registry.record_weight_update(["a"])
+    for rollout_id in range(3):
+        registry.record_batch_adapters(rollout_id, {"a": 1}, ["a"])
+        registry.mark_batch_trained(rollout_id)
+    assert registry.requeue_for_new_trainer() == ["a"]
+    registry.set_step("a", 4)  # the new trainer found a step-4 checkpoint
+    snapshot = registry.snapshot()
+    run = snapshot.pending["a"]
+    assert (run.pushed, run.start_step, run.step) == (True, 2, 4)
+    assert AdapterSpec.from_run(run).final_step(4) == 12
+    assert snapshot.with_step("a", 4).pending["a"].start_step == 2
+
+
 def test_pending_adapter_is_not_auto_retired_and_unset_num_step_never_retires() -> None:
     registry = AdapterRegistry(n_slots=1)
     registry.register("a", make_config("a", rollout_batch_size=1))

@@ -155,7 +155,7 @@ class MegatronTrainActor(TorchTrainActor):
             result, schedule = self._resume(spec, Path(checkpoint), schedule)
         self.optimizer.configure_slot(spec.slot, rank=spec.rank, lr=spec.lr, weight_decay=spec.weight_decay)
         if spec.num_step is not None:
-            schedule.total_steps = result.step + spec.num_step
+            schedule.total_steps = spec.final_step(result.step)
         self.adapters[spec.name] = _Loaded(spec=spec, schedule=schedule)
         return result
 
