@@ -1,6 +1,7 @@
 """Peak memory of one trainer with 8 adapter slots ÷ 8 PEFT trainers (one per adapter).
 
     python scripts/bench/memory.py [--model tiny|llama60m|smollm2|DIR] [--adapters 8] [--rows 4]
+                                   [--micro-batch-size N]
 
 Each trainer runs in its own fresh Python process and trains one step: ours is one
 `TorchTrainActor` with 8 slots training a mixed batch of 8 x 4 samples and stepping
@@ -8,7 +9,9 @@ all 8 adapters; the baseline is what serving 8 adapters with PEFT takes, 8 proce
 each holding the base model, one LoRA adapter and its AdamW, training its 4 samples.
 Peak memory is each process's peak resident set size (`ru_maxrss`, the whole process:
 interpreter, torch and model); the baseline is the sum over its 8 processes. The
-processes run one at a time, alternating ours and PEFT. Target: <= 0.25.
+processes run one at a time, alternating ours and PEFT. Ours forwards the whole mixed
+batch at once unless given `--micro-batch-size` (the trainer's flag: activations and
+logits of that many rows at a time). Target: <= 0.25.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 from benchlib import Figure
 
 
-def worker(kind: str, model: str, adapters: int, rows: int, prompt_len: int, response_len: int, rank: int) -> None:
+def worker(kind: str, model: str, adapters: int, rows: int, prompt_len: int, response_len: int, rank: int,
+           micro_batch_size: int | None = None) -> None:
     path = benchlib.model_dir(model)
     vocab = benchlib.vocab_size(path)
     if kind == "ours":
@@ -32,7 +36,7 @@ def worker(kind: str, model: str, adapters: int, rows: int, prompt_len: int, res
         from miles.backends.torch.actor import AdapterSpec
 
         names = [f"a{i}" for i in range(adapters)]
-        actor = build_actor(path, adapters, rank)
+        actor = build_actor(path, adapters, rank, micro_batch_size)
         for i, name in enumerate(names):
             actor.load_adapter(AdapterSpec(name=name, slot=i, rank=rank, alpha=2.0 * rank, global_batch_size=rows))
         samples, adv = benchlib.make_samples(adapters * rows, [(n, i) for i, n in enumerate(names)], prompt_len, response_len, vocab)
@@ -50,6 +54,8 @@ def measure(kind: str, args) -> int:
     cmd = [sys.executable, __file__, "--worker", kind, "--model", args.model, "--adapters", str(args.adapters),
            "--rows", str(args.rows), "--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len),
            "--rank", str(args.rank), "--threads", str(args.threads)]
+    if args.micro_batch_size:
+        cmd += ["--micro-batch-size", str(args.micro_batch_size)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_rss_bytes"]
 
@@ -61,6 +67,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--response-len", type=int, default=48)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="rows per forward/backward of ours (default: the whole batch of adapters x rows)")
     parser.add_argument("--peft-processes", type=int, default=None,
                         help="PEFT processes actually run per repetition (default: one per adapter); the PEFT "
                              "side is their mean peak times the number of adapters (the processes are identical)")
@@ -68,7 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         torch.set_num_threads(args.threads)
-        worker(args.worker, args.model, args.adapters, args.rows, args.prompt_len, args.response_len, args.rank)
+        worker(args.worker, args.model, args.adapters, args.rows, args.prompt_len, args.response_len, args.rank,
+               args.micro_batch_size)
         return
     benchlib.setup(args)
     if args.quick:
@@ -87,7 +96,8 @@ def main() -> None:
         figure=f"peak memory, one trainer with {args.adapters} slots ÷ {args.adapters} PEFT trainers", model=args.model,
         ours_label=f"ours, 1 process x {args.adapters} slots", baseline_label=f"PEFT, {args.adapters} processes",
         ours=ours, baseline=peft, unit="MiB", ratio_of="ours/baseline", target="<= 0.25",
-        params={"adapters": args.adapters, "peft_processes_run": args.peft_processes or args.adapters, "rows": args.rows, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank},
+        params={"adapters": args.adapters, "peft_processes_run": args.peft_processes or args.adapters, "rows": args.rows, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank,
+                "micro_batch_size": args.micro_batch_size},
     )
     benchlib.report([figure], args.json, sys.argv)
 

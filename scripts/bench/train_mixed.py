@@ -20,9 +20,9 @@ from benchlib import Figure
 from miles.backends.torch.actor import AdapterSpec, TorchTrainActor, TrainActorConfig
 
 
-def build_actor(path, n_slots: int, rank: int) -> TorchTrainActor:
-    actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(path), n_slots=n_slots, lora_rank=rank))
-    return actor
+def build_actor(path, n_slots: int, rank: int, micro_batch_size: int | None = None) -> TorchTrainActor:
+    return TorchTrainActor(TrainActorConfig(hf_checkpoint=str(path), n_slots=n_slots, lora_rank=rank,
+                                            micro_batch_size=micro_batch_size))
 
 
 def step_fn(actor: TorchTrainActor, samples, advantages, names: list[str]):
