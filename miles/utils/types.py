@@ -174,7 +174,7 @@ class MultiLoRASnapshot:
         """`record_weight_update` answered `versions`: new slot versions, PENDING -> ACTIVE."""
         out = self
         for name, version in versions.items():
-            out = out._with_run(name, lambda run, v=version: replace(run, version=v))
+            out = out._with_run(name, lambda run, v=version: replace(run, version=v, pushed=True))
         promoted = {n: r for n, r in out.pending.items() if n in versions}
         if not promoted:
             return out
