@@ -106,7 +106,7 @@ def markdown(results: dict, before: dict | None) -> str:
               "", "## Commands", ""]
     for command in dict.fromkeys(f["command"] for f in results["figures"]):
         lines.append(f"    {command}")
-    models = results.get("models") or sorted({f["model"] for f in results["figures"]})
+    models = sorted(set(results.get("models", [])) | {f["model"] for f in results["figures"]})
     missing = [f"{name}.py on {model}" for name in SCRIPTS for model in models
                if model in SCRIPT_MODELS.get(name, (model,))
                and not any(f["command"].split()[1] == f"scripts/bench/{name}.py" and f["model"] == model

@@ -1,7 +1,7 @@
 """Figures of a running trainer: weight push, loop overhead, registration latency, load.
 
     python scripts/bench/trainer_service.py --model tiny             # the demo's settings
-    python scripts/bench/trainer_service.py --model smollm2 --iterations 3 --reps 3 --load-requests 300
+    python scripts/bench/trainer_service.py --model smollm2 --warmup 1 --iterations 3 --phases steady
     python scripts/bench/trainer_service.py --quick                  # smoke run (CI)
 
 Starts `python -m miles.main.train_multi_lora_async` as a subprocess in service mode on
@@ -81,6 +81,8 @@ LOAD_ADAPTER = {"rollout_batch_size": 2, "n_samples_per_prompt": 2, "rm_type": "
 
 class CheckFailed(RuntimeError):
     pass
+
+
 
 
 # ---- the trainer ---------------------------------------------------------------------------
@@ -318,7 +320,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one wait may take")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (trainer log, metrics)")
+    parser.add_argument("--phases", default="steady,registration,load",
+                        help="which of steady,registration,load to run after the steady phase (steady always runs)")
     args = parser.parse_args()
+    phases = set(args.phases.split(","))
     if args.model not in DEMOS:
         sys.exit(f"--model {args.model!r}: this script runs the demo of {sorted(DEMOS)}")
     if args.quick:
@@ -364,36 +369,38 @@ def main() -> int:
                                                for k in sorted(m[0]) if k.endswith("_time")}}),
         ]
 
-        probe = {**adapters[0][1], "num_step": 1}
-        joins = [registration(trainer, f"probe{i}", probe, args.timeout) for i in range(args.reps)]
-        registrations = len(adapters) + args.reps
-        figures += [
-            Figure("POST /adapter_runs -> ACTIVE ÷ one loop iteration, while training", args.model,
-                   "POST -> ACTIVE", "iteration", [a for a, _, _ in joins], [it for _, _, it in joins], "s",
-                   "ours/baseline", "<= 1.0"),
-            Figure("POST /adapter_runs -> first optimizer step ÷ one loop iteration, while training", args.model,
-                   "POST -> first step", "iteration", [s for _, s, _ in joins], [it for _, _, it in joins], "s",
-                   "ours/baseline", "report"),
-        ]
-
-        before = [r["perf/iteration_time"] for r in steady_records]
-        result, load_problems = load_phase(trainer, workdir, args, n_slots, registrations)
-        problems += load_problems
-        during = result["iteration_times_during_load"] or [0.0]
-        label = (f"{result['requests']} requests at concurrency {result['concurrency']}: "
-                 f"{result['requests_per_s']:.1f} requests/s, p50 {result['p50_ms']:.0f} ms, "
-                 f"p99 {result['p99_ms']:.0f} ms; 5xx")
-        load_params = {k: result[k] for k in ("requests", "concurrency", "seconds", "requests_per_s", "p50_ms",
-                                              "p99_ms", "by_kind", "statuses", "server_errors",
-                                              "accepted_registrations", "trainer_iterations_during_load")}
-        figures += [
-            Figure("control plane under load while training: 5xx ÷ requests", args.model, label, "requests",
-                   [float(result["server_errors"])], [float(result["requests"])], "responses", "ours/baseline",
-                   "== 0", params=load_params),
-            Figure("trainer iteration during the load ÷ before it", args.model, "during the load", "before",
-                   [statistics.median(during)], [statistics.median(before)], "s", "ours/baseline", "report",
-                   params={"iterations_during_load": len(result["iteration_times_during_load"])}),
-        ]
+        registrations = len(adapters)
+        if "registration" in phases:
+            probe = {**adapters[0][1], "num_step": 1}
+            joins = [registration(trainer, f"probe{i}", probe, args.timeout) for i in range(args.reps)]
+            registrations += args.reps
+            figures += [
+                Figure("POST /adapter_runs -> ACTIVE ÷ one loop iteration, while training", args.model,
+                       "POST -> ACTIVE", "iteration", [a for a, _, _ in joins], [it for _, _, it in joins], "s",
+                       "ours/baseline", "<= 1.0"),
+                Figure("POST /adapter_runs -> first optimizer step ÷ one loop iteration, while training", args.model,
+                       "POST -> first step", "iteration", [s for _, s, _ in joins], [it for _, _, it in joins], "s",
+                       "ours/baseline", "report"),
+            ]
+        if "load" in phases:
+            before = [r["perf/iteration_time"] for r in steady_records]
+            result, load_problems = load_phase(trainer, workdir, args, n_slots, registrations)
+            problems += load_problems
+            during = result["iteration_times_during_load"] or [0.0]
+            label = (f"{result['requests']} requests at concurrency {result['concurrency']}: "
+                     f"{result['requests_per_s']:.1f} requests/s, p50 {result['p50_ms']:.0f} ms, "
+                     f"p99 {result['p99_ms']:.0f} ms; 5xx")
+            load_params = {k: result[k] for k in ("requests", "concurrency", "seconds", "requests_per_s", "p50_ms",
+                                                  "p99_ms", "by_kind", "statuses", "server_errors",
+                                                  "accepted_registrations", "trainer_iterations_during_load")}
+            figures += [
+                Figure("control plane under load while training: 5xx ÷ requests", args.model, label, "requests",
+                       [float(result["server_errors"])], [float(result["requests"])], "responses", "ours/baseline",
+                       "== 0", params=load_params),
+                Figure("trainer iteration during the load ÷ before it", args.model, "during the load", "before",
+                       [statistics.median(during)], [statistics.median(before)], "s", "ours/baseline", "report",
+                       params={"iterations_during_load": len(result["iteration_times_during_load"])}),
+            ]
     except CheckFailed as exc:
         problems.append(str(exc))
     finally:
