@@ -350,11 +350,18 @@ class MilesConfig:
 
     @property
     def resolved_device(self) -> str:
+        """`--device auto`: cuda when this process sees a GPU or the Ray cluster it joined has one
+        (a driver on a head node without GPUs still trains and serves on the workers' GPUs)."""
         if self.device != "auto":
             return self.device
+        import ray
         import torch
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.cuda.is_available():
+            return "cuda"
+        if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0:
+            return "cuda"
+        return "cpu"
 
     @property
     def resolved_dtype(self) -> str:

@@ -127,3 +127,20 @@ def test_config_from_dict_checks_types():
         config_from_dict({"lora_rank": 8.5})
     with pytest.raises(ConfigError, match="unknown flag 'learning_rate'"):
         config_from_dict({"learning_rate": 0.1})
+
+
+def test_auto_device_follows_the_ray_cluster_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver on a GPU-less head node picks cuda when the cluster it joined has GPUs."""
+    import ray
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = parse_args(["--device", "auto"])
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert (cfg.resolved_device, cfg.resolved_dtype) == ("cpu", "float32")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0, "GPU": 8.0})
+    assert (cfg.resolved_device, cfg.resolved_dtype) == ("cuda", "bfloat16")
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0})
+    assert cfg.resolved_device == "cpu"
+    assert parse_args(["--device", "cpu"]).resolved_device == "cpu"
