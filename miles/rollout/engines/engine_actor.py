@@ -307,9 +307,13 @@ class EngineServer:
         if isinstance(tensors, ray.ObjectRef):
             tensors = await tensors
         path = self._slot_dir(slot, version)
-        await asyncio.to_thread(write_peft_dir, path, tensors, peft_config)
-        return await self._push(slot, _SlotWeights(version, peft_config, path=path),
-                                lambda: self._load_version(slot, version, path))
+
+        async def load() -> str:
+            # Written under the lock: a concurrent `sync_slots` prunes the slot's directories.
+            await asyncio.to_thread(write_peft_dir, path, tensors, peft_config)
+            return await self._load_version(slot, version, path)
+
+        return await self._push(slot, _SlotWeights(version, peft_config, path=path), load)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> dict[str, Any]:
@@ -393,8 +397,10 @@ class EngineServer:
             await self._unload(slot)
 
     async def _unload(self, slot: int) -> None:
-        for version in self._served.pop(slot, []):
+        for version in list(self._served.get(slot, [])):
             await self._post("/unload_lora_adapter", {"lora_name": engine_lora_name(slot, version, self.mode)})
+            self._served[slot].remove(version)
+        self._served.pop(slot, None)
         self._slots.pop(slot, None)
         shutil.rmtree(self.work_dir / "loras" / f"slot_{slot}", ignore_errors=True)
 
@@ -441,8 +447,9 @@ class EngineServer:
             self._served[slot] = [version]
             return name
         # versioned: keep the version requests use now, drop older ones, then add the new one.
-        for old in loaded[:-1]:
+        for old in loaded[:-1]:  # `_served` follows each step, so a failure leaves it true
             await self._post("/unload_lora_adapter", {"lora_name": engine_lora_name(slot, old, self.mode)})
+            self._served[slot] = [v for v in self._served[slot] if v != old]
         kept = loaded[-1:]
         if version not in kept:
             await self._post("/load_lora_adapter", body)

@@ -251,21 +251,27 @@ class EngineFleet:
     async def _watch(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.cfg.watch_interval_s)
-            idle = [i for i in range(len(self.engines)) if i not in self._restores]
-            answers = await asyncio.gather(*[
-                asyncio.wait_for(self.engines[i].identity.remote(), timeout=max(5.0, self.cfg.watch_interval_s))
-                for i in idle], return_exceptions=True)
-            for i, answer in zip(idle, answers):
-                if isinstance(answer, RayActorError):
-                    await self._take_out(i, answer)
-                elif isinstance(answer, BaseException):
-                    if not isinstance(answer, asyncio.TimeoutError):  # a busy actor answers next round
-                        logger.warning("Engine %d did not say who it is: %r", i, answer)
-                elif answer[0] == self._incarnations[i]:
-                    self.urls[i] = answer[1] or self.urls[i]  # it may have restarted its server itself
-                    self._serving[i] = answer[2]
-                elif time.monotonic() >= self._retry_at.get(i, (0.0, 0))[0]:
-                    self._restores[i] = asyncio.create_task(self._restore(i, answer[0]), name=f"engine-{i}-restore")
+            try:
+                await self._watch_round()
+            except Exception:  # keep watching: the next round asks again
+                logger.exception("Checking the engine actors failed")
+
+    async def _watch_round(self) -> None:
+        idle = [i for i in range(len(self.engines)) if i not in self._restores]
+        answers = await asyncio.gather(*[
+            asyncio.wait_for(self.engines[i].identity.remote(), timeout=max(5.0, self.cfg.watch_interval_s))
+            for i in idle], return_exceptions=True)
+        for i, answer in zip(idle, answers):
+            if isinstance(answer, RayActorError):
+                await self._take_out(i, answer)
+            elif isinstance(answer, BaseException):
+                if not isinstance(answer, asyncio.TimeoutError):  # a busy actor answers next round
+                    logger.warning("Engine %d did not say who it is: %r", i, answer)
+            elif answer[0] == self._incarnations[i]:
+                self.urls[i] = answer[1] or self.urls[i]  # it may have restarted its server itself
+                self._serving[i] = answer[2]
+            elif time.monotonic() >= self._retry_at.get(i, (0.0, 0))[0]:
+                self._restores[i] = asyncio.create_task(self._restore(i, answer[0]), name=f"engine-{i}-restore")
 
     async def _take_out(self, i: int, cause: BaseException) -> None:
         if i in self._out:
