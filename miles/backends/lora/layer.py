@@ -226,7 +226,7 @@ class MultiLoRALinear(nn.Module):
         if mode == "stacked":
             return self._add_stacked_delta(out, x, batch)
         if mode == "gather":
-            return out + self._gather_delta(x, batch).to(out.dtype)
+            return self._add_gather_delta(out, x, batch)
         return out + self._segment_delta(x, batch).to(out.dtype)
 
     def _pick_mode(self, x: torch.Tensor, batch: SlotBatch) -> DeltaMode:
@@ -308,12 +308,15 @@ class MultiLoRALinear(nn.Module):
             delta = delta.index_add(0, rows, self._slot_delta(x.index_select(0, rows), slot))
         return delta
 
-    def _gather_delta(self, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
-        """Rows grouped per present slot, one pair of batched GEMMs over the slots' A and B.
+    def _add_gather_delta(self, out: torch.Tensor, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+        """`out` plus the LoRA delta, rows grouped per present slot: one pair of batched GEMMs
+        over the slots' A and B.
 
         A and B are read in place (a slice when the present slots are 0..P-1, else one
         copy per present adapter, never per sample). Rows past a slot's rank are zero, so
-        the full max_rank product equals the rank-sliced one.
+        the full max_rank product equals the rank-sliced one. The per-row scale goes on the
+        [P, N, rank] product, not the wider delta; when the rows are already grouped (a
+        slot-sorted training batch) the second GEMM adds straight into `out` (baddbmm).
         """
         n_present = len(batch.present)
         if batch.present == tuple(range(n_present)):
@@ -331,11 +334,15 @@ class MultiLoRALinear(nn.Module):
         if not batch.grouped_in_place:
             x = x.index_select(0, batch.group_rows_PG.reshape(-1))
         x_PNI = x.reshape(n_present, group * tokens, -1)
-        h_PNR = torch.bmm(x_PNI, a_PRI.transpose(1, 2))
-        delta_PNO = torch.bmm(h_PNR, b_POR.transpose(1, 2))
-        delta_PGTO = delta_PNO.reshape(n_present, group, tokens, -1) * scale_PG[:, :, None, None].to(delta_PNO.dtype)
-        delta = delta_PGTO.reshape(n_present * group, *lead, -1)
-        return delta if batch.grouped_in_place else delta.index_select(0, batch.row_place_B)
+        h_PGTR = torch.bmm(x_PNI, a_PRI.transpose(1, 2)).reshape(n_present, group, tokens, -1)
+        h_PNR = (h_PGTR * scale_PG[:, :, None, None].to(h_PGTR.dtype)).reshape(n_present, group * tokens, -1)
+        if batch.grouped_in_place and out.dtype == h_PNR.dtype:
+            out_PNO = out.reshape(n_present, group * tokens, -1)
+            return torch.baddbmm(out_PNO, h_PNR, b_POR.transpose(1, 2)).reshape(out.shape)
+        delta = torch.bmm(h_PNR, b_POR.transpose(1, 2)).reshape(n_present * group, *lead, -1)
+        if not batch.grouped_in_place:
+            delta = delta.index_select(0, batch.row_place_B)
+        return out + delta.to(out.dtype)
 
     def _sync_scales(self) -> None:
         self.slot_scales = tuple(self._scale(s) for s in range(self.n_slots))
