@@ -21,7 +21,9 @@ memory, so the fleet keeps what it needs: the latest push of every live slot, an
 versioned mode the one before it, which engines keep loaded for groups still in flight
 (`record_push`, `forget_slot`; the pusher records each push before sending it, the fleet's
 own pushes record themselves). It holds their object-store references; their owner is the
-process that exported the tensors (the driver), which outlives any engine. A watcher asks every engine for its identity each
+process that exported the tensors (the driver), which outlives any engine. The watcher also
+checks each server's `/health`, so `serving()` turns false as soon as no server answers
+(the producer then neither submits groups nor counts their failures). A watcher asks every engine for its identity each
 `watch_interval_s`. An engine that does not answer (dead or restarting) is taken out of the
 router at once; one that answers with a new incarnation is started again, loads every
 live slot at its recorded version (again, until no push was recorded meanwhile), and only
@@ -55,6 +57,7 @@ from miles.utils.types import LoraPush, LoraUpdateMode, SlotPush, engine_lora_na
 
 logger = logging.getLogger(__name__)
 
+HEALTH_TIMEOUT_S = 5.0
 ENGINE_MAX_RESTARTS = 16
 """Ray restarts of one engine actor before it stays dead (its server restarts are not counted)."""
 
@@ -258,6 +261,12 @@ class EngineFleet:
 
     async def _watch_round(self) -> None:
         idle = [i for i in range(len(self.engines)) if i not in self._restores]
+        # A dead actor's server dies with it: its health route fails at once, while Ray may take
+        # a few seconds to report the actor; until then no group failure there counts.
+        checked = {i: self.urls[i] for i in idle}
+        healthy = dict(zip(idle, await asyncio.gather(*[self._healthy(checked[i]) for i in idle])))
+        for i in idle:
+            self._serving[i] = self._serving[i] and healthy[i]
         answers = await asyncio.gather(*[
             asyncio.wait_for(self.engines[i].identity.remote(), timeout=max(5.0, self.cfg.watch_interval_s))
             for i in idle], return_exceptions=True)
@@ -269,9 +278,17 @@ class EngineFleet:
                     logger.warning("Engine %d did not say who it is: %r", i, answer)
             elif answer[0] == self._incarnations[i]:
                 self.urls[i] = answer[1] or self.urls[i]  # it may have restarted its server itself
-                self._serving[i] = answer[2]
+                self._serving[i] = answer[2] and (healthy[i] or self.urls[i] != checked[i])
             elif time.monotonic() >= self._retry_at.get(i, (0.0, 0))[0]:
                 self._restores[i] = asyncio.create_task(self._restore(i, answer[0]), name=f"engine-{i}-restore")
+
+    @staticmethod
+    async def _healthy(url: str) -> bool:
+        try:
+            async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False) as client:
+                return (await client.get(url + "/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     async def _take_out(self, i: int, cause: BaseException) -> None:
         if i in self._out:
