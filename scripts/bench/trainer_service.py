@@ -100,12 +100,13 @@ def lora_nbytes(config: dict[str, Any], rank: int, bytes_per_value: int = 4) -> 
     return config["num_hidden_layers"] * rank * sum(i + o for i, o in linears) * bytes_per_value
 
 
-def trainer_config(model: str, workdir: Path, n_slots: int, port: int, quick: bool) -> Path:
+def trainer_config(model: str, workdir: Path, n_slots: int, port: int, quick: bool,
+                   engine_lora_update: str = "in_place") -> Path:
     demo, _ = DEMOS[model]
     cfg = {k: v for k, v in yaml.safe_load((ROOT / demo).read_text()).items() if k not in LEFT_OUT}
     cfg.update(hf_checkpoint=str(model_dir(model)), multi_lora_n_adapters=n_slots, multi_lora_api_port=port,
                multi_lora_api_token=TOKEN, multi_lora_allowed_roots=[str(workdir), str(ROOT)],
-               multi_lora_idle_poll_s=0.2, save=str(workdir / "save"))
+               multi_lora_idle_poll_s=0.2, save=str(workdir / "save"), engine_lora_update=engine_lora_update)
     if quick:
         cfg.update(QUICK_TRAINER)
     path = workdir / "trainer.yaml"
@@ -318,6 +319,8 @@ def main() -> int:
     parser.add_argument("--load-concurrency", type=int, default=32)
     parser.add_argument("--extra-slots", type=int, default=2, help="slots beyond the demo adapters (probes, load)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine-lora-update", choices=["in_place", "versioned"], default="in_place",
+                        help="how the trainer pushes LoRA weights to its engines")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one wait may take")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (trainer log, metrics)")
     parser.add_argument("--phases", default="steady,registration,load",
@@ -336,7 +339,8 @@ def main() -> int:
     port = free_port()
     base = model_dir(args.model)
     model_config = json.loads((base / "config.json").read_text())
-    trainer = Trainer(trainer_config(args.model, workdir, n_slots, port, args.quick), workdir, port)
+    trainer = Trainer(trainer_config(args.model, workdir, n_slots, port, args.quick, args.engine_lora_update),
+                      workdir, port)
     problems: list[str] = []
     figures: list[Figure] = []
     try:
