@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult
+from miles.backends.base import AdapterSpec, AdapterStepStats
 from miles.backends.lora.peft_io import _UNSUPPORTED, read_peft_dir, write_peft_dir
 from miles.backends.megatron import lora as mlora
 from miles.backends.megatron.model import ModelShape, build_gpt_model, forward_logits, load_hf_weights, read_hf_state_dict
-from miles.backends.torch.actor import DTYPES, LossSums, TorchTrainActor, TrainActorConfig, _Loaded, adapter_seed
+from miles.backends.torch.actor import DTYPES, LossSums, TorchTrainActor, TrainActorConfig, _Loaded
 from miles.backends.torch.batching import MicroBatch, next_token_logprobs
-from miles.backends.torch.checkpoint import AccumulatedGrad, OptimizerState, read_checkpoint, write_checkpoint
+from miles.backends.torch.checkpoint import AccumulatedGrad, OptimizerState, write_checkpoint
 from miles.backends.torch.loss import entropy_from_logits
-from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import DataPosition, Sample
@@ -143,21 +142,11 @@ class MegatronTrainActor(TorchTrainActor):
 
     # ---- adapters in slots ----------------------------------------------------------------
 
-    def load_adapter(self, spec: AdapterSpec, checkpoint: str | None = None) -> LoadResult:
-        self._check_free(spec)
-        self.optimizer.reset_slot(spec.slot)
-        schedule = self._new_schedule(spec)
-        result = LoadResult()
-        if checkpoint is None:
-            generator = torch.Generator().manual_seed(adapter_seed(self.config.seed, spec.name))
-            mlora.init_slot(self.parts, spec.slot, rank=spec.rank, alpha=spec.alpha, generator=generator)
-        else:
-            result, schedule = self._resume(spec, Path(checkpoint), schedule)
-        self.optimizer.configure_slot(spec.slot, rank=spec.rank, lr=spec.lr, weight_decay=spec.weight_decay)
-        if spec.num_step is not None:
-            schedule.total_steps = spec.final_step(result.step)
-        self.adapters[spec.name] = _Loaded(spec=spec, schedule=schedule)
-        return result
+    def _init_slot(self, spec: AdapterSpec, generator: torch.Generator) -> None:
+        mlora.init_slot(self.parts, spec.slot, rank=spec.rank, alpha=spec.alpha, generator=generator)
+
+    def _load_slot_weights(self, spec: AdapterSpec, path: Path) -> None:
+        self.load_peft_dir(spec.slot, path)
 
     def load_peft_dir(self, slot: int, path: str | Path) -> tuple[int, float]:
         """Load a PEFT adapter directory (whole tensors) into `slot`; returns its (rank, alpha)."""
@@ -167,24 +156,6 @@ class MegatronTrainActor(TorchTrainActor):
             raise ValueError(f"{path}: adapter rank {rank} exceeds the slot width max_rank={self.config.lora_rank}; raise --lora-rank")
         mlora.set_slot_weights(self.parts, slot, tensors, rank=rank, alpha=alpha)
         return rank, alpha
-
-    def _resume(self, spec: AdapterSpec, path: Path, fresh: LRSchedule) -> tuple[LoadResult, LRSchedule]:
-        ckpt = read_checkpoint(path)
-        if ckpt.trainer_state.rank != spec.rank or abs(ckpt.trainer_state.alpha - spec.alpha) > 1e-6:
-            raise ValueError(
-                f"checkpoint {path} holds a rank-{ckpt.trainer_state.rank} alpha-{ckpt.trainer_state.alpha} adapter "
-                f"but adapter '{spec.name}' is configured with rank {spec.rank} alpha {spec.alpha}: "
-                "use the checkpoint's rank and alpha, or give the adapter a fresh save directory"
-            )
-        self.load_peft_dir(spec.slot, path)
-        exp_avg = self._pad_moments(ckpt.optimizer.exp_avg, spec, path)
-        exp_avg_sq = self._pad_moments(ckpt.optimizer.exp_avg_sq, spec, path)
-        self.optimizer.load_slot_state(spec.slot, exp_avg, exp_avg_sq, ckpt.optimizer.step)
-        saved = LRSchedule.from_state_dict(ckpt.scheduler)
-        schedule = replace(fresh, samples_seen=saved.samples_seen, samples_at_last_step=saved.samples_at_last_step)
-        return LoadResult(checkpoint=path, step=ckpt.trainer_state.step,
-                          data_position=ckpt.trainer_state.data_position,
-                          accumulated_groups=self._restore_accumulated_grad(spec, ckpt, schedule)), schedule
 
     def _first_replica(self) -> bool:
         return self.dp_rank == 0

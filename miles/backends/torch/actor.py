@@ -340,8 +340,7 @@ class TorchTrainActor:
         schedule = self._new_schedule(spec)
         result = LoadResult()
         if checkpoint is None:
-            generator = torch.Generator().manual_seed(adapter_seed(self.config.seed, spec.name))
-            init_slot(self.model, spec.slot, rank=spec.rank, alpha=spec.alpha, generator=generator)
+            self._init_slot(spec, torch.Generator().manual_seed(adapter_seed(self.config.seed, spec.name)))
         else:
             result, schedule = self._resume(spec, Path(checkpoint), schedule)
         self.optimizer.configure_slot(spec.slot, rank=spec.rank, lr=spec.lr, weight_decay=spec.weight_decay)
@@ -350,6 +349,14 @@ class TorchTrainActor:
             schedule.total_steps = spec.final_step(result.step)
         self.adapters[spec.name] = _Loaded(spec=spec, schedule=schedule)
         return result
+
+    def _init_slot(self, spec: AdapterSpec, generator: torch.Generator) -> None:
+        """A fresh adapter in its slot: A seeded by `generator`, B zero."""
+        init_slot(self.model, spec.slot, rank=spec.rank, alpha=spec.alpha, generator=generator)
+
+    def _load_slot_weights(self, spec: AdapterSpec, path: Path) -> None:
+        """The LoRA weights of the PEFT directory `path` into the adapter's slot."""
+        load_peft_adapter(self.model, spec.slot, path)
 
     def _check_free(self, spec: AdapterSpec) -> None:
         if spec.name in self.adapters:
@@ -374,7 +381,7 @@ class TorchTrainActor:
                 f"but adapter '{spec.name}' is configured with rank {spec.rank} alpha {spec.alpha}: "
                 "use the checkpoint's rank and alpha, or give the adapter a fresh save directory"
             )
-        load_peft_adapter(self.model, spec.slot, path)
+        self._load_slot_weights(spec, path)
         exp_avg = self._pad_moments(ckpt.optimizer.exp_avg, spec, path)
         exp_avg_sq = self._pad_moments(ckpt.optimizer.exp_avg_sq, spec, path)
         self.optimizer.load_slot_state(spec.slot, exp_avg, exp_avg_sq, ckpt.optimizer.step)
