@@ -53,8 +53,21 @@ class UpdateGroupSpec:
                 "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend}
 
 
-def join_update_group(spec: UpdateGroupSpec, rank: int) -> dist.ProcessGroup:
-    """Join the group as `rank` (the sender is 0); blocks until all `world_size` ranks joined."""
+def listening_store(host: str, timeout_s: float = 600.0) -> dist.TCPStore:
+    """A rendezvous store that already listens on `host`, on a port the OS chose (its `.port`).
+
+    The port stays bound from the moment it is chosen, so nothing else on the node can take
+    it before the group meets (a port probed free and closed again can be taken meanwhile).
+    """
+    return dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def join_update_group(spec: UpdateGroupSpec, rank: int, store: dist.Store | None = None) -> dist.ProcessGroup:
+    """Join the group as `rank` (the sender is 0); blocks until all `world_size` ranks joined.
+
+    `store`: the sender's `listening_store` on `spec.master_port`, when it made one.
+    """
     # Private torch helpers, used exactly as SGLang's server uses them: the store keys and
     # the group must match on both sides, and the trainer's default group stays untouched.
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
@@ -62,8 +75,10 @@ def join_update_group(spec: UpdateGroupSpec, rank: int) -> dist.ProcessGroup:
     if not 0 <= rank < spec.world_size:
         raise ValueError(f"rank {rank} is outside the weights-update group of size {spec.world_size}")
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{spec.master_address}:{spec.master_port}", rank,
-                                              spec.world_size, timeout=timeout))
+    world_size = spec.world_size
+    if store is None:
+        store, rank, world_size = next(rendezvous(f"tcp://{spec.master_address}:{spec.master_port}", rank,
+                                                  spec.world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(spec.backend),
                                          PrefixStore(spec.group_name, store), group_name=spec.group_name,

@@ -23,7 +23,6 @@ Driven in-process for one rank (TP = DP = 1):
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,11 +89,7 @@ class MegatronTrainActor(TorchTrainActor):
         from megatron.core import parallel_state
 
         if not dist.is_initialized():
-            if address is None:
-                address = self.master_address()
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            self._join_default_group(address or self.master_address(), timeout_s)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.config.tensor_model_parallel_size)

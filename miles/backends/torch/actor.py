@@ -24,7 +24,6 @@ import datetime
 import hashlib
 import logging
 import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,6 +50,7 @@ from miles.backends.weight_sync import (
     broadcast_tensors,
     join_update_group,
     leave_update_group,
+    listening_store,
     tensor_metadata,
 )
 from miles.backends.torch.batching import (
@@ -222,6 +222,9 @@ class TorchTrainActor:
     _update_groups: dict[str, tuple[dist.ProcessGroup, str]] = {}
     """Weights-update groups this rank sends LoRA tensors over (rank 0 only): name -> (group, backend).
     Replaced by an instance dict at the first join."""
+    _rendezvous: dict[int, dist.TCPStore] = {}
+    """Stores listening for a group this rank hosts and has not joined yet: port -> store.
+    Replaced by an instance dict at the first one."""
 
     def __init__(self, config: TrainActorConfig, rank: int = 0, world_size: int = 1) -> None:
         from transformers import AutoModelForCausalLM
@@ -263,22 +266,35 @@ class TorchTrainActor:
         return self.rank
 
     def master_address(self, host: str | None = None) -> str:
-        """A free TCP address for the process group (called on rank 0): on `host`, by default
-        this node's address when the cluster has more than one node, else loopback."""
+        """The process group's rendezvous address (called on rank 0): on `host`, by default this
+        node's address when the cluster has more than one node, else loopback. The port is
+        held from now until `init_process_group`."""
         host = host or cluster_host()
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        return f"tcp://{host}:{port}"
+        return f"tcp://{host}:{self._listen(host)}"
+
+    def _listen(self, host: str) -> int:
+        store = listening_store(host)
+        self._rendezvous = {**self._rendezvous, store.port: store}
+        return store.port
 
     def init_process_group(self, address: str, timeout_s: float = 600.0) -> None:
         if self.world_size == 1:
             return
+        self._join_default_group(address, timeout_s)
+
+    def _join_default_group(self, address: str, timeout_s: float) -> None:
+        from torch.distributed.distributed_c10d import PrefixStore
+
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=address, rank=self.rank, world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = self._rendezvous.pop(int(address.rsplit(":", 1)[1]), None) if self.rank == 0 else None
+        if store is None:
+            dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world_size,
+                                    timeout=timeout)
+        else:  # the store rank 0 listens on, prefixed as the `tcp://` rendezvous prefixes it
+            store.set_timeout(timeout)
+            dist.init_process_group(backend, store=PrefixStore("default_pg", store), rank=0,
+                                    world_size=self.world_size, timeout=timeout)
 
     def shutdown(self) -> None:
         self.leave_update_group()
@@ -288,16 +304,15 @@ class TorchTrainActor:
     # ---- weights-update group (the exporting rank: rank 0) ---------------------------
 
     def update_group_endpoint(self) -> tuple[str, int]:
-        """Host and free port for a weights-update group's rendezvous on this rank's node."""
+        """Host and port for a weights-update group's rendezvous on this rank's node; the port is
+        held from now until `join_update_group`."""
         host = cluster_host()
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            return host, sock.getsockname()[1]
+        return host, self._listen(host)
 
     def join_update_group(self, spec: UpdateGroupSpec) -> None:
         """Join `spec` as its sender (rank 0); blocks until every engine rank of it joined."""
         self.leave_update_group(spec.group_name)
-        group = join_update_group(spec, 0)
+        group = join_update_group(spec, 0, store=self._rendezvous.pop(spec.master_port, None))
         self._update_groups = {**self._update_groups, spec.group_name: (group, spec.backend)}
 
     def leave_update_group(self, group_name: str | None = None) -> None:
