@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -69,6 +70,7 @@ from miles.backends.torch.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from miles.backends.torch.lm_head import CHUNK_LOGITS, fused_head_weight, lm_head_logprobs
 from miles.backends.torch.loss import (
     LossConfig,
     LossParams,
@@ -86,10 +88,16 @@ from miles.utils.types import DataPosition, Sample
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WEIGHT_PUSH = "weight_push"
+"""The Ray concurrency group of the weights-update group's methods."""
 WINDOW_MIN_SKIPPED_LOGITS = 2**16
 """The forward computes logits on the response window only when that skips at least this
 many logits (rows x prompt positions x vocabulary): below it the LM head costs nothing
 worth a gather, and small GEMMs of another row count round differently."""
+FUSED_HEAD_MIN_LOGITS = CHUNK_LOGITS
+"""The LM head is fused with the logprobs (`lm_head_logprobs`) when the window's logits
+(rows x positions x vocabulary) exceed one chunk of it: below that the logits take no more
+memory than the fused head's chunk buffers, and the model's own head keeps its numbers."""
 
 
 @dataclass(frozen=True)
@@ -186,10 +194,18 @@ class _Loaded:
 class _BatchUndo:
     """What the latest train call changed, so it can be taken back until a step."""
 
-    grads: dict[int, list[Tensor]]
-    """Slot -> copies of its gradients before the call."""
+    grads: dict[int, list[Tensor] | None]
+    """Slot -> copies of its gradients before the call; None when they were all zero
+    (the first call after a step: no copy is held, the undo zeroes them)."""
     samples_seen: dict[str, int]
     """Adapter -> its LR clock before the call."""
+
+
+def _copy_unless_zero(tensors: list[Tensor]) -> list[Tensor] | None:
+    """Copies of `tensors`, or None when every one is all zero (nothing to keep)."""
+    if not any(bool(t.any()) for t in tensors):
+        return None
+    return [t.clone() for t in tensors]
 
 
 def keep_freed_memory() -> None:
@@ -219,6 +235,10 @@ def adapter_seed(seed: int, name: str) -> int:
 class TorchTrainActor:
     """One DP rank: frozen base + slot page table + per-slot AdamW + per-adapter schedules."""
 
+    ray_concurrency_groups = {WEIGHT_PUSH: 1}
+    """Ray runs the weights-update group's methods on a thread of their own, so a push can
+    run behind the next train call (`--overlap-weight-push`); `TrainGroup` passes this to
+    `ray.remote`."""
     _update_groups: dict[str, tuple[dist.ProcessGroup, str]] = {}
     """Weights-update groups this rank sends LoRA tensors over (rank 0 only): name -> (group, backend).
     Replaced by an instance dict at the first join."""
@@ -303,18 +323,21 @@ class TorchTrainActor:
 
     # ---- weights-update group (the exporting rank: rank 0) ---------------------------
 
+    @ray.method(concurrency_group=WEIGHT_PUSH)
     def update_group_endpoint(self) -> tuple[str, int]:
         """Host and port for a weights-update group's rendezvous on this rank's node; the port is
         held from now until `join_update_group`."""
         host = cluster_host()
         return host, self._listen(host)
 
+    @ray.method(concurrency_group=WEIGHT_PUSH)
     def join_update_group(self, spec: UpdateGroupSpec) -> None:
         """Join `spec` as its sender (rank 0); blocks until every engine rank of it joined."""
         self.leave_update_group(spec.group_name)
         group = join_update_group(spec, 0, store=self._rendezvous.pop(spec.master_port, None))
         self._update_groups = {**self._update_groups, spec.group_name: (group, spec.backend)}
 
+    @ray.method(concurrency_group=WEIGHT_PUSH)
     def leave_update_group(self, group_name: str | None = None) -> None:
         """Leave one weights-update group (every one when `group_name` is None)."""
         names = list(self._update_groups) if group_name is None else [group_name]
@@ -324,6 +347,7 @@ class TorchTrainActor:
             if entry is not None:
                 leave_update_group(entry[0])
 
+    @ray.method(concurrency_group=WEIGHT_PUSH)
     def broadcast_tensors(self, tensors: dict[str, Tensor], group_names: Sequence[str]) -> dict[str, str]:
         """Send `tensors` (an export of this rank) over each named group in turn; returns the groups
         whose broadcast failed, with the error (one dead engine does not stop the others' pushes)."""
@@ -507,7 +531,7 @@ class TorchTrainActor:
     def _remember_batch(self, names: set[str]) -> None:
         slots = {self.adapters[name].spec.slot for name in names}
         self._undo = _BatchUndo(
-            grads={slot: [g.clone() for g in self.optimizer.slot_grads(slot)] for slot in sorted(slots)},
+            grads={slot: _copy_unless_zero(self.optimizer.slot_grads(slot)) for slot in sorted(slots)},
             samples_seen={name: self.adapters[name].schedule.samples_seen for name in names},
         )
 
@@ -519,7 +543,10 @@ class TorchTrainActor:
         if undo is None:
             return
         for slot, saved in undo.grads.items():
-            torch._foreach_copy_(self.optimizer.slot_grads(slot), saved)
+            if saved is None:
+                torch._foreach_zero_(self.optimizer.slot_grads(slot))
+            else:
+                torch._foreach_copy_(self.optimizer.slot_grads(slot), saved)
         for name, seen in undo.samples_seen.items():
             if name in self.adapters:
                 self.adapters[name].schedule.samples_seen = seen
@@ -532,11 +559,25 @@ class TorchTrainActor:
         or their gradients for prompt positions that predict no response token in any row.
         Positions before the window read 0 (logprob and entropy); every loss term and every
         caller reads response positions only, so the numbers are those of the full forward.
+        Where the head is a plain linear (`fused_head_weight`) and the window's logits are
+        large (`FUSED_HEAD_MIN_LOGITS`), it is fused with the logprobs (`lm_head_logprobs`):
+        no [B, K, vocab] logits or gradient are ever held.
         """
         length, keep = batch.input_ids_BL.shape[1], logits_to_keep(batch)
         vocab = self.model.config.get_text_config().vocab_size
         if len(slots) * (length - keep) * vocab < WINDOW_MIN_SKIPPED_LOGITS:
             keep = length
+        head_VH = fused_head_weight(self.model)
+        if head_VH is not None and len(slots) * keep * vocab > FUSED_HEAD_MIN_LOGITS:
+            with use_slots(self.model, slots):
+                hidden_BLH = self.model.get_decoder()(
+                    input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False,
+                ).last_hidden_state
+            start = length - keep  # position t predicts token t + 1; the last one predicts nothing
+            out = lm_head_logprobs(hidden_BLH[:, start:-1], head_VH, batch.input_ids_BL[:, start + 1 :], entropy=entropy)
+            if not entropy:
+                return torch.nn.functional.pad(out, (start, 0))
+            return tuple(torch.nn.functional.pad(x_BK, (start, 0)) for x_BK in out)
         # Positions as a tensor, not the int `keep`: the model gathers them into a contiguous
         # [B, K, H] block, one GEMM for the LM head; an int slices a strided view, which the
         # linear layer runs as a batched GEMM slower than the full head (CPU).

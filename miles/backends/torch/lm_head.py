@@ -1,0 +1,150 @@
+"""The LM head fused with next-token logprobs (and entropy): no [N, vocab] logits held.
+
+A train step needs only each position's logprob of its next token (and, with an entropy
+bonus, the entropy of its next-token distribution), never the logits themselves. The
+plain path holds the [B, K, V] logits, and in the backward their [B, K, V] gradient too,
+hundreds of MB on a 32k vocabulary. Here the frozen head (LoRA never targets it) runs on
+the decoder's final hidden states a chunk of rows at a time, and each chunk's softmax
+becomes, while it is at hand, the [rows, H] derivative of the logprob (and entropy) by
+the hidden states; the backward only scales those by the upstream gradient. The same two
+GEMMs as the plain head's forward and backward (three with entropy), and at most one
+chunk of logits alive.
+
+    head_VH = fused_head_weight(model)  # None when the model's head is not a plain linear
+    hidden_BLH = model.get_decoder()(input_ids=ids_BL, attention_mask=mask_BL).last_hidden_state
+    logprobs_BT, entropy_BT = lm_head_logprobs(hidden_BLH[:, :-1], head_VH, ids_BL[:, 1:], entropy=True)
+
+Shape suffixes: B rows, T positions, N = B x T flattened positions, H hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+CHUNK_LOGITS = 2**22
+"""Logits (rows x vocabulary) computed at a time: 16 MB in float32."""
+
+FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""Architectures whose logits are exactly `lm_head(final hidden states)`: no logit
+soft-capping, scale or bias (SmolLM2 is a llama; tied embeddings are fine)."""
+
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def fused_head_weight(model: nn.Module) -> Tensor | None:
+    """The head weight [V, H] of `model` when its logits are exactly `hidden @ weight.T`
+    (a frozen bias-free `nn.Linear` on an architecture of `FUSED_MODEL_TYPES` whose config
+    sets no logit transform); None otherwise, and the caller keeps the model's own head."""
+    config = model.config.get_text_config()
+    head = model.get_output_embeddings()
+    if config.model_type not in FUSED_MODEL_TYPES or type(head) is not nn.Linear or head.bias is not None:
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+        return None
+    if head.weight.requires_grad:
+        return None
+    return head.weight
+
+
+def lm_head_logprobs(
+    hidden_BTH: Tensor, weight_VH: Tensor, targets_BT: Tensor, *, entropy: bool = False,
+    chunk_logits: int = CHUNK_LOGITS,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """log softmax(hidden @ weight.T)[target] per position, float32 [B, T]; with `entropy`,
+    also -sum p log p of each position's distribution [B, T].
+
+    The numbers are those of `log_softmax(F.linear(hidden, weight).float())` gathered at
+    the targets (the logits are computed in the hidden states' dtype and read in float32,
+    as the model's own head and `next_token_logprobs` do), `chunk_logits` logits at a time.
+    Gradients flow to `hidden_BTH` only; `weight_VH` must not require grad.
+    """
+    if weight_VH.requires_grad:
+        raise ValueError("lm_head_logprobs takes a frozen head weight: it computes no gradient for it")
+    batch, n_pos, hidden = hidden_BTH.shape
+    if targets_BT.shape != (batch, n_pos):
+        raise ValueError(f"targets have shape {list(targets_BT.shape)}, expected {[batch, n_pos]}")
+    rows = max(1, chunk_logits // weight_VH.shape[0])
+    out = _FusedHeadLogprobs.apply(hidden_BTH.reshape(-1, hidden), weight_VH, targets_BT.reshape(-1), rows, entropy)
+    if entropy:
+        return out[0].view(batch, n_pos), out[1].view(batch, n_pos)
+    return out.view(batch, n_pos)
+
+
+class _FusedHeadLogprobs(torch.autograd.Function):
+    """logprob of each row's target (and entropy) under softmax(hidden_NH @ weight_VH.T).
+
+    The gradient is formed in the forward, where the chunk's softmax is at hand: with the
+    head frozen, d logprob/d hidden = -(p - onehot(y)) @ W and dH/d hidden =
+    -(p * (log p + H)) @ W, each an [N, H] matrix that the upstream per-row gradient
+    only scales. So the forward keeps two (one without entropy) [N, H] matrices instead
+    of the logits, runs the same GEMMs the plain head runs in its forward and backward,
+    and the backward is elementwise. A forward without grad runs the logits GEMM only.
+    Each chunk works in two [rows, V] float32 buffers taken once per call, so the chunks
+    leave no holes in the heap.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_NH: Tensor, weight_VH: Tensor, targets_N: Tensor, rows: int, entropy: bool):  # type: ignore[override]
+        n = hidden_NH.shape[0]
+        with_grad = ctx.needs_input_grad[0]
+        logprobs_N = torch.empty(n, dtype=torch.float32, device=hidden_NH.device)
+        entropy_N = torch.empty_like(logprobs_N) if entropy else None
+        dlogp_NH = torch.empty_like(hidden_NH, dtype=weight_VH.dtype) if with_grad else None
+        dent_NH = torch.empty_like(dlogp_NH) if with_grad and entropy else None
+        logits_buf, probs_buf = _buffers(hidden_NH, weight_VH, rows)
+        for start in range(0, n, rows):
+            chunk = slice(start, start + rows)
+            targets_R1 = targets_N[chunk, None]
+            logits = _chunk_logits(hidden_NH[chunk], weight_VH, logits_buf)
+            exp = probs_buf[: logits.shape[0]]
+            max_R = logits.amax(dim=-1)
+            max_R = torch.where(torch.isinf(max_R), 0.0, max_R)
+            target_logit_R = logits.gather(-1, targets_R1).squeeze(-1)
+            # log p as `entropy_from_logits` computes it, so the entropy rounds the same
+            logp = torch.log_softmax(logits, dim=-1) if entropy_N is not None else None
+            shifted = logits.sub_(max_R[:, None])
+            sum_R = torch.exp(shifted, out=exp).sum(dim=-1)
+            log_sum_R = sum_R.log()
+            logprobs_N[chunk] = target_logit_R - (log_sum_R + max_R)  # logit[y] - logsumexp
+            if entropy_N is None and not with_grad:
+                continue
+            if entropy_N is None:
+                probs = exp.div_(sum_R[:, None])
+            else:
+                probs = torch.exp(logp, out=exp)
+                plogp = logp.mul_(probs)
+                entropy_R = -plogp.sum(dim=-1)
+                entropy_N[chunk] = entropy_R
+                if dent_NH is not None:  # p (log p + H)
+                    torch.mm(plogp.addcmul_(probs, entropy_R[:, None]).to(weight_VH.dtype), weight_VH, out=dent_NH[chunk])
+            if dlogp_NH is not None:
+                p_minus_onehot = probs.scatter_add_(-1, targets_R1, torch.full_like(targets_R1, -1.0, dtype=probs.dtype))
+                torch.mm(p_minus_onehot.to(weight_VH.dtype), weight_VH, out=dlogp_NH[chunk])
+        ctx.save_for_backward(dlogp_NH, dent_NH)
+        ctx.hidden_dtype = hidden_NH.dtype
+        return logprobs_N if entropy_N is None else (logprobs_N, entropy_N)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_N: Tensor, grad_entropy_N: Tensor | None = None):  # type: ignore[override]
+        dlogp_NH, dent_NH = ctx.saved_tensors
+        grad_NH = dlogp_NH.float() * grad_logprobs_N.float()[:, None]
+        if dent_NH is not None and grad_entropy_N is not None:
+            grad_NH.addcmul_(dent_NH.float(), grad_entropy_N.float()[:, None])
+        return grad_NH.neg_().to(ctx.hidden_dtype), None, None, None, None
+
+
+def _buffers(hidden_NH: Tensor, weight_VH: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    shape = (min(rows, hidden_NH.shape[0]), weight_VH.shape[0])
+    return (torch.empty(shape, dtype=torch.float32, device=hidden_NH.device),
+            torch.empty(shape, dtype=torch.float32, device=hidden_NH.device))
+
+
+def _chunk_logits(hidden_RH: Tensor, weight_VH: Tensor, buf: Tensor) -> Tensor:
+    """The chunk's logits in float32, in `buf`: the GEMM in the weight's dtype, as the
+    model's own head computes them."""
+    out = buf[: hidden_RH.shape[0]]
+    if weight_VH.dtype == torch.float32:
+        return torch.mm(hidden_RH, weight_VH.t(), out=out)
+    return out.copy_(F.linear(hidden_RH, weight_VH))
