@@ -12,6 +12,7 @@ after the stage's own calls, so the driver passes one snapshot down the loop:
     trained = await sync.train(rollout_id, batch)   # backend train + step (None: failed, not committed)
     snapshot = await sync.commit(rollout_id)        # registry steps; re-read
     await sync.save(snapshot)                       # on each adapter's save_interval
+    snapshot = await sync.settle(snapshot)          # overlap_push: the stepped adapters' push has landed
     ...
     await sync.save_all()                           # at shutdown
 
@@ -26,6 +27,14 @@ records in `trainer_state.json` and a resume hands back.
 Every call is `await handle.method.remote(...)`. `pusher` moves exported weights to the
 engines in the `--engine-lora-update` mode (`miles.main.engine_push.EnginePusher`) and
 unloads the slot of an adapter that left.
+
+With `overlap_push`, the push of adapters that stepped runs behind the loop: the stage
+exports their weights (before the next train call changes them), starts the push and
+returns at once, so the push overlaps generate, train, commit and save; `settle` waits
+for it (the loop calls it at the end of each iteration; the next push, any cleanup and
+shutdown settle first). The snapshot the stage returns already names the exported
+versions, so staleness is counted against the weights the trainer holds. A new
+adapter's first push is never overlapped: it becomes ACTIVE when the stage returns.
 """
 
 from __future__ import annotations
@@ -93,7 +102,7 @@ class Pusher(Protocol):
 class AdapterSync:
     def __init__(self, backend: TrainingBackend, controller: Any, rollout_manager: Any, *,
                  save_interval: int | None = None, pusher: Pusher | None = None,
-                 max_train_failures: int = 3) -> None:
+                 max_train_failures: int = 3, overlap_push: bool = False) -> None:
         self.backend = backend
         self.controller = controller
         self.rollout_manager = rollout_manager
@@ -103,6 +112,10 @@ class AdapterSync:
         """The latest push stage that sent anything (time and bytes per engine)."""
         self._pushes: list[PushStats] = []
         """Pushes since the last `pop_push_metrics`."""
+        self.overlap_push = overlap_push
+        self._behind: asyncio.Task[dict[str, int]] | None = None
+        """The stepped adapters' push running behind the loop (`overlap_push`); its result is
+        the versions the registry recorded."""
         self._loaded: dict[str, _Loaded] = {}
         self.max_train_failures = max_train_failures
         self.train_failures = 0
@@ -124,6 +137,7 @@ class AdapterSync:
 
     async def reconcile(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
         """Retire RETIRING adapters, clean up those that left, load the new ones."""
+        snapshot = await self.settle(snapshot)
         self._observe(snapshot)
         retired = await self.controller.retire_adapters.remote()
         snapshot = snapshot.after_retire(retired)
@@ -184,19 +198,48 @@ class AdapterSync:
 
         Adapters waiting for their first push (PENDING) go first and are recorded at once:
         a new registration becomes ACTIVE without waiting for the stepped adapters' pushes.
+        With `overlap_push` the stepped adapters' push runs behind the loop (see `settle`).
         """
+        snapshot = await self.settle(snapshot)
         live = snapshot.live
         stale = [name for name, entry in sorted(self._loaded.items()) if entry.stale and name in live]
         new = [name for name in stale if name in snapshot.pending]
-        for names in (new, [name for name in stale if name not in snapshot.pending]):
-            if names:
-                snapshot = await self._push(snapshot, names)
+        stepped = [name for name in stale if name not in snapshot.pending]
+        if new:
+            snapshot = await self._push(snapshot, new)
+        if stepped and self.overlap_push:
+            exports, pushed = await self._export(snapshot, stepped)
+            self._behind = asyncio.create_task(self._send(snapshot, exports, pushed))
+            return snapshot.after_push(pushed)
+        if stepped:
+            snapshot = await self._push(snapshot, stepped)
         return snapshot
 
+    async def settle(self, snapshot: MultiLoRASnapshot | None = None) -> MultiLoRASnapshot | None:
+        """Wait for the push running behind the loop, if any (its failure is raised here);
+        returns `snapshot` with the versions it recorded."""
+        task, self._behind = self._behind, None
+        if task is None:
+            return snapshot
+        versions = await task
+        return None if snapshot is None else snapshot.after_push(versions)
+
     async def _push(self, snapshot: MultiLoRASnapshot, names: list[str]) -> MultiLoRASnapshot:
+        exports, pushed = await self._export(snapshot, names)
+        return snapshot.after_push(await self._send(snapshot, exports, pushed))
+
+    async def _export(self, snapshot: MultiLoRASnapshot, names: list[str]) -> tuple[list[LoraExport], dict[str, int]]:
+        """The adapters' current weights, and the version each push will be."""
         live = snapshot.live
         exports = await asyncio.gather(*(self.backend.export_adapter(name) for name in names))
-        pushed = {name: next_slot_version(live[name].version) for name in names}
+        for name in names:
+            self._loaded[name].stale = False
+        return list(exports), {name: next_slot_version(live[name].version) for name in names}
+
+    async def _send(self, snapshot: MultiLoRASnapshot, exports: list[LoraExport],
+                    pushed: dict[str, int]) -> dict[str, int]:
+        """Push the exports to every engine and record the new versions; returns the registry's."""
+        live, names = snapshot.live, list(pushed)
         if self.pusher is not None:
             stats = await self.pusher.push([(live[name].slot, pushed[name], export)
                                             for name, export in zip(names, exports)])
@@ -206,11 +249,10 @@ class AdapterSync:
                         stats.seconds)
         versions = await self.controller.record_weight_update.remote(names)
         for name in names:
-            self._loaded[name].stale = False
             if versions.get(name) != pushed[name]:
                 logger.warning("Adapter '%s' was pushed as version %s but the registry recorded %s",
                                name, pushed[name], versions.get(name))
-        return snapshot.after_push(versions)
+        return versions
 
     def pop_push_metrics(self) -> dict[str, float]:
         """The pushes since the last call, summed, for the loop's record (nothing if none):
@@ -286,6 +328,10 @@ class AdapterSync:
     async def save_all(self) -> list[str]:
         """Shutdown: save every loaded adapter that stepped or trained groups since its last
         checkpoint (the gradient of a step's unfinished window is saved with it)."""
+        try:
+            await self.settle()
+        except Exception as exc:  # a failed push must not cost the adapters' weights
+            logger.warning("The last weight push failed (%s); saving anyway", exc)
         if not self._loaded:
             return []
         # Re-read: shutdown may come at any stage of an iteration.

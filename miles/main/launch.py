@@ -100,7 +100,8 @@ async def launch(cfg: MilesConfig) -> Components:
     await controller.set_router_url.remote(router_url)
     pusher = EnginePusher(backend, await rollout_manager.engines.remote(), rollout_manager,
                           mode=cfg.engine_lora_update)
-    sync = AdapterSync(backend, controller, rollout_manager, save_interval=cfg.save_interval, pusher=pusher)
+    sync = AdapterSync(backend, controller, rollout_manager, save_interval=cfg.save_interval, pusher=pusher,
+                       overlap_push=cfg.overlap_weight_push)
     logger.info("Router at %s", router_url)
     return Components(controller, rollout_manager, backend, sync)
 

@@ -51,7 +51,7 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
     timer = StageTimer()
     snapshot = await c.controller.snapshot.remote()
     snapshot = await c.sync.reconcile(snapshot)  # loads the policy (resuming from its checkpoint)
-    snapshot = await c.sync.update_weights(snapshot)
+    snapshot = await c.sync.settle(await c.sync.update_weights(snapshot))
     next_rollout = asyncio.ensure_future(generate(c, cfg.start_rollout_id))
     try:
         for rollout_id in range(cfg.start_rollout_id, cfg.num_rollout):
@@ -64,8 +64,8 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             with timer("commit"):
                 snapshot = await c.sync.commit(rollout_id)
             if (rollout_id + 1) % cfg.update_weights_interval == 0:
-                with timer("update_weights"):
-                    snapshot = await c.sync.update_weights(snapshot)
+                with timer("update_weights"):  # synchronous, as in Miles' train_async
+                    snapshot = await c.sync.settle(await c.sync.update_weights(snapshot))
             with timer("save"):
                 await c.sync.save(snapshot)
             await progress.record(rollout_id, rollout, trained, snapshot, timer.pop_metrics())

@@ -7,7 +7,9 @@ Every iteration acts on one snapshot of the controller's registry (DESIGN §1), 
 from stage to stage (`miles.main.adapter_sync` does the lifecycle stages):
 snapshot -> reconcile adapters with slots -> push changed LoRA weights -> generate a
 batch of whole prompt groups -> train (per-adapter accumulation and steps) -> commit
-the batch -> save on each adapter's cadence. In service mode (the default) it idles
+the batch -> save on each adapter's cadence. With `--overlap-weight-push` (the default)
+the push of the adapters that stepped runs behind generate and train, and the loop waits
+for it at the end of the iteration. In service mode (the default) it idles
 while no adapter is registered; SIGINT/SIGTERM save every loaded adapter and exit 0.
 """
 
@@ -73,6 +75,8 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             snapshot = await c.sync.commit(rollout_id)
         with timer("save"):
             await c.sync.save(snapshot)
+        with timer("push_wait"):  # the push that ran behind generate and train (--overlap-weight-push)
+            snapshot = await c.sync.settle(snapshot)
         now = time.perf_counter()
         perf = {**timer.pop_metrics(), **c.sync.pop_push_metrics(), "perf/iteration_time": now - iteration_start,
                 "perf/stepped_adapters": float(len(trained.steps))}

@@ -88,6 +88,10 @@ class MilesConfig:
         "in_place", "How pushed LoRA weights reach the engines: in_place (one name per slot, tensors broadcast "
                     "over a weights-update group, replaced between decode steps) or versioned (a new name per "
                     "push loaded from a PEFT directory beside the previous version; for SGLang without upsert).")
+    overlap_weight_push: bool = _flag(
+        True, "Run the push of the adapters that stepped behind the next generate and train (the loop waits for "
+              "it at the end of the iteration); staleness is counted against the trainer's weights, so groups "
+              "generated while it runs count one version older. --no-overlap-weight-push pushes before generating.")
     engine_python: str | None = _flag(
         None, "Python interpreter that runs each SGLang server (default: this one). SGLang pins its own torch "
               "and transformers, so it usually lives in a virtual environment of its own, e.g. .venv-sglang/bin/python.")
@@ -426,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
         elem, _ = _base_type(hints[f.name])
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, "default": argparse.SUPPRESS}
         if hints[f.name] is bool:
-            kwargs.update(action="store_true")
+            kwargs.update(action=argparse.BooleanOptionalAction if f.default is True else "store_true")
         else:
             kwargs["type"] = elem
             choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else None

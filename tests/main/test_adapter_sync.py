@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from pathlib import Path
 
 import pytest
 from lifecycle_fakes import FakeBackend, FakeRollout, InProcessController, InProcessHandle, RecordingPusher
@@ -23,13 +24,13 @@ from miles.main.launch import Components
 from miles.main.progress import RunProgress
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger, read_metrics
-from miles.utils.types import AdapterState, DataPosition
+from miles.utils.types import AdapterState, DataPosition, next_slot_version
 
 
 class Trainer:
     """The components of one trainer process (the disk outlives it)."""
 
-    def __init__(self, tmp_path, disk=None, n_slots=2):
+    def __init__(self, tmp_path, disk=None, n_slots=2, overlap_push=False):
         data = tmp_path / "data.jsonl"
         data.write_text(json.dumps({"text": "1+1=", "label": "2"}) + "\n")
         self.data = str(data)
@@ -40,7 +41,7 @@ class Trainer:
         self.receiver = RecordingPusher()
         self.backend = FakeBackend(disk={} if disk is None else disk)
         sync = AdapterSync(self.backend, handle, InProcessHandle(self.rollout), save_interval=1,
-                           pusher=self.receiver)
+                           pusher=self.receiver, overlap_push=overlap_push)
         self.components = Components(handle, InProcessHandle(self.rollout), self.backend, sync)
         self.metrics = MetricsLogger(tmp_path / "run")
         self.progress = RunProgress(self.metrics)
@@ -199,6 +200,63 @@ async def test_a_new_adapter_is_pushed_and_active_before_the_stepped_ones_are_pu
     # b (slot 1) alone first, then a (slot 0), by which time b is already ACTIVE.
     assert states_at_push == [(1, AdapterState.PENDING), (0, AdapterState.ACTIVE)]
     assert sync.pop_push_metrics()["perf/push_adapters"] == 3.0  # a's first push, then b, then a
+
+
+async def test_an_overlapped_push_runs_behind_the_next_train_call_with_the_exported_weights(tmp_path):
+    t = Trainer(tmp_path, n_slots=1, overlap_push=True)
+    sync, registry = t.components.sync, t.controller
+    await t.register("a", num_step=5)
+    snapshot = await sync.update_weights(await sync.reconcile(registry.snapshot()))
+    assert snapshot == registry.snapshot() and "a" in snapshot.active  # a first push is never behind the loop
+    await sync.train(0, await t.rollout.generate(0, snapshot))
+    await sync.commit(0)
+    served = registry.snapshot().active["a"].version
+    exported = t.backend.weights["a"]
+    gate, push = asyncio.Event(), t.receiver.push
+
+    async def held_push(pushes):
+        await gate.wait()
+        return await push(pushes)
+
+    t.receiver.push = held_push
+    snapshot = await sync.update_weights(registry.snapshot())
+    # Back with the push held: the registry names what the engines serve, the loop's snapshot
+    # the exported version (staleness counts against the trainer's weights).
+    assert registry.snapshot().active["a"].version == served
+    assert snapshot.active["a"].version == next_slot_version(served)
+    await sync.train(1, await t.rollout.generate(1, snapshot))
+    await sync.commit(1)
+    assert t.backend.weights["a"] != exported  # the train call ran while the push was held
+    gate.set()
+    settled = await sync.settle(registry.snapshot())
+    assert settled == registry.snapshot() and settled.active["a"].version == next_slot_version(served)
+    assert t.pushes(0)[-1] == (next_slot_version(served), exported)  # the weights as exported
+
+    async def failing_push(pushes):
+        raise RuntimeError("engine push failed")
+
+    t.receiver.push = failing_push
+    await sync.update_weights(registry.snapshot())  # a stepped again: its push fails behind the loop
+    with pytest.raises(RuntimeError, match="engine push failed"):
+        await sync.settle()
+    assert await sync.settle() is None  # raised once; nothing left behind the loop
+
+
+async def test_the_loop_pushes_and_steps_the_same_with_the_push_behind_it(tmp_path):
+    runs = {}
+    for overlap in (False, True):
+        (tmp_path / str(overlap)).mkdir()
+        t = Trainer(tmp_path / str(overlap), overlap_push=overlap)
+        await t.register("a", num_step=3)
+        await t.register("b", num_step=4)
+        await t.run_until_idle()
+        t.metrics.close()
+        loop = [r["metrics"] for r in read_metrics(t.metrics.path) if r["kind"] == "loop"]
+        saved = {Path(save_dir).name: steps for save_dir, steps in t.backend.disk.items()}
+        runs[overlap] = (t.receiver.pushes, [t.status(n).step for n in "ab"], saved,
+                         [m.get("perf/push_adapters") for m in loop])
+        assert all("perf/push_wait_time" in m for m in loop)
+    assert runs[True] == runs[False]
 
 
 class BlockingRollout(FakeRollout):

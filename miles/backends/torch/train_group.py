@@ -131,7 +131,7 @@ class TrainGroup:
         cpus, gpus = self.config.num_cpus_per_worker, self.config.num_gpus_per_worker
         # One bundle per rank; ranks that do not fit on one node spread over nodes.
         self._placement = await placement.one_bundle_each(n, cpus=cpus, gpus=gpus)
-        remote_cls = ray.remote(self.actor_class)
+        remote_cls = ray.remote(concurrency_groups=self.actor_class.ray_concurrency_groups)(self.actor_class)
         self._actors = [remote_cls.options(num_cpus=cpus, num_gpus=gpus,
                                            scheduling_strategy=placement.bundle_strategy(self._placement, rank))
                         .remote(self.config.actor, rank, n) for rank in range(n)]
