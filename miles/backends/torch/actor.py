@@ -201,13 +201,6 @@ class _BatchUndo:
     """Adapter -> its LR clock before the call."""
 
 
-def _copy_unless_zero(tensors: list[Tensor]) -> list[Tensor] | None:
-    """Copies of `tensors`, or None when every one is all zero (nothing to keep)."""
-    if not any(bool(t.any()) for t in tensors):
-        return None
-    return [t.clone() for t in tensors]
-
-
 def keep_freed_memory() -> None:
     """Have glibc serve large CPU tensors from the heap and keep freed memory for reuse.
 
@@ -529,11 +522,21 @@ class TorchTrainActor:
         return (self.rank, self._train_calls) in faults or (-1, self._train_calls) in faults
 
     def _remember_batch(self, names: set[str]) -> None:
-        slots = {self.adapters[name].spec.slot for name in names}
+        slots = sorted({self.adapters[name].spec.slot for name in names})
+        grads = {slot: self.optimizer.slot_grads(slot) for slot in slots}
+        nonzero = self._slots_with_grads(slots)
         self._undo = _BatchUndo(
-            grads={slot: _copy_unless_zero(self.optimizer.slot_grads(slot)) for slot in sorted(slots)},
+            grads={slot: [g.clone() for g in grads[slot]] if slot in nonzero else None for slot in slots},
             samples_seen={name: self.adapters[name].schedule.samples_seen for name in names},
         )
+
+    def _slots_with_grads(self, slots: list[int]) -> set[int]:
+        """Those of `slots` with a nonzero gradient: one check per parameter, not per slot."""
+        if not slots or not self.optimizer.params:
+            return set()
+        nonzero_PS = torch.stack([param.grad.flatten(1).any(dim=1) for param, _ in self.optimizer.params])
+        nonzero_S = nonzero_PS.any(dim=0).tolist()
+        return {slot for slot in slots if nonzero_S[slot]}
 
     def discard_batch(self) -> None:
         """Take back the latest train call (its gradients and LR clock advance), unless an

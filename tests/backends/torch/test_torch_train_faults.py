@@ -77,6 +77,16 @@ def test_failed_train_call_takes_its_batch_back_and_the_retry_counts_once(tiny_m
     _assert_equal(_state(faulty), _state(clean))
 
 
+def test_a_failed_first_call_after_a_step_leaves_zero_gradients(tiny_model_dir):
+    """The take-back of a call that began on all-zero gradients (kept as no copy) zeroes them."""
+    faulty = _loaded(_actor(tiny_model_dir, {(-1, 1)}))
+    before, batch = _state(faulty), _batch(5)
+    assert all(not v.any() for k, v in before.items() if k.startswith("grad."))
+    with pytest.raises(InjectedTrainFault):  # raised after the first micro-batch's backward
+        faulty.train(*batch, counts(batch[0]))
+    _assert_equal(_state(faulty), before)
+
+
 def test_without_taking_back_the_fault_leaves_partial_gradients(tiny_model_dir):
     """The hook fires after a backward, so the test above would see a double count if
     `discard_batch` did nothing."""
