@@ -316,8 +316,7 @@ class MultiLoRALinear(nn.Module):
         copy per present adapter, never per sample). Rows past a slot's rank are zero, so
         the full max_rank product equals the rank-sliced one. The per-row scale goes on the
         [P, N, rank] product, not the wider delta; when the rows are already grouped (a
-        slot-sorted training batch) the second GEMM adds into `out` in place (`baddbmm_`:
-        no second output-sized block, none left as a hole in the heap).
+        slot-sorted training batch) the second GEMM adds straight into `out` (baddbmm).
         """
         n_present = len(batch.present)
         if batch.present == tuple(range(n_present)):
@@ -339,7 +338,7 @@ class MultiLoRALinear(nn.Module):
         h_PNR = (h_PGTR * scale_PG[:, :, None, None].to(h_PGTR.dtype)).reshape(n_present, group * tokens, -1)
         if batch.grouped_in_place and out.dtype == h_PNR.dtype:
             out_PNO = out.reshape(n_present, group * tokens, -1)
-            return out_PNO.baddbmm_(h_PNR, b_POR.transpose(1, 2)).reshape(out.shape)
+            return torch.baddbmm(out_PNO, h_PNR, b_POR.transpose(1, 2)).reshape(out.shape)
         delta = torch.bmm(h_PNR, b_POR.transpose(1, 2)).reshape(n_present * group, *lead, -1)
         if not batch.grouped_in_place:
             delta = delta.index_select(0, batch.row_place_B)
