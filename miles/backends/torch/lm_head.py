@@ -84,7 +84,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     of the logits, runs the same GEMMs the plain head runs in its forward and backward,
     and the backward is elementwise. A forward without grad runs the logits GEMM only.
     Each chunk works in two [rows, V] float32 buffers taken once per call, so the chunks
-    leave no holes in the heap.
+    leave no holes in the heap (with entropy, its log-softmax takes a third per chunk).
     """
 
     @staticmethod
