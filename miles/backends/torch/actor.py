@@ -19,7 +19,6 @@ the LR schedule's sample clock live here.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import hashlib
 import logging
@@ -80,6 +79,7 @@ from miles.backends.torch.loss import (
 )
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW, SlotStep
+from miles.utils.allocator import keep_freed_memory
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
 from miles.utils.network import cluster_host
@@ -199,24 +199,6 @@ class _BatchUndo:
     (the first call after a step: no copy is held, the undo zeroes them)."""
     samples_seen: dict[str, int]
     """Adapter -> its LR clock before the call."""
-
-
-def keep_freed_memory() -> None:
-    """Have glibc serve large CPU tensors from the heap and keep freed memory for reuse.
-
-    A train step allocates and frees tensors of hundreds of MB (the logits and their
-    gradient, [B, K, vocab] floats); glibc maps every allocation over 32 MB afresh and
-    unmaps it when freed, so each step page-faults all of it in again (~100k faults and
-    ~10% of a step on a 60M model). With mmap off and no trimming below 2 GB the memory
-    is reused from step to step; the peak stays the same. A no-op outside glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_max = -1, -4  # glibc's mallopt parameter numbers
-    libc.mallopt(m_mmap_max, 0)
-    libc.mallopt(m_trim_threshold, 2**31 - 1)
 
 
 def adapter_seed(seed: int, name: str) -> int:
