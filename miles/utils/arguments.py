@@ -74,6 +74,17 @@ class MilesConfig:
     device: Literal["auto", "cpu", "cuda"] = _flag("auto", "Device of train ranks and builtin engines.")
     dtype: Literal["auto", "float32", "bfloat16"] = _flag("auto", "Parameter dtype (auto: bf16 on CUDA, fp32 on CPU).")
     micro_batch_size: int | None = _flag(None, "Samples per forward/backward on a train rank (default: all).")
+    recompute_granularity: Literal["full", "selective"] | None = _flag(
+        None, "Activation recomputation (Megatron's flag): full keeps only each recomputed decoder layer's input "
+              "and runs the layer again in the backward; selective recomputes core attention only (Megatron "
+              "backend). Default: keep every activation.", choices=("full", "selective"))
+    recompute_method: Literal["uniform", "block"] | None = _flag(
+        None, "With --recompute-granularity full: uniform recomputes every layer (Megatron: in chunks of "
+              "--recompute-num-layers; torch: layer by layer), block only the first --recompute-num-layers "
+              "layers. Default: uniform.", choices=("uniform", "block"))
+    recompute_num_layers: int | None = _flag(
+        None, "Layers per recomputed chunk (uniform) or layers recomputed (block). Default: 1 (uniform), "
+              "every layer (block).")
     seed: int = _flag(42, "Random seed.")
 
     # ---- LoRA ----
@@ -322,6 +333,11 @@ class MilesConfig:
             raise ConfigError("--max-weight-staleness must be >= 0")
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:
             raise ConfigError("--micro-batch-size must be > 0")
+        if self.recompute_num_layers is not None and self.recompute_num_layers <= 0:
+            raise ConfigError(f"--recompute-num-layers must be > 0, got {self.recompute_num_layers}")
+        if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
+            raise ConfigError("--recompute-method and --recompute-num-layers apply to --recompute-granularity full; "
+                              "add it, or drop them")
         if self.rollout_max_prompt_len is not None and self.rollout_max_prompt_len <= 0:
             raise ConfigError("--rollout-max-prompt-len must be > 0 (leave it out to keep every prompt)")
         if self.calculate_per_token_loss and self.multi_lora_n_adapters > 0:
@@ -616,6 +632,13 @@ def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
         elif name == "sequence_parallel" and value:
             warn(name, "the Megatron backend runs tensor parallelism without it (the same numbers; "
                        "activations are not split along the sequence)")
+        elif name == "recompute_granularity" and value == "selective" and cfg.train_backend != "megatron":
+            warn(name, "selective recomputes Megatron's core attention; the torch backend's attention (SDPA) "
+                       "keeps no attention matrix to recompute (use full to recompute whole layers)")
+        elif (name == "recompute_num_layers" and value != 1 and cfg.recompute_method != "block"
+              and cfg.train_backend != "megatron"):
+            warn(name, "the torch backend recomputes uniformly layer by layer (the number counts with "
+                       "--recompute-method block)")
         elif name == "lora_dropout" and value != 0:
             warn(name, "the slot LoRA layers apply no dropout")
         elif name == "calculate_per_token_loss" and value:

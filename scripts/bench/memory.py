@@ -1,7 +1,7 @@
 """Peak memory of one trainer with 8 adapter slots ÷ 8 PEFT trainers (one per adapter).
 
     python scripts/bench/memory.py [--model tiny|llama60m|smollm2|DIR] [--adapters 8] [--rows 4]
-                                   [--micro-batch-size N]
+                                   [--micro-batch-size N] [--recompute-granularity full]
 
 Each trainer runs in its own fresh Python process and trains one step: ours is one
 `TorchTrainActor` with 8 slots training a mixed batch of 8 x 4 samples and stepping
@@ -11,7 +11,9 @@ Peak memory is each process's peak resident set size (`ru_maxrss`, the whole pro
 interpreter, torch and model); the baseline is the sum over its 8 processes. The
 processes run one at a time, alternating ours and PEFT. Ours forwards the whole mixed
 batch at once unless given `--micro-batch-size` (the trainer's flag: activations and
-logits of that many rows at a time). Target: <= 0.25.
+logits of that many rows at a time); `--recompute-granularity full` (the trainer's flag)
+has ours keep only each decoder layer's input and recompute the layer in the backward.
+Target: <= 0.25.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from benchlib import Figure
 
 
 def worker(kind: str, model: str, adapters: int, rows: int, prompt_len: int, response_len: int, rank: int,
-           micro_batch_size: int | None = None) -> None:
+           micro_batch_size: int | None = None, recompute_granularity: str | None = None) -> None:
     path = benchlib.model_dir(model)
     vocab = benchlib.vocab_size(path)
     if kind == "ours":
@@ -36,7 +38,7 @@ def worker(kind: str, model: str, adapters: int, rows: int, prompt_len: int, res
         from miles.backends.torch.actor import AdapterSpec
 
         names = [f"a{i}" for i in range(adapters)]
-        actor = build_actor(path, adapters, rank, micro_batch_size)
+        actor = build_actor(path, adapters, rank, micro_batch_size, recompute_granularity)
         for i, name in enumerate(names):
             actor.load_adapter(AdapterSpec(name=name, slot=i, rank=rank, alpha=2.0 * rank, global_batch_size=rows))
         samples, adv = benchlib.make_samples(adapters * rows, [(n, i) for i, n in enumerate(names)], prompt_len, response_len, vocab)
@@ -56,6 +58,8 @@ def measure(kind: str, args) -> int:
            "--rank", str(args.rank), "--threads", str(args.threads)]
     if args.micro_batch_size:
         cmd += ["--micro-batch-size", str(args.micro_batch_size)]
+    if args.recompute_granularity:
+        cmd += ["--recompute-granularity", args.recompute_granularity]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_rss_bytes"]
 
@@ -69,6 +73,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--micro-batch-size", type=int, default=None,
                         help="rows per forward/backward of ours (default: the whole batch of adapters x rows)")
+    parser.add_argument("--recompute-granularity", choices=("full",), default=None,
+                        help="ours recomputes every decoder layer in the backward (the trainer's flag)")
     parser.add_argument("--peft-processes", type=int, default=None,
                         help="PEFT processes actually run per repetition (default: one per adapter); the PEFT "
                              "side is their mean peak times the number of adapters (the processes are identical)")
@@ -77,7 +83,7 @@ def main() -> None:
     if args.worker:
         torch.set_num_threads(args.threads)
         worker(args.worker, args.model, args.adapters, args.rows, args.prompt_len, args.response_len, args.rank,
-               args.micro_batch_size)
+               args.micro_batch_size, args.recompute_granularity)
         return
     benchlib.setup(args)
     if args.quick:
@@ -92,12 +98,16 @@ def main() -> None:
             else:
                 runs = [measure("peft", args) for _ in range(args.peft_processes or args.adapters)]
                 peft.append(sum(runs) / len(runs) * args.adapters / 2**20)
+    settings = [f"micro-batches of {args.micro_batch_size}"] if args.micro_batch_size else []
+    if args.recompute_granularity:
+        settings.append(f"--recompute-granularity {args.recompute_granularity}")
     figure = Figure(
-        figure=f"peak memory, one trainer with {args.adapters} slots ÷ {args.adapters} PEFT trainers", model=args.model,
+        figure=f"peak memory, one trainer with {args.adapters} slots ÷ {args.adapters} PEFT trainers"
+               + (f" (ours in {', '.join(settings)})" if settings else ""), model=args.model,
         ours_label=f"ours, 1 process x {args.adapters} slots", baseline_label=f"PEFT, {args.adapters} processes",
         ours=ours, baseline=peft, unit="MiB", ratio_of="ours/baseline", target="<= 0.25",
         params={"adapters": args.adapters, "peft_processes_run": args.peft_processes or args.adapters, "rows": args.rows, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank,
-                "micro_batch_size": args.micro_batch_size},
+                "micro_batch_size": args.micro_batch_size, "recompute_granularity": args.recompute_granularity},
     )
     benchlib.report([figure], args.json, sys.argv)
 

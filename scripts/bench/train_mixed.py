@@ -1,13 +1,15 @@
 """Train step (forward + backward + optimizer) of one mixed batch over K adapters ÷ K = 1.
 
     python scripts/bench/train_mixed.py [--model tiny|llama60m|smollm2|DIR] [--ks 2,4,8]
-                                        [--batch 32] [--prompt-len 16] [--response-len 48]
+                                        [--batch 32] [--prompt-len 16] [--response-len 48] [--recompute]
 
 One `TorchTrainActor` with 8 slots of rank 16 (all linears) holds 8 adapters. Each
 repetition trains the same 32 samples once with every sample on adapter 0 (K = 1) and
 once spread round-robin over K adapters, then steps every adapter present, alternating
 the order. The figure is time(K) / time(1): what mixing adapters in a batch costs.
-Target: <= 1.10 at K = 8.
+Target: <= 1.10 at K = 8. With `--recompute`, a second actor built with
+`--recompute-granularity full` trains the largest K's batch too, alternating with the
+first: time(recompute) / time(keeping every activation), what the memory saving costs.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from benchlib import Figure
 from miles.backends.torch.actor import AdapterSpec, TorchTrainActor, TrainActorConfig
 
 
-def build_actor(path, n_slots: int, rank: int, micro_batch_size: int | None = None) -> TorchTrainActor:
+def build_actor(path, n_slots: int, rank: int, micro_batch_size: int | None = None,
+                recompute_granularity: str | None = None) -> TorchTrainActor:
     return TorchTrainActor(TrainActorConfig(hf_checkpoint=str(path), n_slots=n_slots, lora_rank=rank,
-                                            micro_batch_size=micro_batch_size))
+                                            micro_batch_size=micro_batch_size,
+                                            recompute_granularity=recompute_granularity))
 
 
 def step_fn(actor: TorchTrainActor, samples, advantages, names: list[str]):
@@ -42,6 +46,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--response-len", type=int, default=48)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--recompute", action="store_true",
+                        help="also time the largest K with --recompute-granularity full (a second actor)")
     args = parser.parse_args()
     benchlib.setup(args)
     if args.quick:
@@ -59,6 +65,14 @@ def main() -> None:
     for k in [1, *ks]:
         samples, adv = benchlib.make_samples(args.batch, [(names[i], i) for i in range(k)], args.prompt_len, args.response_len, vocab)
         cases[f"K={k}"] = step_fn(actor, samples, adv, names[:k])
+    if args.recompute:
+        k = max(ks)
+        recompute = build_actor(path, n_slots, args.rank, recompute_granularity="full")
+        for i, name in enumerate(names):
+            recompute.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank,
+                                               global_batch_size=args.batch, lr=1e-4))
+        samples, adv = benchlib.make_samples(args.batch, [(names[i], i) for i in range(k)], args.prompt_len, args.response_len, vocab)
+        cases["recompute"] = step_fn(recompute, samples, adv, names[:k])
     times = benchlib.alternate(cases, args.reps)
     figures = [
         Figure(
@@ -69,6 +83,14 @@ def main() -> None:
         )
         for k in ks
     ]
+    if args.recompute:
+        k = max(ks)
+        figures.append(Figure(
+            figure=f"train step with --recompute-granularity full ÷ without, batch mixed over K={k} adapters",
+            model=args.model, ours_label="recomputing every decoder layer", baseline_label="keeping every activation",
+            ours=times["recompute"], baseline=times[f"K={k}"], unit="s/step", ratio_of="ours/baseline", target="report",
+            params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank, "k": k},
+        ))
     benchlib.report(figures, args.json, sys.argv)
 
 

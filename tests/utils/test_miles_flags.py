@@ -191,6 +191,9 @@ def test_reinforce_plus_plus_parses_with_its_kl_coef_and_gamma_and_does_not_warn
     (["--lora-dropout", "0.1"], "--lora-dropout has no effect: the slot LoRA layers apply no dropout"),
     (["--wandb-project", "p"], "--wandb-project has no effect: --use-wandb is not set"),
     (["--calculate-per-token-loss"], "--calculate-per-token-loss has no effect: the train actors take a token mean"),
+    (["--recompute-granularity", "selective"], "--recompute-granularity has no effect: selective recomputes Megatron's"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "2"],
+     "--recompute-num-layers has no effect: the torch backend recomputes uniformly layer by layer"),
 ])
 def test_a_flag_set_without_effect_warns_once(caplog, argv, warned):
     with caplog.at_level(logging.WARNING, logger="miles.utils.arguments"):
@@ -205,7 +208,9 @@ def test_flags_with_an_effect_do_not_warn(caplog):
                     "--use-kl-loss", "--kl-loss-type", "k2", "--kl-loss-coef", "0.05", "--rollout-shuffle",
                     "--advantage-estimator", "gspo", "--entropy-coef", "0.01", "--eps-clip-c", "3", "--use-unbiased-kl",
                     "--disable-grpo-std-normalization", "--normalize-advantages",
-                    "--lora-dropout", "0.0", "--label-key", "answer", "--lr-warmup-iters", "3"])
+                    "--lora-dropout", "0.0", "--label-key", "answer", "--lr-warmup-iters", "3",
+                    # Megatron's recompute flags as Miles' example scripts give them: the torch backend honours them
+                    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])
     assert caplog.records == []
 
 
@@ -216,6 +221,9 @@ def test_flags_with_an_effect_do_not_warn(caplog):
     (["--kl-coef", "0.1", "--kl-loss-coef", "0.1"], "only one of --kl-coef"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c is the lower bound of dual-clip PPO and must be > 1.0"),
     (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
+    (["--recompute-method", "block"], "--recompute-method and --recompute-num-layers apply to --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "0"], "--recompute-num-layers must be > 0"),
+    (["--recompute-granularity", "ful"], "invalid choice: 'ful'"),
     (["--multi-lora-n-adapters", "2", "--calculate-per-token-loss"], "drop --calculate-per-token-loss"),
     (["--actor-num-gpus-per-node", "4", "--actor-num-workers", "2"], "--actor-num-workers 2 disagrees"),
     (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus 3 must be a positive multiple"),

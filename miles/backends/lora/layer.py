@@ -526,8 +526,8 @@ def use_slots(model: nn.Module, slot_ids: Sequence[int] | torch.Tensor) -> Itera
 
     `-1` means base model only. Outside any block the model is the base model. Nested
     blocks (and other threads or asyncio tasks) see their own slots; the previous
-    routing is restored on exit. With activation checkpointing the backward re-runs
-    the forward, so call `backward()` inside the block too.
+    routing is restored on exit. A layer recomputed in the backward keeps the routing of
+    its forward (`active_routing`), so `backward()` may run outside the block.
     """
     layers = _LAYERS.get(model)
     if layers is None:
@@ -541,6 +541,24 @@ def use_slots(model: nn.Module, slot_ids: Sequence[int] | torch.Tensor) -> Itera
     token = _ACTIVE.set({**_ACTIVE.get(), **dict.fromkeys(map(id, layers), batch)})
     try:
         yield batch
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_routing() -> dict[int, SlotBatch]:
+    """The slot routing in effect here (what the enclosing `use_slots` blocks set), for
+    `restore_routing` to put back later: a layer recomputed in the backward
+    (`miles.backends.torch.recompute`) must see the slots of its first forward, whichever
+    thread and context the autograd engine runs it in."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def restore_routing(routing: dict[int, SlotBatch]) -> Iterator[None]:
+    """Run the block with `routing` (from `active_routing`) in effect."""
+    token = _ACTIVE.set(routing)
+    try:
+        yield
     finally:
         _ACTIVE.reset(token)
 

@@ -79,6 +79,7 @@ from miles.backends.torch.loss import (
 )
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW, SlotStep
+from miles.backends.torch.recompute import recompute_decoder_layers
 from miles.utils.allocator import keep_freed_memory
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
@@ -111,6 +112,12 @@ class TrainActorConfig:
     device: str = "cpu"
     dtype: str = "float32"
     micro_batch_size: int | None = None
+    recompute_granularity: str | None = None
+    """Activation recomputation, Megatron's names: "full" (whole decoder layers) or
+    "selective" (core attention: Megatron only); None keeps every activation."""
+    recompute_method: str | None = None
+    """With "full": "uniform" (every layer) or "block" (the first `recompute_num_layers`)."""
+    recompute_num_layers: int | None = None
     seed: int = 42
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
@@ -140,6 +147,9 @@ class TrainActorConfig:
             device=cfg.resolved_device,
             dtype=cfg.resolved_dtype,
             micro_batch_size=cfg.micro_batch_size,
+            recompute_granularity=cfg.recompute_granularity,
+            recompute_method=cfg.recompute_method,
+            recompute_num_layers=cfg.recompute_num_layers,
             seed=cfg.seed,
             adam_betas=(cfg.adam_beta1, cfg.adam_beta2),
             adam_eps=cfg.adam_eps,
@@ -238,6 +248,10 @@ class TorchTrainActor:
         )
         # eval(): no dropout, so the logprobs of a pass equal the ones the loss uses as "old".
         self.model = model.to(self.device).eval()
+        if config.recompute_granularity == "full":
+            recomputed = recompute_decoder_layers(self.model, method=config.recompute_method or "uniform",
+                                                  num_layers=config.recompute_num_layers)
+            logger.info("Recomputing %d decoder layer(s) in the backward", recomputed)
         modules = lora_modules(self.model)
         # LoRA weights and their AdamW moments stay fp32 over a bf16 base: updates of
         # lr ~ 1e-4 would round away in bf16.
