@@ -116,6 +116,10 @@ class EngineFleet:
         """Engine -> (time of the next restore attempt, failed attempts in a row)."""
         self._watcher: asyncio.Task | None = None
         self._closed = False
+        self._http: httpx.AsyncClient | None = None
+        """The health checks' client, made once per event loop (a new client builds an SSL
+        context: ~16 ms of CPU, every round for every engine otherwise)."""
+        self._http_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def router_url(self) -> str:
@@ -282,11 +286,12 @@ class EngineFleet:
             elif time.monotonic() >= self._retry_at.get(i, (0.0, 0))[0]:
                 self._restores[i] = asyncio.create_task(self._restore(i, answer[0]), name=f"engine-{i}-restore")
 
-    @staticmethod
-    async def _healthy(url: str) -> bool:
+    async def _healthy(self, url: str) -> bool:
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http_loop is not loop:
+            self._http, self._http_loop = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False), loop
         try:
-            async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False) as client:
-                return (await client.get(url + "/health")).status_code == 200
+            return (await self._http.get(url + "/health")).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -340,6 +345,8 @@ class EngineFleet:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._http is not None and self._http_loop is asyncio.get_running_loop():
+            await self._http.aclose()
         await self.router.shutdown()
         results = await asyncio.gather(*[e.shutdown.remote() for e in self.engines], return_exceptions=True)
         for engine, result in zip(self.engines, results):
