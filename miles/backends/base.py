@@ -213,10 +213,12 @@ class TrainingBackend(Protocol):
     async def leave_update_group(self, group_name: str | None = None) -> None:
         """The exporting rank leaves that weights-update group (None: every one it is in)."""
 
-    async def broadcast_adapter(self, export: LoraExport, group_names: Sequence[str]) -> dict[str, str]:
+    async def broadcast_adapter(self, export: LoraExport, group_names: Sequence[str], *,
+                                bucketed: bool = False) -> dict[str, str]:
         """The exporting rank broadcasts `export.tensors` over each named group in turn, in
-        `export.names` order, while the engines receive them; returns the groups whose
-        broadcast failed (a dead engine), with the error."""
+        `export.names` order (`bucketed`: one flat tensor per dtype,
+        `weight_sync.broadcast_tensors`), while the engines receive them; returns the groups
+        whose broadcast failed (a dead engine), with the error."""
 
     async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
         """Forward and backward of a batch (every adapter in it must be loaded); the

@@ -88,23 +88,31 @@ class EnginePusher:
         """Engine index -> the weights-update group it shares with the exporting train rank."""
         self._broken: set[int] = set()
         """Engines whose group failed a push (rebuilt before their next push)."""
-        self._layout: tuple[str, int] | None = None
-        """(process-group backend, ranks per engine), asked of the rollout manager once."""
+        self._layout: tuple[str, int, bool] | None = None
+        """(process-group backend, ranks per engine, bucketed pushes), asked of the rollout manager once."""
         self._down: set[int] = set()
         """Engines found down (dead, restarting, or without a server) since they last answered."""
 
     async def push(self, pushes: Sequence[tuple[int, int, LoraExport]]) -> PushStats:
         """Load each (slot, version, export) into every engine; returns once every engine serves them."""
         start, joins = time.perf_counter(), 0
+        # One call each for the stage, not per adapter: the rollout manager and the engine
+        # actors share their cores with generation, and every round trip waits for them.
+        if not pushes:
+            return PushStats(adapters=0, bytes=0, seconds=0.0)
+        await self.rollout_manager.record_push.remote(*(SlotPush(slot, version, export.peft_config, export.tensors)
+                                                        for slot, version, export in pushes))
+        up = None
+        if self.mode == "in_place":
+            up, joins = await self._join_missing(list(range(len(self.engines))), f"{len(pushes)} adapter(s)")
         for slot, version, export in pushes:
-            await self.rollout_manager.record_push.remote(SlotPush(slot, version, export.peft_config, export.tensors))
             if self.mode == "versioned":
                 await self._wait_drained(slot, version)
                 results = await asyncio.gather(*(e.push_lora.remote(slot, version, export.peft_config, export.tensors)
                                                  for e in self.engines), return_exceptions=True)
                 self._raise_unless_down(enumerate(results), f"slot {slot} v{version}")
             else:
-                joins += await self._push_in_place(slot, version, export)
+                joins += await self._push_in_place(slot, version, export, up)
         return PushStats(adapters=len(pushes), bytes=sum(export.nbytes for _, _, export in pushes),
                          seconds=time.perf_counter() - start, joins=joins)
 
@@ -139,24 +147,29 @@ class EnginePusher:
 
     # ---- in_place ----------------------------------------------------------------------
 
-    async def _push_in_place(self, slot: int, version: int, export: LoraExport) -> int:
+    async def _push_in_place(self, slot: int, version: int, export: LoraExport, up: list[int] | None = None) -> int:
         """Broadcast to every engine; an engine whose push fails (its server died) is rejoined and
-        pushed again, the others are not held up by it."""
+        pushed again, the others are not held up by it. `up`: the engines the stage found up
+        and in their groups (checked again only for a retry)."""
         joins, pending = 0, list(range(len(self.engines)))
         for attempt in range(1, IN_PLACE_ATTEMPTS + 1):
-            pending, joined = await self._join_missing(pending, f"slot {slot} v{version}")
-            joins += joined
+            if attempt == 1 and up is not None and all(i in self._groups and i not in self._broken for i in up):
+                pending = list(up)
+            else:
+                pending, joined = await self._join_missing(pending, f"slot {slot} v{version}")
+                joins += joined
             unjoined = [i for i in pending if i not in self._groups]
             if unjoined and attempt == IN_PLACE_ATTEMPTS:
                 raise RuntimeError(f"engines {unjoined} could not join a weights-update group for slot {slot} "
                                    f"v{version} after {IN_PLACE_ATTEMPTS} attempts (see the warnings above)")
             pending = [i for i in pending if i in self._groups]
             names = [self._groups[i].group_name for i in pending]
+            bucketed = self._layout is not None and self._layout[2]
             sent, *loaded = await asyncio.gather(
-                self.backend.broadcast_adapter(export, names),
+                self.backend.broadcast_adapter(export, names, bucketed=bucketed),
                 *(self.engines[i].push_lora_from_distributed.remote(
                     slot, version, export.peft_config, export.names, export.dtypes, export.shapes,
-                    self._groups[i].group_name, weights_ref=[export.tensors]) for i in pending),
+                    self._groups[i].group_name, weights_ref=[export.tensors], bucketed=bucketed) for i in pending),
                 return_exceptions=True)
             if isinstance(sent, BaseException):
                 raise sent
@@ -206,7 +219,7 @@ class EnginePusher:
         if old is not None:
             await asyncio.gather(self.backend.leave_update_group(old.group_name),
                                  engine.destroy_weights_update_group.remote(old.group_name))
-        backend, ranks = self._layout
+        backend, ranks, _ = self._layout
         host, port = await self.backend.update_group_endpoint()
         spec = UpdateGroupSpec(master_address=host, master_port=port, world_size=1 + ranks,
                                group_name=f"miles_lora_update_{i}_{uuid.uuid4().hex[:8]}", backend=backend,

@@ -112,18 +112,18 @@ class LocalRolloutManager:
             raise RolloutNotStartedError("call start() before asking for versions in flight")
         return self._producer.versions_in_flight()
 
-    def update_group_layout(self) -> tuple[str, int]:
-        """(process-group backend, ranks per engine) of the engines' weights-update groups."""
+    def update_group_layout(self) -> tuple[str, int, bool]:
+        """(process-group backend, ranks per engine, bucketed pushes) of the engines' weights-update groups."""
         if self._fleet is None:
             raise RolloutNotStartedError("call start() before asking for the weights-update group layout")
         return self._fleet.update_group_layout()
 
-    def record_push(self, push: SlotPush) -> None:
-        """The latest push of a slot, kept by the fleet for engines that Ray restarts; the
-        pusher calls it before sending the push to the engines."""
+    def record_push(self, *pushes: SlotPush) -> None:
+        """The latest push of each slot, kept by the fleet for engines that Ray restarts; the
+        pusher calls it (once per push stage) before sending the pushes to the engines."""
         if self._fleet is None:
             raise RolloutNotStartedError("call start() before recording a push")
-        self._fleet.record_push(push)
+        self._fleet.record_push(*pushes)
 
     def forget_slot(self, slot: int) -> None:
         """The slot's adapter left: a restarted engine no longer loads it."""

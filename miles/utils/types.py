@@ -753,6 +753,9 @@ class LoadLoraFromDistributedRequest(BaseModel):
     """Replace a loaded adapter in place; without it, loading a loaded name is an error."""
     added_tokens_config: dict[str, int] | None = None
     """Accepted for SGLang compatibility; adapters that add tokens are refused."""
+    flattened_bucket: bool = False
+    """Builtin engine only: the sender broadcast one flat tensor per dtype instead of one per
+    name (`weight_sync.broadcast_tensors(bucketed=True)`); SGLang's servers take one per name."""
 
 
 class InitWeightsUpdateGroupRequest(BaseModel):

@@ -18,6 +18,49 @@ def _receive(spec: weight_sync.UpdateGroupSpec, out) -> None:
     weight_sync.leave_update_group(group)
 
 
+def _receive_described(spec: weight_sync.UpdateGroupSpec, metadata, bucketed: bool, out) -> None:
+    group = weight_sync.join_update_group(spec, 1)
+    received = weight_sync.receive_tensors(group, *metadata, bucketed=bucketed)
+    out.put({name: (str(t.dtype), list(t.shape), t.tolist()) for name, t in received.items()})
+    weight_sync.leave_update_group(group)
+
+
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_tensors_of_several_dtypes_arrive_by_name_one_by_one_or_in_flat_buckets(bucketed):
+    """Bucketed: one flat tensor per dtype (interleaved dtypes, strided sources); the receiver
+    gets every tensor back under its name, with its dtype, shape and values."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.lora_A": torch.randn(2, 3, generator=gen),
+        "a.lora_B": torch.randn(4, 2, generator=gen).to(torch.bfloat16),
+        "b.lora_A": torch.randn(3, 5, generator=gen).t(),  # strided
+        "b.lora_B": torch.randn(5, 3, generator=gen).to(torch.bfloat16),
+        "steps": torch.tensor([7], dtype=torch.int64),
+    }
+    store = weight_sync.listening_store("127.0.0.1", timeout_s=60)
+    spec = weight_sync.UpdateGroupSpec(master_address="127.0.0.1", master_port=store.port, world_size=2,
+                                       group_name=f"dtypes_{int(bucketed)}", backend="gloo", timeout_s=60)
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    receiver = context.Process(target=_receive_described,
+                               args=(spec, weight_sync.tensor_metadata(tensors), bucketed, out))
+    receiver.start()
+    try:
+        group = weight_sync.join_update_group(spec, 0, store=store)
+        sent = weight_sync.broadcast_tensors(group, tensors, bucketed=bucketed)
+        assert sent == sum(t.numel() * t.element_size() for t in tensors.values())
+        received = out.get(timeout=60)
+        weight_sync.leave_update_group(group)
+    finally:
+        receiver.join(timeout=30)
+        if receiver.is_alive():
+            receiver.kill()
+    assert receiver.exitcode == 0
+    assert list(received) == list(tensors)
+    for name, t in tensors.items():
+        assert received[name] == (str(t.dtype), list(t.shape), t.tolist())
+
+
 def test_a_listening_store_holds_its_port_until_the_group_meets():
     store = weight_sync.listening_store("127.0.0.1", timeout_s=60)
     with socket.socket() as other, pytest.raises(OSError):

@@ -155,7 +155,8 @@ class FakeBackend:
     async def leave_update_group(self, group_name: str | None = None) -> None:
         pass
 
-    async def broadcast_adapter(self, export: LoraExport, group_names: Sequence[str]) -> dict[str, str]:
+    async def broadcast_adapter(self, export: LoraExport, group_names: Sequence[str], *,
+                                bucketed: bool = False) -> dict[str, str]:
         return {}
 
     async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:

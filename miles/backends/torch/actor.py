@@ -337,9 +337,11 @@ class TorchTrainActor:
                 leave_update_group(entry[0])
 
     @ray.method(concurrency_group=WEIGHT_PUSH)
-    def broadcast_tensors(self, tensors: dict[str, Tensor], group_names: Sequence[str]) -> dict[str, str]:
-        """Send `tensors` (an export of this rank) over each named group in turn; returns the groups
-        whose broadcast failed, with the error (one dead engine does not stop the others' pushes)."""
+    def broadcast_tensors(self, tensors: dict[str, Tensor], group_names: Sequence[str],
+                          bucketed: bool = False) -> dict[str, str]:
+        """Send `tensors` (an export of this rank) over each named group in turn (`bucketed`: one
+        flat tensor per dtype); returns the groups whose broadcast failed, with the error (one
+        dead engine does not stop the others' pushes)."""
         failed = {}
         for name in group_names:
             if name not in self._update_groups:
@@ -347,7 +349,7 @@ class TorchTrainActor:
                 continue
             group, backend = self._update_groups[name]
             try:
-                broadcast_tensors(group, tensors, device=self.device if backend == "nccl" else None)
+                broadcast_tensors(group, tensors, device=self.device if backend == "nccl" else None, bucketed=bucketed)
             except RuntimeError as exc:  # gloo/nccl: the peer is gone
                 failed[name] = str(exc)
         return failed
@@ -690,6 +692,13 @@ class TorchTrainActor:
     def export_adapter(self, name: str) -> dict[str, Tensor]:
         """The adapter's LoRA tensors in PEFT names, sliced to its rank (CPU)."""
         return get_slot_weights(self.model, self._loaded(name).spec.slot)
+
+    def export_for_push(self, name: str) -> tuple[dict[str, Tensor], tuple[dict[str, Any], list[str], list[str],
+                                                                         list[list[int]], int]]:
+        """`export_adapter` and what an engine needs to receive it: (PEFT config, names, dtypes,
+        shapes, bytes). Called with two returns, the tensors stay in the object store."""
+        tensors = self.export_adapter(name)
+        return tensors, (self.peft_config(name), *self.tensor_metadata(tensors))
 
     def peft_config(self, name: str) -> dict[str, Any]:
         spec = self._loaded(name).spec

@@ -157,11 +157,15 @@ class TrainGroup:
         del self._specs[name]
 
     async def export_adapter(self, name: str) -> LoraExport:
-        """Rank 0 exports once; the tensors stay in the object store for every engine."""
-        tensors_ref = self._actors[0].export_adapter.remote(name)
-        return await self._with_metadata(name, tensors_ref)
+        """Rank 0 exports once; the tensors stay in the object store for every engine. One call:
+        the tensors and their description come back as two objects."""
+        tensors_ref, described = self._actors[0].export_for_push.options(num_returns=2).remote(name)
+        peft_config, names, dtypes, shapes, nbytes = await described
+        return LoraExport(peft_config=peft_config, tensors=tensors_ref, names=names, dtypes=dtypes, shapes=shapes,
+                          nbytes=nbytes)
 
     async def _with_metadata(self, name: str, tensors_ref: Any) -> LoraExport:
+        """An export made elsewhere (`tensors_ref`), described by rank 0."""
         peft_config = await self._actors[0].peft_config.remote(name)
         names, dtypes, shapes, nbytes = await self._actors[0].tensor_metadata.remote(tensors_ref)
         return LoraExport(peft_config=peft_config, tensors=tensors_ref, names=names, dtypes=dtypes, shapes=shapes,
@@ -179,9 +183,10 @@ class TrainGroup:
     async def leave_update_group(self, group_name: str | None = None) -> None:
         await self._actors[0].leave_update_group.remote(group_name)
 
-    async def broadcast_adapter(self, export: LoraExport, group_names: Sequence[str]) -> dict[str, str]:
+    async def broadcast_adapter(self, export: LoraExport, group_names: Sequence[str], *,
+                                bucketed: bool = False) -> dict[str, str]:
         """Rank 0 sends the exported tensors (read back from its own object store) over each group."""
-        return await self._actors[0].broadcast_tensors.remote(export.tensors, list(group_names))
+        return await self._actors[0].broadcast_tensors.remote(export.tensors, list(group_names), bucketed)
 
     # ---- training --------------------------------------------------------------------
 

@@ -294,7 +294,7 @@ class BuiltinEngine:
         # leave the sender and every other engine waiting on the group.
         try:
             tensors = await asyncio.to_thread(weight_sync.receive_tensors, group, request.names, request.dtypes,
-                                              request.shapes, device=self.device)
+                                              request.shapes, device=self.device, bucketed=request.flattened_bucket)
         except (RuntimeError, ValueError) as exc:
             raise WeightsUpdateGroupError(f"receiving LoRA {request.lora_name!r} over group "
                                           f"{request.group_name!r} failed: {exc}") from None

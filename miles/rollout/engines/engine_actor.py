@@ -179,6 +179,11 @@ class EngineServer:
                 "place; start the trainer with --engine-lora-update versioned (or use an SGLang build with "
                 "in-place LoRA upsert)")
 
+    def bucketed_pushes(self) -> bool:
+        """Whether this engine's server takes a broadcast push as one flat tensor per dtype
+        (the builtin engine; SGLang's servers take one tensor per name)."""
+        return self.cfg.kind == "builtin"
+
     def set_router(self, router_url: str) -> None:
         """The router this server sits behind; a restarted server is put back there."""
         self._router_url = router_url.rstrip("/")
@@ -358,22 +363,28 @@ class EngineServer:
 
     async def push_lora_from_distributed(self, slot: int, version: int, peft_config: dict[str, Any],
                                          names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                         group_name: str, weights_ref: Sequence[ray.ObjectRef] = ()) -> str:
+                                         group_name: str, weights_ref: Sequence[ray.ObjectRef] = (),
+                                         bucketed: bool = False) -> str:
         """In-place push: metadata over HTTP, tensors by the sender's broadcast; returns the served name.
 
         `weights_ref`: a one-element list holding the object-store reference of the same
         `{PEFT name: tensor}` dict (a list so Ray passes the reference, not the tensors);
-        kept unfetched, so a restarted server can reload the slot.
+        kept unfetched, so a restarted server can reload the slot. `bucketed`: the sender
+        broadcasts one flat tensor per dtype (builtin engines only, `bucketed_pushes`).
         """
         if self.mode != "in_place":
             raise EngineConfigError("broadcast pushes replace a slot in place; this engine runs "
                                     "--engine-lora-update versioned: use push_lora")
+        if bucketed and not self.bucketed_pushes():
+            raise EngineConfigError(f"a {self.cfg.kind} server receives one tensor per name: push it unbucketed")
         name = engine_lora_name(slot, version, self.mode)
+        body = {"lora_name": name, "config_dict": peft_config, "names": names, "dtypes": dtypes, "shapes": shapes,
+                "group_name": group_name, "upsert": True}
+        if bucketed:
+            body["flattened_bucket"] = True
 
         async def load() -> str:
-            await self._post("/load_lora_adapter_from_distributed", {
-                "lora_name": name, "config_dict": peft_config, "names": names, "dtypes": dtypes,
-                "shapes": shapes, "group_name": group_name, "upsert": True})
+            await self._post("/load_lora_adapter_from_distributed", body)
             self._served[slot] = [version]
             return name
 

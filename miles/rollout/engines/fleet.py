@@ -167,12 +167,13 @@ class EngineFleet:
 
     # ---- live slots (what a restarted engine loads) -------------------------------------
 
-    def record_push(self, push: SlotPush) -> None:
-        """Remember the latest push of a slot; call it before the push is sent to the engines."""
-        latest = self._live.get(push.slot)
-        if self.lora_update == "versioned" and latest is not None and latest.version != push.version:
-            self._previous[push.slot] = latest
-        self._live[push.slot] = push
+    def record_push(self, *pushes: SlotPush) -> None:
+        """Remember the latest push of each slot; call it before the pushes are sent to the engines."""
+        for push in pushes:
+            latest = self._live.get(push.slot)
+            if self.lora_update == "versioned" and latest is not None and latest.version != push.version:
+                self._previous[push.slot] = latest
+            self._live[push.slot] = push
         self._revision += 1
 
     def forget_slot(self, slot: int) -> None:
@@ -208,9 +209,11 @@ class EngineFleet:
                                group_name=group_name, backend=backend)
         return spec if timeout_s is None else dataclasses.replace(spec, timeout_s=timeout_s)
 
-    def update_group_layout(self) -> tuple[str, int]:
-        """(process-group backend, ranks per engine) of a weights-update group with these engines."""
-        return ("nccl" if self.cfg.server.device == "cuda" else "gloo"), self._ranks_per_engine()
+    def update_group_layout(self) -> tuple[str, int, bool]:
+        """(process-group backend, ranks per engine, whether pushes go as one flat tensor per
+        dtype) of a weights-update group with these engines."""
+        return ("nccl" if self.cfg.server.device == "cuda" else "gloo"), self._ranks_per_engine(), \
+            self.cfg.server.kind == "builtin"
 
     async def join_update_group(self, spec: UpdateGroupSpec) -> None:
         """Every engine joins `spec` (returns once the sender joined too)."""

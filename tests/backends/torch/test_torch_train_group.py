@@ -88,7 +88,7 @@ class RecordingRollout:
     def versions_in_flight(self):
         return {}
 
-    def record_push(self, push):
+    def record_push(self, *pushes):
         pass
 
     def forget_slot(self, slot):

@@ -34,14 +34,16 @@ async def join(client: httpx.AsyncClient, url: str) -> tuple[weight_sync.UpdateG
     return spec, group
 
 
-async def push(client, url, spec, group, name: str, adapter_dir, *, upsert: bool = True) -> httpx.Response:
+async def push(client, url, spec, group, name: str, adapter_dir, *, upsert: bool = True,
+               bucketed: bool = False) -> httpx.Response:
     """Metadata over HTTP and tensors by broadcast, concurrently (as the trainer does it)."""
     tensors, config = lora.read_peft_dir(adapter_dir)
     names, dtypes, shapes = weight_sync.tensor_metadata(tensors)
     body = {"lora_name": name, "config_dict": config, "names": names, "dtypes": dtypes, "shapes": shapes,
-            "group_name": spec.group_name, "upsert": upsert}
+            "group_name": spec.group_name, "upsert": upsert, "flattened_bucket": bucketed}
     response, sent = await asyncio.gather(client.post(url + "/load_lora_adapter_from_distributed", json=body),
-                                          asyncio.to_thread(weight_sync.broadcast_tensors, group, tensors))
+                                          asyncio.to_thread(weight_sync.broadcast_tensors, group, tensors,
+                                                            bucketed=bucketed))
     assert sent == sum(t.numel() * t.element_size() for t in tensors.values())
     return response
 
@@ -59,8 +61,9 @@ async def test_broadcast_push_serves_the_sent_weights(builtin_engine_url, client
     name = engine_lora_name(4, 1, "in_place")
     prompt_ids = trainer_reference.tokenizer.encode("a broadcast push")
     try:
-        for adapter in ("alt", "ad2"):  # a fresh load, then an in-place replacement of the same name
-            response = await push(client, url, spec, group, name, engine_adapters[adapter])
+        # A fresh load, then an in-place replacement of the same name, sent as one flat bucket.
+        for adapter, bucketed in (("alt", False), ("ad2", True)):
+            response = await push(client, url, spec, group, name, engine_adapters[adapter], bucketed=bucketed)
             assert response.status_code == 200, response.text
             assert response.json()["loaded_adapters"][name] == "__distributed__"
             tokens, logprobs = await served(client, url, name, prompt_ids)
