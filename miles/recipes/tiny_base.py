@@ -23,8 +23,9 @@ Model (`TinyBaseRecipe` defaults): Llama, hidden 128, 4 layers, 4 heads (no GQA)
 of 128 problems drawn with task weights add 1 : sub 1.35 : mul 3, loss on the answer
 tokens and EOS only. Problems come from each task's `pretrain` split only, so the
 adapters' `train` split and the `test` split are both unseen by the base model. Run
-single-threaded: bitwise repeatable, and no slower on a 2-core machine where other
-processes compete for the second core.
+single-threaded: bitwise repeatable on one machine (not across CPUs: a build on another
+machine scored add 0.716, sub 0.558, mul 0.332, twice), and no slower on a 2-core
+machine where other processes compete for the second core.
 
 Tasks: `add` "12+35=" -> "47", `sub` "52-17=" -> "35", `mul` "123*4=" -> "492".
 

@@ -98,12 +98,12 @@ def main() -> None:
             else:
                 runs = [measure("peft", args) for _ in range(args.peft_processes or args.adapters)]
                 peft.append(sum(runs) / len(runs) * args.adapters / 2**20)
-    settings = [f"micro-batches of {args.micro_batch_size}"] if args.micro_batch_size else []
+    settings = [f"in micro-batches of {args.micro_batch_size}"] if args.micro_batch_size else []
     if args.recompute_granularity:
-        settings.append(f"--recompute-granularity {args.recompute_granularity}")
+        settings.append(f"with --recompute-granularity {args.recompute_granularity}")
     figure = Figure(
         figure=f"peak memory, one trainer with {args.adapters} slots ÷ {args.adapters} PEFT trainers"
-               + (f" (ours in {', '.join(settings)})" if settings else ""), model=args.model,
+               + (f" (ours {', '.join(settings)})" if settings else ""), model=args.model,
         ours_label=f"ours, 1 process x {args.adapters} slots", baseline_label=f"PEFT, {args.adapters} processes",
         ours=ours, baseline=peft, unit="MiB", ratio_of="ours/baseline", target="<= 0.25",
         params={"adapters": args.adapters, "peft_processes_run": args.peft_processes or args.adapters, "rows": args.rows, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank,
