@@ -35,7 +35,15 @@ from torch import Tensor
 from miles.backends.base import AdapterSpec, AdapterStepStats
 from miles.backends.lora.peft_io import _UNSUPPORTED, read_peft_dir, write_peft_dir
 from miles.backends.megatron import lora as mlora
-from miles.backends.megatron.model import ModelShape, build_gpt_model, forward_logits, load_hf_weights, read_hf_state_dict
+from miles.backends.megatron.model import (
+    ModelShape,
+    allow_recompute_in_eval,
+    build_gpt_model,
+    forward_logits,
+    load_hf_weights,
+    read_hf_state_dict,
+    recompute_settings,
+)
 from miles.backends.torch.actor import DTYPES, LossSums, TorchTrainActor, TrainActorConfig, _Loaded
 from miles.backends.torch.batching import MicroBatch, next_token_logprobs
 from miles.backends.torch.checkpoint import AccumulatedGrad, OptimizerState, write_checkpoint
@@ -103,12 +111,15 @@ class MegatronTrainActor(TorchTrainActor):
 
     def _build_model(self) -> None:
         config = self.config
-        model = build_gpt_model(self.shape, dtype=DTYPES[config.dtype])
+        recompute = recompute_settings(self.shape, config.recompute_granularity, config.recompute_method,
+                                       config.recompute_num_layers)
+        model = build_gpt_model(self.shape, dtype=DTYPES[config.dtype], recompute=recompute)
         load_hf_weights(model, self.shape, read_hf_state_dict(config.hf_checkpoint))
         # LoRA weights and their AdamW moments stay fp32 over a bf16 base (as in the torch backend).
         self.parts = mlora.inject_parallel_lora(model, self.shape, n_slots=config.n_slots, max_rank=config.lora_rank,
                                                 target_modules=config.target_modules)
         self.model = model.to(self.device).eval()
+        allow_recompute_in_eval(self.model)
         self.param_names: list[str] = []
         self._param_parts: list[tuple[mlora.LoRAPart, str]] = []
         params: list[tuple[torch.nn.Parameter, int]] = []

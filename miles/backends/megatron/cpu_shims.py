@@ -1,4 +1,4 @@
-"""The four places where megatron-core 0.16.1 assumes CUDA, worked around for CPU runs.
+"""The five places where megatron-core 0.16.1 assumes CUDA, worked around for CPU runs.
 
 The Megatron backend runs on CPU over gloo so CI can check it against the torch
 backend. `apply_cpu_shims()` is called once per process before a model is built and
@@ -18,6 +18,14 @@ does nothing when CUDA is available: on GPUs megatron-core runs as shipped.
 4. Attention scores buffer: `GlobalMemoryBuffer.get_tensor` (megatron/core/utils.py,
    `torch.empty(..., device=torch.cuda.current_device())`), used by the local
    `DotProductAttention` for `baddbmm(..., beta=0)`. The shim allocates on the CPU.
+5. Activation recomputation: `tensor_parallel.checkpoint` (`CheckpointFunction`, used by
+   `--recompute-granularity full` and `selective`) saves the CPU and CUDA RNG states and
+   the tracker's at the forward and sets them again around the recomputed forward
+   (`_get_all_rng_states` / `_set_all_rng_states` through `_get_cuda_rng_state` and
+   `_set_cuda_rng_state`, megatron/core/tensor_parallel/random.py). The shim makes those
+   two hold no CUDA state: the CUDA getter returns None and the setter ignores it. The CPU
+   RNG state is still saved and restored, and the tracker's (empty, see 3) as shipped;
+   dropout is 0, so no random number is drawn in a recomputed layer anyway.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ def apply_cpu_shims() -> None:
     RotaryEmbedding.get_emb = _get_emb_on_inv_freq_device
     GlobalMemoryBuffer.get_tensor = _cpu_buffer_tensor
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    tp_random._get_cuda_rng_state = _no_cuda_rng_state
+    tp_random._set_cuda_rng_state = _ignore_cuda_rng_state
     _applied = True
 
 
@@ -65,3 +75,12 @@ def _cpu_buffer_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) 
     if self.buffer.get(key) is None or self.buffer[key].numel() < required:
         self.buffer[key] = torch.empty(required, dtype=dtype, requires_grad=False)
     return self.buffer[key][:required].view(*tensor_shape)
+
+
+def _no_cuda_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> None:
+    """`_get_cuda_rng_state` without a CUDA generator: there is no state to save."""
+    return None
+
+
+def _ignore_cuda_rng_state(new_state, device: int = -1, graph_safe: bool = False) -> None:
+    """`_set_cuda_rng_state` without a CUDA generator (the state is `_no_cuda_rng_state`'s None)."""

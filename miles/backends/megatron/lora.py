@@ -24,13 +24,21 @@ fresh inits equal the torch backend's (`miles.backends.lora`).
     init_slot(parts, 0, rank=8, alpha=16, generator=g)
     with use_slots(model, [0, 0, -1, 2]):
         logits = forward_logits(model, shape, input_ids_BS)
+
+With activation recomputation the backward runs decoder layers again, after the block
+has exited (the actor calls `backward()` outside it) and maybe on the autograd engine's
+own thread: `tensor_parallel.checkpoint` is wrapped once (`keep_slots_in_recompute`) so
+that every recomputed forward sees the slot batches of its first run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -203,11 +211,54 @@ class SlotRouter:
 
     def __init__(self) -> None:
         self.batch: SlotBatch | None = None
+        _ROUTERS.add(self)
+
+
+# Every live router, for the recomputed forwards to find (`keep_slots_in_recompute`).
+_ROUTERS: weakref.WeakSet[SlotRouter] = weakref.WeakSet()
+
+
+def keep_slots_in_recompute() -> None:
+    """Route Megatron's recomputed forwards (full and selective) through the slot batches
+    of their first run (idempotent). `TransformerBlock` and `Attention` call the checkpoint
+    as `tensor_parallel.checkpoint`, so that package attribute is the one wrapped."""
+    from megatron.core import tensor_parallel
+
+    if not getattr(tensor_parallel.checkpoint, "keeps_slots", False):
+        tensor_parallel.checkpoint = _checkpoint_keeping_slots(tensor_parallel.checkpoint)
+
+
+def _checkpoint_keeping_slots(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
+    """`checkpoint(function, distribute_saved_activations, *args)` whose `function`, when the
+    backward runs it again, sees the batches every router held at the forward (and puts
+    back what they hold after)."""
+
+    @functools.wraps(checkpoint)
+    def run(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
+        routing = [(router, router.batch) for router in _ROUTERS]
+
+        def replay(*inputs: Any) -> Any:
+            held = [(router, router.batch) for router, _ in routing]
+            for router, batch in routing:
+                router.batch = batch
+            try:
+                return function(*inputs)
+            finally:
+                for router, batch in held:
+                    router.batch = batch
+
+        return checkpoint(replay, distribute_saved_activations, *args)
+
+    run.keeps_slots = True  # type: ignore[attr-defined]
+    return run
 
 
 @contextlib.contextmanager
 def use_slots(model: nn.Module, slot_ids: Sequence[int]) -> Iterator[SlotBatch]:
-    """Route sample i of the forwards run inside the block through slot `slot_ids[i]` (-1: base)."""
+    """Route sample i of the forwards run inside the block through slot `slot_ids[i]` (-1: base).
+
+    A layer recomputed in the backward keeps the slots of its forward
+    (`keep_slots_in_recompute`), so `backward()` may run after the block."""
     router: SlotRouter = model.lora_router
     parts = lora_parts(model)
     n_slots = next(iter(parts.values())).lora_A.shape[0]
@@ -271,6 +322,7 @@ def inject_parallel_lora(model: nn.Module, shape: ModelShape, *, n_slots: int, m
         raise ValueError(f"target_modules {sorted(unknown)} are not linears of a Llama/Qwen2 decoder layer "
                          f"(the Megatron backend targets {list(HF_TARGETS)})")
     tp_rank, tp_size = _tp()
+    keep_slots_in_recompute()
     router = SlotRouter()
     model.lora_router = router
     h, q_out, kv_out, f = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_query_groups * shape.head_dim, shape.ffn_hidden_size

@@ -20,11 +20,18 @@ losslessly and is testable without a process group:
 
 The local layer spec (no Transformer Engine) is used, so the same model runs on CPU
 over gloo (see `cpu_shims`) and on GPUs.
+
+Activation recomputation takes Megatron's own settings (`recompute_settings`): "full"
+recomputes whole decoder layers in the backward (`uniform`: every layer, in chunks of
+`recompute_num_layers`; `block`: the first `recompute_num_layers`), "selective" the core
+attention. Megatron recomputes only modules in training mode; the backend runs its model
+in eval mode, so `allow_recompute_in_eval` opens the two gates after `.eval()`.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,26 +186,66 @@ def megatron_to_hf(shards: list[dict[str, Tensor]], shape: ModelShape) -> dict[s
 # ---- the model --------------------------------------------------------------------------
 
 
-def transformer_config(shape: ModelShape, *, tp_size: int, dtype: torch.dtype, sequence_parallel: bool = False):
+def recompute_settings(shape: ModelShape, granularity: str | None, method: str | None = None,
+                       num_layers: int | None = None) -> dict:
+    """`TransformerConfig`'s recompute fields for the `--recompute-*` flags (empty: keep every
+    activation). "full" defaults to `uniform` over chunks of one layer; `block` defaults to
+    every layer. "selective" recomputes core attention (Megatron's default `recompute_modules`)."""
+    if granularity is None:
+        if method is not None or num_layers is not None:
+            raise ValueError("recompute_method and recompute_num_layers need recompute_granularity='full'")
+        return {}
+    if granularity == "selective":
+        if method is not None or num_layers is not None:
+            raise ValueError("selective recomputation takes no recompute_method or recompute_num_layers "
+                             "(they choose the layers of recompute_granularity='full')")
+        return {"recompute_granularity": "selective"}
+    if granularity != "full":
+        raise ValueError(f"recompute_granularity must be 'full' or 'selective', got {granularity!r}")
+    method = method or "uniform"
+    if method not in ("uniform", "block"):
+        raise ValueError(f"recompute_method must be 'uniform' or 'block', got {method!r}")
+    if num_layers is None:
+        num_layers = 1 if method == "uniform" else shape.num_layers
+    if num_layers <= 0:
+        raise ValueError(f"recompute_num_layers must be > 0, got {num_layers}")
+    if method == "uniform" and shape.num_layers % num_layers:
+        # Megatron's uniform chunks run past the last layer otherwise (an IndexError in the forward).
+        raise ValueError(f"--recompute-num-layers {num_layers} does not divide the model's {shape.num_layers} "
+                         "layers: uniform recomputation runs whole chunks of that many layers; pick a divisor "
+                         "or --recompute-method block")
+    return {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": num_layers}
+
+
+def transformer_config(shape: ModelShape, *, tp_size: int, dtype: torch.dtype, sequence_parallel: bool = False,
+                       recompute: dict | None = None):
+    """The `TransformerConfig` of this shape; `recompute` from `recompute_settings`."""
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_heads, num_query_groups=shape.num_query_groups, kv_channels=shape.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=shape.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=tp_size, sequence_parallel=sequence_parallel,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=True, perform_initialization=False,
-    )
+    with warnings.catch_warnings():
+        # Selective recomputation warns that Transformer Engine's fused core attention needs
+        # none; the local spec's core attention is unfused, so the warning does not apply.
+        warnings.filterwarnings("ignore", message="If you are using transformer_engine")
+        return TransformerConfig(
+            num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+            num_attention_heads=shape.num_heads, num_query_groups=shape.num_query_groups, kv_channels=shape.head_dim,
+            normalization="RMSNorm", layernorm_epsilon=shape.rms_norm_eps, gated_linear_unit=True,
+            activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+            hidden_dropout=0.0, attention_dropout=0.0,
+            bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+            bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+            tensor_model_parallel_size=tp_size, sequence_parallel=sequence_parallel,
+            params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+            use_cpu_initialization=True, perform_initialization=False,
+            **(recompute or {}),
+        )
 
 
-def build_gpt_model(shape: ModelShape, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool = False):
+def build_gpt_model(shape: ModelShape, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
+                    recompute: dict | None = None):
     """This TP rank's GPTModel shard (uninitialised weights; `load_hf_weights` fills them).
 
+    `recompute`: `recompute_settings(...)`; call `allow_recompute_in_eval` after `.eval()`.
     Needs `megatron.core.parallel_state.initialize_model_parallel` to have run.
     """
     from megatron.core import parallel_state
@@ -210,7 +257,8 @@ def build_gpt_model(shape: ModelShape, *, dtype: torch.dtype = torch.float32, se
     apply_cpu_shims()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     shape.check_tp(tp_size)
-    config = transformer_config(shape, tp_size=tp_size, dtype=dtype, sequence_parallel=sequence_parallel)
+    config = transformer_config(shape, tp_size=tp_size, dtype=dtype, sequence_parallel=sequence_parallel,
+                                recompute=recompute)
     model = GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=shape.padded_vocab(tp_size), max_sequence_length=shape.max_position_embeddings,
@@ -219,7 +267,38 @@ def build_gpt_model(shape: ModelShape, *, dtype: torch.dtype = torch.float32, se
     )
     for p in model.parameters():
         p.requires_grad_(False)
+    if config.recompute_granularity == "full":
+        # Megatron's checkpoint is reentrant: a chunk's output needs gradients only if its
+        # input does, and the frozen embedding's output does not. Without this the LoRA
+        # weights of the recomputed layers would get none (HF's `enable_input_require_grads`).
+        model.embedding.register_forward_hook(_output_needs_grad)
     return model
+
+
+def _output_needs_grad(module, args, output: Tensor) -> Tensor | None:
+    if torch.is_grad_enabled() and not output.requires_grad:
+        return output.detach().requires_grad_()
+    return None
+
+
+def allow_recompute_in_eval(model) -> None:
+    """Let the model recompute in eval mode.
+
+    Megatron recomputes only in training mode (`TransformerBlock.forward` checks
+    `self.training` for full, each layer's `Attention.forward` for selective); the backend
+    keeps its model in eval mode. This sets the flag of just those modules, after `.eval()`
+    (their submodules stay in eval mode); besides recomputation it only picks inference
+    paths of theirs that this backend never takes, so the numbers do not change. A no-op
+    without recomputation.
+    """
+    granularity = model.config.recompute_granularity
+    gates = []
+    if granularity == "full":
+        gates = [model.decoder]
+    elif granularity == "selective":
+        gates = [layer.self_attention for layer in model.decoder.layers]
+    for module in gates:
+        module.training = True
 
 
 def read_hf_state_dict(path: str | Path) -> dict[str, Tensor]:
