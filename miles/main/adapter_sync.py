@@ -9,6 +9,7 @@ after the stage's own calls, so the driver passes one snapshot down the loop:
     snapshot = await sync.reconcile(snapshot)       # retire -> clean up -> load (resume)
     snapshot = await sync.update_weights(snapshot)  # push stale adapters, record versions
     batch = await rollout_manager.generate.remote(rollout_id, snapshot)
+    await sync.exports_taken()                      # overlap_push: the stepped adapters' weights are exported
     trained = await sync.train(rollout_id, batch)   # backend train + step (None: failed, not committed)
     snapshot = await sync.commit(rollout_id)        # registry steps; re-read
     await sync.save(snapshot)                       # on each adapter's save_interval
@@ -29,9 +30,10 @@ engines in the `--engine-lora-update` mode (`miles.main.engine_push.EnginePusher
 unloads the slot of an adapter that left.
 
 With `overlap_push`, the push of adapters that stepped runs behind the loop: the stage
-exports their weights (before the next train call changes them), starts the push and
-returns at once, so the push overlaps generate, train, commit and save; `settle` waits
-for it (the loop calls it at the end of each iteration; the next push, any cleanup and
+starts their export and push and returns at once, so the export overlaps generate and the
+push overlaps generate, train, commit and save. `exports_taken` (awaited by `train` too)
+holds the next train call until the export is done, so the weights pushed are the ones
+the snapshot names; `settle` waits for the push (the loop calls it at the end of each iteration; the next push, any cleanup and
 shutdown settle first). The snapshot the stage returns already names the exported
 versions, so staleness is counted against the weights the trainer holds. A new
 adapter's first push is never overlapped: it becomes ACTIVE when the stage returns.
@@ -116,6 +118,8 @@ class AdapterSync:
         self._behind: asyncio.Task[dict[str, int]] | None = None
         """The stepped adapters' push running behind the loop (`overlap_push`); its result is
         the versions the registry recorded."""
+        self._exported: asyncio.Event | None = None
+        """Set once the push behind the loop has its exports (the next train may change the weights)."""
         self._loaded: dict[str, _Loaded] = {}
         self.max_train_failures = max_train_failures
         self.train_failures = 0
@@ -208,17 +212,36 @@ class AdapterSync:
         if new:
             snapshot = await self._push(snapshot, new)
         if stepped and self.overlap_push:
-            exports, pushed = await self._export(snapshot, stepped)
-            self._behind = asyncio.create_task(self._send(snapshot, exports, pushed))
+            pushed = self._next_versions(snapshot, stepped)
+            self._exported = asyncio.Event()
+            self._behind = asyncio.create_task(self._export_and_send(snapshot, stepped, pushed, self._exported))
             return snapshot.after_push(pushed)
         if stepped:
             snapshot = await self._push(snapshot, stepped)
         return snapshot
 
+    async def exports_taken(self) -> None:
+        """Wait until the push behind the loop has exported its adapters (or failed: `settle`
+        raises its error), so that a train call may change their weights."""
+        exported, task = self._exported, self._behind
+        self._exported = None
+        if exported is None or task is None or exported.is_set():
+            return
+        waiter = asyncio.ensure_future(exported.wait())
+        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+
+    async def _export_and_send(self, snapshot: MultiLoRASnapshot, names: list[str], pushed: dict[str, int],
+                               exported: asyncio.Event) -> dict[str, int]:
+        exports = await asyncio.gather(*(self.backend.export_adapter(name) for name in names))
+        exported.set()
+        return await self._send(snapshot, list(exports), pushed)
+
     async def settle(self, snapshot: MultiLoRASnapshot | None = None) -> MultiLoRASnapshot | None:
         """Wait for the push running behind the loop, if any (its failure is raised here);
         returns `snapshot` with the versions it recorded."""
         task, self._behind = self._behind, None
+        self._exported = None
         if task is None:
             return snapshot
         versions = await task
@@ -230,11 +253,15 @@ class AdapterSync:
 
     async def _export(self, snapshot: MultiLoRASnapshot, names: list[str]) -> tuple[list[LoraExport], dict[str, int]]:
         """The adapters' current weights, and the version each push will be."""
-        live = snapshot.live
         exports = await asyncio.gather(*(self.backend.export_adapter(name) for name in names))
+        return list(exports), self._next_versions(snapshot, names)
+
+    def _next_versions(self, snapshot: MultiLoRASnapshot, names: list[str]) -> dict[str, int]:
+        """The version each adapter's push will be; from now on the engines are catching up."""
+        live = snapshot.live
         for name in names:
             self._loaded[name].stale = False
-        return list(exports), {name: next_slot_version(live[name].version) for name in names}
+        return {name: next_slot_version(live[name].version) for name in names}
 
     async def _send(self, snapshot: MultiLoRASnapshot, exports: list[LoraExport],
                     pushed: dict[str, int]) -> dict[str, int]:
@@ -275,6 +302,7 @@ class AdapterSync:
         (`TrainRankLostError`), or any failure with `drop_failed=False` are raised: the
         run stops and every adapter is saved on the way out.
         """
+        await self.exports_taken()
         try:
             result = await self.backend.train(rollout_id, batch)
         except TrainRankLostError as exc:

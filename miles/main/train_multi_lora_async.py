@@ -8,8 +8,9 @@ from stage to stage (`miles.main.adapter_sync` does the lifecycle stages):
 snapshot -> reconcile adapters with slots -> push changed LoRA weights -> generate a
 batch of whole prompt groups -> train (per-adapter accumulation and steps) -> commit
 the batch -> save on each adapter's cadence. With `--overlap-weight-push` (the default)
-the push of the adapters that stepped runs behind generate and train, and the loop waits
-for it at the end of the iteration. In service mode (the default) it idles
+the export of the adapters that stepped runs behind generate (train waits for it) and
+their push behind generate and train; the loop waits for the push at the end of the
+iteration. In service mode (the default) it idles
 while no adapter is registered; SIGINT/SIGTERM save every loaded adapter and exit 0.
 """
 
@@ -66,6 +67,8 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             rollout = await generate_or_none(c, rollout_id, snapshot)
         if rollout is None:
             continue
+        with timer("export_wait"):  # the push behind the loop takes its weights before train changes them
+            await c.sync.exports_taken()
         with timer("train"):
             trained = await c.sync.train(rollout_id, rollout)
         if trained is None:  # dropped: the registry never counts it, the backend took it back

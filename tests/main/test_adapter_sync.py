@@ -242,6 +242,37 @@ async def test_an_overlapped_push_runs_behind_the_next_train_call_with_the_expor
     assert await sync.settle() is None  # raised once; nothing left behind the loop
 
 
+async def test_the_next_train_call_waits_for_the_export_behind_the_loop(tmp_path):
+    """The stage returns before the stepped adapters are exported; a train call started
+    meanwhile holds until the export is done, so the push carries the weights the snapshot
+    names, not the ones that train call makes."""
+    t = Trainer(tmp_path, n_slots=1, overlap_push=True)
+    sync, registry = t.components.sync, t.controller
+    await t.register("a", num_step=5)
+    snapshot = await sync.update_weights(await sync.reconcile(registry.snapshot()))
+    await sync.train(0, await t.rollout.generate(0, snapshot))
+    await sync.commit(0)
+    before_train = t.backend.weights["a"]
+    gate, export = asyncio.Event(), t.backend.export_adapter
+
+    async def held_export(name):
+        await gate.wait()
+        return await export(name)
+
+    t.backend.export_adapter = held_export
+    snapshot = await sync.update_weights(registry.snapshot())  # returns with the export held
+    train = asyncio.create_task(sync.train(1, await t.rollout.generate(1, snapshot)))
+    for _ in range(20):  # let the train task run as far as it can
+        await asyncio.sleep(0)
+    assert not train.done() and t.backend.weights["a"] == before_train
+    gate.set()
+    await train
+    assert t.backend.weights["a"] != before_train
+    await sync.commit(1)
+    await sync.settle(registry.snapshot())
+    assert t.pushes(0)[-1][1] == before_train  # the weights as they were before train 1
+
+
 async def test_the_loop_pushes_and_steps_the_same_with_the_push_behind_it(tmp_path):
     runs = {}
     for overlap in (False, True):
