@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,26 @@ def _receive(spec: weight_sync.UpdateGroupSpec, out) -> None:
     group = weight_sync.join_update_group(spec, 1)
     out.put(weight_sync.receive_tensors(group, ["w"], ["float32"], [[2, 3]])["w"].tolist())
     weight_sync.leave_update_group(group)
+
+
+def _send_to_a_receiver(spec: weight_sync.UpdateGroupSpec, store, target, args: tuple, send) -> Any:
+    """Run `target(spec, *args, queue)` in a fresh process as rank 1, join as rank 0 through
+    `store` and call `send(group)`; returns what the receiver put on the queue."""
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    receiver = context.Process(target=target, args=(spec, *args, out))
+    receiver.start()
+    try:
+        group = weight_sync.join_update_group(spec, 0, store=store)
+        send(group)
+        received = out.get(timeout=60)
+        weight_sync.leave_update_group(group)
+    finally:
+        receiver.join(timeout=30)
+        if receiver.is_alive():
+            receiver.kill()
+    assert receiver.exitcode == 0
+    return received
 
 
 def _receive_described(spec: weight_sync.UpdateGroupSpec, metadata, bucketed: bool, out) -> None:
@@ -40,22 +61,13 @@ def test_tensors_of_several_dtypes_arrive_by_name_one_by_one_or_in_flat_buckets(
     store = weight_sync.listening_store("127.0.0.1", timeout_s=60)
     spec = weight_sync.UpdateGroupSpec(master_address="127.0.0.1", master_port=store.port, world_size=2,
                                        group_name=f"dtypes_{int(bucketed)}", backend="gloo", timeout_s=60)
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    receiver = context.Process(target=_receive_described,
-                               args=(spec, weight_sync.tensor_metadata(tensors), bucketed, out))
-    receiver.start()
-    try:
-        group = weight_sync.join_update_group(spec, 0, store=store)
+
+    def send(group) -> None:
         sent = weight_sync.broadcast_tensors(group, tensors, bucketed=bucketed)
         assert sent == sum(t.numel() * t.element_size() for t in tensors.values())
-        received = out.get(timeout=60)
-        weight_sync.leave_update_group(group)
-    finally:
-        receiver.join(timeout=30)
-        if receiver.is_alive():
-            receiver.kill()
-    assert receiver.exitcode == 0
+
+    received = _send_to_a_receiver(spec, store, _receive_described, (weight_sync.tensor_metadata(tensors), bucketed),
+                                   send)
     assert list(received) == list(tensors)
     for name, t in tensors.items():
         assert received[name] == (str(t.dtype), list(t.shape), t.tolist())
@@ -68,18 +80,9 @@ def test_a_listening_store_holds_its_port_until_the_group_meets():
 
     spec = weight_sync.UpdateGroupSpec(master_address="127.0.0.1", master_port=store.port, world_size=2,
                                        group_name="held_port_group", backend="gloo", timeout_s=60)
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    receiver = context.Process(target=_receive, args=(spec, out))
-    receiver.start()
-    try:
-        group = weight_sync.join_update_group(spec, 0, store=store)
-        sent = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    sent = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+
+    def send(group) -> None:
         assert weight_sync.broadcast_tensors(group, {"w": sent}) == 24
-        assert out.get(timeout=60) == sent.tolist()
-        weight_sync.leave_update_group(group)
-    finally:
-        receiver.join(timeout=30)
-        if receiver.is_alive():
-            receiver.kill()
-    assert receiver.exitcode == 0
+
+    assert _send_to_a_receiver(spec, store, _receive, (), send) == sent.tolist()

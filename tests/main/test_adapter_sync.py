@@ -202,7 +202,8 @@ async def test_a_new_adapter_is_pushed_and_active_before_the_stepped_ones_are_pu
     assert sync.pop_push_metrics()["perf/push_adapters"] == 3.0  # a's first push, then b, then a
 
 
-async def test_an_overlapped_push_runs_behind_the_next_train_call_with_the_exported_weights(tmp_path):
+async def _stepped_once_with_the_push_behind(tmp_path) -> Trainer:
+    """Adapter "a" pushed (ACTIVE) and stepped once, with `overlap_push`."""
     t = Trainer(tmp_path, n_slots=1, overlap_push=True)
     sync, registry = t.components.sync, t.controller
     await t.register("a", num_step=5)
@@ -210,15 +211,26 @@ async def test_an_overlapped_push_runs_behind_the_next_train_call_with_the_expor
     assert snapshot == registry.snapshot() and "a" in snapshot.active  # a first push is never behind the loop
     await sync.train(0, await t.rollout.generate(0, snapshot))
     await sync.commit(0)
+    return t
+
+
+def _held(call, gate: asyncio.Event):
+    """`call` that first waits for `gate`."""
+
+    async def held(*args):
+        await gate.wait()
+        return await call(*args)
+
+    return held
+
+
+async def test_an_overlapped_push_runs_behind_the_next_train_call_with_the_exported_weights(tmp_path):
+    t = await _stepped_once_with_the_push_behind(tmp_path)
+    sync, registry = t.components.sync, t.controller
     served = registry.snapshot().active["a"].version
     exported = t.backend.weights["a"]
-    gate, push = asyncio.Event(), t.receiver.push
-
-    async def held_push(pushes):
-        await gate.wait()
-        return await push(pushes)
-
-    t.receiver.push = held_push
+    gate = asyncio.Event()
+    t.receiver.push = _held(t.receiver.push, gate)
     snapshot = await sync.update_weights(registry.snapshot())
     # Back with the push held: the registry names what the engines serve, the loop's snapshot
     # the exported version (staleness counts against the trainer's weights).
@@ -246,20 +258,11 @@ async def test_the_next_train_call_waits_for_the_export_behind_the_loop(tmp_path
     """The stage returns before the stepped adapters are exported; a train call started
     meanwhile holds until the export is done, so the push carries the weights the snapshot
     names, not the ones that train call makes."""
-    t = Trainer(tmp_path, n_slots=1, overlap_push=True)
+    t = await _stepped_once_with_the_push_behind(tmp_path)
     sync, registry = t.components.sync, t.controller
-    await t.register("a", num_step=5)
-    snapshot = await sync.update_weights(await sync.reconcile(registry.snapshot()))
-    await sync.train(0, await t.rollout.generate(0, snapshot))
-    await sync.commit(0)
     before_train = t.backend.weights["a"]
-    gate, export = asyncio.Event(), t.backend.export_adapter
-
-    async def held_export(name):
-        await gate.wait()
-        return await export(name)
-
-    t.backend.export_adapter = held_export
+    gate = asyncio.Event()
+    t.backend.export_adapter = _held(t.backend.export_adapter, gate)
     snapshot = await sync.update_weights(registry.snapshot())  # returns with the export held
     train = asyncio.create_task(sync.train(1, await t.rollout.generate(1, snapshot)))
     for _ in range(20):  # let the train task run as far as it can
