@@ -33,8 +33,8 @@ With `overlap_push`, the push of adapters that stepped runs behind the loop: the
 starts their export and push and returns at once, so the export overlaps generate and the
 push overlaps generate, train, commit and save. `exports_taken` (awaited by `train` too)
 holds the next train call until the export is done, so the weights pushed are the ones
-the snapshot names; `settle` waits for the push (the loop calls it at the end of each iteration; the next push, any cleanup and
-shutdown settle first). The snapshot the stage returns already names the exported
+the snapshot names; `settle` waits for the push (the loop calls it at the end of each
+iteration; the next push, any cleanup and shutdown settle first). The snapshot the stage returns already names the exported
 versions, so staleness is counted against the weights the trainer holds. A new
 adapter's first push is never overlapped: it becomes ACTIVE when the stage returns.
 """
