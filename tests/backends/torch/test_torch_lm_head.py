@@ -137,4 +137,4 @@ def test_the_actor_with_the_fused_head_trains_as_with_the_models_head(tiny_model
         assert max(float((f - p).abs().max()) for f, p in zip(grads_f, grads_p)) <= 1e-6
         assert max(float(g.abs().max()) for g in grads_f) > 1e-4  # a real gradient
         for f, p in zip(logp_f, logp_p):
-            torch.testing.assert_close(torch.tensor(f), torch.tensor(p), atol=1e-6, rtol=0)
+            torch.testing.assert_close(torch.tensor(f), torch.tensor(p), atol=1e-6, rtol=1e-6)
