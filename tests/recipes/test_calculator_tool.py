@@ -51,6 +51,6 @@ async def test_rl_raises_the_held_out_success_rate_over_the_warm_start():
                               rl_lr=3e-4, temperature=0.3, prompts=8, n=8, eval_rows=200)
     result = await _check_module().run(args)
     assert result["fresh"] == 0.0  # the base never writes a tool call by itself
-    assert 0.2 < result["warm"] < 0.8  # a warm start that leaves room to learn
+    assert 0.1 < result["warm"] < 0.8  # a warm start that leaves room to learn (the probe stops it at 0.25)
     # measured: 0.535 -> 0.730 (150 warm-start steps, one base build); 0.280 -> 0.465 (another)
     assert result["rl"] >= result["warm"] + 0.10
