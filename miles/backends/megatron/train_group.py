@@ -15,7 +15,6 @@ and come from global rank 0.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,9 +74,7 @@ class MegatronTrainGroup(TrainGroup):
 
     async def export_adapter(self, name: str) -> LoraExport:
         """Every rank takes part in the TP gather; rank 0's whole tensors stay in the object store."""
-        refs = [actor.export_adapter.remote(name) for actor in self._actors]
-        await asyncio.gather(*refs[1:])
-        return await self._with_metadata(name, refs[0])
+        return await self._export_from_rank_0(name, *(actor.export_adapter.remote(name) for actor in self._actors[1:]))
 
     async def save_adapter(self, request: SaveRequest) -> Path:
         """Every rank takes part in the gathers (gradient over DP and TP, weights over TP); rank 0 writes."""

@@ -159,15 +159,13 @@ class TrainGroup:
     async def export_adapter(self, name: str) -> LoraExport:
         """Rank 0 exports once; the tensors stay in the object store for every engine. One call:
         the tensors and their description come back as two objects."""
-        tensors_ref, described = self._actors[0].export_for_push.options(num_returns=2).remote(name)
-        peft_config, names, dtypes, shapes, nbytes = await described
-        return LoraExport(peft_config=peft_config, tensors=tensors_ref, names=names, dtypes=dtypes, shapes=shapes,
-                          nbytes=nbytes)
+        return await self._export_from_rank_0(name)
 
-    async def _with_metadata(self, name: str, tensors_ref: Any) -> LoraExport:
-        """An export made elsewhere (`tensors_ref`), described by rank 0."""
-        peft_config = await self._actors[0].peft_config.remote(name)
-        names, dtypes, shapes, nbytes = await self._actors[0].tensor_metadata.remote(tensors_ref)
+    async def _export_from_rank_0(self, name: str, *joining: Any) -> LoraExport:
+        """Rank 0's export (`joining`: the calls of the other ranks that take part, awaited too)."""
+        tensors_ref, described = self._actors[0].export_for_push.options(num_returns=2).remote(name)
+        await asyncio.gather(*joining)
+        peft_config, names, dtypes, shapes, nbytes = await described
         return LoraExport(peft_config=peft_config, tensors=tensors_ref, names=names, dtypes=dtypes, shapes=shapes,
                           nbytes=nbytes)
 

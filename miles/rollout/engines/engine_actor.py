@@ -56,6 +56,7 @@ from miles.backends.lora import write_peft_dir
 from miles.rollout.engines.process import ServerProcess, free_port
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig, server_command
+from miles.utils.http_client import LoopClient
 from miles.utils.network import cluster_host
 from miles.utils.types import SlotPush, engine_lora_name, engine_lora_slot
 
@@ -113,9 +114,8 @@ class EngineServer:
         """Slot -> versions loaded on the current server process, oldest first."""
         self._group_joined = False
         self._lock = asyncio.Lock()
-        self._client: httpx.AsyncClient | None = None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
         """Pushes, unloads and restarts never interleave."""
+        self._http = LoopClient(timeout=REQUEST_TIMEOUT_S)
         self._supervisor: asyncio.Task | None = None
         self._closing = False
         self.restarts = 0
@@ -180,9 +180,7 @@ class EngineServer:
                 "in-place LoRA upsert)")
 
     def bucketed_pushes(self) -> bool:
-        """Whether this engine's server takes a broadcast push as one flat tensor per dtype
-        (the builtin engine; SGLang's servers take one tensor per name)."""
-        return self.cfg.kind == "builtin"
+        return takes_bucketed_pushes(self.cfg.kind)
 
     def set_router(self, router_url: str) -> None:
         """The router this server sits behind; a restarted server is put back there."""
@@ -216,7 +214,7 @@ class EngineServer:
         if self._process is None or not self._process.alive():
             return False
         try:
-            return (await self._http().get(self.url() + "/health", timeout=5.0)).status_code == 200
+            return (await self._http.get().get(self.url() + "/health", timeout=5.0)).status_code == 200
         except httpx.TransportError:
             return False
 
@@ -230,9 +228,7 @@ class EngineServer:
         if self._process is not None:
             await asyncio.to_thread(self._process.terminate)
         self._url = None
-        if self._client is not None and self._client_loop is asyncio.get_running_loop():
-            await self._client.aclose()
-        self._client = None
+        await self._http.aclose()
 
     # ---- recovery --------------------------------------------------------------------
 
@@ -498,17 +494,8 @@ class EngineServer:
     async def abort(self, prefix: str) -> dict[str, Any]:
         return await self._post("/abort_request", {"rid": prefix, "prefix": True})
 
-    def _http(self) -> httpx.AsyncClient:
-        """One client for the server's routes (a new one builds an SSL context: ~16 ms of CPU
-        per push otherwise), made again only on another event loop."""
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._client_loop is not loop:
-            self._client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, trust_env=False)
-            self._client_loop = loop
-        return self._client
-
     async def _post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = await self._http().post(self.url() + route, json=body)
+        response = await self._http.get().post(self.url() + route, json=body)
         if response.status_code >= 400:
             raise EngineRequestFailed(f"{route} on {self._url} answered HTTP {response.status_code}: {response.text[:500]}")
         try:
@@ -516,6 +503,12 @@ class EngineServer:
         except ValueError:
             return {}
         return answer if isinstance(answer, dict) else {"answer": answer}
+
+
+def takes_bucketed_pushes(kind: str) -> bool:
+    """Whether a server of this kind takes a broadcast push as one flat tensor per dtype (the
+    builtin engine's `flattened_bucket`; SGLang's servers take one tensor per name)."""
+    return kind == "builtin"
 
 
 EngineActor = ray.remote(num_cpus=0)(EngineServer)

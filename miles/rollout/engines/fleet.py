@@ -46,12 +46,13 @@ import httpx
 import ray
 from ray.exceptions import RayActorError
 
-from miles.rollout.engines.engine_actor import EngineActor
+from miles.rollout.engines.engine_actor import EngineActor, takes_bucketed_pushes
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
 from miles.backends.weight_sync import UpdateGroupSpec
 from miles.utils import placement
 from miles.utils.arguments import MilesConfig
+from miles.utils.http_client import LoopClient
 from miles.utils.network import cluster_host
 from miles.utils.types import LoraPush, LoraUpdateMode, SlotPush, engine_lora_name
 
@@ -116,10 +117,8 @@ class EngineFleet:
         """Engine -> (time of the next restore attempt, failed attempts in a row)."""
         self._watcher: asyncio.Task | None = None
         self._closed = False
-        self._http: httpx.AsyncClient | None = None
-        """The health checks' client, made once per event loop (a new client builds an SSL
-        context: ~16 ms of CPU, every round for every engine otherwise)."""
-        self._http_loop: asyncio.AbstractEventLoop | None = None
+        self._http = LoopClient(timeout=HEALTH_TIMEOUT_S)
+        """The health checks' client (one for every round and engine)."""
 
     @property
     def router_url(self) -> str:
@@ -213,7 +212,7 @@ class EngineFleet:
         """(process-group backend, ranks per engine, whether pushes go as one flat tensor per
         dtype) of a weights-update group with these engines."""
         return ("nccl" if self.cfg.server.device == "cuda" else "gloo"), self._ranks_per_engine(), \
-            self.cfg.server.kind == "builtin"
+            takes_bucketed_pushes(self.cfg.server.kind)
 
     async def join_update_group(self, spec: UpdateGroupSpec) -> None:
         """Every engine joins `spec` (returns once the sender joined too)."""
@@ -290,11 +289,8 @@ class EngineFleet:
                 self._restores[i] = asyncio.create_task(self._restore(i, answer[0]), name=f"engine-{i}-restore")
 
     async def _healthy(self, url: str) -> bool:
-        loop = asyncio.get_running_loop()
-        if self._http is None or self._http_loop is not loop:
-            self._http, self._http_loop = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False), loop
         try:
-            return (await self._http.get(url + "/health")).status_code == 200
+            return (await self._http.get().get(url + "/health")).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -348,8 +344,7 @@ class EngineFleet:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._http is not None and self._http_loop is asyncio.get_running_loop():
-            await self._http.aclose()
+        await self._http.aclose()
         await self.router.shutdown()
         results = await asyncio.gather(*[e.shutdown.remote() for e in self.engines], return_exceptions=True)
         for engine, result in zip(self.engines, results):
