@@ -202,6 +202,12 @@ class TrainingBackend(Protocol):
     async def export_adapter(self, name: str) -> LoraExport:
         """The adapter's current LoRA tensors for a weight push."""
 
+    async def fresh_export(self, spec: AdapterSpec) -> LoraExport | None:
+        """What `export_adapter` will give once `load_adapter(spec)` has loaded the adapter,
+        when that load is fresh (None when a checkpoint under `spec.save_dir` would resume it).
+        Touches no slot and may run while a train call does: the driver pushes a new
+        registration to the engines without waiting for the loop's next iteration."""
+
     async def update_group_endpoint(self) -> tuple[str, int]:
         """Host and free port where the exporting rank hosts a weights-update group's rendezvous
         (its node's address when the cluster has more than one node, else loopback)."""

@@ -205,6 +205,9 @@ class MultiLoRAController:
     async def snapshot(self) -> MultiLoRASnapshot:
         return self.backend.snapshot()
 
+    async def wait_for_registration(self, after: int, timeout_s: float) -> int:
+        return await self.backend.wait_for_registration(after, timeout_s)
+
     async def observe_rollout(self, gauges: dict[str, AdapterGauges]) -> None:
         self.backend.observe_rollout(gauges)
 

@@ -24,6 +24,7 @@ Subclass it to add checks or side effects and select the subclass with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import stat
@@ -113,6 +114,8 @@ class MultiLoRABackend:
         self._dataset_checks_running = 0
         self.registrations_total = 0
         self.deregistrations_total = 0
+        self._registered = asyncio.Event()
+        """Set (and replaced) at each registration: wakes `wait_for_registration`."""
         self.rollout_gauges: dict[str, AdapterGauges] = {}
         """What the driver last reported of each adapter's rollouts (served on `/metrics`)."""
         self._persist()
@@ -156,7 +159,17 @@ class MultiLoRABackend:
         slot = self.registry.register(name, resolved)  # checks again: the loop ran meanwhile
         self._persist()
         self.registrations_total += 1
+        self._registered.set()
+        self._registered = asyncio.Event()
         return slot
+
+    async def wait_for_registration(self, after: int, timeout_s: float) -> int:
+        """`registrations_total` once it exceeds `after`, or after `timeout_s` (a long poll: the
+        driver pushes a new adapter to the engines as soon as it is registered)."""
+        if self.registrations_total <= after:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._registered.wait(), timeout_s)
+        return self.registrations_total
 
     def _resolve(
         self, name: str, config: dict[str, Any] | AdapterRunConfig | None, yaml_path: str | None,

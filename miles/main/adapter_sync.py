@@ -8,9 +8,10 @@ after the stage's own calls, so the driver passes one snapshot down the loop:
     snapshot = await controller.snapshot.remote()
     snapshot = await sync.reconcile(snapshot)       # retire -> clean up -> load (resume)
     snapshot = await sync.update_weights(snapshot)  # push stale adapters, record versions
-    batch = await rollout_manager.generate.remote(rollout_id, snapshot)
-    await sync.exports_taken()                      # overlap_push: the stepped adapters' weights are exported
-    trained = await sync.train(rollout_id, batch)   # backend train + step (None: failed, not committed)
+    async with sync.activating():                   # new registrations reach the engines meanwhile
+        batch = await rollout_manager.generate.remote(rollout_id, snapshot)
+        await sync.exports_taken()                  # overlap_push: the stepped adapters' weights are exported
+        trained = await sync.train(rollout_id, batch)  # backend train + step (None: failed, not committed)
     snapshot = await sync.commit(rollout_id)        # registry steps; re-read
     await sync.save(snapshot)                       # on each adapter's save_interval
     snapshot = await sync.settle(snapshot)          # overlap_push: the stepped adapters' push has landed
@@ -37,13 +38,24 @@ the snapshot names; `settle` waits for the push (the loop calls it at the end of
 iteration; the next push, any cleanup and shutdown settle first). The snapshot the stage returns already names the exported
 versions, so staleness is counted against the weights the trainer holds. A new
 adapter's first push is never overlapped: it becomes ACTIVE when the stage returns.
+
+A registration need not wait for the loop's next iteration to become ACTIVE: while
+`activating()` is open (generate and train), the controller is long-polled for
+registrations (`wait_for_registration`), and each new adapter that would load fresh is
+pushed to the engines at once with the weights the backend will give it (`fresh_export`:
+the same seeded draws, computed without touching a slot, so it runs beside a train call)
+and recorded: it is ACTIVE within a push's time. The trainer loads it at the next reconcile, as any other, and does not push it
+again; the batch being collected never holds it (the collector samples the adapters of
+the iteration's snapshot). An adapter that would resume from a checkpoint waits for the
+reconcile. One that leaves before its load is unloaded from the engines there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -57,9 +69,12 @@ from miles.backends.base import (
     TrainResult,
 )
 from miles.main.engine_push import PushStats
-from miles.utils.types import DataPosition, MultiLoRASnapshot, RolloutBatch, next_slot_version
+from miles.utils.types import AdapterRun, DataPosition, MultiLoRASnapshot, RolloutBatch, next_slot_version
 
 logger = logging.getLogger(__name__)
+
+LONG_POLL_S = 1.0
+"""How long one `wait_for_registration` call waits on the controller before it answers."""
 
 
 @dataclass
@@ -121,6 +136,14 @@ class AdapterSync:
         self._exported: asyncio.Event | None = None
         """Set once the push behind the loop has its exports (the next train may change the weights)."""
         self._loaded: dict[str, _Loaded] = {}
+        self._early: dict[str, tuple[str, int]] = {}
+        """Adapters pushed by `activating()` and not loaded yet: name -> (registration id, slot)."""
+        self._resumes: set[str] = set()
+        """Registration ids `activating()` leaves to the reconcile (they resume from a checkpoint)."""
+        self._registrations_seen = -1
+        """The controller's registration count at the last look (-1: look at once)."""
+        self._push_lock = asyncio.Lock()
+        """One push at a time: the one behind the loop and an early activation share the engines' groups."""
         self.max_train_failures = max_train_failures
         self.train_failures = 0
         """Train calls failed in a row."""
@@ -161,6 +184,13 @@ class AdapterSync:
                 await self.pusher.unload(self._loaded[name].slot)
             del self._loaded[name]
             logger.info("Adapter '%s' cleaned up", name)
+        for name, (registration_id, slot) in sorted(self._early.items()):
+            run = live.get(name)
+            if run is None or run.registration_id != registration_id:  # left before its load
+                del self._early[name]
+                if self.pusher is not None:
+                    await self.pusher.unload(slot)
+                logger.info("Adapter '%s' left before the trainer loaded it; unloaded from the engines", name)
         for name in sorted(snapshot.cleanup):  # also those never loaded here: nothing to save
             if await self.controller.free_slot.remote(name) >= 0:
                 freed.append(name)
@@ -187,7 +217,10 @@ class AdapterSync:
                 # Before its first push: the adapter is PENDING, so nothing was sampled yet.
                 await self.rollout_manager.restore_data_position.remote(name, run.registration_id,
                                                                         loaded.data_position)
+            early = self._early.pop(name, None)
+            self._resumes.discard(run.registration_id)
             self._loaded[name] = _Loaded(registration_id=run.registration_id, slot=run.slot,
+                                         stale=early != (run.registration_id, run.slot) or loaded.checkpoint is not None,
                                          saves=spec.save_dir is not None,
                                          step=loaded.step, saved_step=loaded.step,
                                          samples_per_group=run.config.n_samples_per_prompt,
@@ -268,8 +301,9 @@ class AdapterSync:
         """Push the exports to every engine and record the new versions; returns the registry's."""
         live, names = snapshot.live, list(pushed)
         if self.pusher is not None:
-            stats = await self.pusher.push([(live[name].slot, pushed[name], export)
-                                            for name, export in zip(names, exports)])
+            async with self._push_lock:
+                stats = await self.pusher.push([(live[name].slot, pushed[name], export)
+                                                for name, export in zip(names, exports)])
             self.last_push = stats
             self._pushes.append(stats)
             logger.info("Pushed %d adapter(s), %d bytes per engine, in %.3fs", stats.adapters, stats.bytes,
@@ -280,6 +314,58 @@ class AdapterSync:
                 logger.warning("Adapter '%s' was pushed as version %s but the registry recorded %s",
                                name, pushed[name], versions.get(name))
         return versions
+
+    # ---- early activation ---------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def activating(self) -> AsyncIterator[None]:
+        """While the block runs, push new registrations to the engines as they arrive (see the
+        module docstring). On exit an activation under way finishes; its error is raised."""
+        stop = asyncio.Event()
+        task = asyncio.create_task(self._activate_until(stop))
+        try:
+            yield
+        except BaseException:
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)  # the block's own error wins
+            raise
+        stop.set()
+        await task
+
+    async def _activate_until(self, stop: asyncio.Event) -> None:
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            while True:
+                seen = self._registrations_seen
+                registered = asyncio.ensure_future(self.controller.wait_for_registration.remote(seen, LONG_POLL_S))
+                await asyncio.wait({registered, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                if stopped.done():  # the poll's answer (at most LONG_POLL_S away) is not needed
+                    registered.cancel()
+                    return
+                total = registered.result()
+                if total == seen:
+                    continue
+                self._registrations_seen = total
+                snapshot = await self.controller.snapshot.remote()
+                new = [run for name, run in sorted(snapshot.pending.items()) if name not in self._loaded
+                       and name not in self._early and run.registration_id not in self._resumes]
+                if new:
+                    await self._activate(snapshot, new)
+        finally:
+            stopped.cancel()
+
+    async def _activate(self, snapshot: MultiLoRASnapshot, runs: list[AdapterRun]) -> None:
+        exports = await asyncio.gather(*(self.backend.fresh_export(AdapterSpec.from_run(run)) for run in runs))
+        fresh = [(run, export) for run, export in zip(runs, exports) if export is not None]
+        self._resumes.update(run.registration_id for run, export in zip(runs, exports) if export is None)
+        if not fresh:
+            return
+        pushed = {run.name: next_slot_version(run.version) for run, _ in fresh}
+        await self._send(snapshot, [export for _, export in fresh], pushed)
+        for run, _ in fresh:
+            self._early[run.name] = (run.registration_id, run.slot)
+            logger.info("Adapter '%s' pushed to the engines during the iteration; the trainer loads it at the next",
+                        run.name)
 
     def pop_push_metrics(self) -> dict[str, float]:
         """The pushes since the last call, summed, for the loop's record (nothing if none):

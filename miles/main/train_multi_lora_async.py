@@ -10,7 +10,8 @@ batch of whole prompt groups -> train (per-adapter accumulation and steps) -> co
 the batch -> save on each adapter's cadence. With `--overlap-weight-push` (the default)
 the export of the adapters that stepped runs behind generate (train waits for it) and
 their push behind generate and train; the loop waits for the push at the end of the
-iteration. In service mode (the default) it idles
+iteration. A registration that arrives during generate or train is pushed to the engines
+then (ACTIVE at once) and loaded by the trainer at the next reconcile. In service mode (the default) it idles
 while no adapter is registered; SIGINT/SIGTERM save every loaded adapter and exit 0.
 """
 
@@ -63,14 +64,15 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             snapshot = await c.sync.update_weights(snapshot)
         if not snapshot.sampleable:
             continue
-        with timer("generate"):
-            rollout = await generate_or_none(c, rollout_id, snapshot)
-        if rollout is None:
-            continue
-        with timer("export_wait"):  # the push behind the loop takes its weights before train changes them
-            await c.sync.exports_taken()
-        with timer("train"):
-            trained = await c.sync.train(rollout_id, rollout)
+        async with c.sync.activating():  # registrations arriving meanwhile go to the engines at once
+            with timer("generate"):
+                rollout = await generate_or_none(c, rollout_id, snapshot)
+            if rollout is None:
+                continue
+            with timer("export_wait"):  # the push behind the loop takes its weights before train changes them
+                await c.sync.exports_taken()
+            with timer("train"):
+                trained = await c.sync.train(rollout_id, rollout)
         if trained is None:  # dropped: the registry never counts it, the backend took it back
             rollout_id += 1
             continue

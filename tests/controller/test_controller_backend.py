@@ -40,6 +40,18 @@ async def test_register_resolves_and_validates(data_root: Path, defaults: Adapte
     assert backend.registrations_total == 1
 
 
+async def test_wait_for_registration_wakes_at_a_registration(data_root: Path, defaults: AdapterDefaults) -> None:
+    backend = make_backend(defaults)
+    data = str(data_root / "data" / "train.jsonl")
+    assert await backend.wait_for_registration(-1, 60.0) == 0  # already past: answers at once
+    waiting = asyncio.create_task(backend.wait_for_registration(0, 60.0))
+    await asyncio.sleep(0)
+    await backend.register("a", config={"data": data})
+    async with asyncio.timeout(5):  # woken by the registration, long before its 60 s
+        assert await waiting == 1
+    assert await backend.wait_for_registration(1, 0.01) == 1  # nothing new: answers after its timeout
+
+
 async def test_register_from_yaml(data_root: Path, defaults: AdapterDefaults) -> None:
     yaml_path = data_root / "b.yaml"
     yaml_path.write_text(f"data: {data_root / 'data' / 'train.jsonl'}\nnum_step: 3\n")

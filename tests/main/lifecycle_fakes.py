@@ -75,6 +75,9 @@ class InProcessController:
     def snapshot(self) -> MultiLoRASnapshot:
         return self.backend.snapshot()
 
+    async def wait_for_registration(self, after: int, timeout_s: float) -> int:
+        return await self.backend.wait_for_registration(after, timeout_s)
+
     async def retire_adapters(self) -> list[str]:
         return await self.backend.retire_adapters()
 
@@ -118,6 +121,8 @@ class FakeBackend:
     fail_train: bool = False
     train_gate: asyncio.Event | None = None
     """When set, `train` waits for it first (lets a test order concurrent work)."""
+    training: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a train call starts."""
 
     async def start(self) -> None:
         self.calls.append(("start", ""))
@@ -145,6 +150,12 @@ class FakeBackend:
         spec = self.specs[name]
         return LoraExport(peft_config={"r": spec.rank}, tensors={"w": self.weights[name]})
 
+    async def fresh_export(self, spec: AdapterSpec) -> LoraExport | None:
+        if self.disk.get(spec.save_dir or ""):
+            return None  # `load_adapter` would resume it
+        self.calls.append(("fresh_export", spec.name))
+        return LoraExport(peft_config={"r": spec.rank}, tensors={"w": 0.0})
+
     # Weights-update group: `RecordingPusher` takes exports as they are, so nothing is sent.
     async def update_group_endpoint(self) -> tuple[str, int]:
         return "127.0.0.1", 0
@@ -160,6 +171,7 @@ class FakeBackend:
         return {}
 
     async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
+        self.training.set()
         if self.train_gate is not None:
             await self.train_gate.wait()
         if self.fail_train:

@@ -32,9 +32,11 @@ from miles.backends.lora.peft_io import (
 )
 from miles.backends.lora.slots import (
     clear_slot,
+    fresh_slot_weights,
     get_slot_weights,
     init_slot,
     peft_names,
+    peft_tensors,
     set_slot_weights,
     slot_rank_alpha,
 )
@@ -46,6 +48,7 @@ __all__ = [
     "active_routing",
     "clear_slot",
     "export_peft_adapter",
+    "fresh_slot_weights",
     "get_slot_weights",
     "init_slot",
     "inject_multi_lora",
@@ -54,6 +57,7 @@ __all__ = [
     "lora_modules",
     "peft_adapter_config",
     "peft_names",
+    "peft_tensors",
     "read_peft_dir",
     "restore_routing",
     "set_delta_mode",

@@ -31,22 +31,40 @@ def _check_slot(modules: dict[str, MultiLoRALinear], slot: int) -> None:
         raise ValueError(f"slot {slot} does not exist: the page table has {n_slots} slots (0..{n_slots - 1})")
 
 
+def fresh_slot_weights(model: nn.Module, *, rank: int, generator: torch.Generator | None = None
+                       ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A fresh adapter's (A [rank, in], B [out, rank]) per module name, not written anywhere.
+
+    A is kaiming_uniform(a=sqrt(5)) (PEFT's default), drawn on the CPU from `generator` in
+    module order, so a seed gives the same adapter anywhere; B is zero.
+    """
+    modules = _require_lora(model)
+    _check_rank(rank, next(iter(modules.values())).max_rank)
+    out = {}
+    for name, module in modules.items():
+        a = torch.empty(rank, module.in_features, dtype=torch.float32)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        out[name] = (a, torch.zeros(module.out_features, rank, dtype=torch.float32))
+    return out
+
+
 def init_slot(
     model: nn.Module, slot: int, *, rank: int, alpha: float, generator: torch.Generator | None = None
 ) -> None:
-    """Fresh adapter in `slot`: A as PEFT initialises it, B zero, scaling alpha / rank.
-
-    A's [rank, in] block is kaiming_uniform(a=sqrt(5)) (PEFT's default), drawn on the
-    CPU from `generator` in module order, so a seed gives the same adapter anywhere.
-    """
+    """Fresh adapter in `slot` (`fresh_slot_weights`), scaling alpha / rank."""
     modules = _require_lora(model)
     _check_slot(modules, slot)
-    _check_rank(rank, next(iter(modules.values())).max_rank)
-    for module in modules.values():
-        a = torch.empty(rank, module.in_features, dtype=torch.float32)
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-        b = torch.zeros(module.out_features, rank, dtype=torch.float32)
-        module.set_slot(slot, a, b, alpha=alpha)
+    for name, (a, b) in fresh_slot_weights(model, rank=rank, generator=generator).items():
+        modules[name].set_slot(slot, a, b, alpha=alpha)
+
+
+def peft_tensors(weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """`{module name: (A, B)}` in PEFT's names."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (a, b) in weights.items():
+        a_name, b_name = peft_names(name)
+        tensors[a_name], tensors[b_name] = a, b
+    return tensors
 
 
 def clear_slot(model: nn.Module, slot: int) -> None:
@@ -126,8 +144,4 @@ def get_slot_weights(model: nn.Module, slot: int) -> dict[str, torch.Tensor]:
     _check_slot(modules, slot)
     if next(iter(modules.values())).ranks[slot] == 0:
         raise ValueError(f"slot {slot} is empty: init_slot or load an adapter into it first")
-    tensors: dict[str, torch.Tensor] = {}
-    for name, module in modules.items():
-        a_name, b_name = peft_names(name)
-        tensors[a_name], tensors[b_name] = module.slot_tensors(slot)
-    return tensors
+    return peft_tensors({name: module.slot_tensors(slot) for name, module in modules.items()})

@@ -151,6 +151,9 @@ class MegatronTrainActor(TorchTrainActor):
     def _init_slot(self, spec: AdapterSpec, generator: torch.Generator) -> None:
         mlora.init_slot(self.parts, spec.slot, rank=spec.rank, alpha=spec.alpha, generator=generator)
 
+    def _fresh_weights(self, spec: AdapterSpec, generator: torch.Generator) -> dict[str, tuple[Tensor, Tensor]]:
+        return mlora.fresh_slot_weights(self.parts, rank=spec.rank, generator=generator)
+
     def _load_slot_weights(self, spec: AdapterSpec, path: Path) -> None:
         self.load_peft_dir(spec.slot, path)
 

@@ -366,14 +366,23 @@ def lora_parts(model: nn.Module) -> dict[str, LoRAPart]:
 # ---- slots, in PEFT names (whole tensors) ---------------------------------------------
 
 
-def init_slot(parts: dict[str, LoRAPart], slot: int, *, rank: int, alpha: float,
-              generator: torch.Generator | None = None) -> None:
-    """Fresh adapter: A drawn exactly as `miles.backends.lora.init_slot` draws it (same
-    generator, HF module order, whole shapes, then sharded), B zero."""
-    for part in parts.values():
+def fresh_slot_weights(parts: dict[str, LoRAPart], *, rank: int, generator: torch.Generator | None = None
+                       ) -> dict[str, tuple[Tensor, Tensor]]:
+    """A fresh adapter's whole (A, B) per HF module name, drawn exactly as
+    `miles.backends.lora.fresh_slot_weights` draws them (same generator, HF module order), B zero."""
+    out = {}
+    for name, part in parts.items():
         a = torch.empty(rank, part.in_features, dtype=torch.float32)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-        part.set_slot(slot, a, torch.zeros(part.out_features, rank), alpha=alpha)
+        out[name] = (a, torch.zeros(part.out_features, rank))
+    return out
+
+
+def init_slot(parts: dict[str, LoRAPart], slot: int, *, rank: int, alpha: float,
+              generator: torch.Generator | None = None) -> None:
+    """Fresh adapter (`fresh_slot_weights`), each part's share written to its slot."""
+    for name, (a, b) in fresh_slot_weights(parts, rank=rank, generator=generator).items():
+        parts[name].set_slot(slot, a, b, alpha=alpha)
 
 
 def set_slot_weights(parts: dict[str, LoRAPart], slot: int, tensors: dict[str, Tensor], *, rank: int,

@@ -36,12 +36,14 @@ from torch import Tensor
 from miles.backends.lora import (
     clear_slot,
     export_peft_adapter,
+    fresh_slot_weights,
     get_slot_weights,
     init_slot,
     inject_multi_lora,
     load_peft_adapter,
     lora_modules,
     peft_adapter_config,
+    peft_tensors,
     use_slots,
 )
 from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult
@@ -384,6 +386,10 @@ class TorchTrainActor:
         """A fresh adapter in its slot: A seeded by `generator`, B zero."""
         init_slot(self.model, spec.slot, rank=spec.rank, alpha=spec.alpha, generator=generator)
 
+    def _fresh_weights(self, spec: AdapterSpec, generator: torch.Generator) -> dict[str, tuple[Tensor, Tensor]]:
+        """What `_init_slot` writes, per module name, not written."""
+        return fresh_slot_weights(self.model, rank=spec.rank, generator=generator)
+
     def _load_slot_weights(self, spec: AdapterSpec, path: Path) -> None:
         """The LoRA weights of the PEFT directory `path` into the adapter's slot."""
         load_peft_adapter(self.model, spec.slot, path)
@@ -700,8 +706,22 @@ class TorchTrainActor:
         tensors = self.export_adapter(name)
         return tensors, (self.peft_config(name), *self.tensor_metadata(tensors))
 
+    @ray.method(concurrency_group=WEIGHT_PUSH)
+    def fresh_export_for_push(self, spec: AdapterSpec) -> tuple[dict[str, Tensor], tuple[dict[str, Any], list[str],
+                                                                                       list[str], list[list[int]], int]]:
+        """What `export_for_push` will give once `load_adapter(spec)` has put the fresh adapter
+        in its slot (the same seeded draws), computed without touching the model: on the push
+        thread, so a registration can reach the engines while a train call runs."""
+        if not 0 < spec.rank <= self.config.lora_rank:
+            raise ValueError(f"adapter '{spec.name}' has rank {spec.rank}; it must be in 1..{self.config.lora_rank} (--lora-rank)")
+        generator = torch.Generator().manual_seed(adapter_seed(self.config.seed, spec.name))
+        tensors = peft_tensors(self._fresh_weights(spec, generator))
+        return tensors, (self._peft_config(spec), *self.tensor_metadata(tensors))
+
     def peft_config(self, name: str) -> dict[str, Any]:
-        spec = self._loaded(name).spec
+        return self._peft_config(self._loaded(name).spec)
+
+    def _peft_config(self, spec: AdapterSpec) -> dict[str, Any]:
         return peft_adapter_config(
             rank=spec.rank, alpha=spec.alpha, target_modules=self.target_short_names,
             base_model_name_or_path=self.config.hf_checkpoint,

@@ -165,9 +165,15 @@ class TrainGroup:
         """Rank 0's export (`joining`: the calls of the other ranks that take part, awaited too)."""
         tensors_ref, described = self._actors[0].export_for_push.options(num_returns=2).remote(name)
         await asyncio.gather(*joining)
-        peft_config, names, dtypes, shapes, nbytes = await described
-        return LoraExport(peft_config=peft_config, tensors=tensors_ref, names=names, dtypes=dtypes, shapes=shapes,
-                          nbytes=nbytes)
+        return _lora_export(tensors_ref, await described)
+
+    async def fresh_export(self, spec: AdapterSpec) -> LoraExport | None:
+        """Rank 0 draws the fresh adapter `load_adapter` would put in the slot, on its push
+        thread (a train call may be running); None when a checkpoint would resume it."""
+        if spec.save_dir and latest_checkpoint(spec.save_dir) is not None:
+            return None
+        tensors_ref, described = self._actors[0].fresh_export_for_push.options(num_returns=2).remote(spec)
+        return _lora_export(tensors_ref, await described)
 
     # ---- weights-update group (rank 0 exports, so rank 0 sends) -------------------------
 
@@ -321,6 +327,13 @@ class TrainGroup:
         self._specs.clear()
         placement.remove(self._placement)
         self._placement = None
+
+
+def _lora_export(tensors_ref: Any, described: tuple[dict[str, Any], list[str], list[str], list[list[int]], int]
+                 ) -> LoraExport:
+    peft_config, names, dtypes, shapes, nbytes = described
+    return LoraExport(peft_config=peft_config, tensors=tensors_ref, names=names, dtypes=dtypes, shapes=shapes,
+                      nbytes=nbytes)
 
 
 def _rank_error(exc: BaseException, doing: str) -> BaseException:

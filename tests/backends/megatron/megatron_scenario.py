@@ -6,7 +6,8 @@ DP replica) that play `SCRIPT` and leave what they saw in `work/megatron.pt`;
 The tests compare the two. The script:
 
 1. adapters a (slot 0), b (slot 2), c (slot 1) loaded fresh, then given random A and B
-   (seeded) so every LoRA gradient is non-zero; "fresh" keeps the fresh export of a;
+   (seeded) so every LoRA gradient is non-zero; "fresh" keeps the fresh export of a,
+   "fresh_export" what `fresh_export_for_push` gave for a before the load;
 2. "logits": logits of one mixed batch (slots 0, 2, -1, 1, 0) and response logprobs of
    a mixed batch of a, b, c samples and base-only copies;
 3. one train call of a and b samples, then a step of a and b only ("step1": a, b, c
@@ -70,8 +71,10 @@ def logit_input_ids() -> torch.Tensor:
 def play(actor, *, set_weights, logits_fn, save_dir: Path, torch_ckpt: Path) -> dict:
     """The script, on one rank of either backend; returns what it saw (rank 0's matters)."""
     seen: dict = {}
-    for name, slot in SLOTS.items():
-        actor.load_adapter(spec(name, slot, rank=RANK, global_batch_size=6, save_dir=save_dir / name))
+    specs = {name: spec(name, slot, rank=RANK, global_batch_size=6, save_dir=save_dir / name) for name, slot in SLOTS.items()}
+    seen["fresh_export"] = actor.fresh_export_for_push(specs["a"])  # before the load, as a registration's push
+    for name in SLOTS:
+        actor.load_adapter(specs[name])
     seen["fresh"] = actor.export_adapter("a")
     shapes = {k: v.shape for k, v in seen["fresh"].items()} if seen["fresh"] else None
     shapes = _broadcast_shapes(shapes)

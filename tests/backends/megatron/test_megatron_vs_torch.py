@@ -55,6 +55,12 @@ def test_fresh_adapter_equals_torch_init(runs):
     _, _, meg, ref = runs
     assert meg["fresh"].keys() == ref["fresh"].keys()
     assert max_abs_diff(meg["fresh"], ref["fresh"]) == 0.0
+    # What a registration is pushed with before any rank loads it is what the load gives.
+    for seen in (meg, ref):
+        tensors, (peft_config, names, _, shapes, nbytes) = seen["fresh_export"]
+        assert max_abs_diff(tensors, seen["fresh"]) == 0.0
+        assert names == list(tensors) and shapes == [list(t.shape) for t in tensors.values()]
+        assert peft_config["r"] == 4 and nbytes == sum(t.numel() * 4 for t in tensors.values())
 
 
 def test_logits_and_logprobs_of_mixed_slots_equal_torch(runs):

@@ -188,3 +188,18 @@ def test_bf16_base_keeps_fp32_lora_weights_and_moments(tiny_model_dir):
     # (spacing ~5e-4 there); in fp32 it lands: 1e-5 * 0.526 / 0.707 at the first nonzero gradient.
     delta_a = max(float((after[k] - before[k]).abs().max()) for k in after if "lora_A" in k)
     assert delta_a == pytest.approx(1e-5 * (0.1 / 0.19) / (0.001 / 0.001999) ** 0.5, rel=0.01)
+
+
+def test_fresh_export_for_push_is_what_the_load_gives(tiny_model_dir):
+    """A registration is pushed to the engines before the rank loads it: with these weights."""
+    actor = new_actor(tiny_model_dir)
+    actor.load_adapter(spec("other", 0))
+    before = actor.export_adapter("other")
+    tensors, described = actor.fresh_export_for_push(spec("new", 2, rank=3))
+    assert all(torch.equal(actor.export_adapter("other")[k], before[k]) for k in before)  # nothing written
+    actor.load_adapter(spec("new", 2, rank=3))
+    loaded, loaded_described = actor.export_for_push("new")
+    assert list(tensors) == list(loaded) and all(torch.equal(tensors[k], loaded[k]) for k in loaded)
+    assert described == loaded_described
+    with pytest.raises(ValueError, match="rank 9"):
+        actor.fresh_export_for_push(spec("wide", 1, rank=9))
