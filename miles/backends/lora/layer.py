@@ -14,13 +14,16 @@ The delta of each layer is computed either per slot segment (one pair of GEMMs p
 present in the batch; best for the long, slot-sorted sequences of training) or grouped:
 the rows are gathered into one [slot, rows, features] block per present adapter and run
 through one pair of batched GEMMs against the adapters' A and B, read in place (best for
-unsorted batches and sorted ones of equal counts), or stacked: every slot up to the highest present one as one wide
-LoRA, each row scaled on its own slot's columns (three ops whatever the mix: best for
-decode steps, whose GEMMs have a few rows). All give the same numbers.
+unsorted batches and sorted ones of equal counts), or stacked: every slot up to the
+highest present one as one wide LoRA, each row scaled on its own slot's columns (three
+ops whatever the mix: best for decode steps with a few rows), or jagged: the rows sorted
+by slot through one grouped GEMM pair against each slot's own A and B
+(`torch._grouped_mm`: decode steps with many rows, where the stacked path's work on the
+other slots' columns dominates). All give the same numbers.
 Everything that depends only on the batch (row grouping, per-row scale) is computed once
 per batch in `SlotBatch`, and `use_slots` keeps one per distinct slot list, so that the
 steps of a decode loop share it; each layer keeps the operands of its last no-grad stacked
-step (`_DecodePlan`) while the batch and its weights stay the same.
+or jagged step (`_DecodePlan`) while the batch and its weights stay the same.
 """
 
 from __future__ import annotations
@@ -38,7 +41,14 @@ from typing import Literal
 import torch
 from torch import nn
 
-DeltaMode = Literal["auto", "segment", "gather", "stacked"]
+DeltaMode = Literal["auto", "segment", "gather", "stacked", "jagged"]
+
+HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+JAGGED_MIN_SAVED_MACS = 1_500_000
+"""A decode step takes the jagged path when the stacked one would spend at least this many
+multiply-adds per layer on other slots' columns (rows x (M - 1) x max_rank x (in + out)):
+about what the grouped GEMMs' fixed cost buys on a CPU core (measured: 16 rows of 8
+adapters on a 128-wide layer stay stacked, 64 rows or a 576-wide layer go jagged)."""
 
 @dataclass(frozen=True)
 class SlotBatch:
@@ -75,6 +85,14 @@ class SlotBatch:
     grouped_in_place: bool = False
     """The batch is already the grouped layout (sorted by slot, equal counts, no base-only
     rows): the grouped path reshapes instead of copying rows."""
+    jagged_rows_N: torch.Tensor | None = None
+    """Jagged layout: the rows of slots >= 0, stable-sorted by slot (long)."""
+    jagged_offs_M: torch.Tensor | None = None
+    """End of each slot's rows in `jagged_rows_N`, for slots 0..M-1 (int32; empty groups repeat)."""
+    jagged_scale_N1: torch.Tensor | None = None
+    """Each jagged row's alpha / rank (float32, with `scales` given)."""
+    jagged_in_order: bool = False
+    """`jagged_rows_N` is every row in order (sorted by slot, no base-only rows): no gather."""
 
     @classmethod
     def build(
@@ -115,13 +133,18 @@ class SlotBatch:
             if slot < 0:
                 place[row] = pad_place
         valid_PG = torch.tensor(valid, dtype=torch.float32)
+        jagged_rows = sorted((row for row, slot in enumerate(values) if slot >= 0), key=lambda row: values[row])
+        counts = [len(by_slot.get(slot, ())) for slot in range(present[-1] + 1)]
         batch_scales: tuple[float, ...] = ()
-        scale_PG = scale_cols_BC = None
+        scale_PG = scale_cols_BC = jagged_scale_N1 = None
         if scales is not None:
             batch_scales = tuple(float(scales[s]) if s < len(scales) else 0.0 for s in present)
             scale_PG = (valid_PG * torch.tensor(batch_scales, dtype=torch.float32)[:, None]).to(device)
             if max_rank is not None:
                 scale_cols_BC = _scale_columns(values, present, batch_scales, max_rank).to(device)
+            scale_of = dict(zip(present, batch_scales))
+            jagged_scale_N1 = torch.tensor([[scale_of[values[row]]] for row in jagged_rows], dtype=torch.float32,
+                                           device=device)
         return cls(
             ids.to(device), present, rows, single, runs,
             group_rows_PG=torch.tensor(grid, dtype=torch.long, device=device),
@@ -130,6 +153,9 @@ class SlotBatch:
             slot_scales=None if scales is None else tuple(float(v) for v in scales),
             present_P=torch.tensor(present, dtype=torch.long, device=device),
             grouped_in_place=runs is not None and -1 not in values and len({n for _, n in runs}) == 1,
+            jagged_rows_N=torch.tensor(jagged_rows, dtype=torch.long, device=device),
+            jagged_offs_M=torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=device),
+            jagged_scale_N1=jagged_scale_N1, jagged_in_order=jagged_rows == list(range(len(values))),
         )
 
     @property
@@ -177,6 +203,8 @@ class MultiLoRALinear(nn.Module):
         self.ranks: list[int] = [0] * n_slots
         self.alphas: list[float] = [0.0] * n_slots
         self.delta_mode: DeltaMode = "auto"
+        self.jagged_min_saved_macs: float = JAGGED_MIN_SAVED_MACS
+        """Where "auto" turns decode steps from stacked to jagged (inf: never)."""
         # B as [n_slots * max_rank, out] for the stacked path, keyed by B's storage and
         # version counter (every in-place write to B, e.g. set_slot or an optimizer step
         # through `detach()`, bumps the version).
@@ -213,16 +241,15 @@ class MultiLoRALinear(nn.Module):
             return out
         plan = self._decode_plan
         if plan is not None and plan.fits(self, x, batch):
-            # A decode step like the last one: the stacked path's three ops, nothing else.
-            h_NC = torch.mm(x.reshape(-1, self.base.in_features), plan.a_IC)
-            h_NC.mul_(plan.scale_BC)
-            return torch.addmm(out.reshape(-1, plan.b_CO.shape[1]), h_NC, plan.b_CO).reshape(out.shape)
+            return plan.run(x, out)  # a decode step like the last one: its ops, nothing else
         if x.shape[0] != batch.batch_size:
             raise ValueError(
                 f"use_slots gave {batch.batch_size} slot ids but the layer input has batch size "
                 f"{x.shape[0]}: pass one slot id per sample (row of input_ids)"
             )
         mode = self._pick_mode(x, batch)
+        if mode == "jagged":
+            return self._add_jagged_delta(out, x, batch)
         if mode == "stacked":
             return self._add_stacked_delta(out, x, batch)
         if mode == "gather":
@@ -235,9 +262,14 @@ class MultiLoRALinear(nn.Module):
         if batch.single_slot is not None:
             return "segment"
         tokens_per_sample = x.shape[1] if x.dim() == 3 else 1
-        # Decode steps of several adapters: a handful of rows, so the cost is the number of
-        # ops, not FLOPs; the stacked path is three (GEMM, scale, GEMM) whatever the mix.
+        # Decode steps of several adapters. With a handful of rows the cost is the number of
+        # ops: the stacked path is three (GEMM, scale, GEMM) whatever the mix, but computes
+        # every slot up to the highest present one for every row. Past JAGGED_MIN_SAVED_MACS
+        # of that waste, one grouped GEMM pair over each slot's own rows is cheaper.
         if tokens_per_sample == 1:
+            wasted = batch.batch_size * batch.present[-1] * self.max_rank * (self.in_features + self.out_features)
+            if HAS_GROUPED_MM and wasted >= self.jagged_min_saved_macs and not _training(self):
+                return "jagged"
             return "stacked"
         # Unsorted batches and sorted batches with equal slot counts (a reshape, no copy):
         # one batched GEMM pair beats a GEMM pair (and a scatter) per slot. Sorted batches
@@ -268,7 +300,8 @@ class MultiLoRALinear(nn.Module):
         out_NO = out.reshape(-1, self.out_features)
         if out_NO.dtype == h_NC.dtype:
             if rows_per_sample == 1 and x.dtype == a_CI.dtype and not _training(self):
-                self._decode_plan = _DecodePlan(self, x, batch, a_CI.detach().transpose(0, 1), scale_BC, b_CO)
+                self._decode_plan = _DecodePlan(self, x, batch, functools.partial(
+                    _stacked_step, a_CI.detach().transpose(0, 1), scale_BC, b_CO, self.in_features))
             return torch.addmm(out_NO, h_NC, b_CO).reshape(out.shape)
         return out + (h_NC @ b_CO).to(out.dtype).reshape(out.shape)
 
@@ -281,6 +314,37 @@ class MultiLoRALinear(nn.Module):
         if self._stacked_b_cache is None or self._stacked_b_cache[0] != key:
             self._stacked_b_cache = (key, b.detach().transpose(1, 2).reshape(-1, self.out_features).contiguous())
         return self._stacked_b_cache[1]
+
+    def _add_jagged_delta(self, out: torch.Tensor, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+        """`out` plus the delta of every row from its own slot only: the rows sorted by slot
+        (a gather, unless they already are), one grouped GEMM against the slots' A and one
+        against their B (`torch._grouped_mm`, both read in place), each row scaled in
+        between, added back in place. No grad: for decode steps with many rows, where the
+        stacked path's work on every slot's columns outgrows its saving in ops.
+        """
+        if x.shape[1:-1].numel() != 1 or _training(self):
+            raise ValueError("the jagged delta runs decode steps only: one token per sample, no grad")
+        n_slots = batch.present[-1] + 1
+        scale_N1 = batch.jagged_scale_N1
+        if scale_N1 is None or batch.slot_scales != self.slot_scales:
+            slots_N = batch.slot_ids_B.index_select(0, batch.jagged_rows_N)
+            scale_N1 = self.scaling.index_select(0, slots_N)[:, None]
+        a_MIR = self.lora_A.detach()[:n_slots].transpose(1, 2)
+        b_MRO = self.lora_B.detach()[:n_slots].transpose(1, 2)
+        rows_N, offs_M, in_order = batch.jagged_rows_N, batch.jagged_offs_M, batch.jagged_in_order
+        scale_N1 = scale_N1.to(a_MIR.dtype)
+        if x.dtype == a_MIR.dtype and out.dtype == a_MIR.dtype:
+            plan = _DecodePlan(self, x, batch, functools.partial(_jagged_step, rows_N, offs_M, in_order, a_MIR,
+                                                                  scale_N1, b_MRO, self.in_features))
+            self._decode_plan = plan
+            return plan.run(x, out)
+        x_NI = x.reshape(-1, self.in_features).to(a_MIR.dtype)
+        if not in_order:
+            x_NI = x_NI.index_select(0, rows_N)
+        h_NR = torch._grouped_mm(x_NI, a_MIR, offs=offs_M).mul_(scale_N1)
+        delta_NO = torch._grouped_mm(h_NR, b_MRO, offs=offs_M).to(out.dtype)
+        out_NO = out.reshape(-1, self.out_features)
+        return (out_NO.add_(delta_NO) if in_order else out_NO.index_add_(0, rows_N, delta_NO)).reshape(out.shape)
 
     def _slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         rank = self.ranks[slot]
@@ -395,23 +459,22 @@ def _training(layer: MultiLoRALinear) -> bool:
 
 
 class _DecodePlan:
-    """The operands of one layer's stacked decode step, kept for the next step.
+    """One layer's decode step, kept for the next step: `run(x, out)` with its operands bound.
 
     Valid while the step runs the same `SlotBatch` object (cached per slot list by
     `use_slots`) on an input of the same size and dtype, with A and B unchanged (same
     storage and version counter: a slot load or an optimizer step bumps it) and the same
-    delta mode and slot scales. Then a step is GEMM, in-place scale, addmm: the same ops
-    and numbers as `_add_stacked_delta`, without its Python.
+    delta mode and slot scales. Then a step is the path's ops and numbers (`_stacked_step`,
+    `_jagged_step`) without its Python.
     """
 
-    __slots__ = ("batch", "numel", "dtype", "a_key", "b_key", "delta_mode", "slot_scales", "a_IC", "scale_BC", "b_CO")
+    __slots__ = ("batch", "numel", "dtype", "a_key", "b_key", "delta_mode", "slot_scales", "step")
 
-    def __init__(self, layer: MultiLoRALinear, x: torch.Tensor, batch: SlotBatch, a_IC: torch.Tensor,
-                 scale_BC: torch.Tensor, b_CO: torch.Tensor):
+    def __init__(self, layer: MultiLoRALinear, x: torch.Tensor, batch: SlotBatch, step) -> None:
         self.batch, self.numel, self.dtype = batch, x.numel(), x.dtype
         self.a_key, self.b_key = _weight_key(layer.lora_A), _weight_key(layer.lora_B)
         self.delta_mode, self.slot_scales = layer.delta_mode, layer.slot_scales
-        self.a_IC, self.scale_BC, self.b_CO = a_IC, scale_BC, b_CO
+        self.step = step
 
     def fits(self, layer: MultiLoRALinear, x: torch.Tensor, batch: SlotBatch) -> bool:
         return (
@@ -420,6 +483,28 @@ class _DecodePlan:
             and not _training(layer)
             and _weight_key(layer.lora_A) == self.a_key and _weight_key(layer.lora_B) == self.b_key
         )
+
+    def run(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self.step(x, out)
+
+
+def _stacked_step(a_IC: torch.Tensor, scale_BC: torch.Tensor, b_CO: torch.Tensor, in_features: int,
+                  x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    h_NC = torch.mm(x.reshape(-1, in_features), a_IC)
+    h_NC.mul_(scale_BC)
+    return torch.addmm(out.reshape(-1, b_CO.shape[1]), h_NC, b_CO).reshape(out.shape)
+
+
+def _jagged_step(rows_N: torch.Tensor, offs_M: torch.Tensor, in_order: bool, a_MIR: torch.Tensor,
+                 scale_N1: torch.Tensor, b_MRO: torch.Tensor, in_features: int,
+                 x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    x_NI = x.reshape(-1, in_features)
+    if not in_order:
+        x_NI = x_NI.index_select(0, rows_N)
+    h_NR = torch._grouped_mm(x_NI, a_MIR, offs=offs_M).mul_(scale_N1)
+    delta_NO = torch._grouped_mm(h_NR, b_MRO, offs=offs_M)
+    out_NO = out.reshape(-1, b_MRO.shape[2])
+    return (out_NO.add_(delta_NO) if in_order else out_NO.index_add_(0, rows_N, delta_NO)).reshape(out.shape)
 
 
 def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
@@ -506,9 +591,9 @@ def slot_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def set_delta_mode(model: nn.Module, mode: DeltaMode) -> None:
-    """Force the segment, gather (grouped) or stacked path for every layer ("auto" picks per batch)."""
-    if mode not in ("auto", "segment", "gather", "stacked"):
-        raise ValueError(f"delta mode must be 'auto', 'segment', 'gather' or 'stacked', got {mode!r}")
+    """Force the segment, gather (grouped), stacked or jagged path for every layer ("auto" picks per batch)."""
+    if mode not in ("auto", "segment", "gather", "stacked", "jagged"):
+        raise ValueError(f"delta mode must be 'auto', 'segment', 'gather', 'stacked' or 'jagged', got {mode!r}")
     for module in _require_lora(model).values():
         module.delta_mode = mode
 

@@ -236,12 +236,13 @@ def test_stacked_path_sees_every_write_to_b(base_model):
     torch.testing.assert_close(stacked_after_step, segment_after_step, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("decode_mode", ["auto", "jagged"])  # auto: stacked at this size
 @pytest.mark.parametrize("slots", [[3, -1, 1, 3, 0, 2], [0, 0, 1, 1], [2, -1, -1, 2]])
-def test_repeated_decode_steps_equal_the_segment_path(base_model, slots):
-    """Decode steps (one token per row, no grad) reuse the stacked path's operands from
-    the previous step; they equal the per-slot segment path for mixed slots, base-only
-    rows and present slots that are not 0..P-1, and a write to A (slot load) or to B
-    between two steps shows in the next one."""
+def test_repeated_decode_steps_equal_the_segment_path(base_model, slots, decode_mode):
+    """Decode steps (one token per row, no grad) reuse the stacked or jagged path's
+    operands from the previous step; they equal the per-slot segment path for mixed
+    slots, base-only rows and present slots that are not 0..P-1, and a write to A (slot
+    load) or to B between two steps shows in the next one."""
     model = multi_lora_copy(base_model)
     gen = torch.Generator().manual_seed(5)
     for slot, rank in zip(range(N_SLOTS), (2, 8, 5, 1)):
@@ -253,7 +254,7 @@ def test_repeated_decode_steps_equal_the_segment_path(base_model, slots):
     steps = [input_batch(len(slots), seq=1, seed=seed) for seed in (4, 5)]
 
     def decode_and_segment(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        set_delta_mode(model, "auto")
+        set_delta_mode(model, decode_mode)
         decoded = logits(model, ids, slots)
         set_delta_mode(model, "segment")
         return decoded, logits(model, ids, slots)
@@ -282,3 +283,30 @@ def test_repeated_decode_steps_equal_the_segment_path(base_model, slots):
     after_step, segment_after_step = decode_and_segment(steps[1])
     assert (segment_after_step - segment_after_load).abs().max() > 1e-3
     torch.testing.assert_close(after_step, segment_after_step, atol=ATOL, rtol=0)
+
+
+def test_decode_steps_of_many_rows_take_the_jagged_path():
+    """Past JAGGED_MIN_SAVED_MACS of work on other slots' columns, auto runs a no-grad
+    one-token step through grouped GEMMs over each slot's rows: the stacked path's numbers."""
+    from miles.backends.lora.layer import HAS_GROUPED_MM, MultiLoRALinear, _jagged_step, _stacked_step
+
+    if not HAS_GROUPED_MM:
+        pytest.skip("this torch has no torch._grouped_mm")
+    gen = torch.Generator().manual_seed(11)
+    layer = MultiLoRALinear(torch.nn.Linear(256, 512, bias=False), n_slots=4, max_rank=16)
+    for slot, rank in enumerate((16, 4, 9, 16)):
+        layer.set_slot(slot, torch.randn(rank, 256, generator=gen), torch.randn(512, rank, generator=gen),
+                       alpha=2.0 * rank + slot)
+    slots = torch.randint(-1, 4, (64,), generator=gen).tolist()
+    x = torch.randn(64, 1, 256, generator=gen)
+    with torch.no_grad(), use_slots(layer, slots):
+        jagged = layer(x)
+        assert layer._decode_plan.step.func is _jagged_step
+        assert torch.equal(layer(x), jagged)  # the kept plan
+        layer.delta_mode = "stacked"
+        stacked = layer(x)
+        assert layer._decode_plan.step.func is _stacked_step
+    torch.testing.assert_close(jagged, stacked, atol=1e-3, rtol=1e-5)
+    layer.delta_mode = "jagged"
+    with use_slots(layer, slots), pytest.raises(ValueError, match="decode steps only"):
+        layer(x.requires_grad_())
