@@ -331,20 +331,12 @@ class MultiLoRALinear(nn.Module):
             scale_N1 = self.scaling.index_select(0, slots_N)[:, None]
         a_MIR = self.lora_A.detach()[:n_slots].transpose(1, 2)
         b_MRO = self.lora_B.detach()[:n_slots].transpose(1, 2)
-        rows_N, offs_M, in_order = batch.jagged_rows_N, batch.jagged_offs_M, batch.jagged_in_order
-        scale_N1 = scale_N1.to(a_MIR.dtype)
+        step = functools.partial(_jagged_step, batch.jagged_rows_N, batch.jagged_offs_M, batch.jagged_in_order,
+                                 a_MIR, scale_N1.to(a_MIR.dtype), b_MRO, self.in_features)
         if x.dtype == a_MIR.dtype and out.dtype == a_MIR.dtype:
-            plan = _DecodePlan(self, x, batch, functools.partial(_jagged_step, rows_N, offs_M, in_order, a_MIR,
-                                                                  scale_N1, b_MRO, self.in_features))
-            self._decode_plan = plan
-            return plan.run(x, out)
-        x_NI = x.reshape(-1, self.in_features).to(a_MIR.dtype)
-        if not in_order:
-            x_NI = x_NI.index_select(0, rows_N)
-        h_NR = torch._grouped_mm(x_NI, a_MIR, offs=offs_M).mul_(scale_N1)
-        delta_NO = torch._grouped_mm(h_NR, b_MRO, offs=offs_M).to(out.dtype)
-        out_NO = out.reshape(-1, self.out_features)
-        return (out_NO.add_(delta_NO) if in_order else out_NO.index_add_(0, rows_N, delta_NO)).reshape(out.shape)
+            self._decode_plan = _DecodePlan(self, x, batch, step)
+            return step(x, out)
+        return out + step(x.to(a_MIR.dtype), out.new_zeros(out.shape, dtype=a_MIR.dtype)).to(out.dtype)
 
     def _slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         rank = self.ranks[slot]

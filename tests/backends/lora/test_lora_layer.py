@@ -307,6 +307,16 @@ def test_decode_steps_of_many_rows_take_the_jagged_path():
         stacked = layer(x)
         assert layer._decode_plan.step.func is _stacked_step
     torch.testing.assert_close(jagged, stacked, atol=1e-3, rtol=1e-5)
+    # A bf16 base under fp32 LoRA weights (as train ranks hold them): computed in fp32, added in bf16.
+    layer.base.to(torch.bfloat16)
+    with torch.no_grad(), use_slots(layer, slots):
+        layer.delta_mode = "jagged"
+        jagged_bf16 = layer(x.bfloat16())
+        layer.delta_mode = "stacked"
+        stacked_bf16 = layer(x.bfloat16())
+    assert jagged_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(jagged_bf16.float(), stacked_bf16.float(), atol=0.5, rtol=1e-2)
+    layer.base.float()
     layer.delta_mode = "jagged"
     with use_slots(layer, slots), pytest.raises(ValueError, match="decode steps only"):
         layer(x.requires_grad_())
