@@ -44,9 +44,9 @@ A registration need not wait for the loop's next iteration to become ACTIVE: whi
 registrations (`wait_for_registration`), and each new adapter that would load fresh is
 pushed to the engines at once with the weights the backend will give it (`fresh_export`:
 the same seeded draws, computed without touching a slot, so it runs beside a train call)
-and recorded: it is ACTIVE within a push's time. The trainer loads it at the next reconcile, as any other, and does not push it
-again; the batch being collected never holds it (the collector samples the adapters of
-the iteration's snapshot). An adapter that would resume from a checkpoint waits for the
+and recorded: it is ACTIVE within a push's time. The trainer loads it at the next
+reconcile, as any other, and does not push it again; the batch being collected never
+holds it (the collector samples the adapters of the iteration's snapshot). An adapter that would resume from a checkpoint waits for the
 reconcile. One that leaves before its load is unloaded from the engines there.
 """
 
@@ -191,6 +191,7 @@ class AdapterSync:
                 if self.pusher is not None:
                     await self.pusher.unload(slot)
                 logger.info("Adapter '%s' left before the trainer loaded it; unloaded from the engines", name)
+        self._resumes &= {run.registration_id for run in live.values()}
         for name in sorted(snapshot.cleanup):  # also those never loaded here: nothing to save
             if await self.controller.free_slot.remote(name) >= 0:
                 freed.append(name)

@@ -11,8 +11,9 @@ the batch -> save on each adapter's cadence. With `--overlap-weight-push` (the d
 the export of the adapters that stepped runs behind generate (train waits for it) and
 their push behind generate and train; the loop waits for the push at the end of the
 iteration. A registration that arrives during generate or train is pushed to the engines
-then (ACTIVE at once) and loaded by the trainer at the next reconcile. In service mode (the default) it idles
-while no adapter is registered; SIGINT/SIGTERM save every loaded adapter and exit 0.
+then (ACTIVE at once) and loaded by the trainer at the next reconcile. In service mode
+(the default) it idles while no adapter is registered; SIGINT/SIGTERM save every loaded
+adapter and exit 0.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ class SlotBatch:
             if slot < 0:
                 place[row] = pad_place
         valid_PG = torch.tensor(valid, dtype=torch.float32)
-        jagged_rows = sorted((row for row, slot in enumerate(values) if slot >= 0), key=lambda row: values[row])
+        jagged_rows = [row for slot in present for row in by_slot[slot]]
         counts = [len(by_slot.get(slot, ())) for slot in range(present[-1] + 1)]
         batch_scales: tuple[float, ...] = ()
         scale_PG = scale_cols_BC = jagged_scale_N1 = None

@@ -31,21 +31,29 @@ def _check_slot(modules: dict[str, MultiLoRALinear], slot: int) -> None:
         raise ValueError(f"slot {slot} does not exist: the page table has {n_slots} slots (0..{n_slots - 1})")
 
 
-def fresh_slot_weights(model: nn.Module, *, rank: int, generator: torch.Generator | None = None
+def fresh_lora_weights(shapes: dict[str, tuple[int, int]], *, rank: int, generator: torch.Generator | None = None
                        ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """A fresh adapter's (A [rank, in], B [out, rank]) per module name, not written anywhere.
+    """A fresh adapter's (A [rank, in], B [out, rank]) per module name, from `{name: (in, out)}`.
 
     A is kaiming_uniform(a=sqrt(5)) (PEFT's default), drawn on the CPU from `generator` in
-    module order, so a seed gives the same adapter anywhere; B is zero.
+    the order of `shapes`, so a seed gives the same adapter anywhere (every backend draws
+    here); B is zero.
     """
+    out = {}
+    for name, (in_features, out_features) in shapes.items():
+        a = torch.empty(rank, in_features, dtype=torch.float32)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        out[name] = (a, torch.zeros(out_features, rank, dtype=torch.float32))
+    return out
+
+
+def fresh_slot_weights(model: nn.Module, *, rank: int, generator: torch.Generator | None = None
+                       ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`fresh_lora_weights` for the model's LoRA layers in module order, not written anywhere."""
     modules = _require_lora(model)
     _check_rank(rank, next(iter(modules.values())).max_rank)
-    out = {}
-    for name, module in modules.items():
-        a = torch.empty(rank, module.in_features, dtype=torch.float32)
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-        out[name] = (a, torch.zeros(module.out_features, rank, dtype=torch.float32))
-    return out
+    shapes = {name: (module.in_features, module.out_features) for name, module in modules.items()}
+    return fresh_lora_weights(shapes, rank=rank, generator=generator)
 
 
 def init_slot(

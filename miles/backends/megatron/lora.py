@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -44,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from miles.backends.lora.layer import SlotBatch, _resolve_targets
-from miles.backends.lora.slots import peft_names
+from miles.backends.lora.slots import fresh_lora_weights, peft_names
 from miles.backends.megatron.model import ModelShape
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -368,14 +367,10 @@ def lora_parts(model: nn.Module) -> dict[str, LoRAPart]:
 
 def fresh_slot_weights(parts: dict[str, LoRAPart], *, rank: int, generator: torch.Generator | None = None
                        ) -> dict[str, tuple[Tensor, Tensor]]:
-    """A fresh adapter's whole (A, B) per HF module name, drawn exactly as
-    `miles.backends.lora.fresh_slot_weights` draws them (same generator, HF module order), B zero."""
-    out = {}
-    for name, part in parts.items():
-        a = torch.empty(rank, part.in_features, dtype=torch.float32)
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-        out[name] = (a, torch.zeros(part.out_features, rank))
-    return out
+    """A fresh adapter's whole (A, B) per HF module name: `fresh_lora_weights` in HF module
+    order, so the draws are the torch backend's."""
+    shapes = {name: (part.in_features, part.out_features) for name, part in parts.items()}
+    return fresh_lora_weights(shapes, rank=rank, generator=generator)
 
 
 def init_slot(parts: dict[str, LoRAPart], slot: int, *, rank: int, alpha: float,

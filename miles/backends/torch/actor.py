@@ -400,6 +400,9 @@ class TorchTrainActor:
         for other in self.adapters.values():
             if other.spec.slot == spec.slot:
                 raise ValueError(f"slot {spec.slot} is held by adapter '{other.spec.name}': clean it up first")
+        self._check_rank(spec)
+
+    def _check_rank(self, spec: AdapterSpec) -> None:
         if not 0 < spec.rank <= self.config.lora_rank:
             raise ValueError(f"adapter '{spec.name}' has rank {spec.rank}; it must be in 1..{self.config.lora_rank} (--lora-rank)")
 
@@ -712,8 +715,7 @@ class TorchTrainActor:
         """What `export_for_push` will give once `load_adapter(spec)` has put the fresh adapter
         in its slot (the same seeded draws), computed without touching the model: on the push
         thread, so a registration can reach the engines while a train call runs."""
-        if not 0 < spec.rank <= self.config.lora_rank:
-            raise ValueError(f"adapter '{spec.name}' has rank {spec.rank}; it must be in 1..{self.config.lora_rank} (--lora-rank)")
+        self._check_rank(spec)
         generator = torch.Generator().manual_seed(adapter_seed(self.config.seed, spec.name))
         tensors = peft_tensors(self._fresh_weights(spec, generator))
         return tensors, (self._peft_config(spec), *self.tensor_metadata(tensors))
