@@ -74,6 +74,10 @@ class MilesConfig:
     device: Literal["auto", "cpu", "cuda"] = _flag("auto", "Device of train ranks and builtin engines.")
     dtype: Literal["auto", "float32", "bfloat16"] = _flag("auto", "Parameter dtype (auto: bf16 on CUDA, fp32 on CPU).")
     micro_batch_size: int | None = _flag(None, "Samples per forward/backward on a train rank (default: all).")
+    use_dynamic_batch_size: bool = _flag(
+        False, "Micro-batches packed by tokens instead of --micro-batch-size samples: at most "
+               "--max-tokens-per-gpu tokens each, counted padded (rows x longest row).")
+    max_tokens_per_gpu: int | None = _flag(None, "Token budget of a micro-batch on a train rank (--use-dynamic-batch-size).")
     recompute_granularity: Literal["full", "selective"] | None = _flag(
         None, "Activation recomputation (Megatron's flag): full keeps only each recomputed decoder layer's input "
               "and runs the layer again in the backward; selective recomputes core attention only (Megatron "
@@ -223,8 +227,6 @@ class MilesConfig:
     expert_model_parallel_size: int = _flag(1, "Megatron expert-parallel size.", megatron=True)
     expert_tensor_parallel_size: int | None = _flag(None, "Megatron expert tensor-parallel size.", megatron=True)
     sequence_parallel: bool = _flag(False, "Megatron sequence parallelism.", megatron=True)
-    use_dynamic_batch_size: bool = _flag(False, "Micro-batches packed to --max-tokens-per-gpu tokens.", megatron=True)
-    max_tokens_per_gpu: int | None = _flag(None, "Token budget of a micro-batch (--use-dynamic-batch-size).", megatron=True)
     attention_dropout: float | None = _flag(None, "Megatron attention dropout.", megatron=True)
     hidden_dropout: float | None = _flag(None, "Megatron hidden dropout.", megatron=True)
     accumulate_allreduce_grads_in_fp32: bool = _flag(False, "Megatron gradient accumulation in fp32.", megatron=True)
@@ -333,6 +335,11 @@ class MilesConfig:
             raise ConfigError("--max-weight-staleness must be >= 0")
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:
             raise ConfigError("--micro-batch-size must be > 0")
+        if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu <= 0:
+            raise ConfigError(f"--max-tokens-per-gpu must be > 0, got {self.max_tokens_per_gpu}")
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ConfigError("--use-dynamic-batch-size packs micro-batches to a token budget: "
+                              "give it with --max-tokens-per-gpu N")
         if self.recompute_num_layers is not None and self.recompute_num_layers <= 0:
             raise ConfigError(f"--recompute-num-layers must be > 0, got {self.recompute_num_layers}")
         if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
@@ -621,8 +628,10 @@ def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
         if f is None:
             continue
         value = getattr(cfg, name)
-        if name in ("use_dynamic_batch_size", "max_tokens_per_gpu") and cfg.train_backend != "megatron":
-            warn(name, "the torch backend's micro-batches are --micro-batch-size samples, not a token budget")
+        if name == "max_tokens_per_gpu" and not cfg.use_dynamic_batch_size:
+            warn(name, "it is the token budget of --use-dynamic-batch-size, which is off")
+        elif name == "micro_batch_size" and cfg.use_dynamic_batch_size:
+            warn(name, "with --use-dynamic-batch-size micro-batches are packed to --max-tokens-per-gpu tokens")
         elif f.metadata.get("megatron") and cfg.train_backend != "megatron":
             warn(name, f"it configures the Megatron backend, and this run uses --train-backend {cfg.train_backend}")
         elif name == "sglang_server_args" and value and cfg.rollout_engine != "sglang":

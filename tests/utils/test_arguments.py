@@ -70,6 +70,8 @@ def test_config_file_unknown_key_is_rejected(tmp_path):
     ({"multi_lora_n_adapters": 1, "multi_lora_adapters": ["a.yaml", "b.yaml"]}, "only 1 slots"),
     ({"multi_lora_n_adapters": 2, "multi_lora_adapters": ["x/a.yaml", "y/a.yaml"]}, "unique"),
     ({"save_interval": 0}, "--save-interval"),
+    ({"use_dynamic_batch_size": True}, "give it with --max-tokens-per-gpu"),
+    ({"use_dynamic_batch_size": True, "max_tokens_per_gpu": 0}, "--max-tokens-per-gpu must be > 0"),
 ])
 def test_invalid_combinations_say_what_to_change(values, fragment):
     with pytest.raises(ConfigError, match=fragment):

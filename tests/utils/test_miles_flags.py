@@ -24,6 +24,8 @@ from miles_multi_lora_flags import (
     flag_names,
 )
 
+from miles.backends.megatron.actor import MegatronActorConfig
+from miles.backends.torch.actor import TrainActorConfig
 from miles.backends.torch.loss import LossConfig
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.recipes.tiny_model import build_char_tokenizer
@@ -74,8 +76,8 @@ NO_EFFECT_WITH_TORCH = {
     "--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
     "--attention-softmax-in-fp32", "--attention-backend", *[f for f in flag_names(MODEL_ARGV)],
-    # token-budget micro-batches, engine pausing, a run length that multi-LoRA does not use
-    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "--pause-generation-mode", "--num-rollout",
+    # engine pausing, a run length that multi-LoRA does not use
+    "--pause-generation-mode", "--num-rollout",
     # SGLang server argument with the builtin engine
     "--sglang-mem-fraction-static",
 }
@@ -114,6 +116,21 @@ def test_each_flag_without_effect_is_named_by_exactly_one_warning(caplog):
     named = [line.split(" has no effect: ")[0] for line in lines]
     assert all(" has no effect: " in line for line in lines)
     assert sorted(named) == sorted(NO_EFFECT_WITH_TORCH)  # once each, and no flag that has an effect
+
+
+def test_miles_token_budget_sizes_the_micro_batches_of_both_backends():
+    for backend in ("torch", "megatron"):
+        cfg = parse_args(example_argv() + ["--train-backend", backend])
+        assert TrainActorConfig.from_config(cfg).max_tokens_per_micro_batch == 9216
+        assert MegatronActorConfig.from_config(cfg).max_tokens_per_micro_batch == 9216
+    budget_only = parse_args(["--hf-checkpoint", "/m", "--max-tokens-per-gpu", "4096", "--micro-batch-size", "4"])
+    assert TrainActorConfig.from_config(budget_only).max_tokens_per_micro_batch is None
+    assert inert_flag_warnings(budget_only, {"max_tokens_per_gpu", "micro_batch_size"}) == [
+        "--max-tokens-per-gpu has no effect: it is the token budget of --use-dynamic-batch-size, which is off"]
+    both = parse_args(["--hf-checkpoint", "/m", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
+                       "--micro-batch-size", "4"])
+    assert [line.split(":")[0] for line in inert_flag_warnings(both, {"micro_batch_size", "max_tokens_per_gpu"})] == [
+        "--micro-batch-size has no effect"]
 
 
 def test_megatron_flags_are_kept_quietly_for_the_megatron_backend():

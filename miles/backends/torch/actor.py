@@ -114,6 +114,9 @@ class TrainActorConfig:
     device: str = "cpu"
     dtype: str = "float32"
     micro_batch_size: int | None = None
+    max_tokens_per_micro_batch: int | None = None
+    """A token budget per forward (`--use-dynamic-batch-size --max-tokens-per-gpu`): rows x
+    longest row of each micro-batch stay within it; `micro_batch_size` is then not used."""
     recompute_granularity: str | None = None
     """Activation recomputation, Megatron's names: "full" (whole decoder layers) or
     "selective" (core attention: Megatron only); None keeps every activation."""
@@ -149,6 +152,7 @@ class TrainActorConfig:
             device=cfg.resolved_device,
             dtype=cfg.resolved_dtype,
             micro_batch_size=cfg.micro_batch_size,
+            max_tokens_per_micro_batch=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
             recompute_granularity=cfg.recompute_granularity,
             recompute_method=cfg.recompute_method,
             recompute_num_layers=cfg.recompute_num_layers,
@@ -509,7 +513,7 @@ class TorchTrainActor:
             self._loaded(name)
         stats: dict[str, LossSums] = {}
         need_rollout = any(self._loss_settings(name).needs_rollout_logprobs for name in {s.adapter for s in samples})
-        batches = make_micro_batches(samples, advantages, self.config.micro_batch_size, need_rollout_logprobs=need_rollout)
+        batches = self._micro_batches(samples, advantages, need_rollout_logprobs=need_rollout)
         self._remember_batch({s.adapter for s in samples} | set(samples_per_adapter))
         self._train_calls += 1
         try:
@@ -523,6 +527,12 @@ class TorchTrainActor:
             self.discard_batch()
             raise
         return stats
+
+    def _micro_batches(self, samples: Sequence[Sample], advantages: Sequence[Advantage], *,
+                       need_rollout_logprobs: bool = False) -> list[MicroBatch]:
+        return make_micro_batches(samples, advantages, self.config.micro_batch_size,
+                                  max_tokens=self.config.max_tokens_per_micro_batch,
+                                  need_rollout_logprobs=need_rollout_logprobs)
 
     def _fault_due(self) -> bool:
         faults = self.config.fault_train_calls
@@ -673,8 +683,7 @@ class TorchTrainActor:
         out: list[list[float]] = [[] for _ in samples]
         settings_by_adapter = {s.adapter: self._loss_settings(s.adapter) for s in samples}
         need_rollout = any(s.use_rollout_logprobs for s in settings_by_adapter.values())
-        for batch in make_micro_batches(samples, [0.0] * len(samples), self.config.micro_batch_size,
-                                        need_rollout_logprobs=need_rollout):
+        for batch in self._micro_batches(samples, [0.0] * len(samples), need_rollout_logprobs=need_rollout):
             batch = batch.to(self.device)
             settings = [settings_by_adapter[name] for name in batch.adapters]
             params = LossParams.gather(settings, list(range(len(settings)))).to(self.device)
@@ -690,7 +699,7 @@ class TorchTrainActor:
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Each sample's response-token logprobs under its slot (in the given order)."""
         out: list[list[float]] = [[] for _ in samples]
-        for batch in make_micro_batches(samples, [0.0] * len(samples), self.config.micro_batch_size):
+        for batch in self._micro_batches(samples, [0.0] * len(samples)):
             batch = batch.to(self.device)
             for index, values in zip(batch.indices, response_logprobs(self._forward_logprobs(batch, batch.slots), batch)):
                 out[index] = values

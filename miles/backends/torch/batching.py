@@ -1,8 +1,8 @@
 """Micro-batches of mixed-adapter samples for one forward/backward of a train actor.
 
 Samples are stably sorted by slot (so each slot is one contiguous segment of the
-page-table layers), cut into micro-batches of `micro_batch_size`, and padded on the
-right. Tokens of a sample are `prompt_ids + response_ids`; only response tokens carry
+page-table layers), cut into micro-batches of `micro_batch_size` samples or of at most
+`max_tokens` padded tokens (rows x longest row), and padded on the right. Tokens of a sample are `prompt_ids + response_ids`; only response tokens carry
 loss. Logprob position t predicts token t + 1, so the response mask and the engine's
 rollout logprobs are laid out on the `L - 1` next-token positions:
 
@@ -64,10 +64,18 @@ def make_micro_batches(
     advantages: Sequence[Advantage],
     micro_batch_size: int | None,
     *,
+    max_tokens: int | None = None,
     pad_id: int = 0,
     need_rollout_logprobs: bool = False,
 ) -> list[MicroBatch]:
-    """Sort by slot (stable), split into micro-batches and pad each on the right."""
+    """Sort by slot (stable), split into micro-batches and pad each on the right.
+
+    With `max_tokens` (`--use-dynamic-batch-size --max-tokens-per-gpu`) the samples are
+    ordered by slot, then length, and packed greedily so that no micro-batch holds more
+    than `max_tokens` tokens once padded (rows x longest row); a sample longer than that
+    is a micro-batch of its own. `micro_batch_size` is then not used. Either way every
+    sample's loss is its own, so the summed gradient does not depend on the split.
+    """
     if len(samples) != len(advantages):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
     for sample, advantage in zip(samples, advantages):
@@ -77,10 +85,31 @@ def make_micro_batches(
                 f"sample {sample.group_index}/{sample.index} of adapter '{sample.adapter}' has "
                 f"{len(advantage)} token advantages for {len(sample.response_ids)} response tokens"
             )
-    order = sorted(range(len(samples)), key=lambda i: samples[i].slot)
-    size = micro_batch_size or max(1, len(order))
-    chunks = [order[i : i + size] for i in range(0, len(order), size)]
+    if max_tokens is not None:
+        chunks = _pack_by_tokens(samples, max_tokens)
+    else:
+        order = sorted(range(len(samples)), key=lambda i: samples[i].slot)
+        size = micro_batch_size or max(1, len(order))
+        chunks = [order[i : i + size] for i in range(0, len(order), size)]
     return [_pad([samples[i] for i in chunk], [advantages[i] for i in chunk], chunk, pad_id) for chunk in chunks]
+
+
+def _pack_by_tokens(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
+    """Sample indices in (slot, length) order, cut where the padded size would pass the budget."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    lengths = [max(len(s.prompt_ids) + len(s.response_ids), 2) for s in samples]
+    order = sorted(range(len(samples)), key=lambda i: (samples[i].slot, lengths[i]))
+    chunks: list[list[int]] = []
+    longest = 0
+    for i in order:
+        if chunks and (len(chunks[-1]) + 1) * max(longest, lengths[i]) <= max_tokens:
+            chunks[-1].append(i)
+            longest = max(longest, lengths[i])
+        else:
+            chunks.append([i])
+            longest = lengths[i]
+    return chunks
 
 
 def _check_sample(sample: Sample, need_rollout_logprobs: bool) -> None:

@@ -203,3 +203,25 @@ def test_fresh_export_for_push_is_what_the_load_gives(tiny_model_dir):
     assert described == loaded_described
     with pytest.raises(ValueError, match="rank 9"):
         actor.fresh_export_for_push(spec("wide", 1, rank=9))
+
+
+def test_token_budget_micro_batches_give_the_gradient_of_one_batch(tiny_model_dir):
+    whole = new_actor(tiny_model_dir, loss=LOSS)
+    packed = new_actor(tiny_model_dir, max_tokens=40, loss=LOSS)
+    for actor in (whole, packed):
+        actor.load_adapter(spec("a", 0, global_batch_size=6))
+        actor.load_adapter(spec("b", 1, rank=2, global_batch_size=6))
+    batch = make_groups("a", 0, 3, 2, seed=40) + make_groups("b", 1, 3, 2, seed=41)
+    samples, adv = flatten_with_advantages(batch)
+    assert len(packed._micro_batches(samples, adv)) > 2  # the budget really splits this batch
+    stats_whole = whole.train(samples, adv, counts(samples))
+    stats_packed = packed.train(samples, adv, counts(samples))
+    for name in ("a", "b"):
+        assert abs(stats_whole[name].loss_sum - stats_packed[name].loss_sum) < 1e-5
+        assert stats_whole[name].tokens == stats_packed[name].tokens
+    for slot in (0, 1):
+        for got, want in zip(packed.optimizer.slot_grads(slot), whole.optimizer.slot_grads(slot)):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    stepped_whole, stepped_packed = whole.step_adapters(["a", "b"]), packed.step_adapters(["a", "b"])
+    assert abs(stepped_whole["a"].grad_norm - stepped_packed["a"].grad_norm) < 1e-5
+    assert max_abs_diff(whole.export_adapter("b"), packed.export_adapter("b")) <= 1e-6

@@ -56,3 +56,29 @@ def test_logits_of_the_response_window_only_give_the_same_logprobs(tiny_model_di
     assert torch.all(window[:, : batch.input_ids_BL.shape[1] - keep] == 0)
     with pytest.raises(ValueError, match="positions"):
         next_token_logprobs(kept_logits, batch.input_ids_BL[:, :2])
+
+
+def test_a_token_budget_packs_micro_batches_by_padded_size():
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 20, (30,), generator=gen).tolist()
+    samples = [_sample([1] * (n // 2), [2] * (n - n // 2), slot=i % 3) for i, n in enumerate(lengths)]
+    budget = 48
+    batches = make_micro_batches(samples, [0.0] * len(samples), micro_batch_size=2, max_tokens=budget)
+    # every sample once, slots in order, each batch within the budget once padded
+    assert sorted(i for b in batches for i in b.indices) == list(range(len(samples)))
+    assert [s for b in batches for s in b.slots] == sorted(s.slot for s in samples)
+    assert all(b.input_ids_BL.numel() <= budget for b in batches)
+    assert max(len(b.indices) for b in batches) > 2  # the budget, not micro_batch_size, sizes them
+    # greedy: a batch ends only where taking the next sample would pass the budget
+    for this, after in zip(batches, batches[1:]):
+        longest = max(this.input_ids_BL.shape[1], lengths[after.indices[0]])
+        assert (len(this.indices) + 1) * longest > budget
+
+
+def test_a_sample_longer_than_the_budget_is_a_micro_batch_of_its_own():
+    samples = [_sample([1] * 3, [2] * 2), _sample([1] * 30, [2] * 10), _sample([1] * 2, [2] * 2)]
+    batches = make_micro_batches(samples, [0.0] * 3, None, max_tokens=16)
+    assert [b.indices for b in batches] == [[2, 0], [1]]
+    assert batches[1].input_ids_BL.shape == (1, 40)
+    with pytest.raises(ValueError, match="max_tokens must be > 0"):
+        make_micro_batches(samples, [0.0] * 3, None, max_tokens=0)
