@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ray.job_submission import JobStatus, JobSubmissionClient
 
 from driver_harness import DriverProcess, free_port, tiny_run_flags, write_arithmetic_dataset
 from miles.backends.torch.checkpoint import latest_checkpoint
@@ -96,13 +97,22 @@ def test_ray_job_submit_to_a_local_head(tiny_model_dir, tmp_path):
         address = f"http://127.0.0.1:{dashboard_port}"
         deadline = time.monotonic() + 180
         while True:  # the job agent comes up a little after `ray start` returns
-            submitted = ray_cli("job", "submit", "--address", address, "--", *entrypoint.split(), env=env, timeout=600)
+            # --no-wait, then the job's status: tailing its logs over the dashboard's
+            # websocket can drop on a busy machine although the job runs on.
+            submitted = ray_cli("job", "submit", "--address", address, "--no-wait", "--submission-id", "tiny-run",
+                                "--", *entrypoint.split(), env=env, timeout=120)
             not_ready = "Connection" in submitted.stderr or "try again" in submitted.stderr
             if submitted.returncode == 0 or not not_ready or time.monotonic() > deadline:
                 break
             time.sleep(3)
         assert submitted.returncode == 0, submitted.stdout[-4000:] + submitted.stderr[-4000:]
-        assert "succeeded" in submitted.stdout
+        client = JobSubmissionClient(address)
+        deadline = time.monotonic() + 600
+        while (status := client.get_job_status("tiny-run")) not in (JobStatus.SUCCEEDED, JobStatus.FAILED,
+                                                                    JobStatus.STOPPED):
+            assert time.monotonic() < deadline, f"the job is still {status} after 600 s"
+            time.sleep(2)
+        assert status == JobStatus.SUCCEEDED, client.get_job_logs("tiny-run")[-4000:]
     finally:
         stop_process_group(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
