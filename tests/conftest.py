@@ -25,6 +25,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # its own instance, whatever else runs here (another pytest worker's)
             num_cpus=8,  # fake CPUs: actors of several tests fit on a 2-core machine
             include_dashboard=False,
             log_to_driver=True,

@@ -42,7 +42,9 @@ def configure_logging() -> None:
 
 
 def init_ray(cfg: MilesConfig) -> None:
-    """Join the cluster this job was submitted to (RAY_ADDRESS), else start a local one."""
+    """Join the cluster this job was submitted to (RAY_ADDRESS), else start a Ray instance
+    of its own, even when another one runs on this machine (RAY_ADDRESS=auto joins a
+    cluster started with `ray start`)."""
     if ray.is_initialized():
         return
     env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
@@ -54,6 +56,7 @@ def init_ray(cfg: MilesConfig) -> None:
     train_ranks = cfg.actor_num_workers * (cfg.tensor_model_parallel_size if cfg.train_backend == "megatron" else 1)
     needed = train_ranks + cfg.rollout_num_engines + 2
     ray.init(
+        address="local",
         namespace="miles",
         num_cpus=max(os.cpu_count() or 1, needed),
         include_dashboard=False,

@@ -1,6 +1,7 @@
-"""What the launcher hands its components, without Ray: the controller's registration
-hooks (the dataset rows that fit `--rollout-max-prompt-len`, so `num_step` is derived after
-the filter as in Miles) and the run's metrics logger (Miles' W&B flags)."""
+"""What the launcher hands its components: the controller's registration hooks (the
+dataset rows that fit `--rollout-max-prompt-len`, so `num_step` is derived after the
+filter as in Miles), the run's metrics logger (Miles' W&B flags), and the Ray instance a
+driver without RAY_ADDRESS starts."""
 
 from __future__ import annotations
 
@@ -62,3 +63,30 @@ async def test_the_run_logs_with_miles_wandb_flags(monkeypatch, tmp_path):
     async with launch_module.trainer_run(cfg) as run:
         assert run.progress is not None
     assert built == [cfg]
+
+
+
+def test_a_driver_without_ray_address_starts_its_own_ray_beside_another(ray_session):
+    """A cluster that `ray start` left on the machine (here: this session's, named in Ray's
+    current-cluster file) is not joined without RAY_ADDRESS: joining it with the driver's
+    CPU count fails, and it may be anyone's."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    session = ray_session.get_runtime_context().gcs_address
+    temp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # Ray's socket paths must stay short
+    try:
+        (temp / "ray").mkdir()
+        (temp / "ray" / "ray_current_cluster").write_text(session)
+        code = ("import ray; from miles.main.launch import init_ray; from miles.utils.arguments import parse_args; "
+                "init_ray(parse_args([])); print(ray.get_runtime_context().gcs_address); ray.shutdown()")
+        env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": str(temp)}
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] != session
