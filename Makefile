@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests
 
 # The tiny multi-adapter run: pretrain the tiny base (cached), train three adapters at
 # once, evaluate base and adapters on every task's held-out split, then draw each
