@@ -46,8 +46,9 @@ pushed to the engines at once with the weights the backend will give it (`fresh_
 the same seeded draws, computed without touching a slot, so it runs beside a train call)
 and recorded: it is ACTIVE within a push's time. The trainer loads it at the next
 reconcile, as any other, and does not push it again; the batch being collected never
-holds it (the collector samples the adapters of the iteration's snapshot). An adapter that would resume from a checkpoint waits for the
-reconcile. One that leaves before its load is unloaded from the engines there.
+holds it (the collector samples the adapters of the iteration's snapshot). An adapter
+that would resume from a checkpoint waits for the reconcile. One that leaves before its
+load is unloaded from the engines there.
 """
 
 from __future__ import annotations

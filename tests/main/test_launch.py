@@ -6,7 +6,13 @@ driver without RAY_ADDRESS starts."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 
@@ -65,18 +71,10 @@ async def test_the_run_logs_with_miles_wandb_flags(monkeypatch, tmp_path):
     assert built == [cfg]
 
 
-
 def test_a_driver_without_ray_address_starts_its_own_ray_beside_another(ray_session):
     """A cluster that `ray start` left on the machine (here: this session's, named in Ray's
     current-cluster file) is not joined without RAY_ADDRESS: joining it with the driver's
     CPU count fails, and it may be anyone's."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
     session = ray_session.get_runtime_context().gcs_address
     temp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # Ray's socket paths must stay short
     try:

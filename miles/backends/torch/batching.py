@@ -2,9 +2,10 @@
 
 Samples are stably sorted by slot (so each slot is one contiguous segment of the
 page-table layers), cut into micro-batches of `micro_batch_size` samples or of at most
-`max_tokens` padded tokens (rows x longest row), and padded on the right. Tokens of a sample are `prompt_ids + response_ids`; only response tokens carry
-loss. Logprob position t predicts token t + 1, so the response mask and the engine's
-rollout logprobs are laid out on the `L - 1` next-token positions:
+`max_tokens` padded tokens (rows x longest row), and padded on the right. Tokens of a
+sample are `prompt_ids + response_ids`; only response tokens carry loss. Logprob
+position t predicts token t + 1, so the response mask and the engine's rollout logprobs
+are laid out on the `L - 1` next-token positions:
 
     for mb in make_micro_batches(samples, advantages, micro_batch_size=8):
         logits = model(mb.input_ids_BL, ..., logits_to_keep=logits_to_keep(mb)).logits
@@ -20,6 +21,9 @@ import torch
 from torch import Tensor
 
 from miles.utils.types import Sample
+
+MIN_ROW_TOKENS = 2
+"""A padded row holds at least two tokens: one next-token position."""
 
 
 @dataclass
@@ -98,7 +102,7 @@ def _pack_by_tokens(samples: Sequence[Sample], max_tokens: int) -> list[list[int
     """Sample indices in (slot, length) order, cut where the padded size would pass the budget."""
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
-    lengths = [max(len(s.prompt_ids) + len(s.response_ids), 2) for s in samples]
+    lengths = [max(len(s.prompt_ids) + len(s.response_ids), MIN_ROW_TOKENS) for s in samples]
     order = sorted(range(len(samples)), key=lambda i: (samples[i].slot, lengths[i]))
     chunks: list[list[int]] = []
     longest = 0
@@ -130,7 +134,7 @@ def _check_sample(sample: Sample, need_rollout_logprobs: bool) -> None:
 
 def _pad(samples: list[Sample], advantages: list[Advantage], indices: list[int], pad_id: int) -> MicroBatch:
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    batch, length = len(samples), max(max(lengths), 2)
+    batch, length = len(samples), max(max(lengths), MIN_ROW_TOKENS)
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
     attention = torch.zeros((batch, length), dtype=torch.long)
     response_mask = torch.zeros((batch, length - 1), dtype=torch.float32)
