@@ -10,13 +10,16 @@ linears, the same requests on the base model only (slot -1), and PEFT
 `generate(adapter_names=...)` on the same mixed batch with the same adapter weights.
 Alternating; tokens/s counts generated tokens over the wall time from submission to
 the last token (prefill included). Targets: mixed ÷ base >= 0.80, ours ÷ PEFT >= 1.0.
-With `--stacked-decode`, a second engine whose decode steps never take the jagged path
-(`MultiLoRALinear.jagged_min_saved_macs = inf`) runs the mixed batch too: what the
+With `--torch-decode`, a second engine whose decode steps take the torch paths (stacked,
+or jagged past its threshold; `MultiLoRALinear.rowwise_decode = False`) runs the mixed
+batch too: what the row-wise C kernel gains. With `--stacked-decode`, one whose decode
+steps always take the stacked path (no kernel, `jagged_min_saved_macs = inf`): what the
 choice of path gains.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 
@@ -90,7 +93,10 @@ def main() -> None:
     parser.add_argument("--no-peft", action="store_true", help="skip the PEFT comparison")
     parser.add_argument("--stacked-decode", action="store_true",
                         help="also time a second engine whose decode steps always take the stacked path "
-                             "(never jagged): mixed (auto) ÷ mixed (stacked)")
+                             "(no kernel, never jagged): mixed (auto) ÷ mixed (stacked)")
+    parser.add_argument("--torch-decode", action="store_true",
+                        help="also time a second engine whose decode steps take the torch paths (no row-wise "
+                             "kernel): mixed (auto) ÷ mixed (torch paths)")
     args = parser.parse_args()
     benchlib.setup(args)
     if args.quick:
@@ -107,12 +113,15 @@ def main() -> None:
         "mixed": lambda: engine.burst(prompts, slots, args.new_tokens),
         "base": lambda: engine.burst(prompts, [-1] * len(prompts), args.new_tokens),
     }
-    if args.stacked_decode:
-        stacked_model = engine_model(path, args.adapters, args.rank)
-        for layer in lora.lora_modules(stacked_model).values():
-            layer.jagged_min_saved_macs = float("inf")
-        stacked_engine = Engine(stacked_model, max_running=args.requests)
-        cases["stacked"] = lambda: stacked_engine.burst(prompts, slots, args.new_tokens)
+    other_engines = []
+    for flag, name, jagged in ((args.torch_decode, "torch", lora.layer.JAGGED_MIN_SAVED_MACS),
+                               (args.stacked_decode, "stacked", float("inf"))):
+        if flag:
+            other_model = engine_model(path, args.adapters, args.rank)
+            for layer in lora.lora_modules(other_model).values():
+                layer.rowwise_decode, layer.jagged_min_saved_macs = False, jagged
+            other_engines.append(Engine(other_model, max_running=args.requests))
+            cases[name] = functools.partial(other_engines[-1].burst, prompts, slots, args.new_tokens)
     if not args.no_peft:
         peft = peft_from_slots(path, model, args.adapters, args.rank)
         ids_BP = torch.tensor(prompts)
@@ -128,9 +137,8 @@ def main() -> None:
     try:
         times = benchlib.alternate(cases, args.reps)
     finally:
-        engine.scheduler.stop()
-        if args.stacked_decode:
-            stacked_engine.scheduler.stop()
+        for running in (engine, *other_engines):
+            running.scheduler.stop()
     rate = {name: [tokens / t for t in ts] for name, ts in times.items()}
     params = {"requests": args.requests, "new_tokens": args.new_tokens, "adapters": args.adapters,
               "prompt_len": args.prompt_len, "rank": args.rank}
@@ -139,10 +147,17 @@ def main() -> None:
         ours_label=f"{args.adapters} adapters mixed", baseline_label="base only", ours=rate["mixed"], baseline=rate["base"],
         unit="tokens/s", ratio_of="ours/baseline", target=">= 0.80", params=params,
     )]
+    if "torch" in rate:
+        figures.append(Figure(
+            figure=f"engine tokens/s, {args.adapters} adapters mixed, row-wise C kernel ÷ torch paths",
+            model=args.model, ours_label="auto (row-wise kernel)", baseline_label="torch paths (stacked or jagged)",
+            ours=rate["mixed"], baseline=rate["torch"], unit="tokens/s", ratio_of="ours/baseline", target="report",
+            params=params,
+        ))
     if "stacked" in rate:
         figures.append(Figure(
             figure=f"engine tokens/s, {args.adapters} adapters mixed, decode path chosen per step ÷ always stacked",
-            model=args.model, ours_label="auto (jagged past the threshold)", baseline_label="stacked decode steps",
+            model=args.model, ours_label="auto (row-wise kernel)", baseline_label="stacked decode steps",
             ours=rate["mixed"], baseline=rate["stacked"], unit="tokens/s", ratio_of="ours/baseline", target="report",
             params=params,
         ))

@@ -19,11 +19,13 @@ highest present one as one wide LoRA, each row scaled on its own slot's columns 
 ops whatever the mix: best for decode steps with a few rows), or jagged: the rows sorted
 by slot through one grouped GEMM pair against each slot's own A and B
 (`torch._grouped_mm`: decode steps with many rows, where the stacked path's work on the
-other slots' columns dominates). All give the same numbers.
+other slots' columns dominates), or row-wise: one call of a C kernel that runs each row
+through its own slot's A and B only (`miles.backends.lora.rowwise`: float32 decode steps on
+CPU, where it is built). All give the same numbers.
 Everything that depends only on the batch (row grouping, per-row scale) is computed once
 per batch in `SlotBatch`, and `use_slots` keeps one per distinct slot list, so that the
-steps of a decode loop share it; each layer keeps the operands of its last no-grad stacked
-or jagged step (`_DecodePlan`) while the batch and its weights stay the same.
+steps of a decode loop share it; each layer keeps the operands of its last no-grad stacked,
+jagged or row-wise step (`_DecodePlan`) while the batch and its weights stay the same.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-DeltaMode = Literal["auto", "segment", "gather", "stacked", "jagged"]
+from miles.backends.lora.rowwise import RowwiseKernel, plan_arguments, rowwise_kernel
+
+DeltaMode = Literal["auto", "segment", "gather", "stacked", "jagged", "rowwise"]
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 JAGGED_MIN_SAVED_MACS = 1_500_000
@@ -205,10 +209,13 @@ class MultiLoRALinear(nn.Module):
         self.delta_mode: DeltaMode = "auto"
         self.jagged_min_saved_macs: float = JAGGED_MIN_SAVED_MACS
         """Where "auto" turns decode steps from stacked to jagged (inf: never)."""
+        self.rowwise_decode: bool = True
+        """"auto" runs decode steps through the row-wise C kernel where it is built (False: the torch paths)."""
         # B as [n_slots * max_rank, out] for the stacked path, keyed by B's storage and
         # version counter (every in-place write to B, e.g. set_slot or an optimizer step
         # through `detach()`, bumps the version).
         self._stacked_b_cache: tuple[tuple, torch.Tensor] | None = None
+        self._rowwise_a_cache: tuple[tuple, torch.Tensor] | None = None
         self.slot_scales: tuple[float, ...] = (0.0,) * n_slots
         """alpha / rank of every slot (0 when empty), as a tuple a batch compares at C speed."""
         self._decode_plan: _DecodePlan | None = None
@@ -248,6 +255,8 @@ class MultiLoRALinear(nn.Module):
                 f"{x.shape[0]}: pass one slot id per sample (row of input_ids)"
             )
         mode = self._pick_mode(x, batch)
+        if mode == "rowwise":
+            return self._add_rowwise_delta(out, x, batch)
         if mode == "jagged":
             return self._add_jagged_delta(out, x, batch)
         if mode == "stacked":
@@ -262,11 +271,15 @@ class MultiLoRALinear(nn.Module):
         if batch.single_slot is not None:
             return "segment"
         tokens_per_sample = x.shape[1] if x.dim() == 3 else 1
-        # Decode steps of several adapters. With a handful of rows the cost is the number of
-        # ops: the stacked path is three (GEMM, scale, GEMM) whatever the mix, but computes
-        # every slot up to the highest present one for every row. Past JAGGED_MIN_SAVED_MACS
-        # of that waste, one grouped GEMM pair over each slot's own rows is cheaper.
+        # Decode steps of several adapters. On CPU in float32, the row-wise C kernel: each
+        # row's own slot only, one call. Otherwise, with a handful of rows the cost is the
+        # number of ops: the stacked path is three (GEMM, scale, GEMM) whatever the mix, but
+        # computes every slot up to the highest present one for every row. Past
+        # JAGGED_MIN_SAVED_MACS of that waste, one grouped GEMM pair over each slot's own rows
+        # is cheaper.
         if tokens_per_sample == 1:
+            if self.rowwise_decode and not _training(self) and self._rowwise_kernel(x) is not None:
+                return "rowwise"
             wasted = batch.batch_size * batch.present[-1] * self.max_rank * (self.in_features + self.out_features)
             if HAS_GROUPED_MM and wasted >= self.jagged_min_saved_macs and not _training(self):
                 return "jagged"
@@ -337,6 +350,39 @@ class MultiLoRALinear(nn.Module):
             self._decode_plan = _DecodePlan(self, x, batch, step)
             return step(x, out)
         return out + step(x.to(a_MIR.dtype), out.new_zeros(out.shape, dtype=a_MIR.dtype)).to(out.dtype)
+
+    def _rowwise_kernel(self, x: torch.Tensor) -> RowwiseKernel | None:
+        """The C kernel where it can run this step: float32 on CPU, and built (`rowwise_kernel`)."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or self.lora_A.dtype != torch.float32:
+            return None
+        return rowwise_kernel()
+
+    def _add_rowwise_delta(self, out: torch.Tensor, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+        """`out` plus the delta of every row from its own slot only, in one C call
+        (`miles.backends.lora.rowwise`): rank x (in + out) multiply-adds a row, rows taken in
+        slot order so that each slot's A and B are read once per step. No grad, float32 on CPU:
+        decode steps, where the torch paths either compute every slot for every row (stacked)
+        or pay a GEMM call per slot (jagged)."""
+        kernel = self._rowwise_kernel(x)
+        if kernel is None or x.shape[1:-1].numel() != 1 or _training(self):
+            raise ValueError("the row-wise delta runs float32 CPU decode steps only (one token per sample, no "
+                             "grad), with the kernel built")
+        ids_B = batch.slot_ids_B
+        scale_B = self.scaling.index_select(0, ids_B.clamp(min=0)) * (ids_B >= 0)
+        a_SIR, b_SRO = self._rowwise_a(), self._stacked_b().view(self.n_slots, self.max_rank, self.out_features)
+        fixed = plan_arguments(a_SIR, b_SRO, ids_B, scale_B, batch.jagged_rows_N)
+        # The plan holds the tensors behind those pointers, so they live as long as it does.
+        step = functools.partial(_rowwise_step, kernel, fixed, (a_SIR, b_SRO, ids_B, scale_B, batch), self.in_features)
+        self._decode_plan = _DecodePlan(self, x, batch, step)
+        return step(x, out)
+
+    def _rowwise_a(self) -> torch.Tensor:
+        """A of every slot transposed, [n_slots, in, max_rank], kept while A is unchanged."""
+        a = self.lora_A
+        key = (a.data_ptr(), a._version, a.dtype, a.device)
+        if self._rowwise_a_cache is None or self._rowwise_a_cache[0] != key:
+            self._rowwise_a_cache = (key, a.detach().transpose(1, 2).contiguous())
+        return self._rowwise_a_cache[1]
 
     def _slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         rank = self.ranks[slot]
@@ -499,6 +545,18 @@ def _jagged_step(rows_N: torch.Tensor, offs_M: torch.Tensor, in_order: bool, a_M
     return (out_NO.add_(delta_NO) if in_order else out_NO.index_add_(0, rows_N, delta_NO)).reshape(out.shape)
 
 
+def _rowwise_step(kernel: RowwiseKernel, fixed: tuple[int, ...], keep_alive: tuple, in_features: int,
+                  x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` (the base output, fresh) plus the delta, written in place by the kernel."""
+    x_NI = x.reshape(-1, in_features)
+    if not x_NI.is_contiguous():
+        x_NI = x_NI.contiguous()
+    if not out.is_contiguous():
+        out = out.contiguous()
+    kernel.call_raw(out.data_ptr(), x_NI.data_ptr(), fixed)
+    return out
+
+
 def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
     return weight.data_ptr(), weight._version
 
@@ -583,9 +641,11 @@ def slot_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def set_delta_mode(model: nn.Module, mode: DeltaMode) -> None:
-    """Force the segment, gather (grouped), stacked or jagged path for every layer ("auto" picks per batch)."""
-    if mode not in ("auto", "segment", "gather", "stacked", "jagged"):
-        raise ValueError(f"delta mode must be 'auto', 'segment', 'gather', 'stacked' or 'jagged', got {mode!r}")
+    """Force the segment, gather (grouped), stacked, jagged or row-wise path for every layer
+    ("auto" picks per batch)."""
+    if mode not in ("auto", "segment", "gather", "stacked", "jagged", "rowwise"):
+        raise ValueError(f"delta mode must be 'auto', 'segment', 'gather', 'stacked', 'jagged' or 'rowwise', "
+                         f"got {mode!r}")
     for module in _require_lora(model).values():
         module.delta_mode = mode
 

@@ -14,6 +14,7 @@ from peft.utils import get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
 from miles.backends.lora import (
+    MultiLoRALinear,
     clear_slot,
     get_slot_weights,
     init_slot,
@@ -24,6 +25,8 @@ from miles.backends.lora import (
     slot_parameters,
     use_slots,
 )
+from miles.backends.lora import rowwise
+from miles.backends.lora.rowwise import rowwise_kernel
 
 N_SLOTS = 4
 MAX_RANK = 8
@@ -236,13 +239,15 @@ def test_stacked_path_sees_every_write_to_b(base_model):
     torch.testing.assert_close(stacked_after_step, segment_after_step, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("decode_mode", ["auto", "jagged"])  # auto: stacked at this size
+@pytest.mark.parametrize("decode_mode", ["auto", "stacked", "jagged", "rowwise"])
 @pytest.mark.parametrize("slots", [[3, -1, 1, 3, 0, 2], [0, 0, 1, 1], [2, -1, -1, 2]])
 def test_repeated_decode_steps_equal_the_segment_path(base_model, slots, decode_mode):
-    """Decode steps (one token per row, no grad) reuse the stacked or jagged path's
-    operands from the previous step; they equal the per-slot segment path for mixed
+    """Decode steps (one token per row, no grad) reuse the stacked, jagged or row-wise
+    path's operands from the previous step; they equal the per-slot segment path for mixed
     slots, base-only rows and present slots that are not 0..P-1, and a write to A (slot
     load) or to B between two steps shows in the next one."""
+    if decode_mode == "rowwise" and rowwise_kernel() is None:
+        pytest.skip("the row-wise kernel is not built here (no C compiler)")
     model = multi_lora_copy(base_model)
     gen = torch.Generator().manual_seed(5)
     for slot, rank in zip(range(N_SLOTS), (2, 8, 5, 1)):
@@ -294,6 +299,7 @@ def test_decode_steps_of_many_rows_take_the_jagged_path():
         pytest.skip("this torch has no torch._grouped_mm")
     gen = torch.Generator().manual_seed(11)
     layer = MultiLoRALinear(torch.nn.Linear(256, 512, bias=False), n_slots=4, max_rank=16)
+    layer.rowwise_decode = False  # the torch paths' choice
     for slot, rank in enumerate((16, 4, 9, 16)):
         layer.set_slot(slot, torch.randn(rank, 256, generator=gen), torch.randn(512, rank, generator=gen),
                        alpha=2.0 * rank + slot)
@@ -320,3 +326,98 @@ def test_decode_steps_of_many_rows_take_the_jagged_path():
     layer.delta_mode = "jagged"
     with use_slots(layer, slots), pytest.raises(ValueError, match="decode steps only"):
         layer(x.requires_grad_())
+
+
+def _rowwise_layers(gen: torch.Generator) -> tuple[torch.nn.Sequential, dict]:
+    """Two layers of odd widths (the kernel's tail loop), a bias, unequal ranks and alphas."""
+    layers = torch.nn.Sequential(
+        MultiLoRALinear(torch.nn.Linear(37, 21), n_slots=5, max_rank=6),
+        MultiLoRALinear(torch.nn.Linear(21, 40, bias=False), n_slots=5, max_rank=6),
+    )
+    weights = {}
+    for index, layer in enumerate(layers):
+        for slot, rank in zip(range(5), (6, 1, 3, 6, 4)):
+            a = torch.randn(rank, layer.in_features, generator=gen)
+            b = torch.randn(layer.out_features, rank, generator=gen)
+            layer.set_slot(slot, a, b, alpha=2.0 * rank + index)
+            weights[index, slot] = (a, b, (2.0 * rank + index) / rank)
+    return layers, weights
+
+
+@pytest.mark.parametrize("slots", [[4, -1, 0, 4, 2, 2, -1, 1, 3], [2, 0], [3, -1, 3], [-1, 2]])
+def test_rowwise_kernel_equals_per_row_reference(slots):
+    """The C kernel's decode step: each row through its own slot (rows out of slot order,
+    base-only rows, slots that are not 0..P-1), the base output kept for slot -1. (A batch of
+    one adapter and no base-only rows takes the segment path: one GEMM pair at its rank.)"""
+    if rowwise_kernel() is None:
+        pytest.skip("the row-wise kernel is not built here (no C compiler)")
+    gen = torch.Generator().manual_seed(21)
+    torch.manual_seed(21)  # the base linears' initial weights
+    layers, weights = _rowwise_layers(gen)
+    x = torch.randn(len(slots), 1, 37, generator=gen)
+
+    def reference(row: torch.Tensor, slot: int) -> torch.Tensor:
+        for index, layer in enumerate(layers):
+            out = layer.base(row)
+            if slot >= 0:
+                a, b, scale = weights[index, slot]
+                out = out + (row @ a.T) @ b.T * scale
+            row = out
+        return row
+
+    expected = torch.stack([reference(x[i], s) for i, s in enumerate(slots)])
+    with torch.no_grad(), use_slots(layers, slots):
+        first = layers(x)
+        assert all(layer._decode_plan.step.func.__name__ == "_rowwise_step" for layer in layers)
+        second = layers(x)  # the kept plan
+    torch.testing.assert_close(first, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(first, second)
+
+
+def test_decode_steps_take_the_torch_paths_without_the_kernel(monkeypatch, caplog, tmp_path):
+    """Switched off (MILES_CPU_LORA_KERNEL=0) or without a working C compiler, the kernel is
+    None with the reason logged, "auto" decodes through the stacked path with the same
+    numbers, and forcing "rowwise" says what it needs."""
+    gen = torch.Generator().manual_seed(22)
+    torch.manual_seed(22)
+    layers, _ = _rowwise_layers(gen)
+    x = torch.randn(4, 1, 37, generator=gen)
+    slots = [1, -1, 4, 1]
+    with torch.no_grad(), use_slots(layers, slots):
+        expected = layers(x)
+    monkeypatch.setattr(rowwise, "rowwise_kernel", rowwise.rowwise_kernel.__wrapped__)
+    from miles.backends.lora import layer as layer_module
+
+    monkeypatch.setattr(layer_module, "rowwise_kernel", rowwise.rowwise_kernel)
+    monkeypatch.setenv("MILES_CPU_LORA_KERNEL", "0")
+    assert rowwise.rowwise_kernel() is None
+    monkeypatch.setenv("MILES_CPU_LORA_KERNEL", "1")
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path))
+    with caplog.at_level("WARNING", logger="miles.backends.lora.rowwise"):
+        assert rowwise.rowwise_kernel() is None
+    assert "could not build rowwise.c" in caplog.text and "torch paths" in caplog.text
+    for layer in layers:
+        layer._decode_plan = None
+    with torch.no_grad(), use_slots(layers, slots):
+        torch.testing.assert_close(layers(x), expected, atol=1e-5, rtol=1e-5)
+        assert all(layer._decode_plan.step.func.__name__ == "_stacked_step" for layer in layers)
+        set_delta_mode(layers, "rowwise")
+        with pytest.raises(ValueError, match="kernel built"):
+            layers(x)
+
+
+def test_the_kernel_is_built_once_per_cache(tmp_path, monkeypatch):
+    """A second build finds the first one's file (same source, flags, compiler and CPU)."""
+    if rowwise.rowwise_kernel() is None:
+        pytest.skip("the row-wise kernel is not built here (no C compiler)")
+    monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path))
+    first = rowwise._build()
+    stamp = first.stat().st_mtime_ns
+    assert first.parent == tmp_path and first.suffix == ".so"
+    assert rowwise._build() == first and first.stat().st_mtime_ns == stamp
+    kernel = rowwise.RowwiseKernel(first)
+    out = torch.zeros(2, 3)
+    kernel(out, torch.ones(2, 4), torch.ones(1, 4, 2), torch.ones(1, 2, 3), torch.zeros(2, dtype=torch.long),
+           torch.tensor([0.5, 2.0]), torch.tensor([1]))
+    assert out.tolist() == [[0.0, 0.0, 0.0], [16.0, 16.0, 16.0]]  # row 1 only: 2 x (4 x 1) x 2 = 16

@@ -1,0 +1,137 @@
+"""The row-wise decode kernel: each row of a decode step through its own slot only, on CPU.
+
+    kernel = rowwise_kernel()            # None where it cannot be built
+    if kernel is not None:
+        kernel(out_NO, x_NI, a_SIR, b_SRO, slots_N, scale_N, order_M)   # out_NO += delta, in place
+
+`rowwise.c` is compiled on first use with the system C compiler (`$CC`, else `cc`) into
+`$MILES_KERNEL_CACHE` (default `~/.cache/miles/kernels`), one file per source, flags,
+compiler and CPU, built under a file lock so that concurrent processes build it once; it
+is loaded with ctypes (no Python headers, no torch ABI: a build takes a fraction of a
+second). Where no compiler works, or with `MILES_CPU_LORA_KERNEL=0`, `rowwise_kernel()`
+returns None and decode steps take the torch paths; the reason is logged once.
+
+Why a kernel: a decode step of a few rows over several adapters is a few thousand
+multiply-adds per row, which torch can only reach as one GEMM over every slot's columns
+(the stacked path: (highest slot + 1) x the work) or one small GEMM per slot (jagged).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rowwise.c")
+FLAGS = ("-O3", "-std=c11", "-fopenmp-simd", "-shared", "-fPIC")
+NATIVE_FLAGS = ("-march=native",)
+"""Tried first; the build is for this machine only (the cache key names its CPU)."""
+ENV_SWITCH = "MILES_CPU_LORA_KERNEL"
+
+
+class RowwiseKernel:
+    """The loaded `lora_rowwise` function with its argument types."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fn = ctypes.CDLL(str(path)).lora_rowwise
+        self._fn.restype = None
+        self._fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4
+
+    def __call__(self, out_NO: torch.Tensor, x_NI: torch.Tensor, a_SIR: torch.Tensor, b_SRO: torch.Tensor,
+                 slots_N: torch.Tensor, scale_N: torch.Tensor, order_M: torch.Tensor) -> torch.Tensor:
+        """`out_NO[n] += scale_N[n] * x_NI[n] @ a_SIR[s] @ b_SRO[s]` (s = slots_N[n]) for the rows in
+        `order_M`, in place. Float32 and int64 CPU tensors, contiguous; unchecked here (the caller,
+        `MultiLoRALinear`, builds them once per decode plan)."""
+        self._fn(out_NO.data_ptr(), x_NI.data_ptr(), a_SIR.data_ptr(), b_SRO.data_ptr(), slots_N.data_ptr(),
+                 scale_N.data_ptr(), order_M.data_ptr(), order_M.numel(), a_SIR.shape[1], a_SIR.shape[2],
+                 b_SRO.shape[2])
+        return out_NO
+
+    def call_raw(self, out_ptr: int, x_ptr: int, fixed: tuple[int, ...]) -> None:
+        """The same call with the per-plan pointers and sizes bound (`plan_arguments`)."""
+        self._fn(out_ptr, x_ptr, *fixed)
+
+
+def plan_arguments(a_SIR: torch.Tensor, b_SRO: torch.Tensor, slots_N: torch.Tensor, scale_N: torch.Tensor,
+                   order_M: torch.Tensor) -> tuple[int, ...]:
+    """What stays the same over the steps of one decode plan, as the kernel takes it."""
+    return (a_SIR.data_ptr(), b_SRO.data_ptr(), slots_N.data_ptr(), scale_N.data_ptr(), order_M.data_ptr(),
+            order_M.numel(), a_SIR.shape[1], a_SIR.shape[2], b_SRO.shape[2])
+
+
+@functools.cache
+def rowwise_kernel() -> RowwiseKernel | None:
+    """The kernel, built or loaded from the cache once per process; None (with the reason
+    logged once) where it is switched off or no C compiler builds it."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        logger.info("%s=0: decode steps of several adapters take the torch paths", ENV_SWITCH)
+        return None
+    try:
+        return RowwiseKernel(_build())
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        logger.warning("the row-wise LoRA decode kernel is not available (%s); decode steps of several "
+                       "adapters take the torch paths, which are slower on CPU", exc)
+        return None
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
+    return compiler
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MILES_KERNEL_CACHE") or Path.home() / ".cache" / "miles" / "kernels")
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU model and its instruction-set flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return platform.machine() + "\n".join(sorted(set(wanted)))
+
+
+def _build() -> Path:
+    compiler = _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + NATIVE_FLAGS).encode(), version.encode(),
+                                      _cpu_fingerprint().encode()])).hexdigest()[:16]
+    cache = _cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"lora_rowwise-{key}.so"
+    if target.exists():
+        return target
+    with open(cache / f"lora_rowwise-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():  # another process built it while this one waited
+            return target
+        errors = []
+        for extra in (NATIVE_FLAGS, ()):
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                built = Path(tmp) / target.name
+                result = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", str(built)],
+                                        capture_output=True, text=True, timeout=120)
+                if result.returncode == 0:
+                    os.replace(built, target)  # atomic: a reader sees the whole file or none
+                    logger.info("built the row-wise LoRA decode kernel: %s", target)
+                    return target
+                errors.append(result.stderr.strip()[-500:])
+        raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
