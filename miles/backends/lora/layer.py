@@ -248,7 +248,7 @@ class MultiLoRALinear(nn.Module):
             return out
         plan = self._decode_plan
         if plan is not None and plan.fits(self, x, batch):
-            return plan.run(x, out)  # a decode step like the last one: its ops, nothing else
+            return plan.step(x, out)  # a decode step like the last one: its ops, nothing else
         if x.shape[0] != batch.batch_size:
             raise ValueError(
                 f"use_slots gave {batch.batch_size} slot ids but the layer input has batch size "
@@ -497,7 +497,7 @@ def _training(layer: MultiLoRALinear) -> bool:
 
 
 class _DecodePlan:
-    """One layer's decode step, kept for the next step: `run(x, out)` with its operands bound.
+    """One layer's decode step, kept for the next step: `step(x, out)` with its operands bound.
 
     Valid while the step runs the same `SlotBatch` object (cached per slot list by
     `use_slots`) on an input of the same size and dtype, with A and B unchanged (same
@@ -515,15 +515,17 @@ class _DecodePlan:
         self.step = step
 
     def fits(self, layer: MultiLoRALinear, x: torch.Tensor, batch: SlotBatch) -> bool:
-        return (
-            batch is self.batch and x.numel() == self.numel and x.dtype == self.dtype
-            and layer.slot_scales is self.slot_scales and layer.delta_mode == self.delta_mode
-            and not _training(layer)
-            and _weight_key(layer.lora_A) == self.a_key and _weight_key(layer.lora_B) == self.b_key
-        )
-
-    def run(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return self.step(x, out)
+        # Cheapest checks first; the weights straight from `_parameters` (no Module.__getattr__).
+        if batch is not self.batch or x.numel() != self.numel or x.dtype != self.dtype:
+            return False
+        if layer.slot_scales is not self.slot_scales or layer.delta_mode != self.delta_mode:
+            return False
+        params = layer._parameters
+        a, b = params["lora_A"], params["lora_B"]
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            return False  # the forward is recorded for autograd (`_training`)
+        return a._version == self.a_key[1] and b._version == self.b_key[1] and (
+            a.data_ptr() == self.a_key[0] and b.data_ptr() == self.b_key[0])
 
 
 def _stacked_step(a_IC: torch.Tensor, scale_BC: torch.Tensor, b_CO: torch.Tensor, in_features: int,
@@ -547,13 +549,13 @@ def _jagged_step(rows_N: torch.Tensor, offs_M: torch.Tensor, in_order: bool, a_M
 
 def _rowwise_step(kernel: RowwiseKernel, fixed: tuple[int, ...], keep_alive: tuple, in_features: int,
                   x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`out` (the base output, fresh) plus the delta, written in place by the kernel."""
-    x_NI = x.reshape(-1, in_features)
-    if not x_NI.is_contiguous():
-        x_NI = x_NI.contiguous()
+    """`out` (the base output, fresh) plus the delta, written in place by the kernel, which
+    reads both as [rows, features] (`in_features` is the plan's; the plan fixes x's size)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
     if not out.is_contiguous():
         out = out.contiguous()
-    kernel.call_raw(out.data_ptr(), x_NI.data_ptr(), fixed)
+    kernel.call_raw(out.data_ptr(), x.data_ptr(), fixed)
     return out
 
 
