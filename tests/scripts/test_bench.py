@@ -27,18 +27,18 @@ def test_run_all_quick_writes_every_figure(tmp_path):
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench" / "run_all.py"), "--quick", "--models", "tiny",
          "--out-dir", str(tmp_path), "--script-args", "tiny:memory=--peft-processes 1",
-         "--script-args", "tiny:train_mixed=--recompute"],
+         "--script-args", "tiny:train_mixed=--recompute", "--script-args", "tiny:decode=--torch-decode"],
         check=True, cwd=ROOT, env=env, timeout=900,
     )
     results = json.loads((tmp_path / "benchmarks.json").read_text())
     figures = results["figures"]
     commands = {f["command"].split()[1] for f in figures}
     assert commands == {f"scripts/bench/{name}.py" for name in SCRIPTS}
-    # train K=8, train with recompute ÷ without, PEFT loop, memory, decode vs base, decode vs PEFT;
-    # trainer_service: push ÷ train,
+    # train K=8, train with recompute ÷ without, PEFT loop, memory, decode vs base, decode with the
+    # row-wise kernel vs the torch paths, decode vs PEFT; trainer_service: push ÷ train,
     # bytes pushed ÷ stepped, loop overhead, POST -> ACTIVE, POST -> first step, 5xx under load, iteration
     # during the load ÷ before
-    assert len(figures) == 6 + 7
+    assert len(figures) == 7 + 7
     for f in figures:
         assert f["model"] == "tiny" and f["reps"] >= 1
         assert f["baseline_median"] > 0 and f["ratio_min"] <= f["ratio"] <= f["ratio_max"]
