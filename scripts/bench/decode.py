@@ -147,20 +147,14 @@ def main() -> None:
         ours_label=f"{args.adapters} adapters mixed", baseline_label="base only", ours=rate["mixed"], baseline=rate["base"],
         unit="tokens/s", ratio_of="ours/baseline", target=">= 0.80", params=params,
     )]
-    if "torch" in rate:
-        figures.append(Figure(
-            figure=f"engine tokens/s, {args.adapters} adapters mixed, row-wise C kernel ÷ torch paths",
-            model=args.model, ours_label="auto (row-wise kernel)", baseline_label="torch paths (stacked or jagged)",
-            ours=rate["mixed"], baseline=rate["torch"], unit="tokens/s", ratio_of="ours/baseline", target="report",
-            params=params,
-        ))
-    if "stacked" in rate:
-        figures.append(Figure(
-            figure=f"engine tokens/s, {args.adapters} adapters mixed, decode path chosen per step ÷ always stacked",
-            model=args.model, ours_label="auto (row-wise kernel)", baseline_label="stacked decode steps",
-            ours=rate["mixed"], baseline=rate["stacked"], unit="tokens/s", ratio_of="ours/baseline", target="report",
-            params=params,
-        ))
+    for name, what, baseline_label in (("torch", "row-wise C kernel ÷ torch paths", "torch paths (stacked or jagged)"),
+                                       ("stacked", "decode path chosen per step ÷ always stacked", "stacked decode steps")):
+        if name in rate:
+            figures.append(Figure(
+                figure=f"engine tokens/s, {args.adapters} adapters mixed, {what}", model=args.model,
+                ours_label="auto (row-wise kernel)", baseline_label=baseline_label, ours=rate["mixed"],
+                baseline=rate[name], unit="tokens/s", ratio_of="ours/baseline", target="report", params=params,
+            ))
     if "peft" in rate:
         figures.append(Figure(
             figure="engine tokens/s, ours ÷ PEFT generate(adapter_names=...) on the same mixed batch", model=args.model,

@@ -60,6 +60,22 @@ def multi_lora_copy(base, target_modules="all-linear"):
     return model
 
 
+def per_row_reference(layers: torch.nn.Sequential, weights: dict, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """Each row through the layers on its own: base, plus its slot's (x A^T) B^T x scale
+    (`weights[layer index, slot]` = (A, B, scale)) unless its slot is -1."""
+
+    def one_row(row: torch.Tensor, slot: int) -> torch.Tensor:
+        for index, layer in enumerate(layers):
+            out = layer.base(row)
+            if slot >= 0:
+                a, b, scale = weights[index, slot]
+                out = out + (row @ a.T) @ b.T * scale
+            row = out
+        return row
+
+    return torch.stack([one_row(x[i], s) for i, s in enumerate(slots)])
+
+
 def logits(model, input_ids, slots=None):
     with torch.no_grad():
         if slots is None:
@@ -184,16 +200,7 @@ def test_grouped_delta_equals_per_row_reference(slots, tokens):
             weights[index, slot] = (a, b, alpha / rank)
     x = torch.randn(len(slots), *(() if tokens is None else (tokens,)), 6, generator=gen)
 
-    def reference(row: torch.Tensor, slot: int) -> torch.Tensor:
-        for index, layer in enumerate(layers):
-            out = layer.base(row)
-            if slot >= 0:
-                a, b, scale = weights[index, slot]
-                out = out + (row @ a.T) @ b.T * scale
-            row = out
-        return row
-
-    expected = torch.stack([reference(x[i], s) for i, s in enumerate(slots)])
+    expected = per_row_reference(layers, weights, x, slots)
     for mode in ("gather", "segment", "stacked", "auto"):
         for layer in layers:
             layer.delta_mode = mode
@@ -356,16 +363,7 @@ def test_rowwise_kernel_equals_per_row_reference(slots):
     layers, weights = _rowwise_layers(gen)
     x = torch.randn(len(slots), 1, 37, generator=gen)
 
-    def reference(row: torch.Tensor, slot: int) -> torch.Tensor:
-        for index, layer in enumerate(layers):
-            out = layer.base(row)
-            if slot >= 0:
-                a, b, scale = weights[index, slot]
-                out = out + (row @ a.T) @ b.T * scale
-            row = out
-        return row
-
-    expected = torch.stack([reference(x[i], s) for i, s in enumerate(slots)])
+    expected = per_row_reference(layers, weights, x, slots)
     with torch.no_grad(), use_slots(layers, slots):
         first = layers(x)
         assert all(layer._decode_plan.step.func.__name__ == "_rowwise_step" for layer in layers)
