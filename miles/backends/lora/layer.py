@@ -211,9 +211,10 @@ class MultiLoRALinear(nn.Module):
         """Where "auto" turns decode steps from stacked to jagged (inf: never)."""
         self.rowwise_decode: bool = True
         """"auto" runs decode steps through the row-wise C kernel where it is built (False: the torch paths)."""
-        # B as [n_slots * max_rank, out] for the stacked path, keyed by B's storage and
-        # version counter (every in-place write to B, e.g. set_slot or an optimizer step
-        # through `detach()`, bumps the version).
+        # Layouts derived from the weights for the no-grad paths, kept while the weight is
+        # unchanged (`_kept`: every in-place write, e.g. set_slot or an optimizer step through
+        # `detach()`, bumps its version): B as [n_slots * max_rank, out] (stacked, row-wise) and
+        # A as [n_slots, in, max_rank] (row-wise).
         self._stacked_b_cache: tuple[tuple, torch.Tensor] | None = None
         self._rowwise_a_cache: tuple[tuple, torch.Tensor] | None = None
         self.slot_scales: tuple[float, ...] = (0.0,) * n_slots
@@ -323,9 +324,8 @@ class MultiLoRALinear(nn.Module):
         b = self.lora_B
         if _training(self):
             return b.transpose(1, 2).reshape(-1, self.out_features)
-        key = (b.data_ptr(), b._version, b.dtype, b.device)
-        if self._stacked_b_cache is None or self._stacked_b_cache[0] != key:
-            self._stacked_b_cache = (key, b.detach().transpose(1, 2).reshape(-1, self.out_features).contiguous())
+        self._stacked_b_cache = _kept(self._stacked_b_cache, b,
+                                      lambda w: w.transpose(1, 2).reshape(-1, self.out_features).contiguous())
         return self._stacked_b_cache[1]
 
     def _add_jagged_delta(self, out: torch.Tensor, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
@@ -372,16 +372,13 @@ class MultiLoRALinear(nn.Module):
         a_SIR, b_SRO = self._rowwise_a(), self._stacked_b().view(self.n_slots, self.max_rank, self.out_features)
         fixed = plan_arguments(a_SIR, b_SRO, ids_B, scale_B, batch.jagged_rows_N)
         # The plan holds the tensors behind those pointers, so they live as long as it does.
-        step = functools.partial(_rowwise_step, kernel, fixed, (a_SIR, b_SRO, ids_B, scale_B, batch), self.in_features)
+        step = functools.partial(_rowwise_step, kernel, fixed, (a_SIR, b_SRO, ids_B, scale_B, batch))
         self._decode_plan = _DecodePlan(self, x, batch, step)
         return step(x, out)
 
     def _rowwise_a(self) -> torch.Tensor:
         """A of every slot transposed, [n_slots, in, max_rank], kept while A is unchanged."""
-        a = self.lora_A
-        key = (a.data_ptr(), a._version, a.dtype, a.device)
-        if self._rowwise_a_cache is None or self._rowwise_a_cache[0] != key:
-            self._rowwise_a_cache = (key, a.detach().transpose(1, 2).contiguous())
+        self._rowwise_a_cache = _kept(self._rowwise_a_cache, self.lora_A, lambda w: w.transpose(1, 2).contiguous())
         return self._rowwise_a_cache[1]
 
     def _slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:
@@ -547,16 +544,27 @@ def _jagged_step(rows_N: torch.Tensor, offs_M: torch.Tensor, in_order: bool, a_M
     return (out_NO.add_(delta_NO) if in_order else out_NO.index_add_(0, rows_N, delta_NO)).reshape(out.shape)
 
 
-def _rowwise_step(kernel: RowwiseKernel, fixed: tuple[int, ...], keep_alive: tuple, in_features: int,
+def _rowwise_step(kernel: RowwiseKernel, fixed: tuple[int, ...], keep_alive: tuple,
                   x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`out` (the base output, fresh) plus the delta, written in place by the kernel, which
-    reads both as [rows, features] (`in_features` is the plan's; the plan fixes x's size)."""
+    reads both as [rows, features] (the plan fixes x's size; `keep_alive` holds the tensors
+    behind the pointers in `fixed`)."""
     if not x.is_contiguous():
         x = x.contiguous()
     if not out.is_contiguous():
         out = out.contiguous()
     kernel.call_raw(out.data_ptr(), x.data_ptr(), fixed)
     return out
+
+
+def _kept(cache: tuple[tuple, torch.Tensor] | None, weight: torch.Tensor,
+          derive) -> tuple[tuple, torch.Tensor]:
+    """`(key, derive(weight))`, derived again only when the weight's storage, version counter
+    (every in-place write bumps it), dtype or device differ from `cache`'s key."""
+    key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+    if cache is None or cache[0] != key:
+        cache = (key, derive(weight.detach()))
+    return cache
 
 
 def _weight_key(weight: torch.Tensor) -> tuple[int, int]:

@@ -55,9 +55,7 @@ class RowwiseKernel:
         """`out_NO[n] += scale_N[n] * x_NI[n] @ a_SIR[s] @ b_SRO[s]` (s = slots_N[n]) for the rows in
         `order_M`, in place. Float32 and int64 CPU tensors, contiguous; unchecked here (the caller,
         `MultiLoRALinear`, builds them once per decode plan)."""
-        self._fn(out_NO.data_ptr(), x_NI.data_ptr(), a_SIR.data_ptr(), b_SRO.data_ptr(), slots_N.data_ptr(),
-                 scale_N.data_ptr(), order_M.data_ptr(), order_M.numel(), a_SIR.shape[1], a_SIR.shape[2],
-                 b_SRO.shape[2])
+        self.call_raw(out_NO.data_ptr(), x_NI.data_ptr(), plan_arguments(a_SIR, b_SRO, slots_N, scale_N, order_M))
         return out_NO
 
     def call_raw(self, out_ptr: int, x_ptr: int, fixed: tuple[int, ...]) -> None:
