@@ -14,8 +14,8 @@ ever updated; the padding stays exactly zero.
     opt.step_slot(2, lr=1e-4)
     opt.zero_slot_grad(2)
 
-The update is torch's AdamW (decoupled weight decay, bias-corrected moments), run with
-`torch._foreach_*` ops over the slot rows of every parameter at once. `step_slots` does
+The update is torch's AdamW (decoupled weight decay, bias-corrected moments), run by
+torch's fused AdamW kernel over the slot rows of every parameter at once. `step_slots` does
 the whole step of several adapters (mask, scale, clip by each slot's own norm, AdamW,
 zero the gradients) in one fused pass over all their rows:
 
@@ -24,7 +24,6 @@ zero the gradients) in one fused pass over all their rows:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -93,22 +92,24 @@ class SlotAdamW:
 
     def slot_grads(self, slot: int) -> list[Tensor]:
         """Views of row `slot` of every gradient (allocated as zeros when missing)."""
-        out = []
+        self._ensure_grads()
+        return [param.grad[slot] for param, _ in self.params]
+
+    def _ensure_grads(self) -> None:
         for param, _ in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            out.append(param.grad[slot])
-        return out
 
     def mask_slot_grad(self, slot: int) -> None:
         """Zero the gradient outside the slot's rank so padding never moves."""
-        self._mask(slot, self.slot_grads(slot))
+        self._ensure_grads()
+        self._mask(slot)
 
-    def _mask(self, slot: int, grads: list[Tensor]) -> None:
+    def _mask(self, slot: int) -> None:
         rank = self._hparams(slot).rank
-        for (param, rank_dim), grad in zip(self.params, grads):
+        for param, rank_dim in self.params:
             if rank < param.shape[rank_dim]:
-                grad.narrow(rank_dim - 1, rank, param.shape[rank_dim] - rank).zero_()
+                param.grad[slot].narrow(rank_dim - 1, rank, param.shape[rank_dim] - rank).zero_()
 
     def scale_slot_grad(self, slot: int, factor: float) -> None:
         torch._foreach_mul_(self.slot_grads(slot), factor)
@@ -133,7 +134,7 @@ class SlotAdamW:
         """One AdamW step of row `slot` with learning rate `lr`."""
         self._hparams(slot)
         self.mask_slot_grad(slot)
-        self._adamw([slot], [lr])
+        self._adamw_rows(slot, slot + 1, lr)
 
     @torch.no_grad()
     def step_slots(self, steps: list[SlotStep], max_norm: float) -> dict[int, float]:
@@ -144,6 +145,9 @@ class SlotAdamW:
         clip by the slot's own norm (`max_norm <= 0`: no clipping), AdamW with `lr`, zero
         the gradient. Equal to calling `mask_slot_grad`, `scale_slot_grad`,
         `clip_slot_grad`, `step_slot` and `zero_slot_grad` per slot.
+
+        Per parameter and run of consecutive slots, one norm and one multiply (the scale and
+        the clip together); one fused AdamW kernel per run of slots with equal scalars.
         """
         if not steps:
             return {}
@@ -151,28 +155,44 @@ class SlotAdamW:
         if len(set(slots)) != len(slots):
             raise ValueError(f"a fused step names a slot twice: {slots}")
         steps = sorted(steps, key=lambda s: s.slot)
+        self._ensure_grads()
         for s in steps:
-            self._mask(s.slot, self.slot_grads(s.slot))
-        blocks = self._blocks(steps)
-        grads = [[p.grad[b[0].slot : b[-1].slot + 1] for p, _ in self.params] for b in blocks]
-        sq_norms = []
-        for block, block_grads in zip(blocks, grads):
-            scale = torch.tensor([s.grad_scale for s in block], dtype=block_grads[0].dtype)
-            for g in block_grads:
-                g.mul_(scale.view(-1, *[1] * (g.dim() - 1)))
-            sq_norms.append(torch.stack([torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim())), dtype=torch.float32)
-                                         for g in block_grads]))
-        norms = [torch.linalg.vector_norm(n_PS, dim=0) for n_PS in sq_norms]
+            self._mask(s.slot)
+        # Consecutive stepping slots are one slice of every gradient: per parameter one norm
+        # and one multiply for the whole run, not one per slot.
+        runs = self._runs([s.slot for s in steps])
+        grads = [[param.grad[start:stop] for param, _ in self.params] for start, stop in runs]
+        sq_norms_S = torch.cat([
+            torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32) for g in run_grads]).square().sum(0)
+            for run_grads in grads
+        ])
+        scale_S = torch.tensor([s.grad_scale for s in steps], dtype=torch.float32, device=sq_norms_S.device)
+        norm_S = sq_norms_S.sqrt() * scale_S  # the norm of the scaled gradient
+        factor_S = scale_S
         if max_norm > 0:
-            for block_grads, norm_S in zip(grads, norms):
-                coef_S = torch.clamp(max_norm / (norm_S + 1e-6), max=1.0)
-                for g in block_grads:
-                    g.mul_(coef_S.to(g.dtype).view(-1, *[1] * (g.dim() - 1)))
-        for block in blocks:
+            factor_S = scale_S * torch.clamp(max_norm / (norm_S + 1e-6), max=1.0)
+        for (start, stop), run_grads, factor_R in zip(runs, grads, self._split(factor_S, runs)):
+            for g in run_grads:
+                g.mul_(factor_R.to(g.dtype).view(-1, *[1] * (g.dim() - 1)))
+        for block in self._blocks(steps):
             self._adamw_rows(block[0].slot, block[-1].slot + 1, block[0].lr)
-        for block_grads in grads:
-            torch._foreach_zero_(block_grads)
-        return {s.slot: v for block, norm_S in zip(blocks, norms) for s, v in zip(block, norm_S.tolist())}
+        torch._foreach_zero_([g for run_grads in grads for g in run_grads])
+        return dict(zip([s.slot for s in steps], norm_S.tolist()))
+
+    @staticmethod
+    def _runs(slots: list[int]) -> list[tuple[int, int]]:
+        """Sorted slots as (start, stop) runs of consecutive slots."""
+        runs: list[tuple[int, int]] = []
+        for slot in slots:
+            if runs and runs[-1][1] == slot:
+                runs[-1] = (runs[-1][0], slot + 1)
+            else:
+                runs.append((slot, slot + 1))
+        return runs
+
+    @staticmethod
+    def _split(values_S: Tensor, runs: list[tuple[int, int]]) -> tuple[Tensor, ...]:
+        return values_S.split([stop - start for start, stop in runs])
 
     def _blocks(self, steps: list[SlotStep]) -> list[list[SlotStep]]:
         """Runs of consecutive slots whose AdamW scalars are equal (lr, weight decay, step
@@ -189,50 +209,25 @@ class SlotAdamW:
         return blocks
 
     def _adamw_rows(self, start: int, stop: int, lr: float) -> None:
-        """AdamW on rows start..stop-1, which share lr, weight decay and step count."""
+        """AdamW on rows start..stop-1 (gradients already masked), which share lr, weight
+        decay and step count: torch's fused AdamW kernel, one call over every parameter."""
         beta1, beta2 = self.betas
-        weight_decay = self._hparams(start).weight_decay
         for slot in range(start, stop):
             self.steps[slot] += 1
-        step = self.steps[start]
+        first = self.params[0][0]
+        step = torch.tensor(float(self.steps[start]), device=first.device)
         # detach(), not .data: the write must bump the version counter that the layers'
         # cached views of B check.
-        weights = [param.detach()[start:stop] for param, _ in self.params]
-        exp_avgs = [m[start:stop] for m in self.exp_avg]
-        exp_avg_sqs = [v[start:stop] for v in self.exp_avg_sq]
-        grads = [param.grad[start:stop] for param, _ in self.params]
-        self._adamw_update(weights, exp_avgs, exp_avg_sqs, grads, [1 - lr * weight_decay] * len(weights),
-                           [math.sqrt(1 - beta2**step)] * len(weights), [-lr / (1 - beta1**step)] * len(weights))
-
-    def _adamw(self, slots: list[int], lrs: list[float]) -> None:
-        """AdamW on the rows of `slots` (gradients already masked), one foreach op per stage."""
-        beta1, beta2 = self.betas
-        n = len(self.params)
-        weights, exp_avgs, exp_avg_sqs, grads = [], [], [], []
-        decay, bias2_sqrt, step_size = [], [], []
-        for slot, lr in zip(slots, lrs):
-            hp = self._hparams(slot)
-            self.steps[slot] += 1
-            step = self.steps[slot]
-            weights += [param.detach()[slot] for param, _ in self.params]
-            exp_avgs += [m[slot] for m in self.exp_avg]
-            exp_avg_sqs += [v[slot] for v in self.exp_avg_sq]
-            grads += self.slot_grads(slot)
-            decay += [1 - lr * hp.weight_decay] * n
-            bias2_sqrt += [math.sqrt(1 - beta2**step)] * n
-            step_size += [-lr / (1 - beta1**step)] * n
-        self._adamw_update(weights, exp_avgs, exp_avg_sqs, grads, decay, bias2_sqrt, step_size)
-
-    def _adamw_update(self, weights, exp_avgs, exp_avg_sqs, grads, decay, bias2_sqrt, step_size) -> None:
-        beta1, beta2 = self.betas
-        torch._foreach_mul_(weights, decay)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, bias2_sqrt)
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(weights, exp_avgs, denom, step_size)
+        torch._fused_adamw_(
+            [param.detach()[start:stop] for param, _ in self.params],
+            [param.grad[start:stop] for param, _ in self.params],
+            [m[start:stop] for m in self.exp_avg],
+            [v[start:stop] for v in self.exp_avg_sq],
+            [],
+            [step] * len(self.params),
+            lr=lr, beta1=beta1, beta2=beta2, weight_decay=self._hparams(start).weight_decay, eps=self.eps,
+            amsgrad=False, maximize=False,
+        )
 
     def zero_slot_grad(self, slot: int) -> None:
         torch._foreach_zero_(self.slot_grads(slot))
