@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 
 @dataclass(frozen=True)
@@ -216,10 +217,9 @@ class SlotAdamW:
             self.steps[slot] += 1
         first = self.params[0][0]
         step = torch.tensor(float(self.steps[start]), device=first.device)
-        # detach(), not .data: the write must bump the version counter that the layers'
-        # cached views of B check.
+        weights = [param.detach()[start:stop] for param, _ in self.params]
         torch._fused_adamw_(
-            [param.detach()[start:stop] for param, _ in self.params],
+            weights,
             [param.grad[start:stop] for param, _ in self.params],
             [m[start:stop] for m in self.exp_avg],
             [v[start:stop] for v in self.exp_avg_sq],
@@ -228,6 +228,9 @@ class SlotAdamW:
             lr=lr, beta1=beta1, beta2=beta2, weight_decay=self._hparams(start).weight_decay, eps=self.eps,
             amsgrad=False, maximize=False,
         )
+        # The fused kernel writes without bumping the weights' version counters, which the
+        # layers' cached layouts of A and B check: bump them here.
+        increment_version(weights)
 
     def zero_slot_grad(self, slot: int) -> None:
         torch._foreach_zero_(self.slot_grads(slot))

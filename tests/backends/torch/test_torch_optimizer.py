@@ -182,3 +182,19 @@ def test_fused_step_over_a_run_of_slots_equals_the_per_slot_sequence():
             torch.testing.assert_close(f.detach(), l.detach(), atol=1e-7, rtol=0)
             torch.testing.assert_close(f.grad, l.grad, atol=1e-7, rtol=0)
     assert fused.steps == loop.steps == [3, 3, 3]
+
+
+def test_steps_bump_the_version_counters_that_cached_layouts_check():
+    """The layers keep layouts derived from A and B while the weights' version counters are
+    unchanged; every kind of step must move them (the fused AdamW kernel alone does not)."""
+    from miles.backends.torch.optimizer import SlotStep
+
+    params = _params(3)
+    opt = SlotAdamW([(params[0], 1), (params[1], 2)], n_slots=3)
+    opt.configure_slot(1, rank=4, lr=0.01, weight_decay=0.0)
+    for step in (lambda: opt.step_slot(1, 0.01), lambda: opt.step_slots([SlotStep(slot=1, lr=0.01)], max_norm=1.0)):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        versions = [p._version for p in params]
+        step()
+        assert all(p._version > v for p, v in zip(params, versions))
