@@ -43,6 +43,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from miles.backends.lora.grouped import GroupedLoRALinear
 from miles.backends.lora.rowwise import RowwiseKernel, plan_arguments, rowwise_kernel
 
 DeltaMode = Literal["auto", "segment", "gather", "stacked", "jagged", "rowwise"]
@@ -243,19 +244,21 @@ class MultiLoRALinear(nn.Module):
         return f"n_slots={self.n_slots}, max_rank={self.max_rank}, delta_mode={self.delta_mode}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
         batch = _ACTIVE.get().get(id(self))
         if batch is None or not batch.present:
-            return out
+            return self.base(x)
         plan = self._decode_plan
         if plan is not None and plan.fits(self, x, batch):
-            return plan.step(x, out)  # a decode step like the last one: its ops, nothing else
+            return plan.step(x, self.base(x))  # a decode step like the last one: its ops, nothing else
         if x.shape[0] != batch.batch_size:
             raise ValueError(
                 f"use_slots gave {batch.batch_size} slot ids but the layer input has batch size "
                 f"{x.shape[0]}: pass one slot id per sample (row of input_ids)"
             )
         mode = self._pick_mode(x, batch)
+        if mode == "gather" and batch.grouped_in_place and self._frozen_base_of_dtype(x.dtype):
+            return self._grouped_linear(x, batch)
+        out = self.base(x)
         if mode == "rowwise":
             return self._add_rowwise_delta(out, x, batch)
         if mode == "jagged":
@@ -414,18 +417,13 @@ class MultiLoRALinear(nn.Module):
         A and B are read in place (a slice when the present slots are 0..P-1, else one
         copy per present adapter, never per sample). Rows past a slot's rank are zero, so
         the full max_rank product equals the rank-sliced one. The per-row scale goes on the
-        [P, N, rank] product, not the wider delta; when the rows are already grouped (a
-        slot-sorted training batch) the second GEMM adds straight into `out` (baddbmm).
+        [P, N, rank] product, not the wider delta. Batches already grouped (a slot-sorted
+        training batch) whose input, base and LoRA share one dtype take `_grouped_linear`;
+        of mixed dtypes, the second GEMM adds straight into `out` (baddbmm).
         """
         n_present = len(batch.present)
-        if batch.present == tuple(range(n_present)):
-            a_PRI, b_POR = self.lora_A[:n_present], self.lora_B[:n_present]
-        else:
-            a_PRI = self.lora_A.index_select(0, batch.present_P)
-            b_POR = self.lora_B.index_select(0, batch.present_P)
-        scale_PG = batch.scale_PG
-        if scale_PG is None or batch.slot_scales != self.slot_scales:
-            scale_PG = batch.valid_PG * self.scaling.index_select(0, batch.present_P)[:, None]
+        a_PRI, b_POR = self._present_weights(batch)
+        scale_PG = self._group_scale(batch)
         group = batch.group_rows_PG.shape[1]
         x = x.to(a_PRI.dtype)
         lead = x.shape[1:-1]  # (T,) for [B, T, in] inputs, () for [B, in]
@@ -442,6 +440,36 @@ class MultiLoRALinear(nn.Module):
         if not batch.grouped_in_place:
             delta = delta.index_select(0, batch.row_place_B)
         return out + delta.to(out.dtype)
+
+    def _grouped_linear(self, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+        """Base and delta of a batch already in the grouped layout as one autograd node
+        (`GroupedLoRALinear`): fewer ops in the forward and the backward, no copy of the
+        base output."""
+        a_PRI, b_POR = self._present_weights(batch)
+        scale_P = self._group_scale(batch)[:, 0]  # in place: every place of a slot holds a row
+        x_PNI = x.reshape(len(batch.present), -1, x.shape[-1])
+        out_PNO = GroupedLoRALinear.apply(x_PNI, self.base.weight, self.base.bias, a_PRI, b_POR, scale_P.to(x.dtype))
+        return out_PNO.view(*x.shape[:-1], -1)
+
+    def _frozen_base_of_dtype(self, dtype: torch.dtype) -> bool:
+        weight = self.base.weight
+        return dtype == weight.dtype == self.lora_A.dtype and not weight.requires_grad and \
+            (self.base.bias is None or not self.base.bias.requires_grad)
+
+    def _present_weights(self, batch: SlotBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A and B of the batch's present slots: a slice when they are 0..P-1, else one
+        copy per present adapter (never per sample)."""
+        n_present = len(batch.present)
+        if batch.present == tuple(range(n_present)):
+            return self.lora_A[:n_present], self.lora_B[:n_present]
+        return self.lora_A.index_select(0, batch.present_P), self.lora_B.index_select(0, batch.present_P)
+
+    def _group_scale(self, batch: SlotBatch) -> torch.Tensor:
+        """[P, G]: each place's alpha / rank (0 at padding), the batch's own when its
+        scales are this layer's."""
+        if batch.scale_PG is None or batch.slot_scales != self.slot_scales:
+            return batch.valid_PG * self.scaling.index_select(0, batch.present_P)[:, None]
+        return batch.scale_PG
 
     def _sync_scales(self) -> None:
         self.slot_scales = tuple(self._scale(s) for s in range(self.n_slots))

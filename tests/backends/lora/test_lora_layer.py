@@ -208,6 +208,44 @@ def test_grouped_delta_equals_per_row_reference(slots, tokens):
             torch.testing.assert_close(layers(x), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("slots", [[0, 0, 1, 1], [0, 0, 2, 2, 3, 3]])
+def test_grouped_batch_is_one_autograd_node_with_the_segment_paths_gradients(slots):
+    """A slot-sorted batch of equal counts runs each layer as one `GroupedLoRALinear` node
+    (base and delta); its output and the gradients of the input, A and B equal the segment
+    path's, recorded op by op (slots 0..P-1 sliced, or not: copied; a bias on one layer)."""
+    from miles.backends.lora import MultiLoRALinear
+
+    gen = torch.Generator().manual_seed(11)
+    torch.manual_seed(11)
+    layers = torch.nn.Sequential(
+        MultiLoRALinear(torch.nn.Linear(6, 7), n_slots=4, max_rank=3),
+        MultiLoRALinear(torch.nn.Linear(7, 5, bias=False), n_slots=4, max_rank=3),
+    )
+    for index, layer in enumerate(layers):
+        for slot, rank in zip(range(4), (1, 3, 2, 3)):
+            layer.set_slot(slot, torch.randn(rank, layer.in_features, generator=gen),
+                           torch.randn(layer.out_features, rank, generator=gen), alpha=2.0 * rank + index)
+    x = torch.randn(len(slots), 5, 6, generator=gen)
+    weight_of_out = torch.randn(len(slots), 5, 5, generator=gen)
+
+    results = {}
+    for mode in ("auto", "segment"):
+        set_delta_mode(layers, mode)
+        layers.zero_grad()
+        x_leaf = x.clone().requires_grad_()
+        with use_slots(layers, slots):
+            out = layers(x_leaf)
+        if mode == "auto":
+            assert type(out.grad_fn).__name__ == "ViewBackward0"
+            assert type(out.grad_fn.next_functions[0][0]).__name__ == "GroupedLoRALinearBackward"
+        (out * weight_of_out).sum().backward()
+        results[mode] = [out.detach(), x_leaf.grad] + [p.grad for layer in layers for p in (layer.lora_A, layer.lora_B)]
+    for grouped, segment in zip(results["auto"], results["segment"]):
+        torch.testing.assert_close(grouped, segment, atol=1e-5, rtol=1e-5)
+    unused = [s for s in range(4) if s not in slots]
+    assert all(torch.count_nonzero(layer.lora_A.grad[unused]) == 0 for layer in layers)
+
+
 def test_stacked_path_sees_every_write_to_b(base_model):
     """The stacked path keeps B's transpose between decode steps; a slot load and an
     optimizer step must both show in the next forward."""
