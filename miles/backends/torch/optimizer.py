@@ -163,16 +163,13 @@ class SlotAdamW:
         # and one multiply for the whole run, not one per slot.
         runs = self._runs([s.slot for s in steps])
         grads = [[param.grad[start:stop] for param, _ in self.params] for start, stop in runs]
-        sq_norms_S = torch.cat([
-            torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32) for g in run_grads]).square().sum(0)
-            for run_grads in grads
-        ])
+        sq_norms_S = torch.cat([_row_sq_norms(run_grads) for run_grads in grads])
         scale_S = torch.tensor([s.grad_scale for s in steps], dtype=torch.float32, device=sq_norms_S.device)
         norm_S = sq_norms_S.sqrt() * scale_S  # the norm of the scaled gradient
         factor_S = scale_S
         if max_norm > 0:
             factor_S = scale_S * torch.clamp(max_norm / (norm_S + 1e-6), max=1.0)
-        for (start, stop), run_grads, factor_R in zip(runs, grads, self._split(factor_S, runs)):
+        for run_grads, factor_R in zip(grads, factor_S.split([stop - start for start, stop in runs])):
             for g in run_grads:
                 g.mul_(factor_R.to(g.dtype).view(-1, *[1] * (g.dim() - 1)))
         for block in self._blocks(steps):
@@ -190,10 +187,6 @@ class SlotAdamW:
             else:
                 runs.append((slot, slot + 1))
         return runs
-
-    @staticmethod
-    def _split(values_S: Tensor, runs: list[tuple[int, int]]) -> tuple[Tensor, ...]:
-        return values_S.split([stop - start for start, stop in runs])
 
     def _blocks(self, steps: list[SlotStep]) -> list[list[SlotStep]]:
         """Runs of consecutive slots whose AdamW scalars are equal (lr, weight decay, step
@@ -215,8 +208,7 @@ class SlotAdamW:
         beta1, beta2 = self.betas
         for slot in range(start, stop):
             self.steps[slot] += 1
-        first = self.params[0][0]
-        step = torch.tensor(float(self.steps[start]), device=first.device)
+        step = torch.tensor(float(self.steps[start]), device=self.params[0][0].device)
         weights = [param.detach()[start:stop] for param, _ in self.params]
         torch._fused_adamw_(
             weights,
@@ -261,3 +253,8 @@ class SlotAdamW:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:
             raise IndexError(f"slot {slot} is outside the page table (0..{self.n_slots - 1})")
+
+
+def _row_sq_norms(grads: list[Tensor]) -> Tensor:
+    """[R]: the squared L2 norm of each row (dim 0) over all of `grads`, in float32."""
+    return torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32) for g in grads]).square().sum(0)
