@@ -14,7 +14,8 @@ The delta of each layer is computed either per slot segment (one pair of GEMMs p
 present in the batch; best for the long, slot-sorted sequences of training) or grouped:
 the rows are gathered into one [slot, rows, features] block per present adapter and run
 through one pair of batched GEMMs against the adapters' A and B, read in place (best for
-unsorted batches and sorted ones of equal counts), or stacked: every slot up to the
+unsorted batches and sorted ones of equal counts, which run base and delta as one autograd
+node: `miles.backends.lora.grouped`), or stacked: every slot up to the
 highest present one as one wide LoRA, each row scaled on its own slot's columns (three
 ops whatever the mix: best for decode steps with a few rows), or jagged: the rows sorted
 by slot through one grouped GEMM pair against each slot's own A and B
