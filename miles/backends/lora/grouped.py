@@ -41,8 +41,10 @@ class GroupedLoRALinear(torch.autograd.Function):
         grad_h_PNR = torch.bmm(grad_PNO, b_POR).mul_(scale_P[:, None, None])
         if needs_x:
             grad_x = torch.matmul(grad_PNO, weight_OI).baddbmm_(grad_h_PNR, a_PRI)
+        # A and B's gradients as x^T grad_h and h^T grad, transposed: the products autograd
+        # forms for the op-by-op path, so both paths round alike.
         if needs_a:
-            grad_a = torch.bmm(grad_h_PNR.transpose(1, 2), x_PNI)
+            grad_a = torch.bmm(x_PNI.transpose(1, 2), grad_h_PNR).transpose(1, 2)
         if needs_b:
-            grad_b = torch.bmm(grad_PNO.transpose(1, 2), h_PNR)
+            grad_b = torch.bmm(h_PNR.transpose(1, 2), grad_PNO).transpose(1, 2)
         return grad_x, None, None, grad_a, grad_b, None

@@ -147,8 +147,8 @@ class SlotAdamW:
         the gradient. Equal to calling `mask_slot_grad`, `scale_slot_grad`,
         `clip_slot_grad`, `step_slot` and `zero_slot_grad` per slot.
 
-        Per parameter and run of consecutive slots, one norm and one multiply (the scale and
-        the clip together); one fused AdamW kernel per run of slots with equal scalars.
+        Per parameter and run of consecutive slots, one norm and one multiply each for the
+        scale and the clip; one fused AdamW kernel per run of slots with equal scalars.
         """
         if not steps:
             return {}
@@ -159,19 +159,20 @@ class SlotAdamW:
         self._ensure_grads()
         for s in steps:
             self._mask(s.slot)
-        # Consecutive stepping slots are one slice of every gradient: per parameter one norm
-        # and one multiply for the whole run, not one per slot.
+        # Consecutive stepping slots are one slice of every gradient: per parameter one
+        # multiply and one norm for the whole run, not one per slot. The scale and the clip
+        # stay two multiplies, so the numbers are the per-slot sequence's.
         runs = self._runs([s.slot for s in steps])
         grads = [[param.grad[start:stop] for param, _ in self.params] for start, stop in runs]
-        sq_norms_S = torch.cat([_row_sq_norms(run_grads) for run_grads in grads])
-        scale_S = torch.tensor([s.grad_scale for s in steps], dtype=torch.float32, device=sq_norms_S.device)
-        norm_S = sq_norms_S.sqrt() * scale_S  # the norm of the scaled gradient
-        factor_S = scale_S
+        lengths = [stop - start for start, stop in runs]
+        scale_S = torch.tensor([s.grad_scale for s in steps], dtype=torch.float32, device=grads[0][0].device)
+        for run_grads, scale_R in zip(grads, scale_S.split(lengths)):
+            _mul_rows(run_grads, scale_R)
+        norm_S = torch.cat([_row_norms(run_grads) for run_grads in grads])
         if max_norm > 0:
-            factor_S = scale_S * torch.clamp(max_norm / (norm_S + 1e-6), max=1.0)
-        for run_grads, factor_R in zip(grads, factor_S.split([stop - start for start, stop in runs])):
-            for g in run_grads:
-                g.mul_(factor_R.to(g.dtype).view(-1, *[1] * (g.dim() - 1)))
+            coef_S = torch.clamp(max_norm / (norm_S + 1e-6), max=1.0)
+            for run_grads, coef_R in zip(grads, coef_S.split(lengths)):
+                _mul_rows(run_grads, coef_R)
         for block in self._blocks(steps):
             self._adamw_rows(block[0].slot, block[-1].slot + 1, block[0].lr)
         torch._foreach_zero_([g for run_grads in grads for g in run_grads])
@@ -255,6 +256,13 @@ class SlotAdamW:
             raise IndexError(f"slot {slot} is outside the page table (0..{self.n_slots - 1})")
 
 
-def _row_sq_norms(grads: list[Tensor]) -> Tensor:
-    """[R]: the squared L2 norm of each row (dim 0) over all of `grads`, in float32."""
-    return torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32) for g in grads]).square().sum(0)
+def _mul_rows(grads: list[Tensor], factor_R: Tensor) -> None:
+    """Row r (dim 0) of every tensor in `grads` times `factor_R[r]`, in place."""
+    for g in grads:
+        g.mul_(factor_R.to(g.dtype).view(-1, *[1] * (g.dim() - 1)))
+
+
+def _row_norms(grads: list[Tensor]) -> Tensor:
+    """[R]: the L2 norm of each row (dim 0) over all of `grads`, in float32."""
+    per_tensor = [torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim())), dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(per_tensor), dim=0)
