@@ -26,7 +26,7 @@ CPU, where it is built). All give the same numbers.
 Everything that depends only on the batch (row grouping, per-row scale) is computed once
 per batch in `SlotBatch`, and `use_slots` keeps one per distinct slot list, so that the
 steps of a decode loop share it; each layer keeps the operands of its last no-grad stacked,
-jagged or row-wise step (`_DecodePlan`) while the batch and its weights stay the same.
+jagged or row-wise step (`miles.backends.lora.decode_plan`) while the batch and its weights stay the same.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from miles.backends.lora.decode_plan import DecodePlan, _jagged_step, _rowwise_step, _stacked_step, kept
 from miles.backends.lora.grouped import GroupedLoRALinear
 from miles.backends.lora.rowwise import RowwiseKernel, plan_arguments, rowwise_kernel
 
@@ -214,14 +215,14 @@ class MultiLoRALinear(nn.Module):
         self.rowwise_decode: bool = True
         """"auto" runs decode steps through the row-wise C kernel where it is built (False: the torch paths)."""
         # Layouts derived from the weights for the no-grad paths, kept while the weight is
-        # unchanged (`_kept`: every in-place write, e.g. set_slot or an optimizer step through
+        # unchanged (`kept`: every in-place write, e.g. set_slot or an optimizer step through
         # `detach()`, bumps its version): B as [n_slots * max_rank, out] (stacked, row-wise) and
         # A as [n_slots, in, max_rank] (row-wise).
         self._stacked_b_cache: tuple[tuple, torch.Tensor] | None = None
         self._rowwise_a_cache: tuple[tuple, torch.Tensor] | None = None
         self.slot_scales: tuple[float, ...] = (0.0,) * n_slots
         """alpha / rank of every slot (0 when empty), as a tuple a batch compares at C speed."""
-        self._decode_plan: _DecodePlan | None = None
+        self._decode_plan: DecodePlan | None = None
         """What the last no-grad stacked step used (A's transpose, per-row scale, stacked B),
         reused while the batch, the weights and the input shape stay the same."""
 
@@ -318,7 +319,7 @@ class MultiLoRALinear(nn.Module):
         out_NO = out.reshape(-1, self.out_features)
         if out_NO.dtype == h_NC.dtype:
             if rows_per_sample == 1 and x.dtype == a_CI.dtype and not _training(self):
-                self._decode_plan = _DecodePlan(self, x, batch, functools.partial(
+                self._decode_plan = DecodePlan(self, x, batch, functools.partial(
                     _stacked_step, a_CI.detach().transpose(0, 1), scale_BC, b_CO, self.in_features))
             return torch.addmm(out_NO, h_NC, b_CO).reshape(out.shape)
         return out + (h_NC @ b_CO).to(out.dtype).reshape(out.shape)
@@ -328,7 +329,7 @@ class MultiLoRALinear(nn.Module):
         b = self.lora_B
         if _training(self):
             return b.transpose(1, 2).reshape(-1, self.out_features)
-        self._stacked_b_cache = _kept(self._stacked_b_cache, b,
+        self._stacked_b_cache = kept(self._stacked_b_cache, b,
                                       lambda w: w.transpose(1, 2).reshape(-1, self.out_features).contiguous())
         return self._stacked_b_cache[1]
 
@@ -351,7 +352,7 @@ class MultiLoRALinear(nn.Module):
         step = functools.partial(_jagged_step, batch.jagged_rows_N, batch.jagged_offs_M, batch.jagged_in_order,
                                  a_MIR, scale_N1.to(a_MIR.dtype), b_MRO, self.in_features)
         if x.dtype == a_MIR.dtype and out.dtype == a_MIR.dtype:
-            self._decode_plan = _DecodePlan(self, x, batch, step)
+            self._decode_plan = DecodePlan(self, x, batch, step)
             return step(x, out)
         return out + step(x.to(a_MIR.dtype), out.new_zeros(out.shape, dtype=a_MIR.dtype)).to(out.dtype)
 
@@ -377,12 +378,12 @@ class MultiLoRALinear(nn.Module):
         fixed = plan_arguments(a_SIR, b_SRO, ids_B, scale_B, batch.jagged_rows_N)
         # The plan holds the tensors behind those pointers, so they live as long as it does.
         step = functools.partial(_rowwise_step, kernel, fixed, (a_SIR, b_SRO, ids_B, scale_B, batch))
-        self._decode_plan = _DecodePlan(self, x, batch, step)
+        self._decode_plan = DecodePlan(self, x, batch, step)
         return step(x, out)
 
     def _rowwise_a(self) -> torch.Tensor:
         """A of every slot transposed, [n_slots, in, max_rank], kept while A is unchanged."""
-        self._rowwise_a_cache = _kept(self._rowwise_a_cache, self.lora_A, lambda w: w.transpose(1, 2).contiguous())
+        self._rowwise_a_cache = kept(self._rowwise_a_cache, self.lora_A, lambda w: w.transpose(1, 2).contiguous())
         return self._rowwise_a_cache[1]
 
     def _slot_delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:
@@ -520,84 +521,6 @@ class MultiLoRALinear(nn.Module):
 def _training(layer: MultiLoRALinear) -> bool:
     """Autograd records this forward: the LoRA weights are read in place, never from a copy."""
     return torch.is_grad_enabled() and (layer.lora_A.requires_grad or layer.lora_B.requires_grad)
-
-
-class _DecodePlan:
-    """One layer's decode step, kept for the next step: `step(x, out)` with its operands bound.
-
-    Valid while the step runs the same `SlotBatch` object (cached per slot list by
-    `use_slots`) on an input of the same size and dtype, with A and B unchanged (same
-    storage and version counter: a slot load or an optimizer step bumps it) and the same
-    delta mode and slot scales. Then a step is the path's ops and numbers (`_stacked_step`,
-    `_jagged_step`) without its Python.
-    """
-
-    __slots__ = ("batch", "numel", "dtype", "a_key", "b_key", "delta_mode", "slot_scales", "step")
-
-    def __init__(self, layer: MultiLoRALinear, x: torch.Tensor, batch: SlotBatch, step) -> None:
-        self.batch, self.numel, self.dtype = batch, x.numel(), x.dtype
-        self.a_key, self.b_key = _weight_key(layer.lora_A), _weight_key(layer.lora_B)
-        self.delta_mode, self.slot_scales = layer.delta_mode, layer.slot_scales
-        self.step = step
-
-    def fits(self, layer: MultiLoRALinear, x: torch.Tensor, batch: SlotBatch) -> bool:
-        # Cheapest checks first; the weights straight from `_parameters` (no Module.__getattr__).
-        if batch is not self.batch or x.numel() != self.numel or x.dtype != self.dtype:
-            return False
-        if layer.slot_scales is not self.slot_scales or layer.delta_mode != self.delta_mode:
-            return False
-        params = layer._parameters
-        a, b = params["lora_A"], params["lora_B"]
-        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-            return False  # the forward is recorded for autograd (`_training`)
-        return a._version == self.a_key[1] and b._version == self.b_key[1] and (
-            a.data_ptr() == self.a_key[0] and b.data_ptr() == self.b_key[0])
-
-
-def _stacked_step(a_IC: torch.Tensor, scale_BC: torch.Tensor, b_CO: torch.Tensor, in_features: int,
-                  x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    h_NC = torch.mm(x.reshape(-1, in_features), a_IC)
-    h_NC.mul_(scale_BC)
-    return torch.addmm(out.reshape(-1, b_CO.shape[1]), h_NC, b_CO).reshape(out.shape)
-
-
-def _jagged_step(rows_N: torch.Tensor, offs_M: torch.Tensor, in_order: bool, a_MIR: torch.Tensor,
-                 scale_N1: torch.Tensor, b_MRO: torch.Tensor, in_features: int,
-                 x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    x_NI = x.reshape(-1, in_features)
-    if not in_order:
-        x_NI = x_NI.index_select(0, rows_N)
-    h_NR = torch._grouped_mm(x_NI, a_MIR, offs=offs_M).mul_(scale_N1)
-    delta_NO = torch._grouped_mm(h_NR, b_MRO, offs=offs_M)
-    out_NO = out.reshape(-1, b_MRO.shape[2])
-    return (out_NO.add_(delta_NO) if in_order else out_NO.index_add_(0, rows_N, delta_NO)).reshape(out.shape)
-
-
-def _rowwise_step(kernel: RowwiseKernel, fixed: tuple[int, ...], keep_alive: tuple,
-                  x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`out` (the base output, fresh) plus the delta, written in place by the kernel, which
-    reads both as [rows, features] (the plan fixes x's size; `keep_alive` holds the tensors
-    behind the pointers in `fixed`)."""
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if not out.is_contiguous():
-        out = out.contiguous()
-    kernel.call_raw(out.data_ptr(), x.data_ptr(), fixed)
-    return out
-
-
-def _kept(cache: tuple[tuple, torch.Tensor] | None, weight: torch.Tensor,
-          derive) -> tuple[tuple, torch.Tensor]:
-    """`(key, derive(weight))`, derived again only when the weight's storage, version counter
-    (every in-place write bumps it), dtype or device differ from `cache`'s key."""
-    key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-    if cache is None or cache[0] != key:
-        cache = (key, derive(weight.detach()))
-    return cache
-
-
-def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
-    return weight.data_ptr(), weight._version
 
 
 def _check_rank(rank: int, max_rank: int) -> None:
