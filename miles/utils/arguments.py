@@ -80,8 +80,9 @@ class MilesConfig:
     max_tokens_per_gpu: int | None = _flag(None, "Token budget of a micro-batch on a train rank (--use-dynamic-batch-size).")
     recompute_granularity: Literal["full", "selective"] | None = _flag(
         None, "Activation recomputation (Megatron's flag): full keeps only each recomputed decoder layer's input "
-              "and runs the layer again in the backward; selective recomputes core attention only (Megatron "
-              "backend). Default: keep every activation.", choices=("full", "selective"))
+              "and runs the layer again in the backward; selective recomputes only cheap parts (Megatron: core "
+              "attention; torch: the norm outputs and SiLU-gated activations, every GEMM output kept). "
+              "Default: keep every activation.", choices=("full", "selective"))
     recompute_method: Literal["uniform", "block"] | None = _flag(
         None, "With --recompute-granularity full: uniform recomputes every layer (Megatron: in chunks of "
               "--recompute-num-layers; torch: layer by layer), block only the first --recompute-num-layers "
@@ -641,9 +642,6 @@ def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
         elif name == "sequence_parallel" and value:
             warn(name, "the Megatron backend runs tensor parallelism without it (the same numbers; "
                        "activations are not split along the sequence)")
-        elif name == "recompute_granularity" and value == "selective" and cfg.train_backend != "megatron":
-            warn(name, "selective recomputes Megatron's core attention; the torch backend's attention (SDPA) "
-                       "keeps no attention matrix to recompute (use full to recompute whole layers)")
         elif (name == "recompute_num_layers" and value != 1 and cfg.recompute_method != "block"
               and cfg.train_backend != "megatron"):
             warn(name, "the torch backend recomputes uniformly layer by layer (the number counts with "

@@ -1,7 +1,7 @@
 """Peak memory of one trainer with 8 adapter slots ÷ 8 PEFT trainers (one per adapter).
 
     python scripts/bench/memory.py [--model tiny|llama60m|smollm2|DIR] [--adapters 8] [--rows 4]
-                                   [--micro-batch-size N] [--recompute-granularity full]
+                                   [--micro-batch-size N] [--recompute-granularity full|selective]
 
 Each trainer runs in its own fresh Python process and trains one step: ours is one
 `TorchTrainActor` with 8 slots training a mixed batch of 8 x 4 samples and stepping
@@ -12,7 +12,8 @@ interpreter, torch and model); the baseline is the sum over its 8 processes. The
 processes run one at a time, alternating ours and PEFT. Ours forwards the whole mixed
 batch at once unless given `--micro-batch-size` (the trainer's flag: activations and
 logits of that many rows at a time); `--recompute-granularity full` (the trainer's flag)
-has ours keep only each decoder layer's input and recompute the layer in the backward.
+has ours keep only each decoder layer's input and recompute the layer in the backward, and
+`selective` has it drop the norm outputs and gated activations and form them again there.
 Target: <= 0.25.
 """
 
@@ -73,8 +74,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--micro-batch-size", type=int, default=None,
                         help="rows per forward/backward of ours (default: the whole batch of adapters x rows)")
-    parser.add_argument("--recompute-granularity", choices=("full",), default=None,
-                        help="ours recomputes every decoder layer in the backward (the trainer's flag)")
+    parser.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                        help="the trainer's flag: full recomputes every decoder layer in the backward, "
+                             "selective only the norm outputs and gated activations")
     parser.add_argument("--peft-processes", type=int, default=None,
                         help="PEFT processes actually run per repetition (default: one per adapter); the PEFT "
                              "side is their mean peak times the number of adapters (the processes are identical)")

@@ -1,15 +1,17 @@
 """Train step (forward + backward + optimizer) of one mixed batch over K adapters ÷ K = 1.
 
     python scripts/bench/train_mixed.py [--model tiny|llama60m|smollm2|DIR] [--ks 2,4,8]
-                                        [--batch 32] [--prompt-len 16] [--response-len 48] [--recompute]
+                                        [--batch 32] [--prompt-len 16] [--response-len 48]
+                                        [--recompute [full|selective]]
 
 One `TorchTrainActor` with 8 slots of rank 16 (all linears) holds 8 adapters. Each
 repetition trains the same 32 samples once with every sample on adapter 0 (K = 1) and
 once spread round-robin over K adapters, then steps every adapter present, alternating
 the order. The figure is time(K) / time(1): what mixing adapters in a batch costs.
-Target: <= 1.10 at K = 8. With `--recompute`, a second actor built with
-`--recompute-granularity full` trains the largest K's batch too, alternating with the
-first: time(recompute) / time(keeping every activation), what the memory saving costs.
+Target: <= 1.10 at K = 8. With `--recompute [full|selective]` (bare: full), a second actor
+built with `--recompute-granularity` of that value trains the largest K's batch too,
+alternating with the first: time(recompute) / time(keeping every activation), what the
+memory saving costs.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--response-len", type=int, default=48)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--recompute", action="store_true",
-                        help="also time the largest K with --recompute-granularity full (a second actor)")
+    parser.add_argument("--recompute", nargs="?", const="full", default=None, choices=("full", "selective"),
+                        help="also time the largest K with --recompute-granularity of this value (a second "
+                             "actor; bare: full)")
     args = parser.parse_args()
     benchlib.setup(args)
     if args.quick:
@@ -67,7 +70,7 @@ def main() -> None:
         cases[f"K={k}"] = step_fn(actor, samples, adv, names[:k])
     if args.recompute:
         k = max(ks)
-        recompute = build_actor(path, n_slots, args.rank, recompute_granularity="full")
+        recompute = build_actor(path, n_slots, args.rank, recompute_granularity=args.recompute)
         for i, name in enumerate(names):
             recompute.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank,
                                                global_batch_size=args.batch, lr=1e-4))
@@ -85,9 +88,11 @@ def main() -> None:
     ]
     if args.recompute:
         k = max(ks)
+        recomputed = {"full": "recomputing every decoder layer",
+                      "selective": "forming norm outputs and gated activations again"}[args.recompute]
         figures.append(Figure(
-            figure=f"train step with --recompute-granularity full ÷ without, batch mixed over K={k} adapters",
-            model=args.model, ours_label="recomputing every decoder layer", baseline_label="keeping every activation",
+            figure=f"train step with --recompute-granularity {args.recompute} ÷ without, batch mixed over K={k} adapters",
+            model=args.model, ours_label=recomputed, baseline_label="keeping every activation",
             ours=times["recompute"], baseline=times[f"K={k}"], unit="s/step", ratio_of="ours/baseline", target="report",
             params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank, "k": k},
         ))

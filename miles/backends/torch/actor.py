@@ -81,7 +81,7 @@ from miles.backends.torch.loss import (
 )
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW, SlotStep
-from miles.backends.torch.recompute import recompute_decoder_layers
+from miles.backends.torch.recompute import recompute_decoder_layers, release_cheap_activations
 from miles.utils.allocator import keep_freed_memory
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
@@ -119,7 +119,8 @@ class TrainActorConfig:
     longest row of each micro-batch stay within it; `micro_batch_size` is then not used."""
     recompute_granularity: str | None = None
     """Activation recomputation, Megatron's names: "full" (whole decoder layers) or
-    "selective" (core attention: Megatron only); None keeps every activation."""
+    "selective" (here: the norm outputs and gated activations, `release_cheap_activations`);
+    None keeps every activation."""
     recompute_method: str | None = None
     """With "full": "uniform" (every layer) or "block" (the first `recompute_num_layers`)."""
     recompute_num_layers: int | None = None
@@ -258,6 +259,10 @@ class TorchTrainActor:
             recomputed = recompute_decoder_layers(self.model, method=config.recompute_method or "uniform",
                                                   num_layers=config.recompute_num_layers)
             logger.info("Recomputing %d decoder layer(s) in the backward", recomputed)
+        elif config.recompute_granularity == "selective":
+            changed = release_cheap_activations(self.model)
+            logger.info("Forming norm outputs and gated activations again in the backward in %d decoder layer(s)",
+                        changed)
         modules = lora_modules(self.model)
         # LoRA weights and their AdamW moments stay fp32 over a bf16 base: updates of
         # lr ~ 1e-4 would round away in bf16.

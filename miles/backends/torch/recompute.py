@@ -1,9 +1,9 @@
-"""Activation recomputation of decoder layers (`--recompute-granularity full`).
+"""Activation recomputation of decoder layers (`--recompute-granularity full|selective`).
 
-A recomputed layer keeps only its input through the forward; the backward runs the layer
-again to get the activations its gradient needs. Memory for activations drops from every
-layer's to one layer's (plus each layer's input) at the price of a second forward of the
-recomputed layers.
+`full`: a recomputed layer keeps only its input through the forward; the backward runs the
+layer again to get the activations its gradient needs. Memory for activations drops from
+every layer's to one layer's (plus each layer's input) at the price of a second forward of
+the recomputed layers.
 
     recompute_decoder_layers(model, method="uniform")          # every decoder layer
     recompute_decoder_layers(model, method="block", num_layers=4)  # the first four
@@ -11,6 +11,12 @@ recomputed layers.
 The second forward routes every sample through the slot of the first
 (`lora.active_routing`), wherever the autograd engine runs it; without gradients (rollout
 logprobs, the reference model) layers run as usual.
+
+`selective`: every layer keeps its GEMM outputs; the norm outputs and the SiLU-gated
+activations, which are elementwise functions of tensors kept anyway, hold no memory
+between the forward and the backward and are formed again when the backward reaches them.
+
+    release_cheap_activations(model)
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from miles.backends.lora import active_routing, restore_routing
@@ -59,3 +66,133 @@ def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
         return torch.utils.checkpoint.checkpoint(replay, hidden_states, use_reentrant=False)
 
     return run
+
+
+# ---- selective: the cheap activations ---------------------------------------------------
+
+
+def release_cheap_activations(model: nn.Module) -> int:
+    """`--recompute-granularity selective` on the torch backend: drop the activations that are
+    cheap to form again and refill them when the backward reaches the block that needs them;
+    returns how many decoder layers changed.
+
+    In each decoder layer of the Llama shape (input and post-attention RMSNorm, attention, a
+    SiLU-gated MLP):
+    - the two norms' outputs, which the attention and MLP projections keep for their weight
+      gradients, are released after the block that reads them and formed again from the
+      norm's input (which the norm's own backward keeps anyway);
+    - the MLP keeps its gate and up projections only: `silu(gate) * up` is one node keeping
+      those two (not also silu(gate)), and its output, which the down projection keeps, is
+      released and formed again from them.
+    Only elementwise work runs twice; every GEMM output is kept. The refilled tensors are the
+    same computation on the same inputs, so gradients equal those of keeping everything,
+    bit for bit. A layer with another MLP releases the norm outputs only; a layer without
+    these four parts runs as before.
+
+    All of it is spared where the LoRA layers keep their inputs as they are (the actors sort
+    a batch by slot; with the same number of rows in every slot it is the grouped layout);
+    where they keep gathered copies, only silu(gate) is."""
+    changed = 0
+    for layer in decoder_layers(model):
+        norm_1, attention = getattr(layer, "input_layernorm", None), getattr(layer, "self_attn", None)
+        norm_2, mlp = getattr(layer, "post_attention_layernorm", None), getattr(layer, "mlp", None)
+        if None in (norm_1, attention, norm_2, mlp):
+            continue
+        if _is_silu_gated(mlp):  # first: the release of the norm's output wraps the MLP's forward
+            mlp.forward = _lean_gated_mlp(mlp)
+        _release_norm_output_after(norm_1, attention)
+        _release_norm_output_after(norm_2, mlp)
+        changed += 1
+    return changed
+
+
+def _release_norm_output_after(norm: nn.Module, block: nn.Module) -> None:
+    """`block(norm(x))`: once the block has run, release the norm's output; the block's
+    backward first forms it again from x."""
+    norm_forward, block_forward = norm.forward, block.forward
+    last: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @functools.wraps(norm_forward)
+    def run_norm(hidden_states: torch.Tensor) -> torch.Tensor:
+        normed = norm_forward(hidden_states)
+        last[:] = [(hidden_states, normed)] if torch.is_grad_enabled() else []
+        return normed
+
+    @functools.wraps(block_forward)
+    def run_block(*args: Any, **kwargs: Any) -> Any:
+        out = block_forward(*args, **kwargs)
+        block_input = args[0] if args else kwargs.get("hidden_states")
+        if last and last[0][1] is block_input:
+            hidden_states, normed = last.pop()
+            _release_until_backward(normed, lambda: norm_forward(hidden_states), out)
+        return out
+
+    norm.forward, block.forward = run_norm, run_block
+
+
+def _is_silu_gated(mlp: nn.Module) -> bool:
+    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` with SiLU (torch's or transformers' module)."""
+    from transformers.activations import SiLUActivation
+
+    parts = all(isinstance(getattr(mlp, name, None), nn.Module) for name in ("gate_proj", "up_proj", "down_proj"))
+    return parts and type(getattr(mlp, "act_fn", None)) in (nn.SiLU, SiLUActivation)
+
+
+def _lean_gated_mlp(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    forward = mlp.forward
+
+    @functools.wraps(forward)
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return forward(x)
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        gated = _SiluMul.apply(gate, up)
+        out = mlp.down_proj(gated)
+        _release_until_backward(gated, lambda: F.silu(gate) * up, out)
+        return out
+
+    return run
+
+
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) * up, keeping gate and up; the backward forms silu(gate) again. The ops are
+    autograd's own for the two-op form (`silu_backward` for the gate), so the gradients are
+    the same bits."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        gate, up = ctx.saved_tensors
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return grad_gate, grad_up
+
+
+def _release_until_backward(tensor: torch.Tensor, form: Callable[[], torch.Tensor], consumer_out: Any) -> None:
+    """Free `tensor`'s memory now; when the gradient of `consumer_out` (the output of the block
+    that read it) is formed, before any node of that block runs backward, form it again
+    into the same storage. Storage-level writes leave the tensor's version alone, so the
+    nodes that saved it unpack it as saved. A tensor that does not own its whole storage,
+    or a block whose output needs no gradient, is left as is."""
+    out = consumer_out[0] if isinstance(consumer_out, tuple) else consumer_out
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if (not isinstance(out, torch.Tensor) or not out.requires_grad or not tensor.is_contiguous()
+            or tensor.storage_offset() != 0 or storage.nbytes() != nbytes):
+        return
+    pending = [(tensor, form)]  # emptied by the refill: the hook outlives it as long as the graph does
+
+    def refill(grad: torch.Tensor) -> None:
+        if pending:
+            target, form_again = pending.pop()
+            with torch.no_grad():
+                value = form_again().contiguous()
+            target.untyped_storage().resize_(nbytes)
+            target.untyped_storage().copy_(value.untyped_storage())
+
+    out.register_hook(refill)
+    storage.resize_(0)

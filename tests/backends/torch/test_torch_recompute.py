@@ -1,5 +1,7 @@
-"""Activation recomputation (`--recompute-granularity full`): the same gradients as keeping
-every activation, the layers really run twice, and the replay sees the forward's slots."""
+"""Activation recomputation: `--recompute-granularity full` gives the same gradients as
+keeping every activation, the layers really run twice, and the replay sees the forward's
+slots; `selective` gives the same bits while the norm outputs and gated activations hold
+no memory between the forward and the backward."""
 
 from __future__ import annotations
 
@@ -8,11 +10,11 @@ import threading
 import pytest
 import torch
 from torch_backend_data import counts, flatten_with_advantages, make_groups, spec
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from miles.backends.lora import init_slot, inject_multi_lora, lora_modules, use_slots
 from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
-from miles.backends.torch.recompute import decoder_layers, recompute_decoder_layers
+from miles.backends.torch.recompute import decoder_layers, recompute_decoder_layers, release_cheap_activations
 
 
 def _actor(model_dir, **recompute) -> TorchTrainActor:
@@ -100,3 +102,103 @@ def test_forward_without_gradients_does_not_recompute(tiny_model_dir):
     logprobs = actor.logprobs(samples)
     assert len(logprobs) == len(samples)
     assert calls == [1] * len(calls)
+
+
+def _groups(step: int):
+    groups = [g for trio in zip(make_groups("a", 0, 2, 2, seed=step), make_groups("b", 1, 2, 2, seed=10 + step),
+                                make_groups("c", 3, 2, 2, seed=20 + step)) for g in trio]
+    return flatten_with_advantages(groups)
+
+
+@pytest.mark.parametrize("micro_batch_size", [None, 4])
+def test_selective_gives_the_same_bits_as_keeping_every_activation(tiny_model_dir, micro_batch_size):
+    keep = _actor(tiny_model_dir, micro_batch_size=micro_batch_size)
+    lean = _actor(tiny_model_dir, micro_batch_size=micro_batch_size, recompute_granularity="selective")
+    for step in range(2):
+        samples, adv = _groups(step)
+        want, got = keep.train(samples, adv, counts(samples)), lean.train(samples, adv, counts(samples))
+        assert {n: s.loss_sum for n, s in got.items()} == {n: s.loss_sum for n, s in want.items()}
+        want_steps, got_steps = keep.step_adapters(["a", "b", "c"]), lean.step_adapters(["a", "b", "c"])
+        for name in ("a", "b", "c"):
+            assert got_steps[name].grad_norm == want_steps[name].grad_norm > 0
+    for name in ("a", "b", "c"):
+        for key, tensor in keep.export_adapter(name).items():
+            assert torch.equal(lean.export_adapter(name)[key], tensor), key
+    assert lean.logprobs(samples) == keep.logprobs(samples)
+
+
+def _lora_llama(hidden_act: str, *, lean: bool, tiny_model_dir=None):
+    """A 2-layer Llama (from the tiny base, or random with another activation) with 3 slots."""
+    if tiny_model_dir is not None:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    else:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, hidden_act=hidden_act))
+    model.eval().requires_grad_(False)
+    inject_multi_lora(model, n_slots=3, max_rank=4, target_modules="all-linear")
+    gen = torch.Generator().manual_seed(3)
+    for slot in range(3):
+        init_slot(model, slot, rank=4, alpha=8.0, generator=gen)
+        with torch.no_grad():
+            for module in lora_modules(model).values():
+                module.lora_B[slot].normal_(0, 0.1, generator=gen)
+    for module in lora_modules(model).values():
+        module.lora_A.requires_grad_(True)
+        module.lora_B.requires_grad_(True)
+    if lean:
+        assert release_cheap_activations(model) == len(decoder_layers(model))
+    return model
+
+
+def _saved_bytes_at_forward_end(model, ids, slots) -> tuple[int, torch.Tensor]:
+    """Bytes of the distinct storages autograd holds for the backward once the forward is
+    done, and the loss."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with use_slots(model, slots):
+            loss = model(input_ids=ids, use_cache=False).logits.square().mean()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved if t.untyped_storage().nbytes()}
+    return sum(storages.values()), loss
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("slots", [[0, 0, 2, 2], [2, -1, 0, 2]], ids=["grouped", "gathered"])
+def test_selective_frees_the_norm_outputs_and_gated_activations_until_the_backward(tiny_model_dir, hidden_act, slots):
+    """Between the forward and the backward the selective model holds, per token and layer,
+    two norm outputs (2 x hidden) and, for a SiLU-gated MLP, silu(gate) and its product with
+    up (2 x intermediate) fewer floats where the LoRA layers keep their inputs as they are (a
+    batch sorted by slot with equal counts); the backward forms them again, same
+    gradients either way."""
+    ids = torch.randint(3, 100, (4, 9), generator=torch.Generator().manual_seed(4))
+    source = tiny_model_dir if hidden_act == "silu" else None
+    held, grads = [], []
+    for lean in (False, True):
+        model = _lora_llama(hidden_act, lean=lean, tiny_model_dir=source)
+        nbytes, loss = _saved_bytes_at_forward_end(model, ids, slots)
+        loss.backward()
+        held.append(nbytes)
+        grads.append([(m.lora_A.grad, m.lora_B.grad) for m in lora_modules(model).values()])
+    config, silu = model.config, hidden_act == "silu"
+    if slots == [0, 0, 2, 2]:
+        per_token_layer = 2 * config.hidden_size + (2 * config.intermediate_size if silu else 0)
+    else:  # the LoRA layers keep gathered copies of their inputs: only silu(gate) is spared
+        per_token_layer = config.intermediate_size if silu else 0
+    assert held[0] - held[1] == ids.numel() * config.num_hidden_layers * per_token_layer * 4
+    for (want_a, want_b), (got_a, got_b) in zip(*grads):
+        assert torch.equal(got_a, want_a) and torch.equal(got_b, want_b)
+        assert want_b.abs().max() > 0
+
+
+def test_selective_forward_without_gradients_keeps_nothing_pending(tiny_model_dir):
+    keep = _lora_llama("silu", lean=False, tiny_model_dir=tiny_model_dir)
+    lean = _lora_llama("silu", lean=True, tiny_model_dir=tiny_model_dir)
+    ids = torch.randint(3, 100, (3, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        with use_slots(keep, [0, 1, 2]):
+            want = keep(input_ids=ids, use_cache=False).logits
+        with use_slots(lean, [0, 1, 2]):
+            got = lean(input_ids=ids, use_cache=False).logits
+    assert torch.equal(got, want)
+    nbytes, loss = _saved_bytes_at_forward_end(lean, ids, [0, 1, 2])
+    assert nbytes > 0 and loss.requires_grad
