@@ -81,7 +81,11 @@ from miles.backends.torch.loss import (
 )
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW, SlotStep
-from miles.backends.torch.recompute import recompute_decoder_layers, release_cheap_activations
+from miles.backends.torch.recompute import (
+    SEQUENTIAL_PRE_NORM_LAYERS,
+    recompute_decoder_layers,
+    release_cheap_activations,
+)
 from miles.utils.allocator import keep_freed_memory
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
@@ -261,8 +265,13 @@ class TorchTrainActor:
             logger.info("Recomputing %d decoder layer(s) in the backward", recomputed)
         elif config.recompute_granularity == "selective":
             changed = release_cheap_activations(self.model)
-            logger.info("Forming norm outputs and gated activations again in the backward in %d decoder layer(s)",
-                        changed)
+            if changed:
+                logger.info("Forming norm outputs and gated activations again in the backward in %d decoder "
+                            "layer(s)", changed)
+            else:
+                logger.warning("--recompute-granularity selective has no effect on %s: its decoder layers are "
+                               "none of %s (use full)", type(self.model).__name__,
+                               ", ".join(sorted(SEQUENTIAL_PRE_NORM_LAYERS)))
         modules = lora_modules(self.model)
         # LoRA weights and their AdamW moments stay fp32 over a bf16 base: updates of
         # lr ~ 1e-4 would round away in bf16.

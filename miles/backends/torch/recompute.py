@@ -70,14 +70,20 @@ def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 # ---- selective: the cheap activations ---------------------------------------------------
 
+SEQUENTIAL_PRE_NORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
+                                        "Qwen3DecoderLayer"})
+"""Decoder layers (transformers' classes) whose forward is `x + attn(norm_1(x))`, then
+`h + mlp(norm_2(h))`, each norm's output read by its block alone: where releasing a norm's
+output once its block has run is safe. Parallel-residual layers read it twice."""
+
 
 def release_cheap_activations(model: nn.Module) -> int:
     """`--recompute-granularity selective` on the torch backend: drop the activations that are
     cheap to form again and refill them when the backward reaches the block that needs them;
     returns how many decoder layers changed.
 
-    In each decoder layer of the Llama shape (input and post-attention RMSNorm, attention, a
-    SiLU-gated MLP):
+    In each decoder layer of `SEQUENTIAL_PRE_NORM_LAYERS` (input norm, attention, residual,
+    post-attention norm, MLP, residual; nothing else reads a norm's output):
     - the two norms' outputs, which the attention and MLP projections keep for their weight
       gradients, are released after the block that reads them and formed again from the
       norm's input (which the norm's own backward keeps anyway);
@@ -86,22 +92,20 @@ def release_cheap_activations(model: nn.Module) -> int:
       released and formed again from them.
     Only elementwise work runs twice; every GEMM output is kept. The refilled tensors are the
     same computation on the same inputs, so gradients equal those of keeping everything,
-    bit for bit. A layer with another MLP releases the norm outputs only; a layer without
-    these four parts runs as before.
+    bit for bit. A layer with another MLP releases the norm outputs only; layers of other
+    classes run as before.
 
     All of it is spared where the LoRA layers keep their inputs as they are (the actors sort
     a batch by slot; with the same number of rows in every slot it is the grouped layout);
     where they keep gathered copies, only silu(gate) is."""
     changed = 0
     for layer in decoder_layers(model):
-        norm_1, attention = getattr(layer, "input_layernorm", None), getattr(layer, "self_attn", None)
-        norm_2, mlp = getattr(layer, "post_attention_layernorm", None), getattr(layer, "mlp", None)
-        if None in (norm_1, attention, norm_2, mlp):
+        if type(layer).__name__ not in SEQUENTIAL_PRE_NORM_LAYERS:
             continue
-        if _is_silu_gated(mlp):  # first: the release of the norm's output wraps the MLP's forward
-            mlp.forward = _lean_gated_mlp(mlp)
-        _release_norm_output_after(norm_1, attention)
-        _release_norm_output_after(norm_2, mlp)
+        if _is_silu_gated(layer.mlp):  # first: the release of the norm's output wraps the MLP's forward
+            layer.mlp.forward = _lean_gated_mlp(layer.mlp)
+        _release_norm_output_after(layer.input_layernorm, layer.self_attn)
+        _release_norm_output_after(layer.post_attention_layernorm, layer.mlp)
         changed += 1
     return changed
 
@@ -124,7 +128,7 @@ def _release_norm_output_after(norm: nn.Module, block: nn.Module) -> None:
         block_input = args[0] if args else kwargs.get("hidden_states")
         if last and last[0][1] is block_input:
             hidden_states, normed = last.pop()
-            _release_until_backward(normed, lambda: norm_forward(hidden_states), out)
+            _release_until_backward(normed, lambda target: target.copy_(norm_forward(hidden_states)), out)
         return out
 
     norm.forward, block.forward = run_norm, run_block
@@ -146,53 +150,63 @@ def _lean_gated_mlp(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         if not torch.is_grad_enabled():
             return forward(x)
         gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-        gated = _SiluMul.apply(gate, up)
+        silu_again: list[torch.Tensor] = []  # the refill's silu(gate), for the node's backward right after
+        gated = _SiluMul.apply(gate, up, silu_again)
+
+        def form_into(target: torch.Tensor) -> None:
+            silu_again.append(F.silu(gate))
+            torch.mul(silu_again[0], up, out=target)
+
         out = mlp.down_proj(gated)
-        _release_until_backward(gated, lambda: F.silu(gate) * up, out)
+        _release_until_backward(gated, form_into, out)
         return out
 
     return run
 
 
 class _SiluMul(torch.autograd.Function):
-    """silu(gate) * up, keeping gate and up; the backward forms silu(gate) again. The ops are
-    autograd's own for the two-op form (`silu_backward` for the gate), so the gradients are
-    the same bits."""
+    """silu(gate) * up, keeping gate and up; the backward takes silu(gate) from `silu_again`
+    where the refill of the output left it, else forms it. The ops are autograd's own for
+    the two-op form (`silu_backward` for the gate), so the gradients are the same bits."""
 
     @staticmethod
-    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, silu_again: list[torch.Tensor]) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
+        ctx.silu_again = silu_again
         return F.silu(gate) * up
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         gate, up = ctx.saved_tensors
+        silu = ctx.silu_again.pop() if ctx.silu_again else F.silu(gate)
         grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
-        grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
-        return grad_gate, grad_up
+        grad_up = grad * silu if ctx.needs_input_grad[1] else None
+        return grad_gate, grad_up, None
 
 
-def _release_until_backward(tensor: torch.Tensor, form: Callable[[], torch.Tensor], consumer_out: Any) -> None:
+def _release_until_backward(tensor: torch.Tensor, form_into: Callable[[torch.Tensor], Any], consumer_out: Any) -> None:
     """Free `tensor`'s memory now; when the gradient of `consumer_out` (the output of the block
     that read it) is formed, before any node of that block runs backward, form it again
-    into the same storage. Storage-level writes leave the tensor's version alone, so the
-    nodes that saved it unpack it as saved. A tensor that does not own its whole storage,
-    or a block whose output needs no gradient, is left as is."""
+    into the same storage (`form_into` writes a tensor on that storage). Writes through
+    another tensor leave this one's version alone, so the nodes that saved it unpack it as
+    saved. A tensor that does not own its whole storage, or a block whose output needs no
+    gradient, is left as is."""
     out = consumer_out[0] if isinstance(consumer_out, tuple) else consumer_out
     storage = tensor.untyped_storage()
     nbytes = tensor.numel() * tensor.element_size()
     if (not isinstance(out, torch.Tensor) or not out.requires_grad or not tensor.is_contiguous()
             or tensor.storage_offset() != 0 or storage.nbytes() != nbytes):
         return
-    pending = [(tensor, form)]  # emptied by the refill: the hook outlives it as long as the graph does
+    pending = [(tensor, form_into)]  # emptied by the refill: the hook outlives it as long as the graph does
 
     def refill(grad: torch.Tensor) -> None:
         if pending:
             target, form_again = pending.pop()
-            with torch.no_grad():
-                value = form_again().contiguous()
             target.untyped_storage().resize_(nbytes)
-            target.untyped_storage().copy_(value.untyped_storage())
+            alias = torch.empty(0, dtype=target.dtype, device=target.device)
+            alias.set_(target.untyped_storage(), 0, target.shape, target.stride())
+            with torch.no_grad():
+                form_again(alias)
 
     out.register_hook(refill)
     storage.resize_(0)

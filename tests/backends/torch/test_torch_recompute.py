@@ -202,3 +202,28 @@ def test_selective_forward_without_gradients_keeps_nothing_pending(tiny_model_di
     assert torch.equal(got, want)
     nbytes, loss = _saved_bytes_at_forward_end(lean, ids, [0, 1, 2])
     assert nbytes > 0 and loss.requires_grad
+
+
+def test_selective_changes_the_sequential_pre_norm_layers_only():
+    """Qwen2's layers are Llama's shape (same bits); Gemma's read other norms around the
+    blocks, so its layers run as before."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    torch.manual_seed(0)
+    gemma = Gemma2ForCausalLM(Gemma2Config(**shape, head_dim=8))
+    assert release_cheap_activations(gemma) == 0
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(6))
+    grads = []
+    for lean in (False, True):
+        torch.manual_seed(0)
+        qwen = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
+        qwen.model.embed_tokens.weight.requires_grad_(False)
+        if lean:
+            assert release_cheap_activations(qwen) == 2
+        qwen(input_ids=ids, use_cache=False).logits.square().mean().backward()
+        grads.append({n: p.grad for n, p in qwen.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
