@@ -6,8 +6,7 @@
 
 `rowwise.c` is compiled on first use with the system C compiler (`$CC`, else `cc`) into
 `$MILES_KERNEL_CACHE` (default `~/.cache/miles/kernels`), one file per source, flags,
-compiler and CPU, built under a file lock so that concurrent processes build it once; it
-is loaded with ctypes (no Python headers, no torch ABI: a build takes a fraction of a
+compiler and CPU (`miles.utils.native.build_library`); it is loaded with ctypes (no Python headers, no torch ABI: a build takes a fraction of a
 second). Where no compiler works, or with `MILES_CPU_LORA_KERNEL=0`, `rowwise_kernel()`
 returns None and decode steps take the torch paths; the reason is logged once.
 
@@ -19,18 +18,15 @@ multiply-adds per row, which torch can only reach as one GEMM over every slot's 
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from miles.utils.native import build_library, c_compiler, cpu_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -85,51 +81,5 @@ def rowwise_kernel() -> RowwiseKernel | None:
         return None
 
 
-def _compiler() -> str:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not compiler:
-        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
-    return compiler
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("MILES_KERNEL_CACHE") or Path.home() / ".cache" / "miles" / "kernels")
-
-
-def _cpu_fingerprint() -> str:
-    """The CPU model and its instruction-set flags (what -march=native compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine() + platform.processor()
-    wanted = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")]
-    return platform.machine() + "\n".join(sorted(set(wanted)))
-
-
 def _build() -> Path:
-    compiler = _compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + NATIVE_FLAGS).encode(), version.encode(),
-                                      _cpu_fingerprint().encode()])).hexdigest()[:16]
-    cache = _cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    target = cache / f"lora_rowwise-{key}.so"
-    if target.exists():
-        return target
-    with open(cache / f"lora_rowwise-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():  # another process built it while this one waited
-            return target
-        errors = []
-        for extra in (NATIVE_FLAGS, ()):
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                built = Path(tmp) / target.name
-                result = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", str(built)],
-                                        capture_output=True, text=True, timeout=120)
-                if result.returncode == 0:
-                    os.replace(built, target)  # atomic: a reader sees the whole file or none
-                    logger.info("built the row-wise LoRA decode kernel: %s", target)
-                    return target
-                errors.append(result.stderr.strip()[-500:])
-        raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
+    return build_library(SOURCE, "lora_rowwise", c_compiler(), [FLAGS + NATIVE_FLAGS, FLAGS], key=cpu_fingerprint())
