@@ -31,6 +31,22 @@ def _count_attention_calls(model) -> list[int]:
     return calls
 
 
+def _with_three_trainable_slots(model):
+    """A frozen base in eval mode with LoRA on every linear: slots 0-2 of rank 4, B nonzero."""
+    model.eval().requires_grad_(False)
+    inject_multi_lora(model, n_slots=3, max_rank=4, target_modules="all-linear")
+    gen = torch.Generator().manual_seed(3)
+    for slot in range(3):
+        init_slot(model, slot, rank=4, alpha=8.0, generator=gen)
+        with torch.no_grad():
+            for module in lora_modules(model).values():
+                module.lora_B[slot].normal_(0, 0.1, generator=gen)
+    for module in lora_modules(model).values():
+        module.lora_A.requires_grad_(True)
+        module.lora_B.requires_grad_(True)
+    return model
+
+
 @pytest.mark.parametrize("method, num_layers, recomputed", [("uniform", None, "all"), ("block", 1, "first")])
 def test_recompute_gives_the_same_losses_and_steps_and_runs_the_layers_again(tiny_model_dir, method, num_layers,
                                                                               recomputed):
@@ -63,18 +79,7 @@ def test_the_replay_routes_each_sample_through_its_forward_slot_from_another_thr
     own thread, where the caller's context is not visible)."""
 
     def model_with_slots(recompute: bool):
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-        model.requires_grad_(False)
-        inject_multi_lora(model, n_slots=3, max_rank=4, target_modules="all-linear")
-        gen = torch.Generator().manual_seed(3)
-        for slot in range(3):
-            init_slot(model, slot, rank=4, alpha=8.0, generator=gen)
-            with torch.no_grad():
-                for module in lora_modules(model).values():
-                    module.lora_B[slot].normal_(0, 0.1, generator=gen)
-        for module in lora_modules(model).values():
-            module.lora_A.requires_grad_(True)
-            module.lora_B.requires_grad_(True)
+        model = _with_three_trainable_slots(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
         if recompute:
             assert recompute_decoder_layers(model) == len(decoder_layers(model))
         return model
@@ -135,17 +140,7 @@ def _lora_llama(hidden_act: str, *, lean: bool, tiny_model_dir=None):
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=2, hidden_act=hidden_act))
-    model.eval().requires_grad_(False)
-    inject_multi_lora(model, n_slots=3, max_rank=4, target_modules="all-linear")
-    gen = torch.Generator().manual_seed(3)
-    for slot in range(3):
-        init_slot(model, slot, rank=4, alpha=8.0, generator=gen)
-        with torch.no_grad():
-            for module in lora_modules(model).values():
-                module.lora_B[slot].normal_(0, 0.1, generator=gen)
-    for module in lora_modules(model).values():
-        module.lora_A.requires_grad_(True)
-        module.lora_B.requires_grad_(True)
+    _with_three_trainable_slots(model)
     if lean:
         assert release_cheap_activations(model) == len(decoder_layers(model))
     return model
