@@ -8,13 +8,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 from pathlib import Path
 
 import torch
 
-from miles.utils.native import build_library, cxx_compiler
+from miles.utils.native import build_library, cxx_compiler, switched_off
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ def use_heap_cpu_allocator() -> bool:
     for the rest of the process; True when installed. Built on first use with the system
     C++ compiler against this torch; where it cannot be built, or with
     `MILES_CPU_ALLOCATOR=0`, torch's own allocator stays (the reason is logged once)."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(ENV_SWITCH):
         logger.info("%s=0: CPU tensors come from torch's own allocator", ENV_SWITCH)
         return False
     torch_dir = Path(torch.__file__).parent

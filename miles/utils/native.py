@@ -26,6 +26,11 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
+def switched_off(variable: str) -> bool:
+    """Whether the environment switches a native piece off (`0`, `false`, `no`, `off`)."""
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def c_compiler() -> str:
     return _first_compiler("CC", ("cc", "gcc", "clang"), "C")
 

@@ -6,8 +6,8 @@
 
 `rowwise.c` is compiled on first use with the system C compiler (`$CC`, else `cc`) into
 `$MILES_KERNEL_CACHE` (default `~/.cache/miles/kernels`), one file per source, flags,
-compiler and CPU (`miles.utils.native.build_library`); it is loaded with ctypes (no Python headers, no torch ABI: a build takes a fraction of a
-second). Where no compiler works, or with `MILES_CPU_LORA_KERNEL=0`, `rowwise_kernel()`
+compiler and CPU (`miles.utils.native.build_library`); it is loaded with ctypes (no Python
+headers, no torch ABI: a build takes a fraction of a second). Where no compiler works, or with `MILES_CPU_LORA_KERNEL=0`, `rowwise_kernel()`
 returns None and decode steps take the torch paths; the reason is logged once.
 
 Why a kernel: a decode step of a few rows over several adapters is a few thousand
@@ -20,13 +20,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 from pathlib import Path
 
 import torch
 
-from miles.utils.native import build_library, c_compiler, cpu_fingerprint
+from miles.utils.native import build_library, c_compiler, cpu_fingerprint, switched_off
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ def plan_arguments(a_SIR: torch.Tensor, b_SRO: torch.Tensor, slots_N: torch.Tens
 def rowwise_kernel() -> RowwiseKernel | None:
     """The kernel, built or loaded from the cache once per process; None (with the reason
     logged once) where it is switched off or no C compiler builds it."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(ENV_SWITCH):
         logger.info("%s=0: decode steps of several adapters take the torch paths", ENV_SWITCH)
         return None
     try:

@@ -81,11 +81,7 @@ from miles.backends.torch.loss import (
 )
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW, SlotStep
-from miles.backends.torch.recompute import (
-    SEQUENTIAL_PRE_NORM_LAYERS,
-    recompute_decoder_layers,
-    release_cheap_activations,
-)
+from miles.backends.torch.recompute import apply_recompute
 from miles.utils.allocator import keep_freed_memory
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
@@ -259,19 +255,8 @@ class TorchTrainActor:
         )
         # eval(): no dropout, so the logprobs of a pass equal the ones the loss uses as "old".
         self.model = model.to(self.device).eval()
-        if config.recompute_granularity == "full":
-            recomputed = recompute_decoder_layers(self.model, method=config.recompute_method or "uniform",
-                                                  num_layers=config.recompute_num_layers)
-            logger.info("Recomputing %d decoder layer(s) in the backward", recomputed)
-        elif config.recompute_granularity == "selective":
-            changed = release_cheap_activations(self.model)
-            if changed:
-                logger.info("Forming norm outputs and gated activations again in the backward in %d decoder "
-                            "layer(s)", changed)
-            else:
-                logger.warning("--recompute-granularity selective has no effect on %s: its decoder layers are "
-                               "none of %s (use full)", type(self.model).__name__,
-                               ", ".join(sorted(SEQUENTIAL_PRE_NORM_LAYERS)))
+        apply_recompute(self.model, config.recompute_granularity, config.recompute_method,
+                        config.recompute_num_layers)
         modules = lora_modules(self.model)
         # LoRA weights and their AdamW moments stay fp32 over a bf16 base: updates of
         # lr ~ 1e-4 would round away in bf16.

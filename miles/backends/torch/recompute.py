@@ -22,6 +22,7 @@ between the forward and the backward and are formed again when the backward reac
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles.backends.lora import active_routing, restore_routing
+
+logger = logging.getLogger(__name__)
+
+
+def apply_recompute(model: nn.Module, granularity: str | None, method: str | None = None,
+                    num_layers: int | None = None) -> None:
+    """The train actor's `--recompute-granularity` (None: keep every activation), logged."""
+    if granularity == "full":
+        recomputed = recompute_decoder_layers(model, method=method or "uniform", num_layers=num_layers)
+        logger.info("Recomputing %d decoder layer(s) in the backward", recomputed)
+    elif granularity == "selective":
+        changed = release_cheap_activations(model)
+        if changed:
+            logger.info("Forming norm outputs and gated activations again in the backward in %d decoder layer(s)",
+                        changed)
+        else:
+            logger.warning("--recompute-granularity selective has no effect on %s: its decoder layers are none of "
+                           "%s (use full)", type(model).__name__, ", ".join(sorted(SEQUENTIAL_PRE_NORM_LAYERS)))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
