@@ -54,7 +54,7 @@ def init_ray(cfg: MilesConfig) -> None:
     # Logical CPUs: the actors are mostly idle waiting on each other, so a small
     # machine still fits one train rank per DP worker plus the engines.
     train_ranks = cfg.actor_num_workers * (cfg.tensor_model_parallel_size if cfg.train_backend == "megatron" else 1)
-    needed = train_ranks + cfg.rollout_num_engines + 2
+    needed = train_ranks * cfg.actor_num_cpus_per_worker + cfg.rollout_num_engines + 2
     ray.init(
         address="local",
         namespace="miles",

@@ -71,6 +71,9 @@ class MilesConfig:
               "over the Megatron model-parallel size, else 1.")
     actor_num_nodes: int | None = _flag(None, "Trainer nodes (Miles' placement; sets --actor-num-workers).")
     actor_num_gpus_per_node: int | None = _flag(None, "Trainer GPUs per node (Miles' placement; sets --actor-num-workers).")
+    actor_num_cpus_per_worker: int = _flag(
+        1, "CPUs Ray reserves for each train rank; on CPU also the rank's torch threads. More than 1 speeds up "
+           "a CPU train step where the machine has the cores to spare (engines and other ranks run beside it).")
     device: Literal["auto", "cpu", "cuda"] = _flag("auto", "Device of train ranks and builtin engines.")
     dtype: Literal["auto", "float32", "bfloat16"] = _flag("auto", "Parameter dtype (auto: bf16 on CUDA, fp32 on CPU).")
     micro_batch_size: int | None = _flag(None, "Samples per forward/backward on a train rank (default: all).")
@@ -117,6 +120,7 @@ class MilesConfig:
     rollout_num_gpus: int | None = _flag(None, "GPUs of all inference engines (Miles' placement; sets --rollout-num-engines).")
     rollout_num_gpus_per_engine: int = _flag(1, "GPUs per engine (sglang tensor parallel size).")
     engine_max_running_requests: int = _flag(64, "Most requests an engine decodes at once.")
+    engine_num_threads: int = _flag(1, "torch threads of each builtin engine on CPU (SGLang engines: not used).")
     sglang_router_ip: str | None = _flag(None, "Use a running sglang-router at this address.")
     sglang_router_port: int | None = _flag(None, "Port of the running router (with --sglang-router-ip).")
     sglang_server_args: list[str] = _flag(
@@ -318,7 +322,8 @@ class MilesConfig:
     def _validate(self) -> None:
         positive = ["actor_num_workers", "rollout_num_engines", "lora_rank", "rollout_batch_size",
                     "n_samples_per_prompt", "global_batch_size", "rollout_max_response_len",
-                    "engine_max_running_requests", "update_weights_interval"]
+                    "engine_max_running_requests", "update_weights_interval", "actor_num_cpus_per_worker",
+                    "engine_num_threads"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag_name(name)} must be > 0, got {getattr(self, name)}")

@@ -22,9 +22,25 @@ async def one_bundle_each(n: int, *, cpus: float, gpus: float, strategy: str = "
     bundle: dict[str, float] = {"CPU": max(cpus, MIN_BUNDLE_CPU)}
     if gpus:
         bundle["GPU"] = gpus
+    check_fits(n, bundle)
     pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy)
     await pg.ready()
     return pg
+
+
+def check_fits(n: int, bundle: dict[str, float]) -> None:
+    """Raise (rather than wait forever on the placement group) when the cluster's nodes,
+    empty, could not hold `n` such bundles."""
+    import ray
+
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    fit = sum(min(int(res.get(kind, 0.0) // amount) for kind, amount in bundle.items()) for res in nodes)
+    if fit < n:
+        held = ", ".join(f"{res.get('CPU', 0):g} CPU / {res.get('GPU', 0):g} GPU" for res in nodes)
+        wanted = " + ".join(f"{amount:g} {kind}" for kind, amount in bundle.items())
+        raise ValueError(f"{n} placement bundles of {wanted} cannot fit on this Ray cluster's nodes ({held}); "
+                         f"at most {fit} fit: ask for fewer CPUs or GPUs per rank or engine "
+                         f"(--actor-num-cpus-per-worker), or add nodes")
 
 
 def bundle_strategy(pg: Any, index: int) -> Any:

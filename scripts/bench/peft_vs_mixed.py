@@ -100,11 +100,15 @@ def main() -> None:
     }
     times = benchlib.alternate(cases, args.reps)
     target = args.target if args.target is not None else (1.3 if args.model == "tiny" else 1.0)
+    # Both sides run args.threads torch threads; the trainer's are --actor-num-cpus-per-worker.
+    threads = "" if args.threads == 1 else f" ({args.threads} torch threads each)"
     figure = Figure(
-        figure=f"PEFT one adapter at a time ({args.adapters}x{args.rows} rows) ÷ ours one mixed batch", model=args.model,
+        figure=f"PEFT one adapter at a time ({args.adapters}x{args.rows} rows) ÷ ours one mixed batch{threads}",
+        model=args.model,
         ours_label=f"ours, one batch of {args.adapters * args.rows}", baseline_label="PEFT set_adapter loop",
         ours=times["ours"], baseline=times["peft"], unit="s/step", ratio_of="baseline/ours", target=f">= {target}",
-        params={"adapters": args.adapters, "rows": args.rows, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank},
+        params={"adapters": args.adapters, "rows": args.rows, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank,
+                "threads": args.threads},
     )
     benchlib.report([figure], args.json, sys.argv)
 

@@ -54,7 +54,12 @@ SCRIPT = textwrap.dedent('''
         megatron = MegatronActorConfig(**actor.__dict__, tensor_model_parallel_size=2)
         tp_ranks = await two_ranks(MegatronTrainGroup(MegatronGroupConfig(actor=megatron, n_workers=1,
                                                                           num_cpus_per_worker=1)))
-        print(json.dumps({"torch": torch_ranks, "megatron": tp_ranks}))
+        try:  # two CPUs for one rank: no node of one CPU holds it, said at once rather than waited on
+            await TrainGroup(TrainGroupConfig(actor=actor, n_workers=1, num_cpus_per_worker=2)).start()
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        print(json.dumps({"torch": torch_ranks, "megatron": tp_ranks, "refused": refused}))
 
     asyncio.run(main())
     ray.shutdown()
@@ -71,6 +76,8 @@ def test_two_ranks_on_two_nodes_rendezvous_and_step(tiny_model_dir):
                                            "PATH": "/usr/bin:/bin", "HOME": "/tmp"})
     assert out.returncode == 0, out.stderr[-4000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
+    refused = results.pop("refused")
+    assert "cannot fit" in refused and "at most 0 fit" in refused and "--actor-num-cpus-per-worker" in refused, refused
     for backend, result in results.items():
         assert result["alive_nodes"] == 2 and result["n_bundles"] == 2, backend
         assert len(result["nodes"]) == 2, f"one bundle per {backend} rank should have put the two ranks on the two nodes"

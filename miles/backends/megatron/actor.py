@@ -80,6 +80,8 @@ class MegatronTrainActor(TorchTrainActor):
         self.world_size = world_size
         self.tp_rank, self.dp_rank = rank % tp, rank // tp
         self.device = torch.device(config.device)
+        if self.device.type == "cpu" and config.num_threads:  # the CPUs Ray reserved for this rank
+            torch.set_num_threads(config.num_threads)
         self.shape = ModelShape.from_hf_dir(config.hf_checkpoint)
         self.shape.check_tp(tp)
         self.adapters: dict[str, _Loaded] = {}

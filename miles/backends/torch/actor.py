@@ -124,6 +124,8 @@ class TrainActorConfig:
     recompute_method: str | None = None
     """With "full": "uniform" (every layer) or "block" (the first `recompute_num_layers`)."""
     recompute_num_layers: int | None = None
+    num_threads: int | None = None
+    """torch threads of a CPU rank (`--actor-num-cpus-per-worker`); None leaves torch's count."""
     seed: int = 42
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
@@ -157,6 +159,7 @@ class TrainActorConfig:
             recompute_granularity=cfg.recompute_granularity,
             recompute_method=cfg.recompute_method,
             recompute_num_layers=cfg.recompute_num_layers,
+            num_threads=cfg.actor_num_cpus_per_worker,
             seed=cfg.seed,
             adam_betas=(cfg.adam_beta1, cfg.adam_beta2),
             adam_eps=cfg.adam_eps,
@@ -249,6 +252,8 @@ class TorchTrainActor:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
+            if config.num_threads:  # the CPUs Ray reserved for this rank (it sets OMP_NUM_THREADS alike)
+                torch.set_num_threads(config.num_threads)
         model = AutoModelForCausalLM.from_pretrained(config.hf_checkpoint, dtype=DTYPES[config.dtype])
         self.module_names = inject_multi_lora(
             model, n_slots=config.n_slots, max_rank=config.lora_rank, target_modules=config.target_modules

@@ -58,6 +58,8 @@ class TrainGroupConfig:
     n_workers: int = 1
     """Data-parallel ranks (`--actor-num-workers`)."""
     num_cpus_per_worker: float = 1.0
+    """CPUs Ray reserves for each rank (`--actor-num-cpus-per-worker`); a CPU rank runs that
+    many torch threads (`TrainActorConfig.num_threads`)."""
     num_gpus_per_worker: float = 0.0
     master_host: str | None = None
     """Rendezvous host of the process group; default rank 0's node address when the
@@ -76,7 +78,8 @@ class TrainGroupConfig:
     def from_config(cls, cfg: MilesConfig) -> TrainGroupConfig:
         actor = TrainActorConfig.from_config(cfg)
         return cls(
-            actor=actor, n_workers=cfg.actor_num_workers, num_gpus_per_worker=1.0 if actor.device == "cuda" else 0.0,
+            actor=actor, n_workers=cfg.actor_num_workers, num_cpus_per_worker=float(cfg.actor_num_cpus_per_worker),
+            num_gpus_per_worker=1.0 if actor.device == "cuda" else 0.0,
         )
 
 

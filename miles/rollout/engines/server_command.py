@@ -44,7 +44,7 @@ class EngineServerConfig:
     seed: int = 0
     tp_size: int = 1
     num_threads: int = 1
-    """torch threads of a builtin engine on CPU."""
+    """torch threads of a builtin engine on CPU (`--engine-num-threads`)."""
     lora_update: LoraUpdateMode = "in_place"
     """How pushes reach the server (`--engine-lora-update`)."""
     python: str = sys.executable
@@ -61,7 +61,7 @@ class EngineServerConfig:
             kind=cfg.rollout_engine, model_path=cfg.hf_checkpoint, n_slots=max(1, cfg.multi_lora_n_adapters),
             max_lora_rank=cfg.lora_rank, target_modules=cfg.target_modules, dtype=cfg.resolved_dtype,
             device=cfg.resolved_device, max_running_requests=cfg.engine_max_running_requests, seed=cfg.seed,
-            tp_size=cfg.rollout_num_gpus_per_engine, lora_update=lora_update,
+            tp_size=cfg.rollout_num_gpus_per_engine, num_threads=cfg.engine_num_threads, lora_update=lora_update,
             extra_args=tuple(cfg.sglang_server_args) if cfg.rollout_engine == "sglang" else (),
             python=cfg.engine_python or sys.executable,
         )

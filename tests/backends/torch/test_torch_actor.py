@@ -225,3 +225,22 @@ def test_token_budget_micro_batches_give_the_gradient_of_one_batch(tiny_model_di
     stepped_whole, stepped_packed = whole.step_adapters(["a", "b"]), packed.step_adapters(["a", "b"])
     assert abs(stepped_whole["a"].grad_norm - stepped_packed["a"].grad_norm) < 1e-5
     assert max_abs_diff(whole.export_adapter("b"), packed.export_adapter("b")) <= 1e-6
+
+
+def test_a_cpu_rank_runs_the_threads_of_its_reserved_cpus(tiny_model_dir):
+    """--actor-num-cpus-per-worker N: Ray reserves N CPUs per rank and the rank runs N torch threads."""
+    from miles.backends.torch.actor import TorchTrainActor
+    from miles.backends.torch.train_group import TrainGroupConfig
+    from miles.utils.arguments import parse_args
+
+    cfg = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--actor-num-cpus-per-worker", "2"])
+    group = TrainGroupConfig.from_config(cfg)
+    assert group.num_cpus_per_worker == 2.0 and group.actor.num_threads == 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        TorchTrainActor(dataclasses.replace(group.actor, n_slots=1, lora_rank=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert TrainGroupConfig.from_config(parse_args(["--hf-checkpoint", "/m"])).num_cpus_per_worker == 1.0

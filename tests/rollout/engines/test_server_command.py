@@ -60,6 +60,12 @@ def test_all_linear_is_spelled_all_for_sglang_and_slots_default_to_one():
     builtin = server_command(EngineServerConfig.from_config(parse_args(["--hf-checkpoint", "/m"])), "h", 1)
     assert builtin[2] == "miles.rollout.engines.builtin_server"
     assert flag_values(builtin, "--lora-target-modules") == ["all-linear"]
+    assert flag_values(builtin, "--num-threads") == ["1"]
+
+
+def test_builtin_engine_threads_come_from_the_flag():
+    cfg = EngineServerConfig.from_config(parse_args(["--hf-checkpoint", "/m", "--engine-num-threads", "3"]))
+    assert flag_values(server_command(cfg, "h", 1), "--num-threads") == ["3"]
 
 
 def test_fleet_config_reads_router_and_engine_flags(tmp_path):
