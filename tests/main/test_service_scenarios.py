@@ -141,12 +141,14 @@ def test_non_service_mode_exits_when_adapters_finish(tiny_model_dir, workdir):
     adapter_yaml = workdir / "add.yaml"
     adapter_yaml.write_text(f"data: {workdir / 'data' / 'add.jsonl'}\nnum_step: 2\n")
     flags = tiny_run_flags(tiny_model_dir, save, n_adapters=1, port=0)
-    flags += ["--multi-lora-disable-service-mode", "--multi-lora-adapters", str(adapter_yaml)]
+    flags += ["--multi-lora-disable-service-mode", "--multi-lora-adapters", str(adapter_yaml),
+              "--actor-num-cpus-per-worker", "2"]
     driver = DriverProcess(TRAINER, flags, workdir / "trainer.log")
     try:
         assert driver.wait(timeout=400) == 0, driver.log_tail()
         log = driver.log_path.read_text()
         assert "No adapters; exiting." in log
+        assert "Started 1 torch train rank(s); torch threads per rank: 2" in log  # two CPUs reserved, two threads
         checkpoint = latest_checkpoint(save / "adapters" / "add")
         assert checkpoint is not None and checkpoint.name == "step_2"
         assert (save / "metrics.jsonl").exists()

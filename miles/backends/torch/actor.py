@@ -282,7 +282,8 @@ class TorchTrainActor:
     # ---- distributed set-up -------------------------------------------------------
 
     def ready(self) -> int:
-        return self.rank
+        """The rank's torch threads, once it is built."""
+        return torch.get_num_threads()
 
     def master_address(self, host: str | None = None) -> str:
         """The process group's rendezvous address (called on rank 0): on `host`, by default this

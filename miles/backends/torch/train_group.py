@@ -138,10 +138,10 @@ class TrainGroup:
         self._actors = [remote_cls.options(num_cpus=cpus, num_gpus=gpus,
                                            scheduling_strategy=placement.bundle_strategy(self._placement, rank))
                         .remote(self.config.actor, rank, n) for rank in range(n)]
-        await self._all("ready")
+        threads = sorted(set(await self._all("ready")))
         address = await self._actors[0].master_address.remote(self.config.master_host)
         await self._all("init_process_group", address)  # a one-rank torch group returns at once
-        logger.info("Started %s", self._layout())
+        logger.info("Started %s; torch threads per rank: %s", self._layout(), "/".join(map(str, threads)))
 
     def _layout(self) -> str:
         return f"{self.config.world_size} torch train rank(s)"
