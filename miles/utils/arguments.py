@@ -61,6 +61,12 @@ SGLANG_ARGS_OVERRIDDEN = {"tp_size": "--rollout-num-gpus-per-engine"}
 """Accepted (as Miles accepts them) but overridden by one of our flags: a warning, then dropped."""
 
 
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+"""megatron-core's `recompute_modules` names (`--recompute-modules`)."""
+TORCH_RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+"""Those the torch backend's selective recomputation takes (`miles.backends.torch.recompute`)."""
+
+
 @dataclass(frozen=True)
 class MilesConfig:
     # ---- model and backends ----
@@ -86,6 +92,12 @@ class MilesConfig:
               "and runs the layer again in the backward; selective recomputes only cheap parts (Megatron: core "
               "attention; torch: the norm outputs and SiLU-gated activations, every GEMM output kept). "
               "Default: keep every activation.", choices=("full", "selective"))
+    recompute_modules: list[str] | None = _flag(
+        None, "With --recompute-granularity selective, the parts recomputed (Megatron's flag and names). Torch "
+              "backend: layernorm (the norm outputs; the default), mlp (the MLP with the norm before it, from "
+              "the residual), core_attn (accepted: SDPA keeps only q, k, v and its output already); SiLU-gated "
+              "activations are formed again in any case. Megatron backend: passed to megatron-core (default "
+              "core_attn).", nargs="+", choices=MEGATRON_RECOMPUTE_MODULES)
     recompute_method: Literal["uniform", "block"] | None = _flag(
         None, "With --recompute-granularity full: uniform recomputes every layer (Megatron: in chunks of "
               "--recompute-num-layers; torch: layer by layer), block only the first --recompute-num-layers "
@@ -348,6 +360,13 @@ class MilesConfig:
                               "give it with --max-tokens-per-gpu N")
         if self.recompute_num_layers is not None and self.recompute_num_layers <= 0:
             raise ConfigError(f"--recompute-num-layers must be > 0, got {self.recompute_num_layers}")
+        if self.recompute_modules is not None and self.recompute_granularity != "selective":
+            raise ConfigError("--recompute-modules picks what --recompute-granularity selective recomputes; add it, "
+                              "or drop --recompute-modules")
+        if self.recompute_modules and self.train_backend == "torch" and (
+                unknown := sorted(set(self.recompute_modules) - set(TORCH_RECOMPUTE_MODULES))):
+            raise ConfigError(f"--recompute-modules {' '.join(unknown)}: the torch backend recomputes "
+                              f"{', '.join(TORCH_RECOMPUTE_MODULES)} (the others are parts of MoE and MLA layers)")
         if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
             raise ConfigError("--recompute-method and --recompute-num-layers apply to --recompute-granularity full; "
                               "add it, or drop them")

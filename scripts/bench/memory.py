@@ -2,6 +2,7 @@
 
     python scripts/bench/memory.py [--model tiny|llama60m|smollm2|DIR] [--adapters 8] [--rows 4]
                                    [--micro-batch-size N] [--recompute-granularity full|selective]
+                                   [--recompute-modules layernorm mlp]
 
 Each trainer runs in its own fresh Python process and trains one step: ours is one
 `TorchTrainActor` with 8 slots training a mixed batch of 8 x 4 samples and stepping
@@ -13,7 +14,8 @@ processes run one at a time, alternating ours and PEFT. Ours forwards the whole 
 batch at once unless given `--micro-batch-size` (the trainer's flag: activations and
 logits of that many rows at a time); `--recompute-granularity full` (the trainer's flag)
 has ours keep only each decoder layer's input and recompute the layer in the backward, and
-`selective` has it drop the norm outputs and gated activations and form them again there.
+`selective` has it drop the norm outputs and gated activations and form them again there
+(`--recompute-modules`, the trainer's flag: `mlp` runs the MLP and its norm again as well).
 Target: <= 0.25.
 """
 
@@ -30,7 +32,8 @@ from benchlib import Figure
 
 
 def worker(kind: str, model: str, adapters: int, rows: int, prompt_len: int, response_len: int, rank: int,
-           micro_batch_size: int | None = None, recompute_granularity: str | None = None) -> None:
+           micro_batch_size: int | None = None, recompute_granularity: str | None = None,
+           recompute_modules: list[str] | None = None) -> None:
     path = benchlib.model_dir(model)
     vocab = benchlib.vocab_size(path)
     if kind == "ours":
@@ -39,7 +42,7 @@ def worker(kind: str, model: str, adapters: int, rows: int, prompt_len: int, res
         from miles.backends.torch.actor import AdapterSpec
 
         names = [f"a{i}" for i in range(adapters)]
-        actor = build_actor(path, adapters, rank, micro_batch_size, recompute_granularity)
+        actor = build_actor(path, adapters, rank, micro_batch_size, recompute_granularity, recompute_modules)
         for i, name in enumerate(names):
             actor.load_adapter(AdapterSpec(name=name, slot=i, rank=rank, alpha=2.0 * rank, global_batch_size=rows))
         samples, adv = benchlib.make_samples(adapters * rows, [(n, i) for i, n in enumerate(names)], prompt_len, response_len, vocab)
@@ -61,6 +64,8 @@ def measure(kind: str, args) -> int:
         cmd += ["--micro-batch-size", str(args.micro_batch_size)]
     if args.recompute_granularity:
         cmd += ["--recompute-granularity", args.recompute_granularity]
+    if args.recompute_modules:
+        cmd += ["--recompute-modules", *args.recompute_modules]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_rss_bytes"]
 
@@ -77,6 +82,8 @@ def main() -> None:
     parser.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                         help="the trainer's flag: full recomputes every decoder layer in the backward, "
                              "selective only the norm outputs and gated activations")
+    parser.add_argument("--recompute-modules", nargs="+", default=None, choices=("core_attn", "layernorm", "mlp"),
+                        help="with --recompute-granularity selective: the trainer's --recompute-modules")
     parser.add_argument("--peft-processes", type=int, default=None,
                         help="PEFT processes actually run per repetition (default: one per adapter); the PEFT "
                              "side is their mean peak times the number of adapters (the processes are identical)")
@@ -85,7 +92,7 @@ def main() -> None:
     if args.worker:
         torch.set_num_threads(args.threads)
         worker(args.worker, args.model, args.adapters, args.rows, args.prompt_len, args.response_len, args.rank,
-               args.micro_batch_size, args.recompute_granularity)
+               args.micro_batch_size, args.recompute_granularity, args.recompute_modules)
         return
     benchlib.setup(args)
     if args.quick:
@@ -102,14 +109,16 @@ def main() -> None:
                 peft.append(sum(runs) / len(runs) * args.adapters / 2**20)
     settings = [f"in micro-batches of {args.micro_batch_size}"] if args.micro_batch_size else []
     if args.recompute_granularity:
-        settings.append(f"with --recompute-granularity {args.recompute_granularity}")
+        modules = f" --recompute-modules {' '.join(args.recompute_modules)}" if args.recompute_modules else ""
+        settings.append(f"with --recompute-granularity {args.recompute_granularity}{modules}")
     figure = Figure(
         figure=f"peak memory, one trainer with {args.adapters} slots ÷ {args.adapters} PEFT trainers"
                + (f" (ours {', '.join(settings)})" if settings else ""), model=args.model,
         ours_label=f"ours, 1 process x {args.adapters} slots", baseline_label=f"PEFT, {args.adapters} processes",
         ours=ours, baseline=peft, unit="MiB", ratio_of="ours/baseline", target="<= 0.25",
         params={"adapters": args.adapters, "peft_processes_run": args.peft_processes or args.adapters, "rows": args.rows, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank,
-                "micro_batch_size": args.micro_batch_size, "recompute_granularity": args.recompute_granularity},
+                "micro_batch_size": args.micro_batch_size, "recompute_granularity": args.recompute_granularity,
+                "recompute_modules": args.recompute_modules},
     )
     benchlib.report([figure], args.json, sys.argv)
 

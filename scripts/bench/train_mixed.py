@@ -2,7 +2,7 @@
 
     python scripts/bench/train_mixed.py [--model tiny|llama60m|smollm2|DIR] [--ks 2,4,8]
                                         [--batch 32] [--prompt-len 16] [--response-len 48]
-                                        [--recompute [full|selective]]
+                                        [--recompute [full|selective]] [--recompute-modules M ...]
 
 One `TorchTrainActor` with 8 slots of rank 16 (all linears) holds 8 adapters. Each
 repetition trains the same 32 samples once with every sample on adapter 0 (K = 1) and
@@ -11,7 +11,7 @@ the order. The figure is time(K) / time(1): what mixing adapters in a batch cost
 Target: <= 1.10 at K = 8. With `--recompute [full|selective]` (bare: full), a second actor
 built with `--recompute-granularity` of that value trains the largest K's batch too,
 alternating with the first: time(recompute) / time(keeping every activation), what the
-memory saving costs.
+memory saving costs; `--recompute-modules` is the trainer's flag for `selective`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from miles.backends.torch.actor import AdapterSpec, TorchTrainActor, TrainActorC
 
 
 def build_actor(path, n_slots: int, rank: int, micro_batch_size: int | None = None,
-                recompute_granularity: str | None = None) -> TorchTrainActor:
+                recompute_granularity: str | None = None, recompute_modules: list[str] | None = None) -> TorchTrainActor:
     return TorchTrainActor(TrainActorConfig(hf_checkpoint=str(path), n_slots=n_slots, lora_rank=rank,
                                             micro_batch_size=micro_batch_size,
-                                            recompute_granularity=recompute_granularity))
+                                            recompute_granularity=recompute_granularity,
+                                            recompute_modules=tuple(recompute_modules) if recompute_modules else None))
 
 
 def step_fn(actor: TorchTrainActor, samples, advantages, names: list[str]):
@@ -51,6 +52,8 @@ def main() -> None:
     parser.add_argument("--recompute", nargs="?", const="full", default=None, choices=("full", "selective"),
                         help="also time the largest K with --recompute-granularity of this value (a second "
                              "actor; bare: full)")
+    parser.add_argument("--recompute-modules", nargs="+", default=None, choices=("core_attn", "layernorm", "mlp"),
+                        help="with --recompute selective: the trainer's --recompute-modules")
     args = parser.parse_args()
     benchlib.setup(args)
     if args.quick:
@@ -70,7 +73,8 @@ def main() -> None:
         cases[f"K={k}"] = step_fn(actor, samples, adv, names[:k])
     if args.recompute:
         k = max(ks)
-        recompute = build_actor(path, n_slots, args.rank, recompute_granularity=args.recompute)
+        recompute = build_actor(path, n_slots, args.rank, recompute_granularity=args.recompute,
+                                recompute_modules=args.recompute_modules)
         for i, name in enumerate(names):
             recompute.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank,
                                                global_batch_size=args.batch, lr=1e-4))
@@ -90,8 +94,11 @@ def main() -> None:
         k = max(ks)
         recomputed = {"full": "recomputing every decoder layer",
                       "selective": "forming norm outputs and gated activations again"}[args.recompute]
+        modules = f" --recompute-modules {' '.join(args.recompute_modules)}" if args.recompute_modules else ""
+        if "mlp" in (args.recompute_modules or ()):
+            recomputed = "running the MLP and its norm again"
         figures.append(Figure(
-            figure=f"train step with --recompute-granularity {args.recompute} ÷ without, batch mixed over K={k} adapters",
+            figure=f"train step with --recompute-granularity {args.recompute}{modules} ÷ without, batch mixed over K={k} adapters",
             model=args.model, ours_label=recomputed, baseline_label="keeping every activation",
             ours=times["recompute"], baseline=times[f"K={k}"], unit="s/step", ratio_of="ours/baseline", target="report",
             params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank, "k": k},

@@ -74,6 +74,8 @@ def test_config_file_unknown_key_is_rejected(tmp_path):
     ({"use_dynamic_batch_size": True, "max_tokens_per_gpu": 0}, "--max-tokens-per-gpu must be > 0"),
     ({"actor_num_cpus_per_worker": 0}, "--actor-num-cpus-per-worker must be > 0"),
     ({"engine_num_threads": 0}, "--engine-num-threads must be > 0"),
+    ({"recompute_modules": ["mlp"]}, "add it, or drop --recompute-modules"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["mlp", "moe"]}, "the torch backend recomputes"),
 ])
 def test_invalid_combinations_say_what_to_change(values, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -148,3 +150,14 @@ def test_auto_device_follows_the_ray_cluster_gpus(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0})
     assert cfg.resolved_device == "cpu"
     assert parse_args(["--device", "cpu"]).resolved_device == "cpu"
+
+
+def test_recompute_modules_reach_both_backends():
+    from miles.backends.megatron.actor import MegatronActorConfig
+    from miles.backends.torch.actor import TrainActorConfig
+
+    flags = ["--hf-checkpoint", "/m", "--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"]
+    assert TrainActorConfig.from_config(parse_args(flags)).recompute_modules == ("layernorm", "mlp")
+    megatron = parse_args(flags[:-2] + ["moe_act", "--train-backend", "megatron"])  # any of Megatron's names
+    assert MegatronActorConfig.from_config(megatron).recompute_modules == ("moe_act",)
+    assert TrainActorConfig.from_config(parse_args(["--hf-checkpoint", "/m"])).recompute_modules is None

@@ -114,7 +114,7 @@ class MegatronTrainActor(TorchTrainActor):
     def _build_model(self) -> None:
         config = self.config
         recompute = recompute_settings(self.shape, config.recompute_granularity, config.recompute_method,
-                                       config.recompute_num_layers)
+                                       config.recompute_num_layers, config.recompute_modules)
         model = build_gpt_model(self.shape, dtype=DTYPES[config.dtype], recompute=recompute)
         load_hf_weights(model, self.shape, read_hf_state_dict(config.hf_checkpoint))
         # LoRA weights and their AdamW moments stay fp32 over a bf16 base (as in the torch backend).

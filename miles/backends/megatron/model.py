@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,10 +188,13 @@ def megatron_to_hf(shards: list[dict[str, Tensor]], shape: ModelShape) -> dict[s
 
 
 def recompute_settings(shape: ModelShape, granularity: str | None, method: str | None = None,
-                       num_layers: int | None = None) -> dict:
+                       num_layers: int | None = None, modules: Sequence[str] | None = None) -> dict:
     """`TransformerConfig`'s recompute fields for the `--recompute-*` flags (empty: keep every
     activation). "full" defaults to `uniform` over chunks of one layer; `block` defaults to
-    every layer. "selective" recomputes core attention (Megatron's default `recompute_modules`)."""
+    every layer. "selective" recomputes `modules` (`--recompute-modules`; default core
+    attention, Megatron's default `recompute_modules`)."""
+    if modules is not None and granularity != "selective":
+        raise ValueError("recompute_modules choose what recompute_granularity='selective' recomputes")
     if granularity is None:
         if method is not None or num_layers is not None:
             raise ValueError("recompute_method and recompute_num_layers need recompute_granularity='full'")
@@ -199,7 +203,7 @@ def recompute_settings(shape: ModelShape, granularity: str | None, method: str |
         if method is not None or num_layers is not None:
             raise ValueError("selective recomputation takes no recompute_method or recompute_num_layers "
                              "(they choose the layers of recompute_granularity='full')")
-        return {"recompute_granularity": "selective"}
+        return {"recompute_granularity": "selective", **({} if modules is None else {"recompute_modules": list(modules)})}
     if granularity != "full":
         raise ValueError(f"recompute_granularity must be 'full' or 'selective', got {granularity!r}")
     method = method or "uniform"

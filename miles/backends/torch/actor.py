@@ -124,6 +124,8 @@ class TrainActorConfig:
     recompute_method: str | None = None
     """With "full": "uniform" (every layer) or "block" (the first `recompute_num_layers`)."""
     recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] | None = None
+    """With "selective": Megatron's module names (`--recompute-modules`); None: layernorm."""
     num_threads: int | None = None
     """torch threads of a CPU rank (`--actor-num-cpus-per-worker`); None leaves torch's count."""
     seed: int = 42
@@ -159,6 +161,7 @@ class TrainActorConfig:
             recompute_granularity=cfg.recompute_granularity,
             recompute_method=cfg.recompute_method,
             recompute_num_layers=cfg.recompute_num_layers,
+            recompute_modules=None if cfg.recompute_modules is None else tuple(cfg.recompute_modules),
             num_threads=cfg.actor_num_cpus_per_worker,
             seed=cfg.seed,
             adam_betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -261,7 +264,7 @@ class TorchTrainActor:
         # eval(): no dropout, so the logprobs of a pass equal the ones the loss uses as "old".
         self.model = model.to(self.device).eval()
         apply_recompute(self.model, config.recompute_granularity, config.recompute_method,
-                        config.recompute_num_layers)
+                        config.recompute_num_layers, config.recompute_modules)
         modules = lora_modules(self.model)
         # LoRA weights and their AdamW moments stay fp32 over a bf16 base: updates of
         # lr ~ 1e-4 would round away in bf16.

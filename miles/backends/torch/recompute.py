@@ -15,15 +15,18 @@ logprobs, the reference model) layers run as usual.
 `selective`: every layer keeps its GEMM outputs; the norm outputs and the SiLU-gated
 activations, which are elementwise functions of tensors kept anyway, hold no memory
 between the forward and the backward and are formed again when the backward reaches them.
+`--recompute-modules` (Megatron's names) picks the parts: `layernorm` (the default) the norm
+outputs, `mlp` the whole MLP with the norm before it, run again from the residual.
 
-    release_cheap_activations(model)
+    release_cheap_activations(model)                          # layernorm
+    release_cheap_activations(model, modules={"layernorm", "mlp"})
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -36,16 +39,19 @@ logger = logging.getLogger(__name__)
 
 
 def apply_recompute(model: nn.Module, granularity: str | None, method: str | None = None,
-                    num_layers: int | None = None) -> None:
-    """The train actor's `--recompute-granularity` (None: keep every activation), logged."""
+                    num_layers: int | None = None, modules: Collection[str] | None = None) -> None:
+    """The train actor's `--recompute-granularity` (None: keep every activation) and
+    `--recompute-modules`, logged."""
     if granularity == "full":
         recomputed = recompute_decoder_layers(model, method=method or "uniform", num_layers=num_layers)
         logger.info("Recomputing %d decoder layer(s) in the backward", recomputed)
     elif granularity == "selective":
-        changed = release_cheap_activations(model)
+        modules = DEFAULT_MODULES if modules is None else frozenset(modules)
+        changed = release_cheap_activations(model, modules=modules)
         if changed:
-            logger.info("Forming norm outputs and gated activations again in the backward in %d decoder layer(s)",
-                        changed)
+            parts = ["the MLP and its norm" if "mlp" in modules else "gated activations"]
+            parts += ["norm outputs"] if "layernorm" in modules else []
+            logger.info("Forming %s again in the backward in %d decoder layer(s)", " and ".join(parts), changed)
         else:
             logger.warning("--recompute-granularity selective has no effect on %s: its decoder layers are none of "
                            "%s (use full)", type(model).__name__, ", ".join(sorted(SEQUENTIAL_PRE_NORM_LAYERS)))
@@ -96,10 +102,14 @@ SEQUENTIAL_PRE_NORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLaye
 output once its block has run is safe. Parallel-residual layers read it twice."""
 
 
-def release_cheap_activations(model: nn.Module) -> int:
+DEFAULT_MODULES = frozenset({"layernorm"})
+"""`--recompute-modules` of the torch backend when not given."""
+
+
+def release_cheap_activations(model: nn.Module, modules: Collection[str] = DEFAULT_MODULES) -> int:
     """`--recompute-granularity selective` on the torch backend: drop the activations that are
     cheap to form again and refill them when the backward reaches the block that needs them;
-    returns how many decoder layers changed.
+    returns how many decoder layers changed. `modules` as described below.
 
     In each decoder layer of `SEQUENTIAL_PRE_NORM_LAYERS` (input norm, attention, residual,
     post-attention norm, MLP, residual; nothing else reads a norm's output):
@@ -112,7 +122,10 @@ def release_cheap_activations(model: nn.Module) -> int:
     Only elementwise work runs twice; every GEMM output is kept. The refilled tensors are the
     same computation on the same inputs, so gradients equal those of keeping everything,
     bit for bit. A layer with another MLP releases the norm outputs only; layers of other
-    classes run as before.
+    classes run as before. Without "layernorm" in `modules` the norm outputs are kept. With
+    "mlp", the post-attention norm and the MLP run as one region that keeps only its input
+    (the residual, kept anyway) and runs again in the backward: the MLP's GEMMs twice, the
+    same gradients bit for bit.
 
     All of it is spared where the LoRA layers keep their inputs as they are (the actors sort
     a batch by slot; with the same number of rows in every slot it is the grouped layout);
@@ -121,12 +134,25 @@ def release_cheap_activations(model: nn.Module) -> int:
     for layer in decoder_layers(model):
         if type(layer).__name__ not in SEQUENTIAL_PRE_NORM_LAYERS:
             continue
-        if _is_silu_gated(layer.mlp):  # first: the release of the norm's output wraps the MLP's forward
+        # The MLP first: the release of the norm's output wraps the MLP's forward.
+        if "mlp" in modules:
+            _recompute_norm_and_block(layer.post_attention_layernorm, layer.mlp)
+        elif _is_silu_gated(layer.mlp):
             layer.mlp.forward = _lean_gated_mlp(layer.mlp)
-        _release_norm_output_after(layer.input_layernorm, layer.self_attn)
-        _release_norm_output_after(layer.post_attention_layernorm, layer.mlp)
+        if "layernorm" in modules:
+            _release_norm_output_after(layer.input_layernorm, layer.self_attn)
+            if "mlp" not in modules:
+                _release_norm_output_after(layer.post_attention_layernorm, layer.mlp)
         changed += 1
     return changed
+
+
+def _recompute_norm_and_block(norm: nn.Module, block: nn.Module) -> None:
+    """`block(norm(x))` as one recomputed region: the norm passes its input on, and the block
+    runs both, keeping only x for the backward (`_recomputed`)."""
+    norm_forward, block_forward = norm.forward, block.forward
+    norm.forward = lambda hidden_states: hidden_states
+    block.forward = _recomputed(lambda hidden_states: block_forward(norm_forward(hidden_states)))
 
 
 def _release_norm_output_after(norm: nn.Module, block: nn.Module) -> None:

@@ -21,10 +21,11 @@ from miles.backends.megatron.model import ModelShape, recompute_settings
 pytestmark = pytest.mark.timeout(300)
 
 SETTINGS = {
-    "full-uniform-1": ("full", "uniform", 1),
-    "full-uniform-2": ("full", "uniform", 2),
-    "full-block-1": ("full", "block", 1),
-    "selective": ("selective", None, None),
+    "full-uniform-1": ("full", "uniform", 1, None),
+    "full-uniform-2": ("full", "uniform", 2, None),
+    "full-block-1": ("full", "block", 1, None),
+    "selective": ("selective", None, None, None),
+    "selective-mlp": ("selective", None, None, ("mlp",)),
 }
 BATCH_SLOTS = [2, -1, 0, 2, 1]
 
@@ -82,15 +83,17 @@ def _model_rank(rank: int, world: int, address: str, model_dir: str, out: str) -
     shape = ModelShape.from_hf_dir(model_dir)
     ids = torch.randint(4, 100, (len(BATCH_SLOTS), 9), generator=torch.Generator().manual_seed(5))
     seen = {}
-    for name, (granularity, method, num_layers) in {"keep": (None, None, None), **SETTINGS}.items():
-        model, parts = _lora_model(model_dir, shape, recompute_settings(shape, granularity, method, num_layers))
+    for name, (granularity, method, num_layers, modules) in {"keep": (None, None, None, None), **SETTINGS}.items():
+        model, parts = _lora_model(model_dir, shape, recompute_settings(shape, granularity, method, num_layers, modules))
         layers = list(model.decoder.layers)
         lora_calls = _call_counter([layer.self_attention.linear_qkv for layer in layers])
         attention_calls = _call_counter([layer.self_attention.core_attention for layer in layers])
+        mlp_calls = _call_counter([layer.mlp for layer in layers])
         with mlora.use_slots(model, BATCH_SLOTS):
             loss = forward_logits(model, shape, ids).square().mean()
         _backward_on_another_thread(loss)
         seen[name] = {"loss": loss.item(), "lora_calls": lora_calls, "attention_calls": attention_calls,
+                      "mlp_calls": mlp_calls,
                       "grads": {f"{n}.{ab}": _grad(getattr(p, f"lora_{ab}")) for n, p in parts.items() for ab in "AB"}}
     torch.save(seen, Path(out) / f"rank{rank}.pt")
     parallel_state.destroy_model_parallel()
@@ -118,13 +121,14 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(param) if param.grad is None else param.grad.clone()
 
 
-# Forward calls per layer (the tiny model has two) of a LoRA linear and of core attention.
+# Forward calls per layer (the tiny model has two) of a LoRA linear, core attention and the MLP.
 CALLS = {
-    "keep": ([1, 1], [1, 1]),
-    "full-uniform-1": ([2, 2], [2, 2]),
-    "full-uniform-2": ([2, 2], [2, 2]),
-    "full-block-1": ([2, 1], [2, 1]),
-    "selective": ([1, 1], [2, 2]),
+    "keep": ([1, 1], [1, 1], [1, 1]),
+    "full-uniform-1": ([2, 2], [2, 2], [2, 2]),
+    "full-uniform-2": ([2, 2], [2, 2], [2, 2]),
+    "full-block-1": ([2, 1], [2, 1], [2, 1]),
+    "selective": ([1, 1], [2, 2], [1, 1]),
+    "selective-mlp": ([1, 1], [1, 1], [2, 2]),
 }
 
 
@@ -137,9 +141,9 @@ def test_recompute_gives_the_same_loss_and_lora_grads_and_replays_the_forward_sl
         keep = seen["keep"]
         # Every slot of the batch has a gradient in every part (slot 1 from one sample).
         assert all(grad[slot].abs().max() > 0 for grad in keep["grads"].values() for slot in (0, 1, 2))
-        for name, (lora_calls, attention_calls) in CALLS.items():
+        for name, calls in CALLS.items():
             got = seen[name]
-            assert (got["lora_calls"], got["attention_calls"]) == (lora_calls, attention_calls), name
+            assert (got["lora_calls"], got["attention_calls"], got["mlp_calls"]) == calls, name
             assert got["loss"] == pytest.approx(keep["loss"], abs=1e-6), name
             for key, grad in keep["grads"].items():
                 torch.testing.assert_close(got["grads"][key], grad, atol=1e-6, rtol=0, msg=f"{name} {key}")
@@ -198,6 +202,10 @@ def test_recompute_settings_fill_megatrons_defaults(tiny_model_dir):
     shape = ModelShape.from_hf_dir(tiny_model_dir)  # two layers
     assert recompute_settings(shape, None) == {}
     assert recompute_settings(shape, "selective") == {"recompute_granularity": "selective"}
+    assert recompute_settings(shape, "selective", modules=("core_attn", "mlp")) == {
+        "recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]}
+    with pytest.raises(ValueError, match="recompute_modules choose"):
+        recompute_settings(shape, "full", modules=("mlp",))
     full = {"recompute_granularity": "full"}
     assert recompute_settings(shape, "full") == {**full, "recompute_method": "uniform", "recompute_num_layers": 1}
     block = recompute_settings(shape, "full", "block")

@@ -115,10 +115,12 @@ def _groups(step: int):
     return flatten_with_advantages(groups)
 
 
-@pytest.mark.parametrize("micro_batch_size", [None, 4])
-def test_selective_gives_the_same_bits_as_keeping_every_activation(tiny_model_dir, micro_batch_size):
+@pytest.mark.parametrize("micro_batch_size, modules", [(None, None), (4, None), (None, ("layernorm", "mlp")),
+                                                      (4, ("mlp",)), (None, ("core_attn",))])
+def test_selective_gives_the_same_bits_as_keeping_every_activation(tiny_model_dir, micro_batch_size, modules):
     keep = _actor(tiny_model_dir, micro_batch_size=micro_batch_size)
-    lean = _actor(tiny_model_dir, micro_batch_size=micro_batch_size, recompute_granularity="selective")
+    lean = _actor(tiny_model_dir, micro_batch_size=micro_batch_size, recompute_granularity="selective",
+                  recompute_modules=modules)
     for step in range(2):
         samples, adv = _groups(step)
         want, got = keep.train(samples, adv, counts(samples)), lean.train(samples, adv, counts(samples))
@@ -132,7 +134,7 @@ def test_selective_gives_the_same_bits_as_keeping_every_activation(tiny_model_di
     assert lean.logprobs(samples) == keep.logprobs(samples)
 
 
-def _lora_llama(hidden_act: str, *, lean: bool, tiny_model_dir=None):
+def _lora_llama(hidden_act: str, *, lean: bool, tiny_model_dir=None, modules=("layernorm",)):
     """A 2-layer Llama (from the tiny base, or random with another activation) with 3 slots."""
     if tiny_model_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -142,7 +144,7 @@ def _lora_llama(hidden_act: str, *, lean: bool, tiny_model_dir=None):
                                              num_attention_heads=4, num_key_value_heads=2, hidden_act=hidden_act))
     _with_three_trainable_slots(model)
     if lean:
-        assert release_cheap_activations(model) == len(decoder_layers(model))
+        assert release_cheap_activations(model, modules=modules) == len(decoder_layers(model))
     return model
 
 
@@ -180,6 +182,33 @@ def test_selective_frees_the_norm_outputs_and_gated_activations_until_the_backwa
     else:  # the LoRA layers keep gathered copies of their inputs: only silu(gate) is spared
         per_token_layer = config.intermediate_size if silu else 0
     assert held[0] - held[1] == ids.numel() * config.num_hidden_layers * per_token_layer * 4
+    for (want_a, want_b), (got_a, got_b) in zip(*grads):
+        assert torch.equal(got_a, want_a) and torch.equal(got_b, want_b)
+        assert want_b.abs().max() > 0
+
+
+def test_recomputed_mlp_holds_no_gate_or_up_and_runs_again_in_the_backward(tiny_model_dir):
+    """--recompute-modules layernorm mlp: the MLP with its norm keeps only the residual, so
+    gate and up (2 x intermediate floats a token and layer) are not held; the MLP runs twice
+    with gradients, once without; same gradients bit for bit."""
+    ids = torch.randint(3, 100, (4, 9), generator=torch.Generator().manual_seed(4))
+    held, grads, calls = [], [], []
+    for modules in (("layernorm",), ("layernorm", "mlp")):
+        model = _lora_llama("silu", lean=True, tiny_model_dir=tiny_model_dir, modules=modules)
+        counted = [0]
+        for layer in decoder_layers(model):
+            # A pre-hook: the replay stops once down_proj has saved its inputs, before forward hooks.
+            layer.mlp.down_proj.register_forward_pre_hook(lambda *_: counted.__setitem__(0, counted[0] + 1))
+        nbytes, loss = _saved_bytes_at_forward_end(model, ids, [0, 0, 2, 2])
+        loss.backward()
+        with torch.no_grad(), use_slots(model, [0, 0, 2, 2]):
+            model(input_ids=ids, use_cache=False)
+        held.append(nbytes)
+        calls.append(counted[0])
+        grads.append([(m.lora_A.grad, m.lora_B.grad) for m in lora_modules(model).values()])
+    config, layers = model.config, model.config.num_hidden_layers
+    assert held[0] - held[1] >= ids.numel() * layers * 2 * config.intermediate_size * 4
+    assert calls == [2 * layers, 3 * layers]  # with grad and without; with mlp the backward runs it again
     for (want_a, want_b), (got_a, got_b) in zip(*grads):
         assert torch.equal(got_a, want_a) and torch.equal(got_b, want_b)
         assert want_b.abs().max() > 0
