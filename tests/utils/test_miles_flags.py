@@ -210,6 +210,8 @@ def test_reinforce_plus_plus_parses_with_its_kl_coef_and_gamma_and_does_not_warn
     (["--calculate-per-token-loss"], "--calculate-per-token-loss has no effect: the train actors take a token mean"),
     (["--recompute-granularity", "full", "--recompute-num-layers", "2"],
      "--recompute-num-layers has no effect: the torch backend recomputes uniformly layer by layer"),
+    (["--rollout-engine", "sglang", "--engine-num-threads", "4"],
+     "--engine-num-threads has no effect: it sets the threads of builtin engines"),
 ])
 def test_a_flag_set_without_effect_warns_once(caplog, argv, warned):
     with caplog.at_level(logging.WARNING, logger="miles.utils.arguments"):
@@ -227,7 +229,8 @@ def test_flags_with_an_effect_do_not_warn(caplog):
                     "--lora-dropout", "0.0", "--label-key", "answer", "--lr-warmup-iters", "3",
                     # Megatron's recompute flags as Miles' example scripts give them: the torch backend honours them
                     "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])
-        parse_args(["--recompute-granularity", "selective"])
+        parse_args(["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"])
+        parse_args(["--actor-num-cpus-per-worker", "2", "--engine-num-threads", "2"])
     assert caplog.records == []
 
 
