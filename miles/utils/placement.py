@@ -11,7 +11,11 @@ Ray refuses empty bundles, so a bundle with neither CPUs nor GPUs reserves a sli
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 MIN_BUNDLE_CPU = 0.001
 
@@ -29,8 +33,9 @@ async def one_bundle_each(n: int, *, cpus: float, gpus: float, strategy: str = "
 
 
 def check_fits(n: int, bundle: dict[str, float]) -> None:
-    """Raise (rather than wait forever on the placement group) when the cluster's nodes,
-    empty, could not hold `n` such bundles."""
+    """When the cluster's nodes, empty, could not hold `n` such bundles: raise, rather than
+    wait forever on the placement group, on a Ray instance of this job's own; on a cluster it
+    joined (RAY_ADDRESS), which an autoscaler may grow, warn and wait."""
     import ray
 
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
@@ -38,9 +43,13 @@ def check_fits(n: int, bundle: dict[str, float]) -> None:
     if fit < n:
         held = ", ".join(f"{res.get('CPU', 0):g} CPU / {res.get('GPU', 0):g} GPU" for res in nodes)
         wanted = " + ".join(f"{amount:g} {kind}" for kind, amount in bundle.items())
-        raise ValueError(f"{n} placement bundles of {wanted} cannot fit on this Ray cluster's nodes ({held}); "
-                         f"at most {fit} fit: ask for fewer CPUs or GPUs per rank or engine "
-                         f"(--actor-num-cpus-per-worker), or add nodes")
+        message = (f"{n} placement bundles of {wanted} cannot fit on this Ray cluster's nodes ({held}); "
+                   f"at most {fit} fit: ask for fewer CPUs or GPUs per rank or engine "
+                   f"(--actor-num-cpus-per-worker), or add nodes")
+        if os.environ.get("RAY_ADDRESS"):
+            logger.warning("%s. Waiting for the cluster to grow.", message)
+            return
+        raise ValueError(message)
 
 
 def bundle_strategy(pg: Any, index: int) -> Any:

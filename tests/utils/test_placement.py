@@ -83,3 +83,24 @@ def test_two_ranks_on_two_nodes_rendezvous_and_step(tiny_model_dir):
         assert len(result["nodes"]) == 2, f"one bundle per {backend} rank should have put the two ranks on the two nodes"
         assert result["address"].startswith("tcp://") and not result["address"].startswith("tcp://127."), backend
         assert result["grad_norm"] > 0, backend
+
+
+def test_a_placement_no_node_holds_is_refused_here_and_awaited_on_a_joined_cluster(monkeypatch, caplog):
+    """On a Ray instance of the job's own the cluster cannot grow: refuse at once. On a cluster
+    the job joined (RAY_ADDRESS) an autoscaler may add nodes: warn, then wait as Ray does."""
+    import logging
+
+    import ray
+
+    from miles.utils import placement
+
+    nodes = [{"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": False, "Resources": {"CPU": 64.0}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    placement.check_fits(2, {"CPU": 1.0})  # two of one CPU fit on the live node
+    with pytest.raises(ValueError, match=r"2 placement bundles of 2 CPU cannot fit .*\(2 CPU / 0 GPU\); at most 1 fit"):
+        placement.check_fits(2, {"CPU": 2.0})
+    monkeypatch.setenv("RAY_ADDRESS", "ray://10.0.0.1:10001")
+    with caplog.at_level(logging.WARNING, logger="miles.utils.placement"):
+        placement.check_fits(2, {"CPU": 2.0})
+    assert any("Waiting for the cluster to grow" in r.getMessage() for r in caplog.records)
