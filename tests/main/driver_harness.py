@@ -99,8 +99,46 @@ class DriverProcess:
             self.proc.send_signal(signal.SIGTERM)
         return self.wait(timeout)
 
-    def kill(self) -> None:
+    def kill(self, timeout: float = 30.0) -> None:
+        """SIGKILL to the driver's session and to every process below it (Ray's own processes
+        may sit in sessions of their own), then wait until all of them are gone, so that none
+        writes after this returns."""
         if self.proc.poll() is None:
+            below = descendant_pids(self.proc.pid)
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+            for pid in below:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait(timeout=timeout)
+            deadline = time.monotonic() + timeout
+            while any(_alive(pid) for pid in below) and time.monotonic() < deadline:
+                time.sleep(0.05)
         self._log.close()
+
+
+def descendant_pids(root_pid: int) -> list[int]:
+    """Every process below `root_pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root_pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (a killed child of a killed parent is reaped by init)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -21,7 +21,7 @@ from miles.controller.client import ControlPlaneClient
 from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
 from miles.rollout.engines.router import Router
 from miles.utils.types import AdapterState, engine_lora_name
-from driver_harness import DriverProcess, free_port, tiny_run_flags, write_arithmetic_dataset
+from driver_harness import DriverProcess, descendant_pids, free_port, tiny_run_flags, write_arithmetic_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -158,25 +158,14 @@ def test_non_service_mode_exits_when_adapters_finish(tiny_model_dir, workdir):
 
 def _server_pids(root_pid: int) -> list[int]:
     """Builtin inference servers among the descendants of `root_pid` (this trainer's own)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root_pid]
-    while todo:
-        pid = todo.pop()
-        for child in children.get(pid, []):
-            todo.append(child)
-            try:
-                cmdline = (Path("/proc") / str(child) / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"miles.rollout.engines.builtin_server" in cmdline:
-                found.append(child)
+    found = []
+    for pid in descendant_pids(root_pid):
+        try:
+            cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"miles.rollout.engines.builtin_server" in cmdline:
+            found.append(pid)
     return found
 
 
