@@ -109,8 +109,13 @@ def test_killed_controller_comes_back_with_its_registry_and_port(ray_session, da
 
         pid = ray.get(controller.__ray_call__.remote(lambda self: os.getpid()))
         ray.kill(controller, no_restart=False)
-        after = ray.get(controller.snapshot.remote(), timeout=60)  # retried on the restarted actor
-        assert ray.get(controller.__ray_call__.remote(lambda self: os.getpid())) != pid
+        # ray.kill returns before the process is gone: a call right after it may still reach it.
+        # Wait for the restarted process (calls in between are retried on it).
+        deadline = time.monotonic() + 60
+        while ray.get(controller.__ray_call__.remote(lambda self: os.getpid()), timeout=60) == pid:
+            assert time.monotonic() < deadline, "Ray did not restart the killed controller within 60 s"
+            time.sleep(0.1)
+        after = ray.get(controller.snapshot.remote(), timeout=60)
         assert after == before
         assert after.active["a"].step == 1 and after.active["b"].accumulated_groups == 1
         assert {n: r.registration_id for n, r in after.live.items()} == \
