@@ -671,7 +671,8 @@ def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
             warn(name, "the torch backend recomputes uniformly layer by layer (the number counts with "
                        "--recompute-method block)")
         elif name == "engine_num_threads" and cfg.rollout_engine != "builtin":
-            warn(name, f"it sets the threads of builtin engines, and this run uses --rollout-engine {cfg.rollout_engine}")
+            warn(name, "it sets the threads of builtin engines, and this run uses "
+                       f"--rollout-engine {cfg.rollout_engine}")
         elif name == "lora_dropout" and value != 0:
             warn(name, "the slot LoRA layers apply no dropout")
         elif name == "calculate_per_token_loss" and value:

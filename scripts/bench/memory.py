@@ -30,6 +30,8 @@ import benchlib
 import torch
 from benchlib import Figure
 
+from miles.utils.arguments import TORCH_RECOMPUTE_MODULES
+
 
 def worker(kind: str, model: str, adapters: int, rows: int, prompt_len: int, response_len: int, rank: int,
            micro_batch_size: int | None = None, recompute_granularity: str | None = None,
@@ -82,7 +84,7 @@ def main() -> None:
     parser.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                         help="the trainer's flag: full recomputes every decoder layer in the backward, "
                              "selective only the norm outputs and gated activations")
-    parser.add_argument("--recompute-modules", nargs="+", default=None, choices=("core_attn", "layernorm", "mlp"),
+    parser.add_argument("--recompute-modules", nargs="+", default=None, choices=TORCH_RECOMPUTE_MODULES,
                         help="with --recompute-granularity selective: the trainer's --recompute-modules")
     parser.add_argument("--peft-processes", type=int, default=None,
                         help="PEFT processes actually run per repetition (default: one per adapter); the PEFT "

@@ -107,8 +107,8 @@ def main() -> None:
         model=args.model,
         ours_label=f"ours, one batch of {args.adapters * args.rows}", baseline_label="PEFT set_adapter loop",
         ours=times["ours"], baseline=times["peft"], unit="s/step", ratio_of="baseline/ours", target=f">= {target}",
-        params={"adapters": args.adapters, "rows": args.rows, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank,
-                "threads": args.threads},
+        params={"adapters": args.adapters, "rows": args.rows, "prompt_len": args.prompt_len,
+                "response_len": args.response_len, "rank": args.rank, "threads": args.threads},
     )
     benchlib.report([figure], args.json, sys.argv)
 

@@ -22,10 +22,12 @@ import benchlib
 from benchlib import Figure
 
 from miles.backends.torch.actor import AdapterSpec, TorchTrainActor, TrainActorConfig
+from miles.utils.arguments import TORCH_RECOMPUTE_MODULES
 
 
 def build_actor(path, n_slots: int, rank: int, micro_batch_size: int | None = None,
-                recompute_granularity: str | None = None, recompute_modules: list[str] | None = None) -> TorchTrainActor:
+                recompute_granularity: str | None = None,
+                recompute_modules: list[str] | None = None) -> TorchTrainActor:
     return TorchTrainActor(TrainActorConfig(hf_checkpoint=str(path), n_slots=n_slots, lora_rank=rank,
                                             micro_batch_size=micro_batch_size,
                                             recompute_granularity=recompute_granularity,
@@ -52,7 +54,7 @@ def main() -> None:
     parser.add_argument("--recompute", nargs="?", const="full", default=None, choices=("full", "selective"),
                         help="also time the largest K with --recompute-granularity of this value (a second "
                              "actor; bare: full)")
-    parser.add_argument("--recompute-modules", nargs="+", default=None, choices=("core_attn", "layernorm", "mlp"),
+    parser.add_argument("--recompute-modules", nargs="+", default=None, choices=TORCH_RECOMPUTE_MODULES,
                         help="with --recompute selective: the trainer's --recompute-modules")
     args = parser.parse_args()
     benchlib.setup(args)
@@ -98,7 +100,8 @@ def main() -> None:
         if "mlp" in (args.recompute_modules or ()):
             recomputed = "running the MLP and its norm again"
         figures.append(Figure(
-            figure=f"train step with --recompute-granularity {args.recompute}{modules} ÷ without, batch mixed over K={k} adapters",
+            figure=f"train step with --recompute-granularity {args.recompute}{modules} ÷ without, "
+                   f"batch mixed over K={k} adapters",
             model=args.model, ours_label=recomputed, baseline_label="keeping every activation",
             ours=times["recompute"], baseline=times[f"K={k}"], unit="s/step", ratio_of="ours/baseline", target="report",
             params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank, "k": k},

@@ -7,8 +7,9 @@
 `rowwise.c` is compiled on first use with the system C compiler (`$CC`, else `cc`) into
 `$MILES_KERNEL_CACHE` (default `~/.cache/miles/kernels`), one file per source, flags,
 compiler and CPU (`miles.utils.native.build_library`); it is loaded with ctypes (no Python
-headers, no torch ABI: a build takes a fraction of a second). Where no compiler works, or with `MILES_CPU_LORA_KERNEL=0`, `rowwise_kernel()`
-returns None and decode steps take the torch paths; the reason is logged once.
+headers, no torch ABI: a build takes a fraction of a second). Where no compiler works, or
+with `MILES_CPU_LORA_KERNEL=0`, `rowwise_kernel()` returns None and decode steps take the
+torch paths; the reason is logged once.
 
 Why a kernel: a decode step of a few rows over several adapters is a few thousand
 multiply-adds per row, which torch can only reach as one GEMM over every slot's columns

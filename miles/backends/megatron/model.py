@@ -203,7 +203,8 @@ def recompute_settings(shape: ModelShape, granularity: str | None, method: str |
         if method is not None or num_layers is not None:
             raise ValueError("selective recomputation takes no recompute_method or recompute_num_layers "
                              "(they choose the layers of recompute_granularity='full')")
-        return {"recompute_granularity": "selective", **({} if modules is None else {"recompute_modules": list(modules)})}
+        chosen = {} if modules is None else {"recompute_modules": list(modules)}
+        return {"recompute_granularity": "selective", **chosen}
     if granularity != "full":
         raise ValueError(f"recompute_granularity must be 'full' or 'selective', got {granularity!r}")
     method = method or "uniform"

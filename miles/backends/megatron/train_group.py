@@ -48,7 +48,8 @@ class MegatronGroupConfig(TrainGroupConfig):
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> MegatronGroupConfig:
         actor = MegatronActorConfig.from_config(cfg)
-        return cls(actor=actor, n_workers=cfg.actor_num_workers, num_cpus_per_worker=float(cfg.actor_num_cpus_per_worker),
+        return cls(actor=actor, n_workers=cfg.actor_num_workers,
+                   num_cpus_per_worker=float(cfg.actor_num_cpus_per_worker),
                    num_gpus_per_worker=1.0 if actor.device == "cuda" else 0.0)
 
 

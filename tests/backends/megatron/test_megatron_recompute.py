@@ -84,7 +84,8 @@ def _model_rank(rank: int, world: int, address: str, model_dir: str, out: str) -
     ids = torch.randint(4, 100, (len(BATCH_SLOTS), 9), generator=torch.Generator().manual_seed(5))
     seen = {}
     for name, (granularity, method, num_layers, modules) in {"keep": (None, None, None, None), **SETTINGS}.items():
-        model, parts = _lora_model(model_dir, shape, recompute_settings(shape, granularity, method, num_layers, modules))
+        recompute = recompute_settings(shape, granularity, method, num_layers, modules)
+        model, parts = _lora_model(model_dir, shape, recompute)
         layers = list(model.decoder.layers)
         lora_calls = _call_counter([layer.self_attention.linear_qkv for layer in layers])
         attention_calls = _call_counter([layer.self_attention.core_attention for layer in layers])
