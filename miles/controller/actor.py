@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -269,3 +270,17 @@ def destroy_multi_lora_controller() -> None:
     ray.get(handle.stop.remote())
     ray.kill(handle, no_restart=True)
     _cached_handle = None
+    _wait_until_name_is_free(ray)
+
+
+def _wait_until_name_is_free(ray: Any, timeout_s: float = 30.0) -> None:
+    """ray.kill returns before the GCS drops the actor's name; a controller created
+    right after would collide with the dying one, so wait for the name to go."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.05)
+    logger.warning("The controller name %r is still registered %.0f s after the kill", CONTROLLER_NAME, timeout_s)
