@@ -87,6 +87,10 @@ class MilesConfig:
         False, "Micro-batches packed by tokens instead of --micro-batch-size samples: at most "
                "--max-tokens-per-gpu tokens each, counted padded (rows x longest row).")
     max_tokens_per_gpu: int | None = _flag(None, "Token budget of a micro-batch on a train rank (--use-dynamic-batch-size).")
+    activation_budget_mb: int | None = _flag(
+        None, "Torch backend, given neither --micro-batch-size nor --use-dynamic-batch-size: micro-batches sized "
+              "so that the activations kept for the backward stay near this many MiB (estimated from the "
+              "model's shape). Default: 1024 on CPU, the whole batch on CUDA; 0: the whole batch.")
     recompute_granularity: Literal["full", "selective"] | None = _flag(
         None, "Activation recomputation (Megatron's flag): full keeps only each recomputed decoder layer's input "
               "and runs the layer again in the backward; selective recomputes only cheap parts (Megatron: core "
@@ -353,6 +357,8 @@ class MilesConfig:
             raise ConfigError("--max-weight-staleness must be >= 0")
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:
             raise ConfigError("--micro-batch-size must be > 0")
+        if self.activation_budget_mb is not None and self.activation_budget_mb < 0:
+            raise ConfigError(f"--activation-budget-mb must be >= 0 (0: the whole batch), got {self.activation_budget_mb}")
         if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu <= 0:
             raise ConfigError(f"--max-tokens-per-gpu must be > 0, got {self.max_tokens_per_gpu}")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
@@ -657,6 +663,11 @@ def inert_flag_warnings(cfg: MilesConfig, given: set[str]) -> list[str]:
             warn(name, "it is the token budget of --use-dynamic-batch-size, which is off")
         elif name == "micro_batch_size" and cfg.use_dynamic_batch_size:
             warn(name, "with --use-dynamic-batch-size micro-batches are packed to --max-tokens-per-gpu tokens")
+        elif name == "activation_budget_mb" and cfg.train_backend == "megatron":
+            warn(name, "it sizes the torch backend's micro-batches; Megatron's take --micro-batch-size")
+        elif name == "activation_budget_mb" and (cfg.micro_batch_size or cfg.use_dynamic_batch_size):
+            which = "--use-dynamic-batch-size" if cfg.use_dynamic_batch_size else "--micro-batch-size"
+            warn(name, f"{which} sets the micro-batches")
         elif f.metadata.get("megatron") and cfg.train_backend != "megatron":
             warn(name, f"it configures the Megatron backend, and this run uses --train-backend {cfg.train_backend}")
         elif name == "sglang_server_args" and value and cfg.rollout_engine != "sglang":

@@ -3,6 +3,7 @@
     python scripts/bench/train_mixed.py [--model tiny|llama60m|smollm2|DIR] [--ks 2,4,8]
                                         [--batch 32] [--prompt-len 16] [--response-len 48]
                                         [--recompute [full|selective]] [--recompute-modules M ...]
+                                        [--whole-batch]
 
 One `TorchTrainActor` with 8 slots of rank 16 (all linears) holds 8 adapters. Each
 repetition trains the same 32 samples once with every sample on adapter 0 (K = 1) and
@@ -12,6 +13,10 @@ Target: <= 1.10 at K = 8. With `--recompute [full|selective]` (bare: full), a se
 built with `--recompute-granularity` of that value trains the largest K's batch too,
 alternating with the first: time(recompute) / time(keeping every activation), what the
 memory saving costs; `--recompute-modules` is the trainer's flag for `selective`.
+The actors run at the trainer's defaults: on CPU, micro-batches within the activation
+budget (`--activation-budget-mb`, 1024 MiB; a small model's batch stays whole). With
+`--whole-batch` a second actor trains the largest K's batch in one forward
+(`--activation-budget-mb 0`), alternating: time(default) / time(whole batch).
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from miles.utils.arguments import TORCH_RECOMPUTE_MODULES
 
 def build_actor(path, n_slots: int, rank: int, micro_batch_size: int | None = None,
                 recompute_granularity: str | None = None,
-                recompute_modules: list[str] | None = None) -> TorchTrainActor:
+                recompute_modules: list[str] | None = None,
+                activation_budget_mb: float | None = None) -> TorchTrainActor:
     return TorchTrainActor(TrainActorConfig(hf_checkpoint=str(path), n_slots=n_slots, lora_rank=rank,
                                             micro_batch_size=micro_batch_size,
+                                            activation_budget_mb=activation_budget_mb,
                                             recompute_granularity=recompute_granularity,
                                             recompute_modules=tuple(recompute_modules) if recompute_modules else None))
 
@@ -56,6 +63,11 @@ def main() -> None:
                              "actor; bare: full)")
     parser.add_argument("--recompute-modules", nargs="+", default=None, choices=TORCH_RECOMPUTE_MODULES,
                         help="with --recompute selective: the trainer's --recompute-modules")
+    parser.add_argument("--activation-budget-mb", type=int, default=None,
+                        help="the trainer's flag for the timed actors (default 1024 on CPU; 0: whole batches)")
+    parser.add_argument("--whole-batch", action="store_true",
+                        help="also time the largest K's batch in one forward (--activation-budget-mb 0), "
+                             "against the default micro-batches")
     args = parser.parse_args()
     benchlib.setup(args)
     if args.quick:
@@ -63,7 +75,7 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     path = benchlib.model_dir(args.model)
     n_slots = max(ks)
-    actor = build_actor(path, n_slots, args.rank)
+    actor = build_actor(path, n_slots, args.rank, activation_budget_mb=args.activation_budget_mb)
     names = [f"a{i}" for i in range(n_slots)]
     for i, name in enumerate(names):
         # global_batch_size is only the gradient divisor here: every adapter steps each time.
@@ -76,12 +88,22 @@ def main() -> None:
     if args.recompute:
         k = max(ks)
         recompute = build_actor(path, n_slots, args.rank, recompute_granularity=args.recompute,
-                                recompute_modules=args.recompute_modules)
+                                recompute_modules=args.recompute_modules, activation_budget_mb=args.activation_budget_mb)
         for i, name in enumerate(names):
             recompute.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank,
                                                global_batch_size=args.batch, lr=1e-4))
         samples, adv = benchlib.make_samples(args.batch, [(names[i], i) for i in range(k)], args.prompt_len, args.response_len, vocab)
         cases["recompute"] = step_fn(recompute, samples, adv, names[:k])
+    if args.whole_batch:
+        k = max(ks)
+        whole = build_actor(path, n_slots, args.rank, activation_budget_mb=0)
+        for i, name in enumerate(names):
+            whole.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank,
+                                           global_batch_size=args.batch, lr=1e-4))
+        samples, adv = benchlib.make_samples(args.batch, [(names[i], i) for i in range(k)], args.prompt_len, args.response_len, vocab)
+        cases["whole"] = step_fn(whole, samples, adv, names[:k])
+        budget = actor._budget_tokens(samples)
+        default_label = f"micro-batches of up to {budget} tokens" if budget else "one forward (the batch fits the budget)"
     times = benchlib.alternate(cases, args.reps)
     figures = [
         Figure(
@@ -105,6 +127,16 @@ def main() -> None:
             model=args.model, ours_label=recomputed, baseline_label="keeping every activation",
             ours=times["recompute"], baseline=times[f"K={k}"], unit="s/step", ratio_of="ours/baseline", target="report",
             params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank, "k": k},
+        ))
+    if args.whole_batch:
+        k = max(ks)
+        figures.append(Figure(
+            figure=f"train step at the default activation budget ÷ the whole batch in one forward, "
+                   f"batch mixed over K={k} adapters",
+            model=args.model, ours_label=default_label, baseline_label="one forward (--activation-budget-mb 0)",
+            ours=times[f"K={k}"], baseline=times["whole"], unit="s/step", ratio_of="ours/baseline", target="report",
+            params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank,
+                    "k": k, "micro_batch_tokens": budget},
         ))
     benchlib.report(figures, args.json, sys.argv)
 

@@ -72,6 +72,7 @@ def test_config_file_unknown_key_is_rejected(tmp_path):
     ({"save_interval": 0}, "--save-interval"),
     ({"use_dynamic_batch_size": True}, "give it with --max-tokens-per-gpu"),
     ({"use_dynamic_batch_size": True, "max_tokens_per_gpu": 0}, "--max-tokens-per-gpu must be > 0"),
+    ({"activation_budget_mb": -1}, "--activation-budget-mb must be >= 0"),
     ({"actor_num_cpus_per_worker": 0}, "--actor-num-cpus-per-worker must be > 0"),
     ({"engine_num_threads": 0}, "--engine-num-threads must be > 0"),
     ({"recompute_modules": ["mlp"]}, "add it, or drop --recompute-modules"),

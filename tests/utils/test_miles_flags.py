@@ -133,6 +133,19 @@ def test_miles_token_budget_sizes_the_micro_batches_of_both_backends():
         "--micro-batch-size has no effect"]
 
 
+def test_the_activation_budget_reaches_the_torch_rank_and_says_when_another_setting_wins():
+    assert TrainActorConfig.from_config(parse_args(["--hf-checkpoint", "/m"])).activation_budget_mb is None
+    cfg = parse_args(["--hf-checkpoint", "/m", "--activation-budget-mb", "0"])
+    assert TrainActorConfig.from_config(cfg).activation_budget_mb == 0
+    assert inert_flag_warnings(cfg, {"activation_budget_mb"}) == []
+    sized = parse_args(["--hf-checkpoint", "/m", "--activation-budget-mb", "256", "--micro-batch-size", "4"])
+    assert inert_flag_warnings(sized, {"activation_budget_mb", "micro_batch_size"}) == [
+        "--activation-budget-mb has no effect: --micro-batch-size sets the micro-batches"]
+    megatron = parse_args(["--hf-checkpoint", "/m", "--activation-budget-mb", "256", "--train-backend", "megatron"])
+    assert [w.split(":")[0] for w in inert_flag_warnings(megatron, {"activation_budget_mb"})] == [
+        "--activation-budget-mb has no effect"]
+
+
 def test_megatron_flags_are_kept_quietly_for_the_megatron_backend():
     cfg = parse_args(example_argv() + ["--train-backend", "megatron"])
     warned = {line.split(" has no effect")[0] for line in inert_flag_warnings(cfg, set(EXPECTED) | {"train_backend"})}

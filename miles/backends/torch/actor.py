@@ -56,8 +56,11 @@ from miles.backends.weight_sync import (
     tensor_metadata,
 )
 from miles.backends.torch.batching import (
+    CPU_ACTIVATION_BUDGET_MB,
     Advantage,
     MicroBatch,
+    activation_bytes_per_token,
+    activation_token_budget,
     logits_to_keep,
     make_micro_batches,
     next_token_logprobs,
@@ -117,6 +120,10 @@ class TrainActorConfig:
     max_tokens_per_micro_batch: int | None = None
     """A token budget per forward (`--use-dynamic-batch-size --max-tokens-per-gpu`): rows x
     longest row of each micro-batch stay within it; `micro_batch_size` is then not used."""
+    activation_budget_mb: float | None = None
+    """Given neither of those, a train call is cut into micro-batches whose activations
+    (`activation_bytes_per_token`) stay near this many MiB (`--activation-budget-mb`);
+    None: `CPU_ACTIVATION_BUDGET_MB` on CPU and the whole batch on CUDA; 0: the whole batch."""
     recompute_granularity: str | None = None
     """Activation recomputation, Megatron's names: "full" (whole decoder layers) or
     "selective" (here: the norm outputs and gated activations, `release_cheap_activations`);
@@ -158,6 +165,7 @@ class TrainActorConfig:
             dtype=cfg.resolved_dtype,
             micro_batch_size=cfg.micro_batch_size,
             max_tokens_per_micro_batch=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
+            activation_budget_mb=cfg.activation_budget_mb,
             recompute_granularity=cfg.recompute_granularity,
             recompute_method=cfg.recompute_method,
             recompute_num_layers=cfg.recompute_num_layers,
@@ -281,6 +289,13 @@ class TorchTrainActor:
         self.adapters: dict[str, _Loaded] = {}
         self._train_calls = 0
         self._undo: _BatchUndo | None = None
+        budget_mb = config.activation_budget_mb
+        if budget_mb is None:
+            budget_mb = CPU_ACTIVATION_BUDGET_MB if self.device.type == "cpu" else 0
+        self._activation_budget = int(budget_mb * 2**20)
+        self._activation_per_token = activation_bytes_per_token(
+            self.model.config, torch.finfo(DTYPES[config.dtype]).bits // 8, config.recompute_granularity)
+        self._budget_logged = False
 
     # ---- distributed set-up -------------------------------------------------------
 
@@ -521,7 +536,8 @@ class TorchTrainActor:
             self._loaded(name)
         stats: dict[str, LossSums] = {}
         need_rollout = any(self._loss_settings(name).needs_rollout_logprobs for name in {s.adapter for s in samples})
-        batches = self._micro_batches(samples, advantages, need_rollout_logprobs=need_rollout)
+        batches = self._micro_batches(samples, advantages, need_rollout_logprobs=need_rollout,
+                                      max_tokens=self._budget_tokens(samples))
         self._remember_batch({s.adapter for s in samples} | set(samples_per_adapter))
         self._train_calls += 1
         try:
@@ -537,10 +553,25 @@ class TorchTrainActor:
         return stats
 
     def _micro_batches(self, samples: Sequence[Sample], advantages: Sequence[Advantage], *,
-                       need_rollout_logprobs: bool = False) -> list[MicroBatch]:
+                       need_rollout_logprobs: bool = False, max_tokens: int | None = None) -> list[MicroBatch]:
         return make_micro_batches(samples, advantages, self.config.micro_batch_size,
-                                  max_tokens=self.config.max_tokens_per_micro_batch,
+                                  max_tokens=self.config.max_tokens_per_micro_batch or max_tokens,
                                   need_rollout_logprobs=need_rollout_logprobs)
+
+    def _budget_tokens(self, samples: Sequence[Sample]) -> int | None:
+        """Tokens per training micro-batch under the activation budget, where no micro-batch
+        size was given; None: the whole batch."""
+        config = self.config
+        if config.micro_batch_size or config.max_tokens_per_micro_batch or not self._activation_budget:
+            return None
+        tokens = activation_token_budget(samples, self._activation_budget, self._activation_per_token)
+        if tokens is not None and not self._budget_logged:
+            self._budget_logged = True
+            logger.info(
+                "Training in micro-batches of up to %d tokens: about %.0f KiB a token stays for the backward, "
+                "and --activation-budget-mb is %g (--micro-batch-size sets the split instead)",
+                tokens, self._activation_per_token / 1024, self._activation_budget / 2**20)
+        return tokens
 
     def _fault_due(self) -> bool:
         faults = self.config.fault_train_calls

@@ -7,6 +7,7 @@ same adapter on the same samples.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -225,6 +226,47 @@ def test_token_budget_micro_batches_give_the_gradient_of_one_batch(tiny_model_di
     stepped_whole, stepped_packed = whole.step_adapters(["a", "b"]), packed.step_adapters(["a", "b"])
     assert abs(stepped_whole["a"].grad_norm - stepped_packed["a"].grad_norm) < 1e-5
     assert max_abs_diff(whole.export_adapter("b"), packed.export_adapter("b")) <= 1e-6
+
+
+def test_an_activation_budget_splits_training_where_no_micro_batch_size_is_given(tiny_model_dir, caplog, monkeypatch):
+    """A CPU rank given no micro-batch size trains in micro-batches whose estimated activations fit
+    --activation-budget-mb: the same gradients as one batch; a given size, or 0, turns it off."""
+    batch = make_groups("a", 0, 3, 2, seed=42) + make_groups("b", 1, 3, 2, seed=43)
+    samples, adv = flatten_with_advantages(batch)
+    whole = new_actor(tiny_model_dir, loss=LOSS, activation_budget_mb=0)
+    probe = new_actor(tiny_model_dir, loss=LOSS)
+    budget_mb = 12 * probe._activation_per_token / 2**20  # about 12 tokens' worth
+    budgeted = new_actor(tiny_model_dir, loss=LOSS, activation_budget_mb=budget_mb)
+    calls = []
+    original = type(budgeted)._train_micro_batch
+
+    def counted(self, batch, stats):
+        calls.append((id(self), batch.input_ids_BL.numel()))
+        return original(self, batch, stats)
+
+    monkeypatch.setattr(type(budgeted), "_train_micro_batch", counted)
+    for actor in (whole, budgeted):
+        actor.load_adapter(spec("a", 0, global_batch_size=6))
+        actor.load_adapter(spec("b", 1, rank=2, global_batch_size=6))
+    with caplog.at_level(logging.INFO, logger="miles.backends.torch.actor"):
+        stats_budgeted = budgeted.train(samples, adv, counts(samples))
+        budgeted.discard_batch()
+        budgeted.train(samples, adv, counts(samples))
+    stats_whole = whole.train(samples, adv, counts(samples))
+    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    split = [n for who, n in calls if who == id(budgeted)]
+    assert len(split) >= 4 and all(n <= max(12, longest) for n in split)  # two calls, two or more each
+    assert [n for who, n in calls if who == id(whole)] == [len(samples) * longest]
+    assert sum("Training in micro-batches of up to" in r.getMessage() for r in caplog.records) == 1
+    for name in ("a", "b"):
+        assert abs(stats_whole[name].loss_sum - stats_budgeted[name].loss_sum) < 1e-5
+    for slot in (0, 1):
+        for got, want in zip(budgeted.optimizer.slot_grads(slot), whole.optimizer.slot_grads(slot)):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    # the default budget on CPU is far above this batch, and a micro-batch size wins over it
+    assert probe._activation_budget == 1024 * 2**20 and probe._budget_tokens(samples) is None
+    sized = new_actor(tiny_model_dir, micro_batch_size=4, activation_budget_mb=budget_mb)
+    assert sized._budget_tokens(samples) is None and len(sized._micro_batches(samples, adv)) == 3
 
 
 def test_a_cpu_rank_runs_the_threads_of_its_reserved_cpus(tiny_model_dir):

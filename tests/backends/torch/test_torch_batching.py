@@ -7,7 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.backends.torch.batching import logits_to_keep, make_micro_batches, next_token_logprobs
+from types import SimpleNamespace
+
+from miles.backends.torch.batching import (
+    activation_bytes_per_token,
+    activation_token_budget,
+    logits_to_keep,
+    make_micro_batches,
+    next_token_logprobs,
+)
 from miles.utils.types import Sample
 
 
@@ -82,3 +90,25 @@ def test_a_sample_longer_than_the_budget_is_a_micro_batch_of_its_own():
     assert batches[1].input_ids_BL.shape == (1, 40)
     with pytest.raises(ValueError, match="max_tokens must be > 0"):
         make_micro_batches(samples, [0.0] * 3, None, max_tokens=0)
+
+
+def test_the_activation_estimate_follows_the_model_shape_and_the_recompute_setting():
+    smollm2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30)
+    assert activation_bytes_per_token(smollm2, 4, None) == 30 * (6 * 576 + 4 * 1536) * 4
+    assert activation_bytes_per_token(smollm2, 2, "selective") == 30 * (4 * 576 + 2 * 1536) * 2
+    assert activation_bytes_per_token(smollm2, 4, "full") == (30 * 576 + 6 * 576 + 4 * 1536) * 4
+    no_intermediate = SimpleNamespace(hidden_size=64, num_hidden_layers=2)
+    assert activation_bytes_per_token(no_intermediate, 4, None) == 2 * (6 * 64 + 4 * 256) * 4
+
+
+def test_an_activation_budget_evens_out_the_micro_batches_it_needs():
+    samples = [_sample([1] * 16, [2] * 48, slot=i % 8) for i in range(32)]
+    per_token = 1_152_000  # SmolLM2-135M in float32
+    # 466 tokens fit 512 MiB: five micro-batches, of 7 rows (448 tokens) rather than 6 + ... + 2
+    tokens = activation_token_budget(samples, 512 * 2**20, per_token)
+    assert tokens == 448
+    batches = make_micro_batches(samples, [0.0] * 32, None, max_tokens=tokens)
+    assert [len(b.indices) for b in batches] == [7, 7, 7, 7, 4]
+    assert activation_token_budget(samples, 32 * 64 * per_token, per_token) is None  # the whole batch fits
+    assert activation_token_budget([], 1, per_token) is None
+    assert activation_token_budget(samples, 1, per_token) == 1  # under one token: a row at a time

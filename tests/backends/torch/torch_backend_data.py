@@ -46,10 +46,12 @@ def counts(samples: list[Sample]) -> dict[str, int]:
 
 
 def new_actor(model_dir, *, n_slots: int = 4, lora_rank: int = 4, micro_batch_size: int | None = None,
-              max_tokens: int | None = None, loss: LossConfig | None = None, clip_grad: float = 1.0) -> TorchTrainActor:
+              max_tokens: int | None = None, activation_budget_mb: float | None = None,
+              loss: LossConfig | None = None, clip_grad: float = 1.0) -> TorchTrainActor:
     return TorchTrainActor(TrainActorConfig(
         hf_checkpoint=str(model_dir), n_slots=n_slots, lora_rank=lora_rank, micro_batch_size=micro_batch_size,
-        max_tokens_per_micro_batch=max_tokens, loss=loss or LossConfig(), clip_grad=clip_grad,
+        max_tokens_per_micro_batch=max_tokens, activation_budget_mb=activation_budget_mb,
+        loss=loss or LossConfig(), clip_grad=clip_grad,
     ))
 
 
