@@ -90,6 +90,7 @@ class MegatronTrainActor(TorchTrainActor):
         # the model, page table and optimizer come in `init_process_group`.
         self._train_calls = 0
         self._undo = None
+        self._activation_budget = None  # Megatron's micro-batches come from --micro-batch-size alone
 
     # ---- distributed set-up and the model ---------------------------------------------
 

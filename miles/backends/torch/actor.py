@@ -57,10 +57,10 @@ from miles.backends.weight_sync import (
 )
 from miles.backends.torch.batching import (
     CPU_ACTIVATION_BUDGET_MB,
+    ActivationBudget,
     Advantage,
     MicroBatch,
     activation_bytes_per_token,
-    activation_token_budget,
     logits_to_keep,
     make_micro_batches,
     next_token_logprobs,
@@ -292,10 +292,9 @@ class TorchTrainActor:
         budget_mb = config.activation_budget_mb
         if budget_mb is None:
             budget_mb = CPU_ACTIVATION_BUDGET_MB if self.device.type == "cpu" else 0
-        self._activation_budget = int(budget_mb * 2**20)
-        self._activation_per_token = activation_bytes_per_token(
-            self.model.config, torch.finfo(DTYPES[config.dtype]).bits // 8, config.recompute_granularity)
-        self._budget_logged = False
+        self._activation_budget = ActivationBudget(int(budget_mb * 2**20), activation_bytes_per_token(
+            self.model.config, torch.finfo(DTYPES[config.dtype]).bits // 8, config.recompute_granularity,
+        )) if budget_mb else None
 
     # ---- distributed set-up -------------------------------------------------------
 
@@ -561,16 +560,16 @@ class TorchTrainActor:
     def _budget_tokens(self, samples: Sequence[Sample]) -> int | None:
         """Tokens per training micro-batch under the activation budget, where no micro-batch
         size was given; None: the whole batch."""
-        config = self.config
-        if config.micro_batch_size or config.max_tokens_per_micro_batch or not self._activation_budget:
+        budget = self._activation_budget
+        if budget is None or self.config.micro_batch_size or self.config.max_tokens_per_micro_batch:
             return None
-        tokens = activation_token_budget(samples, self._activation_budget, self._activation_per_token)
-        if tokens is not None and not self._budget_logged:
-            self._budget_logged = True
+        tokens = budget.max_tokens(samples)
+        if tokens is not None and not budget.announced:
+            budget.announced = True
             logger.info(
                 "Training in micro-batches of up to %d tokens: about %.0f KiB a token stays for the backward, "
                 "and --activation-budget-mb is %g (--micro-batch-size sets the split instead)",
-                tokens, self._activation_per_token / 1024, self._activation_budget / 2**20)
+                tokens, budget.bytes_per_token / 1024, budget.budget_bytes / 2**20)
         return tokens
 
     def _fault_due(self) -> bool:

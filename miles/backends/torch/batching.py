@@ -295,3 +295,16 @@ def activation_token_budget(samples: Sequence[Sample], budget_bytes: int, bytes_
         return None
     even = math.ceil(padded / math.ceil(padded / limit))
     return max(1, min(limit, math.ceil(even / longest) * longest))
+
+
+@dataclass
+class ActivationBudget:
+    """Training micro-batches sized by estimated activation memory (`--activation-budget-mb`)."""
+
+    budget_bytes: int
+    bytes_per_token: int
+    announced: bool = False
+    """Whether a split has been logged (once per rank)."""
+
+    def max_tokens(self, samples: Sequence[Sample]) -> int | None:
+        return activation_token_budget(samples, self.budget_bytes, self.bytes_per_token)

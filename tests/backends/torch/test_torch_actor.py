@@ -235,7 +235,7 @@ def test_an_activation_budget_splits_training_where_no_micro_batch_size_is_given
     samples, adv = flatten_with_advantages(batch)
     whole = new_actor(tiny_model_dir, loss=LOSS, activation_budget_mb=0)
     probe = new_actor(tiny_model_dir, loss=LOSS)
-    budget_mb = 12 * probe._activation_per_token / 2**20  # about 12 tokens' worth
+    budget_mb = 12 * probe._activation_budget.bytes_per_token / 2**20  # about 12 tokens' worth
     budgeted = new_actor(tiny_model_dir, loss=LOSS, activation_budget_mb=budget_mb)
     calls = []
     original = type(budgeted)._train_micro_batch
@@ -264,7 +264,7 @@ def test_an_activation_budget_splits_training_where_no_micro_batch_size_is_given
         for got, want in zip(budgeted.optimizer.slot_grads(slot), whole.optimizer.slot_grads(slot)):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     # the default budget on CPU is far above this batch, and a micro-batch size wins over it
-    assert probe._activation_budget == 1024 * 2**20 and probe._budget_tokens(samples) is None
+    assert probe._activation_budget.budget_bytes == 1024 * 2**20 and probe._budget_tokens(samples) is None
     sized = new_actor(tiny_model_dir, micro_batch_size=4, activation_budget_mb=budget_mb)
     assert sized._budget_tokens(samples) is None and len(sized._micro_batches(samples, adv)) == 3
 
