@@ -30,9 +30,10 @@ MIN_ROW_TOKENS = 2
 CPU_ACTIVATION_BUDGET_MB = 1024
 """A CPU train rank given no micro-batch size cuts the batch so that the activations its
 backward keeps stay near this (`--activation-budget-mb`). SmolLM2-135M, 32 x 64 tokens:
-micro-batches of up to 704 tokens hold 0.19 of the memory of 8 PEFT trainers against 0.34
-for the whole batch, at 0.98x its step time (512 MiB: 0.16 at 1.04x); the 60M and tiny
-benchmark models' batches fit and stay one forward."""
+micro-batches of up to 704 tokens peak at 0.19-0.21 of the memory of 8 PEFT trainers
+against 0.32-0.34 for the whole batch (512 MiB: 0.16); their step took 0.98-1.15x the
+whole batch's by wall clock in three runs on a shared VM, the same by process CPU time.
+The 60M and tiny benchmark models' batches fit and stay one forward."""
 
 
 @dataclass
