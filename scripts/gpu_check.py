@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -378,13 +379,12 @@ class TrainerRuns:
         if isinstance(cluster, str):
             self.v.report("SKIP", name, cluster)
             return
-        from miles.rollout.engines.process import free_port
-
         run_dir = self.work / name
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
-        port = free_port()
-        flags = trainer_flags(self.args, self.model_dir, run_dir, self.data_dir, mode=mode, port=port,
+        # Port 0: the control plane binds a free port itself and the trainer logs its URL (a port
+        # picked here could be taken by another process before the trainer binds it).
+        flags = trainer_flags(self.args, self.model_dir, run_dir, self.data_dir, mode=mode, port=0,
                               backend=backend, tp=tp)
         # The scenario, then SIGTERM's saves and exit, all within the run's cap and the budget.
         deadline = time.monotonic() + min(TRAINER_RUN_CAP_S - STOP_S, self.v.left() - STOP_S - 5)
@@ -392,7 +392,8 @@ class TrainerRuns:
         trainer = TrainerProcess(flags, run_dir / "trainer.log", cluster.address)
         what = f"--engine-lora-update {mode}, --train-backend {backend}" + (f" TP {tp}" if backend == "megatron" else "")
         try:
-            detail = await asyncio.to_thread(scenario, trainer, f"http://127.0.0.1:{port}", self.data_dir, deadline)
+            detail = await asyncio.to_thread(
+                lambda: scenario(trainer, trainer.wait_for_api_url(deadline), self.data_dir, deadline))
             code = await asyncio.to_thread(trainer.stop, deadline + STOP_S)
         except Exception as exc:  # one verdict line, whatever broke
             trainer.kill()
@@ -487,6 +488,9 @@ class RayCluster:
         self.cluster.shutdown()
 
 
+API_URL_LINE = re.compile(r"Multi-LoRA controller API at (http://\S+?:\d+)")
+
+
 class TrainerProcess:
     """`python -m miles.main.train_multi_lora_async FLAGS` on the cluster, its log in a file."""
 
@@ -512,6 +516,11 @@ class TrainerProcess:
                 raise StepFailed(f"the trainer exited ({self.proc.returncode}) while waiting for {what}: {self.tail()}")
             time.sleep(poll_s)
         raise StepFailed(f"timed out waiting for {what}: {self.tail()}")
+
+    def wait_for_api_url(self, deadline: float) -> str:
+        """The control plane's URL, from the line the trainer logs once it is bound."""
+        found = self.wait_until(lambda: API_URL_LINE.search(self.log()), deadline, "the control plane's address")
+        return found.group(1)
 
     def wait_for_http(self, url: str, deadline: float) -> None:
         import httpx
