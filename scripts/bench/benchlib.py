@@ -113,8 +113,15 @@ def make_samples(n: int, adapters: list[tuple[str, int]], prompt_len: int, respo
 # ---- timing and results -------------------------------------------------------------------
 
 
+def synchronize() -> None:
+    """Waits for queued GPU work, so that a wall-clock time covers it (nothing on CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def alternate(cases: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Wall time of each case, `reps` times, in alternating order (forward, then reversed)."""
+    """Wall time of each case, `reps` times, in alternating order (forward, then reversed);
+    each time ends once the GPU's queued work (if any) is done."""
     for _ in range(warmup):
         for run in cases.values():
             run()
@@ -122,8 +129,10 @@ def alternate(cases: dict[str, Callable[[], object]], reps: int, warmup: int = 1
     for rep in range(reps):
         order = list(cases) if rep % 2 == 0 else list(reversed(cases))
         for name in order:
+            synchronize()
             start = time.perf_counter()
             cases[name]()
+            synchronize()
             times[name].append(time.perf_counter() - start)
     return times
 
@@ -199,8 +208,19 @@ def base_parser(doc: str, default_reps: int = 5) -> argparse.ArgumentParser:
     return parser
 
 
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    """`--device` and `--dtype`, for the scripts whose timed models can run on a GPU."""
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the timed models run")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="their weights' dtype (default: float32 on CPU, bfloat16 on CUDA)")
+
+
 def setup(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
+    if hasattr(args, "device"):
+        if args.device == "cuda" and not torch.cuda.is_available():
+            sys.exit("--device cuda: torch.cuda.is_available() is False")
+        args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.quick:
         args.reps = 1
     torch.manual_seed(0)

@@ -3,7 +3,7 @@
     python scripts/bench/train_mixed.py [--model tiny|llama60m|smollm2|DIR] [--ks 2,4,8]
                                         [--batch 32] [--prompt-len 16] [--response-len 48]
                                         [--recompute [full|selective]] [--recompute-modules M ...]
-                                        [--whole-batch]
+                                        [--whole-batch] [--device cuda [--dtype bfloat16]]
 
 One `TorchTrainActor` with 8 slots of rank 16 (all linears) holds 8 adapters. Each
 repetition trains the same 32 samples once with every sample on adapter 0 (K = 1) and
@@ -33,8 +33,10 @@ from miles.utils.arguments import TORCH_RECOMPUTE_MODULES
 def build_actor(path, n_slots: int, rank: int, micro_batch_size: int | None = None,
                 recompute_granularity: str | None = None,
                 recompute_modules: list[str] | None = None,
-                activation_budget_mb: float | None = None) -> TorchTrainActor:
+                activation_budget_mb: float | None = None, device: str = "cpu",
+                dtype: str = "float32") -> TorchTrainActor:
     return TorchTrainActor(TrainActorConfig(hf_checkpoint=str(path), n_slots=n_slots, lora_rank=rank,
+                                            device=device, dtype=dtype,
                                             micro_batch_size=micro_batch_size,
                                             activation_budget_mb=activation_budget_mb,
                                             recompute_granularity=recompute_granularity,
@@ -53,6 +55,7 @@ def step_fn(actor: TorchTrainActor, samples, advantages, names: list[str]):
 
 def main() -> None:
     parser = benchlib.base_parser(__doc__)
+    benchlib.add_device_args(parser)
     parser.add_argument("--ks", default="2,4,8", help="numbers of adapters in the mixed batch (compared with K = 1)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -75,7 +78,8 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     path = benchlib.model_dir(args.model)
     n_slots = max(ks)
-    actor = build_actor(path, n_slots, args.rank, activation_budget_mb=args.activation_budget_mb)
+    actor = build_actor(path, n_slots, args.rank, activation_budget_mb=args.activation_budget_mb,
+                        device=args.device, dtype=args.dtype)
     names = [f"a{i}" for i in range(n_slots)]
     for i, name in enumerate(names):
         # global_batch_size is only the gradient divisor here: every adapter steps each time.
@@ -88,7 +92,8 @@ def main() -> None:
     if args.recompute:
         k = max(ks)
         recompute = build_actor(path, n_slots, args.rank, recompute_granularity=args.recompute,
-                                recompute_modules=args.recompute_modules, activation_budget_mb=args.activation_budget_mb)
+                                recompute_modules=args.recompute_modules, activation_budget_mb=args.activation_budget_mb,
+                                device=args.device, dtype=args.dtype)
         for i, name in enumerate(names):
             recompute.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank,
                                                global_batch_size=args.batch, lr=1e-4))
@@ -96,7 +101,7 @@ def main() -> None:
         cases["recompute"] = step_fn(recompute, samples, adv, names[:k])
     if args.whole_batch:
         k = max(ks)
-        whole = build_actor(path, n_slots, args.rank, activation_budget_mb=0)
+        whole = build_actor(path, n_slots, args.rank, activation_budget_mb=0, device=args.device, dtype=args.dtype)
         for i, name in enumerate(names):
             whole.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank,
                                            global_batch_size=args.batch, lr=1e-4))
