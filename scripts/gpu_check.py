@@ -1,7 +1,8 @@
-"""The GPU check of the SGLang path: real SGLang serving pushed LoRAs agrees with PEFT and the trainer.
+"""The GPU check: an engine serving pushed LoRAs agrees with PEFT and the trainer, and the trainer runs on CUDA.
 
-    make gpu-check                         # = python scripts/gpu_check.py
+    make gpu-check                         # = python scripts/gpu_check.py (SGLang)
     python scripts/gpu_check.py --work /tmp/gpu-check --sglang-venv .venv-sglang
+    python scripts/gpu_check.py --engine builtin   # no SGLang: the builtin engine on the GPU
 
 Needs CUDA; without it, it says so and exits 2 (`--cpu-rehearsal` runs the same checks
 against the builtin engine on CPU, to test this script itself). It runs unattended in at most
@@ -9,16 +10,18 @@ against the builtin engine on CPU, to test this script itself). It runs unattend
 <detail>`, then exits 1 if any check failed:
 
   install        SGLang (`--sglang-version`, 0.5.23) in a virtual environment of its own
-                 (it pins torch and transformers other than the trainer's), reused if present
+                 (it pins torch and transformers other than the trainer's), reused if present;
+                 SKIP with `--engine builtin`
   adapters       a tiny Llama built locally (no download) and two random PEFT adapters
-  sglang-peft    SGLang serving both pushed adapters (versioned pushes) gives PEFT's greedy tokens
-  sglang-trainer SGLang's logprobs are within 1e-2 of the trainer's multi-LoRA model
+  engine-peft    the engine serving both pushed adapters (versioned pushes) gives PEFT's greedy tokens
+  engine-trainer the engine's logprobs are within 1e-2 of the trainer's multi-LoRA model
   push-in-flight a push while requests are in flight fails none of them; the new version
                  then serves the new weights
   in-place       a broadcast push over NCCL (`/load_lora_adapter_from_distributed` with
                  upsert) serves the sent weights; SKIP on SGLang builds without that route
+                 and with one GPU (NCCL puts no two ranks of a group on one device)
   service-versioned  the real trainer (`python -m miles.main.train_multi_lora_async`,
-  service-in-place   --rollout-engine sglang, torch backend on CUDA in bf16) driven over its
+  service-in-place   --rollout-engine sglang|builtin, torch backend on CUDA in bf16) driven over its
                  control plane: 'first' is POSTed and steps, 'second' joins mid-run and both
                  step, 'first' is DELETEd mid-run and retires (its slot cleaned up, unloaded
                  from the engines and taken by a third adapter) while 'second' keeps stepping,
@@ -27,8 +30,8 @@ against the builtin engine on CPU, to test this script itself). It runs unattend
   megatron-tp1   the Megatron backend on CUDA (bf16) against the torch backend: logprobs of a
   megatron-tp2   mixed batch and LoRA weights after one step within 1e-2 (TP 2: SKIP with
                  fewer than two GPUs)
-  megatron-sglang-tp1  the trainer with --train-backend megatron (TP 1, TP 2) and
-  megatron-sglang-tp2  --rollout-engine sglang: two adapters registered together each step
+  megatron-engine-tp1  the trainer with --train-backend megatron (TP 1, TP 2) and the
+  megatron-engine-tp2  engine (--rollout-engine): two adapters registered together each step
                  twice, then SIGTERM saves and exits 0
 
 The trainer runs join a Ray cluster this script starts (RAY_ADDRESS, as under `ray job
@@ -61,8 +64,8 @@ RANK = 8
 LOGPROB_TOL = 1e-2
 PROMPTS = ["12+34=", "hello there", "(7*6)-5=", "abc xyz"]
 NEW_TOKENS = 12
-SKIPPABLE = ["service-versioned", "service-in-place", "megatron-tp1", "megatron-tp2", "megatron-sglang-tp1",
-             "megatron-sglang-tp2"]
+SKIPPABLE = ["service-versioned", "service-in-place", "megatron-tp1", "megatron-tp2", "megatron-engine-tp1",
+             "megatron-engine-tp2"]
 
 
 class Verdicts:
@@ -209,11 +212,11 @@ async def check_versioned(v: Verdicts, cfg, work: Path, ref: Reference, tokenize
                     trainer_lp = ref.trainer_logprobs(adapter, prompt_ids, out["output_ids"])
                     worst = max([worst, *(abs(a - b) for a, b in zip(engine_lp, trainer_lp))])
             n = len(served) * len(PROMPTS)
-            v.report("FAIL" if mismatches else "PASS", "sglang-peft",
+            v.report("FAIL" if mismatches else "PASS", "engine-peft",
                      f"greedy tokens differ from PEFT for {mismatches}" if mismatches
                      else f"{n}/{n} greedy generations equal PEFT's (2 adapters)")
-            v.report("PASS" if worst <= LOGPROB_TOL else "FAIL", "sglang-trainer",
-                     f"max |logprob(SGLang) - logprob(trainer)| = {worst:.2e} (tolerance {LOGPROB_TOL})")
+            v.report("PASS" if worst <= LOGPROB_TOL else "FAIL", "engine-trainer",
+                     f"max |logprob(engine) - logprob(trainer)| = {worst:.2e} (tolerance {LOGPROB_TOL})")
 
             # A push while requests of the previous version are in flight.
             prompt_ids = tokenizer.encode(PROMPTS[0])
@@ -285,6 +288,8 @@ async def run(args: argparse.Namespace, v: Verdicts) -> None:
 
     if args.cpu_rehearsal:
         v.report("SKIP", "install", "CPU rehearsal: the builtin engine stands in for SGLang")
+    elif args.engine == "builtin":
+        v.report("SKIP", "install", "--engine builtin: the builtin engine serves on the GPU, SGLang is not used")
     else:
         ok, detail = install_sglang(Path(args.sglang_venv), args.sglang_version, timeout_s=max(30.0, v.left() - 300))
         v.report("PASS" if ok else "FAIL", "install", detail)
@@ -301,16 +306,20 @@ async def run(args: argparse.Namespace, v: Verdicts) -> None:
     python = str(Path(args.sglang_venv) / "bin" / "python")
 
     def config(mode: str) -> EngineServerConfig:
-        if args.cpu_rehearsal:
+        if args.engine == "builtin":
             return EngineServerConfig(kind="builtin", model_path=str(model_dir), n_slots=2, max_lora_rank=RANK,
-                                      target_modules="all-linear", dtype="float32", device="cpu", lora_update=mode)
+                                      target_modules="all-linear", dtype="float32", device=device, lora_update=mode)
         return EngineServerConfig(kind="sglang", model_path=str(model_dir), n_slots=2, max_lora_rank=RANK,
                                   target_modules="all-linear", dtype="float32", device="cuda", lora_update=mode,
                                   python=python, extra_args=tuple(args.sglang_args.split()))
 
     await check_versioned(v, config("versioned"), work, ref, tokenizer)
     in_place_gap: str | None = f"only {v.left():.0f} s of the budget left to check it"
-    if v.left() > 90:
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        in_place_gap = (f"a broadcast push needs the engine on a GPU of its own (NCCL puts no two ranks of a "
+                        f"group on one device); {torch.cuda.device_count()} present")
+        v.report("SKIP", "in-place", in_place_gap)
+    elif v.left() > 90:
         in_place_gap = await check_in_place(v, config("in_place"), work, ref, tokenizer)
     else:
         v.report("SKIP", "in-place", in_place_gap)
@@ -327,12 +336,12 @@ async def run(args: argparse.Namespace, v: Verdicts) -> None:
             v.report("SKIP", "megatron-tp2", "CPU rehearsal")
         else:
             check_megatron(v, model_dir, 2, device)
-        await trainers.check("megatron-sglang-tp1", run_two_adapters, mode=trainers.mode(1, in_place_gap),
+        await trainers.check("megatron-engine-tp1", run_two_adapters, mode=trainers.mode(1, in_place_gap),
                              backend="megatron", tp=1)
         if args.cpu_rehearsal:  # TP 2 end to end on CPU: tests/backends/megatron/test_megatron_service.py
-            v.report("SKIP", "megatron-sglang-tp2", "CPU rehearsal")
+            v.report("SKIP", "megatron-engine-tp2", "CPU rehearsal")
         else:
-            await trainers.check("megatron-sglang-tp2", run_two_adapters, mode=trainers.mode(2, in_place_gap),
+            await trainers.check("megatron-engine-tp2", run_two_adapters, mode=trainers.mode(2, in_place_gap),
                                  backend="megatron", tp=2)
     finally:
         trainers.shutdown()
@@ -564,6 +573,8 @@ def trainer_flags(args: argparse.Namespace, model_dir: Path, run_dir: Path, data
         flags += ["--tensor-model-parallel-size", str(tp)]
     if args.cpu_rehearsal:
         return flags + ["--rollout-engine", "builtin", "--device", "cpu", "--dtype", "float32"]
+    if args.engine == "builtin":
+        return flags + ["--rollout-engine", "builtin", "--device", "cuda", "--dtype", "bfloat16"]
     # The SGLang flags of this script, as the trainer takes them (--NAME -> --sglang-NAME).
     sglang = [f"--sglang-{token[2:]}" if token.startswith("--") else token for token in args.sglang_args.split()]
     return flags + ["--rollout-engine", "sglang", "--engine-python", str(Path(args.sglang_venv) / "bin" / "python"),
@@ -646,11 +657,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sglang-args", default="--mem-fraction-static 0.3 --attention-backend triton "
                         "--sampling-backend pytorch --skip-server-warmup",
                         help="Extra SGLang server flags (float32 needs kernels that take it).")
+    parser.add_argument("--engine", default="sglang", choices=("sglang", "builtin"),
+                        help="The engine the checks serve with: SGLang (installed by the check) or the builtin "
+                             "engine on the GPU (no install: for machines without a package index).")
     parser.add_argument("--cpu-rehearsal", action="store_true",
                         help="Run every check against the builtin engine on CPU (tests this script).")
     parser.add_argument("--skip", nargs="*", default=[], choices=SKIPPABLE,
                         help="Checks not to run (each still prints a SKIP line).")
     args = parser.parse_args(argv)
+    if args.cpu_rehearsal:
+        args.engine = "builtin"
     if not (torch.cuda.is_available() or args.cpu_rehearsal):
         print("gpu-check needs a CUDA GPU (torch.cuda.is_available() is False); run it on a GPU machine", flush=True)
         return 2
@@ -663,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         verdicts.report("FAIL", "budget", f"the checks did not finish within {args.budget_s:.0f} s")
     except Exception as exc:  # one line per failure, whatever broke
         verdicts.report("FAIL", "error", f"{type(exc).__name__}: {str(exc)[:400]}")
-    where = "CPU (rehearsal)" if args.cpu_rehearsal else torch.cuda.get_device_name(0)
+    where = "CPU (rehearsal)" if args.cpu_rehearsal else f"{torch.cuda.get_device_name(0)}, engine {args.engine}"
     print(f"gpu-check finished in {time.monotonic() - started:.0f} s on {where}: "
           f"{'FAILED' if verdicts.failed else 'OK'}", flush=True)
     return 1 if verdicts.failed else 0

@@ -62,7 +62,7 @@ def test_gpu_trainer_flags_make_a_command_sglang_0_5_takes(tmp_path, mode, backe
     from miles.utils.arguments import parse_args
 
     gpu_check = load_script()
-    args = argparse.Namespace(cpu_rehearsal=False, sglang_venv=str(tmp_path / "venv"),
+    args = argparse.Namespace(cpu_rehearsal=False, engine="sglang", sglang_venv=str(tmp_path / "venv"),
                               sglang_args="--mem-fraction-static 0.3 --attention-backend triton --skip-server-warmup")
     flags = gpu_check.trainer_flags(args, tmp_path / "model", tmp_path / "run", tmp_path / "data", mode=mode,
                                     port=8123, backend=backend, tp=tp)
@@ -84,18 +84,18 @@ def test_cpu_rehearsal_passes_every_check(tmp_path):
     # Skipped to keep the suite's time (a trainer run is ~30 s on 2 cores), each covered elsewhere:
     # megatron-tp1 (Megatron against the torch backend) by tests/backends/megatron/test_megatron_vs_torch.py;
     # service-in-place runs run_service_scenario as service-versioned does, with in_place pushes from
-    # the trainer as in tests/main/test_service_scenarios.py; megatron-sglang-tp1 is the Megatron
+    # the trainer as in tests/main/test_service_scenarios.py; megatron-engine-tp1 is the Megatron
     # trainer run of tests/backends/megatron/test_megatron_service.py, with the command checked by
     # test_gpu_trainer_flags_make_a_command_sglang_0_5_takes above.
     done = run("--cpu-rehearsal", "--work", str(tmp_path), "--skip", "megatron-tp1", "service-in-place",
-               "megatron-sglang-tp1", timeout=480)
+               "megatron-engine-tp1", timeout=480)
     verdicts = [line for line in done.stdout.splitlines() if line.split(" ", 1)[0] in ("PASS", "FAIL", "SKIP")]
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     checks = {line.split(" ", 2)[1].rstrip(":"): line.split(" ", 1)[0] for line in verdicts}
-    assert checks == {"install": "SKIP", "adapters": "PASS", "sglang-peft": "PASS", "sglang-trainer": "PASS",
+    assert checks == {"install": "SKIP", "adapters": "PASS", "engine-peft": "PASS", "engine-trainer": "PASS",
                       "push-in-flight": "PASS", "in-place": "PASS", "service-versioned": "PASS",
                       "service-in-place": "SKIP", "megatron-tp1": "SKIP", "megatron-tp2": "SKIP",
-                      "megatron-sglang-tp1": "SKIP", "megatron-sglang-tp2": "SKIP"}
+                      "megatron-engine-tp1": "SKIP", "megatron-engine-tp2": "SKIP"}
     lines = {line.split(" ", 2)[1].rstrip(":"): line for line in verdicts}
     assert "--engine-lora-update versioned, --train-backend torch" in lines["service-versioned"]
     assert "'first' retired" in lines["service-versioned"] and "taken by 'third'" in lines["service-versioned"]
