@@ -65,6 +65,10 @@ class EngineRequestError(ValueError):
     """A request the engine cannot serve as given (HTTP 400)."""
 
 
+class EngineInternalError(RuntimeError):
+    """The engine failed a request itself (a decode step raised); answered as HTTP 500."""
+
+
 class WeightsUpdateGroupError(EngineRequestError):
     """Joining, using or leaving a weights-update group failed (HTTP 400, SGLang's `{success, message}`)."""
 
@@ -173,6 +177,9 @@ class BuiltinEngine:
             self._uses.subtract(names)
             async with self._uses_changed:
                 self._uses_changed.notify_all()
+        failed = next((job.error for job in jobs if job.error is not None), None)
+        if failed is not None:
+            raise EngineInternalError(failed)
         responses = [self._response(job, request.return_logprob) for job in jobs]
         return responses if batched else responses[0]
 

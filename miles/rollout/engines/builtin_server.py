@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from miles.rollout.engines.builtin_engine import (
     BuiltinEngine,
     EngineOptions,
+    EngineInternalError,
     EngineRequestError,
     WeightsUpdateGroupError,
 )
@@ -78,6 +79,10 @@ def create_app(engine: BuiltinEngine) -> FastAPI:
         # SGLang's LoRAUpdateOutput shape, plus `detail` like every other error here.
         return JSONResponse(status_code=400, content={"detail": str(exc), "success": False, "error_message": str(exc),
                                                       "loaded_adapters": engine.table.loaded()})
+
+    @app.exception_handler(EngineInternalError)
+    async def internal_error(request: Request, exc: EngineInternalError) -> JSONResponse:
+        return JSONResponse(status_code=500, content={"detail": str(exc), "success": False, "error_message": str(exc)})
 
     @app.exception_handler(WeightsUpdateGroupError)
     async def bad_group_request(request: Request, exc: WeightsUpdateGroupError) -> JSONResponse:

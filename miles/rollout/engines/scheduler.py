@@ -53,6 +53,9 @@ class Job:
     finish: FinishReason | None = None
     abort_message: str | None = None
     """Set by an abort; the loop finishes the job at the next step boundary."""
+    error: str | None = None
+    """Set when the engine itself failed the job (a decode step raised): its caller gets an
+    error, not an abort, since regenerating would only fail the same way."""
 
     @property
     def stop_strings(self) -> list[str]:
@@ -190,8 +193,8 @@ class DecodeScheduler:
                 try:
                     self._step()
                 except Exception as exc:  # the engine must outlive one bad step
-                    logger.exception("decode step failed; aborting the running batch")
-                    self._fail_running(f"engine error: {type(exc).__name__}: {exc}")
+                    logger.exception("decode step failed; failing the running batch")
+                    self._fail_running(f"engine error: {type(exc).__name__}: {exc}", error=True)
         self._fail_running("engine shut down")
         with self._cond:
             for job in list(self._waiting):
@@ -301,8 +304,10 @@ class DecodeScheduler:
         self.finished += 1
         job.on_done(job)
 
-    def _fail_running(self, message: str) -> None:
+    def _fail_running(self, message: str, *, error: bool = False) -> None:
         for job in [*self._admitting, *self._running]:
+            if error:
+                job.error = message
             self._finish(job, FinishReason(type="abort", message=message))
         self._keep_rows([])
 
