@@ -84,7 +84,10 @@ class AdapterEngine:
                    "rid": rid, "return_logprob": return_logprob}
         self.requests += 1
         async with self._client.post(f"{self.router_url}/generate", json=payload) as response:
-            response.raise_for_status()
+            if response.status >= 400:  # the engine's own words, not only the status line
+                detail = (await response.text())[:500]
+                raise aiohttp.ClientResponseError(response.request_info, response.history, status=response.status,
+                                                  message=f"{response.reason}: {detail}", headers=response.headers)
             return GenerateResponse.model_validate(await response.json(content_type=None))
 
 
