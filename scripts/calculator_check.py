@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.backends.lora import export_peft_adapter, init_slot, inject_multi_lora, lora_modules, use_slots
+from miles.lora import export_peft_adapter, init_slot, inject_multi_lora, lora_modules, use_slots
 from miles.backends.torch.batching import make_micro_batches, next_token_logprobs
 from miles.backends.torch.loss import LossConfig, grpo_advantages, policy_loss
 from miles.backends.torch.optimizer import SlotAdamW

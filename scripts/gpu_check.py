@@ -115,7 +115,7 @@ def install_sglang(venv: Path, version: str, timeout_s: float) -> tuple[bool, st
 def make_adapters(model_dir: Path, out: Path) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM
 
-    from miles.backends import lora
+    from miles import lora
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lora.inject_multi_lora(model, n_slots=1, max_rank=RANK, target_modules="all-linear")
@@ -138,7 +138,7 @@ class Reference:
     def __init__(self, model_dir: Path, adapters: dict[str, Path], device: str):
         from transformers import AutoModelForCausalLM
 
-        from miles.backends import lora
+        from miles import lora
 
         self.model_dir, self.adapters, self.device = model_dir, adapters, device
         self.trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
@@ -165,7 +165,7 @@ class Reference:
 
     @torch.no_grad()
     def trainer_logprobs(self, adapter: str, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
-        from miles.backends import lora
+        from miles import lora
 
         ids = torch.tensor([prompt_ids + response_ids], device=self.device)
         with lora.use_slots(self.trainer, [self.slots[adapter]]):
@@ -176,7 +176,7 @@ class Reference:
 
 
 def peft_payload(path: Path) -> tuple[dict, dict]:
-    from miles.backends import lora
+    from miles import lora
 
     tensors, config = lora.read_peft_dir(path)
     return config, tensors
@@ -240,7 +240,7 @@ async def check_in_place(v: Verdicts, cfg, work: Path, ref: Reference, tokenizer
     """Returns why this engine cannot replace a LoRA in place (None: it can)."""
     import httpx
 
-    from miles.backends import weight_sync
+    from miles.lora import weight_sync
     from miles.rollout.engines.engine_actor import EngineConfigError, EngineServer
     from miles.rollout.engines.process import free_port
 

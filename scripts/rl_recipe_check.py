@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.backends.lora import init_slot, inject_multi_lora, lora_modules, use_slots
+from miles.lora import init_slot, inject_multi_lora, lora_modules, use_slots
 from miles.backends.torch.loss import LossConfig, grpo_advantages, policy_loss
 from miles.backends.torch.optimizer import SlotAdamW
 from miles.rollout.rewards.registry import RewardSpec

@@ -38,7 +38,7 @@ from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition, RolloutBatch
 
 if TYPE_CHECKING:
-    from miles.backends.weight_sync import UpdateGroupSpec
+    from miles.lora.weight_sync import UpdateGroupSpec
     from miles.utils.types import AdapterRun
 
 

@@ -47,7 +47,7 @@ from miles.utils.adapter_config import (
     resolve_num_step,
     validate_adapter_name,
 )
-from miles.utils.router_workers import abort_on_workers
+from miles.controller.router_workers import abort_on_workers
 from miles.utils.types import AdapterGauges, AdapterState, AdapterStatus, MultiLoRASnapshot, adapter_rid_prefix
 
 if TYPE_CHECKING:

@@ -43,7 +43,7 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from miles.backends.base import LoraExport, TrainingBackend
-from miles.backends.weight_sync import UpdateGroupSpec
+from miles.lora.weight_sync import UpdateGroupSpec
 from miles.rollout.engines.engine_actor import EngineNotReadyError
 from miles.utils.types import LoraUpdateMode, SlotPush
 

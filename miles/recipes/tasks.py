@@ -201,7 +201,7 @@ def _greedy_batch(model: Any, input_ids_BT: torch.Tensor, eos_id: int, max_new_t
     """Greedy continuation of equal-length prompts; returns only the new tokens [B, <=max_new]."""
     routing = nullcontext()
     if slot is not None:
-        from miles.backends.lora import use_slots
+        from miles.lora import use_slots
 
         routing = use_slots(model, [slot] * input_ids_BT.shape[0])
     sequence_BT = input_ids_BT

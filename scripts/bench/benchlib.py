@@ -80,7 +80,7 @@ def vocab_size(path: Path) -> int:
 
 def random_lora_weights(model: torch.nn.Module, n_slots: int, rank: int, alpha: float, seed: int = 0) -> None:
     """Fill slots 0..n_slots-1 with random A and B (B non-zero, so every delta is real work)."""
-    from miles.backends.lora import lora_modules
+    from miles.lora import lora_modules
 
     g = torch.Generator().manual_seed(seed)
     for slot in range(n_slots):

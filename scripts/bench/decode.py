@@ -27,7 +27,7 @@ import benchlib
 import torch
 from benchlib import Figure
 
-from miles.backends import lora
+from miles import lora
 from miles.rollout.engines.sampling import RowSampling
 from miles.rollout.engines.scheduler import DecodeScheduler, Job, SchedulerConfig
 from miles.utils.types import SamplingParams

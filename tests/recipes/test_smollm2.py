@@ -213,7 +213,7 @@ def test_exported_lora_loads_in_peft_with_the_same_logprobs(model_dir, hf_model,
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from miles.backends import lora
+    from miles import lora
 
     ours = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     lora.inject_multi_lora(ours, n_slots=2, max_rank=8, target_modules="all-linear")

@@ -170,7 +170,7 @@ def _random_peft_adapter(base_dir, out_dir):
 def test_page_table_slot_answers_like_peft_and_slot_minus_one_like_the_base(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from miles.backends.lora import inject_multi_lora, load_peft_adapter
+    from miles.lora import inject_multi_lora, load_peft_adapter
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = [r.text for r in split_task("add").test[:24]] + [r.text for r in split_task("mul").test[:8]]

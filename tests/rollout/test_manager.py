@@ -15,7 +15,7 @@ import httpx
 import pytest
 import ray
 
-from miles.backends.lora.peft_io import read_peft_dir
+from miles.lora.peft_io import read_peft_dir
 from miles.rollout.data_source import AdapterDataset
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import AdapterRolloutStats, DataPosition, SlotPush, engine_lora_name

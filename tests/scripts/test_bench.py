@@ -59,8 +59,8 @@ def test_lora_bytes_from_the_config_match_the_exported_slot(tiny_model_dir):
     from transformers import AutoModelForCausalLM
     from trainer_service import lora_nbytes
 
-    from miles.backends.lora.layer import inject_multi_lora
-    from miles.backends.lora.slots import get_slot_weights, init_slot
+    from miles.lora.layer import inject_multi_lora
+    from miles.lora.slots import get_slot_weights, init_slot
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     inject_multi_lora(model, n_slots=2, max_rank=8, target_modules="all-linear")

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from miles.backends.base import AdapterSpec, AdapterStepStats
-from miles.backends.lora.peft_io import _UNSUPPORTED, read_peft_dir, write_peft_dir
+from miles.lora.peft_io import _UNSUPPORTED, read_peft_dir, write_peft_dir
 from miles.backends.megatron import lora as mlora
 from miles.backends.megatron.model import (
     ModelShape,
@@ -321,7 +321,7 @@ class MegatronTrainActor(TorchTrainActor):
 
 def check_peft_config(config: dict[str, Any], path: Path, targets: list[str]) -> tuple[int, float]:
     """(rank, alpha) of a PEFT `adapter_config.json` the Megatron page table can hold, with
-    the same rules as `miles.backends.lora.load_peft_adapter`."""
+    the same rules as `miles.lora.load_peft_adapter`."""
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}; only LORA adapters load into slots")
     for key, what in _UNSUPPORTED.items():

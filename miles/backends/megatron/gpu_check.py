@@ -87,7 +87,7 @@ def _rank_main(rank: int, world: int, address: str, args: argparse.Namespace, sh
 
 
 def main(argv: list[str] | None = None) -> int:
-    from miles.backends.lora import set_slot_weights
+    from miles.lora import set_slot_weights
     from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

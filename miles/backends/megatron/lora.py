@@ -18,7 +18,7 @@ The parts of one fused linear share one collective on their concatenated `h` (ra
 wide, so it costs little next to the base GEMMs). Samples of different slots share the
 forward: one pair of GEMMs per slot present (slot -1 = base only). Slots are read and
 written in PEFT's HF names and shapes (whole, not sharded), so exports, checkpoints and
-fresh inits equal the torch backend's (`miles.backends.lora`).
+fresh inits equal the torch backend's (`miles.lora`).
 
     parts = inject_parallel_lora(model, shape, n_slots=4, max_rank=8, target_modules="all-linear")
     init_slot(parts, 0, rank=8, alpha=16, generator=g)
@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from miles.backends.lora.layer import SlotBatch, _resolve_targets
-from miles.backends.lora.slots import fresh_lora_weights, peft_names
+from miles.lora.layer import SlotBatch, _resolve_targets
+from miles.lora.slots import fresh_lora_weights, peft_names
 from miles.backends.megatron.model import ModelShape
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles.backends.lora import (
+from miles.lora import (
     clear_slot,
     export_peft_adapter,
     fresh_slot_weights,
@@ -47,7 +47,7 @@ from miles.backends.lora import (
     use_slots,
 )
 from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult
-from miles.backends.weight_sync import (
+from miles.lora.weight_sync import (
     UpdateGroupSpec,
     broadcast_tensors,
     join_update_group,
@@ -85,7 +85,7 @@ from miles.backends.torch.loss import (
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW, SlotStep
 from miles.backends.torch.recompute import apply_recompute
-from miles.utils.allocator import keep_freed_memory
+from miles.backends.torch.allocator import keep_freed_memory
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
 from miles.utils.network import cluster_host

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles.backends.lora import active_routing, restore_routing
+from miles.lora import active_routing, restore_routing
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from miles.backends.base import (
 )
 from miles.backends.torch.actor import LossSums, TorchTrainActor, TrainActorConfig
 from miles.backends.torch.checkpoint import AccumulatedGrad, latest_checkpoint
-from miles.backends.weight_sync import UpdateGroupSpec
+from miles.lora.weight_sync import UpdateGroupSpec
 from miles.backends.torch.batching import Advantage
 from miles.backends.torch.loss import adapter_token_advantages, needs_reward_kl
 from miles.utils import placement

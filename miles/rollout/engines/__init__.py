@@ -11,7 +11,7 @@
     router.py           launch `sglang_router.launch_router`, or attach to a running one
     fleet.py            `EngineFleet`: the engines and the router started and stopped as one
 
-Pushes by broadcast use `miles.backends.weight_sync` on both ends (the sender joins at
+Pushes by broadcast use `miles.lora.weight_sync` on both ends (the sender joins at
 rank 0; the builtin engine joins at its rank offset, as SGLang does).
 
 Submodules are imported where they are used (the server process needs no Ray).

@@ -1,7 +1,7 @@
 """The builtin inference engine behind `builtin_server`: model, LoRA slots, requests.
 
 It loads a Hugging Face causal LM, wraps its linear layers in the slot page table
-(`miles.backends.lora`), and turns SGLang-shaped requests into scheduler jobs:
+(`miles.lora`), and turns SGLang-shaped requests into scheduler jobs:
 
     engine = BuiltinEngine(EngineOptions(model_path="/tmp/tiny", max_loras_per_batch=4, ...))
     engine.start()
@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.backends import lora, weight_sync
+from miles import lora
+from miles.lora import weight_sync
 from miles.rollout.engines.lora_table import LoraRequestError, LoraSlotTable
 from miles.rollout.engines.sampling import RowSampling, validate_sampling_params
 from miles.rollout.engines.scheduler import DecodeScheduler, Job, SchedulerConfig

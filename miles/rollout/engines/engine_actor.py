@@ -4,7 +4,7 @@
     url = ray.get(engine.start.remote())
     ray.get(engine.set_router.remote(router_url))          # where a restarted server goes back
     ray.get(engine.push_lora.remote(slot, version, peft_config, tensors_ref))      # either mode
-    # in_place, by broadcast (the sender joins the same group at rank 0, see miles.backends.weight_sync):
+    # in_place, by broadcast (the sender joins the same group at rank 0, see miles.lora.weight_sync):
     ray.get(engine.init_weights_update_group.remote(**spec.init_request(rank_offset=1)))
     ray.get(engine.push_lora_from_distributed.remote(slot, version, peft_config, names, dtypes, shapes,
                                                      group_name, weights_ref=[tensors_ref]))
@@ -52,7 +52,7 @@ import httpx
 import ray
 import torch
 
-from miles.backends.lora import write_peft_dir
+from miles.lora import write_peft_dir
 from miles.rollout.engines.process import ServerProcess, free_port
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig, server_command

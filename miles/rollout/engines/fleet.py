@@ -49,7 +49,7 @@ from ray.exceptions import RayActorError
 from miles.rollout.engines.engine_actor import EngineActor, takes_bucketed_pushes
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
-from miles.backends.weight_sync import UpdateGroupSpec
+from miles.lora.weight_sync import UpdateGroupSpec
 from miles.utils import placement
 from miles.utils.arguments import MilesConfig
 from miles.utils.http_client import LoopClient

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from miles.utils.router_workers import discover_workers
+from miles.controller.router_workers import discover_workers
 from miles.rollout.engines.process import ServerProcess, ServerStartError, free_port
 
 logger = logging.getLogger(__name__)

@@ -58,7 +58,7 @@ def _megatron_main(rank: int, address: str, model_dir: str, out: str) -> None:
 
 
 def test_entropy_and_kl_shaped_reinforce_plus_plus_step_as_in_the_torch_backend(tiny_model_dir, tmp_path):
-    from miles.backends.lora import set_slot_weights
+    from miles.lora import set_slot_weights
     from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
 
     actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=4, lora_rank=RANK))

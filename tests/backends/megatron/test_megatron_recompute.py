@@ -38,7 +38,7 @@ def _address() -> str:
 
 def _lora_model(model_dir: str, shape: ModelShape, recompute: dict):
     """The tiny model with three slots of seeded random LoRA weights, in eval mode."""
-    from miles.backends.lora.slots import peft_names
+    from miles.lora.slots import peft_names
     from miles.backends.megatron import lora as mlora
     from miles.backends.megatron.model import (
         allow_recompute_in_eval,

@@ -110,7 +110,7 @@ def test_megatron_checkpoint_loads_in_peft_and_resumes_in_torch(runs, tiny_model
         peft_logprobs = torch.log_softmax(peft_model(input_ids=ids).logits, -1)
     torch_actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=4, lora_rank=RANK))
     torch_actor.load_adapter(spec("a", 0, rank=RANK, global_batch_size=6), meg["ckpt_a"])
-    from miles.backends.lora import use_slots
+    from miles.lora import use_slots
 
     with torch.no_grad(), use_slots(torch_actor.model, [0] * len(ids)):
         ours = torch.log_softmax(torch_actor.model(input_ids=ids).logits, -1)

@@ -186,7 +186,7 @@ def test_the_response_window_gives_the_numbers_of_the_full_forward(tiny_model_di
     assert keep <= length - 7  # the window leaves out at least 7 prompt positions
     with torch.no_grad():
         logprobs_BT, entropy_BT = actor._forward_logprobs(batch, batch.slots, entropy=True)
-        from miles.backends.lora import use_slots
+        from miles.lora import use_slots
 
         with use_slots(actor.model, batch.slots):
             full_BLV = actor.model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits

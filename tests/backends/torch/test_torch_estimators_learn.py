@@ -16,7 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 from miles.backends.base import AdapterSpec
-from miles.backends.lora import use_slots
+from miles.lora import use_slots
 from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
 from miles.backends.torch.loss import adapter_token_advantages, needs_reward_kl
 from miles.rollout.rewards.builtin import BUILTIN_REWARDS

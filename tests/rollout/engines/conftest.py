@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.backends import lora
+from miles import lora
 from miles.rollout.engines.process import ServerProcess, free_port
 
 ENGINE_SLOTS = 5

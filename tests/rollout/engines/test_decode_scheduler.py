@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from miles.backends import lora
+from miles import lora
 from miles.rollout.engines.sampling import RowSampling, filter_logits
 from miles.rollout.engines.scheduler import DecodeScheduler, Job, SchedulerConfig
 from miles.utils.types import SamplingParams

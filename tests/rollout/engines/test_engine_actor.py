@@ -15,7 +15,8 @@ import httpx
 import pytest
 import ray
 
-from miles.backends import lora, weight_sync
+from miles import lora
+from miles.lora import weight_sync
 from miles.rollout.engines.engine_actor import EngineNotReadyError, EngineServer
 from miles.rollout.engines.process import ServerStartError, free_port
 from miles.rollout.engines.router import Router

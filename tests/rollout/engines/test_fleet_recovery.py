@@ -14,7 +14,8 @@ import httpx
 import pytest
 import ray
 
-from miles.backends import lora, weight_sync
+from miles import lora
+from miles.lora import weight_sync
 from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
 from miles.rollout.engines.process import free_port
 from miles.rollout.engines.server_command import EngineServerConfig

@@ -9,8 +9,8 @@ import httpx
 import pytest
 import ray
 
-from miles.backends import lora
-from miles.utils.router_workers import abort_on_workers, discover_workers
+from miles import lora
+from miles.controller.router_workers import abort_on_workers, discover_workers
 from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from miles.backends import lora
+from miles import lora
 from miles.rollout.engines.engine_actor import EngineServer
 from miles.rollout.engines.server_command import EngineServerConfig
 from miles.recipes.tiny_model import write_tiny_model

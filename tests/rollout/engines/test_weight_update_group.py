@@ -9,7 +9,8 @@ import uuid
 import httpx
 import pytest
 
-from miles.backends import lora, weight_sync
+from miles import lora
+from miles.lora import weight_sync
 from miles.rollout.engines.process import free_port
 from miles.utils.types import engine_lora_name
 

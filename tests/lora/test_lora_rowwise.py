@@ -1,6 +1,6 @@
-"""The row-wise decode kernel's build, cache and fallback (`miles/backends/lora/rowwise.py`).
+"""The row-wise decode kernel's build, cache and fallback (`miles/lora/rowwise.py`).
 
-    .venv/bin/pytest -q tests/backends/lora/test_lora_rowwise.py
+    .venv/bin/pytest -q tests/lora/test_lora_rowwise.py
 
 Its numbers inside the layer are tested with the other delta paths (test_lora_layer.py).
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.backends.lora import MultiLoRALinear, rowwise, set_delta_mode, use_slots
-from miles.backends.lora import layer as layer_module
+from miles.lora import MultiLoRALinear, rowwise, set_delta_mode, use_slots
+from miles.lora import layer as layer_module
 
 
 def test_decode_steps_take_the_torch_paths_without_the_kernel(monkeypatch, caplog, tmp_path):
@@ -34,7 +34,7 @@ def test_decode_steps_take_the_torch_paths_without_the_kernel(monkeypatch, caplo
     monkeypatch.setenv("MILES_CPU_LORA_KERNEL", "1")
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path))
-    with caplog.at_level("WARNING", logger="miles.backends.lora.rowwise"):
+    with caplog.at_level("WARNING", logger="miles.lora.rowwise"):
         assert rowwise.rowwise_kernel() is None
     assert "could not build rowwise.c" in caplog.text and "torch paths" in caplog.text
     for layer in layers:

@@ -1,4 +1,4 @@
-// torch's CPU tensors from plain malloc, aligned by hand (miles/utils/allocator.py).
+// torch's CPU tensors from plain malloc, aligned by hand (miles/backends/torch/allocator.py).
 //
 // torch's default CPU allocator asks glibc for 64-byte-aligned blocks (posix_memalign).
 // glibc serves such a request of n bytes from a free block of n + 64 + 32 or more, then

@@ -6,7 +6,7 @@
 
 `rowwise.c` is compiled on first use with the system C compiler (`$CC`, else `cc`) into
 `$MILES_KERNEL_CACHE` (default `~/.cache/miles/kernels`), one file per source, flags,
-compiler and CPU (`miles.utils.native.build_library`); it is loaded with ctypes (no Python
+compiler and CPU (`miles.lora.native.build_library`); it is loaded with ctypes (no Python
 headers, no torch ABI: a build takes a fraction of a second). Where no compiler works, or
 with `MILES_CPU_LORA_KERNEL=0`, `rowwise_kernel()` returns None and decode steps take the
 torch paths; the reason is logged once.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from miles.utils.native import build_library, c_compiler, cpu_fingerprint, switched_off
+from miles.lora.native import build_library, c_compiler, cpu_fingerprint, switched_off
 
 logger = logging.getLogger(__name__)
 

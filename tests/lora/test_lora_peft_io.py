@@ -1,6 +1,6 @@
 """PEFT directories in and out of slots: PEFT loads what we export, slots load what PEFT saves.
 
-    .venv/bin/pytest -q tests/backends/lora/test_lora_peft_io.py
+    .venv/bin/pytest -q tests/lora/test_lora_peft_io.py
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from miles.backends.lora import (
+from miles.lora import (
     export_peft_adapter,
     get_slot_weights,
     init_slot,
@@ -162,7 +162,7 @@ def test_adapter_saved_by_peft_with_all_linear_loads_into_a_slot(tiny_model_dir,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.lora import inject_multi_lora, load_peft_adapter, use_slots
+    from miles.lora import inject_multi_lora, load_peft_adapter, use_slots
 
     torch.manual_seed(0)
     reference = get_peft_model(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from miles.utils.native import build_library, cxx_compiler, switched_off
+from miles.lora.native import build_library, cxx_compiler, switched_off
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from miles.backends.lora.layer import MultiLoRALinear, _check_rank, _require_lora
+from miles.lora.layer import MultiLoRALinear, _check_rank, _require_lora
 
 PEFT_PREFIX = "base_model.model."
 _A_SUFFIX = ".lora_A.weight"

@@ -1,6 +1,6 @@
 """Slot routing: KV-cache decode, activation checkpointing, nesting, threads, bad input.
 
-    .venv/bin/pytest -q tests/backends/lora/test_lora_routing.py
+    .venv/bin/pytest -q tests/lora/test_lora_routing.py
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.backends.lora import (
+from miles.lora import (
     MultiLoRALinear,
     init_slot,
     inject_multi_lora,

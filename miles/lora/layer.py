@@ -15,18 +15,18 @@ present in the batch; best for the long, slot-sorted sequences of training) or g
 the rows are gathered into one [slot, rows, features] block per present adapter and run
 through one pair of batched GEMMs against the adapters' A and B, read in place (best for
 unsorted batches and sorted ones of equal counts, which run base and delta as one autograd
-node: `miles.backends.lora.grouped`), or stacked: every slot up to the
+node: `miles.lora.grouped`), or stacked: every slot up to the
 highest present one as one wide LoRA, each row scaled on its own slot's columns (three
 ops whatever the mix: best for decode steps with a few rows), or jagged: the rows sorted
 by slot through one grouped GEMM pair against each slot's own A and B
 (`torch._grouped_mm`: decode steps with many rows, where the stacked path's work on the
 other slots' columns dominates), or row-wise: one call of a C kernel that runs each row
-through its own slot's A and B only (`miles.backends.lora.rowwise`: float32 decode steps on
+through its own slot's A and B only (`miles.lora.rowwise`: float32 decode steps on
 CPU, where it is built). All give the same numbers.
 Everything that depends only on the batch (row grouping, per-row scale) is computed once
 per batch in `SlotBatch`, and `use_slots` keeps one per distinct slot list, so that the
 steps of a decode loop share it; each layer keeps the operands of its last no-grad stacked,
-jagged or row-wise step (`miles.backends.lora.decode_plan`) while the batch and its weights stay the same.
+jagged or row-wise step (`miles.lora.decode_plan`) while the batch and its weights stay the same.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from miles.backends.lora.decode_plan import DecodePlan, _jagged_step, _rowwise_step, _stacked_step, kept
-from miles.backends.lora.grouped import GroupedLoRALinear
-from miles.backends.lora.rowwise import RowwiseKernel, plan_arguments, rowwise_kernel
+from miles.lora.decode_plan import DecodePlan, _jagged_step, _rowwise_step, _stacked_step, kept
+from miles.lora.grouped import GroupedLoRALinear
+from miles.lora.rowwise import RowwiseKernel, plan_arguments, rowwise_kernel
 
 DeltaMode = Literal["auto", "segment", "gather", "stacked", "jagged", "rowwise"]
 
@@ -364,7 +364,7 @@ class MultiLoRALinear(nn.Module):
 
     def _add_rowwise_delta(self, out: torch.Tensor, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
         """`out` plus the delta of every row from its own slot only, in one C call
-        (`miles.backends.lora.rowwise`): rank x (in + out) multiply-adds a row, rows taken in
+        (`miles.lora.rowwise`): rank x (in + out) multiply-adds a row, rows taken in
         slot order so that each slot's A and B are read once per step. No grad, float32 on CPU:
         decode steps, where the torch paths either compute every slot for every row (stacked)
         or pay a GEMM call per slot (jagged)."""

@@ -8,14 +8,21 @@ layouts it derives from A and B are kept while the weights are unchanged (`kept`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from miles.backends.lora.rowwise import RowwiseKernel
+from miles.lora.rowwise import RowwiseKernel
 
-if TYPE_CHECKING:
-    from miles.backends.lora.layer import MultiLoRALinear, SlotBatch
+
+class PlannedLayer(Protocol):
+    """What a plan reads of its layer (`miles.lora.layer.MultiLoRALinear`)."""
+
+    lora_A: torch.nn.Parameter
+    lora_B: torch.nn.Parameter
+    delta_mode: str
+    slot_scales: tuple[float, ...] | None
+    _parameters: dict[str, Any]
 
 
 class DecodePlan:
@@ -30,13 +37,13 @@ class DecodePlan:
 
     __slots__ = ("batch", "numel", "dtype", "a_key", "b_key", "delta_mode", "slot_scales", "step")
 
-    def __init__(self, layer: MultiLoRALinear, x: torch.Tensor, batch: SlotBatch, step) -> None:
+    def __init__(self, layer: PlannedLayer, x: torch.Tensor, batch: object, step) -> None:
         self.batch, self.numel, self.dtype = batch, x.numel(), x.dtype
         self.a_key, self.b_key = weight_key(layer.lora_A), weight_key(layer.lora_B)
         self.delta_mode, self.slot_scales = layer.delta_mode, layer.slot_scales
         self.step = step
 
-    def fits(self, layer: MultiLoRALinear, x: torch.Tensor, batch: SlotBatch) -> bool:
+    def fits(self, layer: PlannedLayer, x: torch.Tensor, batch: object) -> bool:
         # Cheapest checks first; the weights straight from `_parameters` (no Module.__getattr__).
         if batch is not self.batch or x.numel() != self.numel or x.dtype != self.dtype:
             return False

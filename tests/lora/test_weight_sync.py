@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from miles.backends import weight_sync
+from miles.lora import weight_sync
 
 
 def _receive(spec: weight_sync.UpdateGroupSpec, out) -> None:

@@ -17,7 +17,7 @@ import pytest
 PROBE = textwrap.dedent("""
     import ctypes, json, logging, sys
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    from miles.utils.allocator import keep_freed_memory, use_heap_cpu_allocator
+    from miles.backends.torch.allocator import keep_freed_memory, use_heap_cpu_allocator
     import torch
 
     class MallInfo(ctypes.Structure):

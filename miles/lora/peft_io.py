@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from miles.backends.lora.layer import _require_lora, _resolve_targets
-from miles.backends.lora.slots import get_slot_weights, peft_names, set_slot_weights, slot_rank_alpha
+from miles.lora.layer import _require_lora, _resolve_targets
+from miles.lora.slots import get_slot_weights, peft_names, set_slot_weights, slot_rank_alpha
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

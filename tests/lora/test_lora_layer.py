@@ -1,6 +1,6 @@
 """The slot page-table layer against PEFT and against itself (CPU, fp32, tiny models).
 
-    .venv/bin/pytest -q tests/backends/lora
+    .venv/bin/pytest -q tests/lora
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 from peft.utils import get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
-from miles.backends.lora import (
+from miles.lora import (
     MultiLoRALinear,
     clear_slot,
     get_slot_weights,
@@ -25,8 +25,8 @@ from miles.backends.lora import (
     slot_parameters,
     use_slots,
 )
-from miles.backends.lora import rowwise
-from miles.backends.lora.rowwise import rowwise_kernel
+from miles.lora import rowwise
+from miles.lora.rowwise import rowwise_kernel
 
 N_SLOTS = 4
 MAX_RANK = 8
@@ -182,7 +182,7 @@ def test_grouped_delta_equals_per_row_reference(slots, tokens):
     """The grouped path (rows gathered per present slot, unequal groups, base-only rows,
     slots that are not 0..P-1, one layer with its own alpha; or a sorted batch of equal
     counts, grouped by a reshape) equals row-by-row math."""
-    from miles.backends.lora import MultiLoRALinear
+    from miles.lora import MultiLoRALinear
 
     gen = torch.Generator().manual_seed(7)
     torch.manual_seed(7)  # the base linears' initial weights
@@ -213,7 +213,7 @@ def test_grouped_batch_is_one_autograd_node_with_the_segment_paths_gradients(slo
     """A slot-sorted batch of equal counts runs each layer as one `GroupedLoRALinear` node
     (base and delta); its output and the gradients of the input, A and B equal the segment
     path's, recorded op by op (slots 0..P-1 sliced, or not: copied; a bias on one layer)."""
-    from miles.backends.lora import MultiLoRALinear
+    from miles.lora import MultiLoRALinear
 
     gen = torch.Generator().manual_seed(11)
     torch.manual_seed(11)
@@ -338,7 +338,7 @@ def test_repeated_decode_steps_equal_the_segment_path(base_model, slots, decode_
 def test_decode_steps_of_many_rows_take_the_jagged_path():
     """Past JAGGED_MIN_SAVED_MACS of work on other slots' columns, auto runs a no-grad
     one-token step through grouped GEMMs over each slot's rows: the stacked path's numbers."""
-    from miles.backends.lora.layer import HAS_GROUPED_MM, MultiLoRALinear, _jagged_step, _stacked_step
+    from miles.lora.layer import HAS_GROUPED_MM, MultiLoRALinear, _jagged_step, _stacked_step
 
     if not HAS_GROUPED_MM:
         pytest.skip("this torch has no torch._grouped_mm")

@@ -1,6 +1,6 @@
 """Slot page-table LoRA: many adapters on one frozen Hugging Face causal LM.
 
-    from miles.backends.lora import inject_multi_lora, init_slot, use_slots
+    from miles.lora import inject_multi_lora, init_slot, use_slots
     inject_multi_lora(model, n_slots=4, max_rank=8, target_modules="all-linear")
     init_slot(model, 0, rank=8, alpha=16)
     with use_slots(model, [0, 1, -1]):   # one slot per sample; -1 = base only
@@ -10,7 +10,7 @@ Slots are read and written in PEFT's names and directory format, so what a slot 
 loads with `peft.PeftModel.from_pretrained` and PEFT-made adapters load into slots.
 """
 
-from miles.backends.lora.layer import (
+from miles.lora.layer import (
     DeltaMode,
     MultiLoRALinear,
     SlotBatch,
@@ -22,7 +22,7 @@ from miles.backends.lora.layer import (
     slot_parameters,
     use_slots,
 )
-from miles.backends.lora.peft_io import (
+from miles.lora.peft_io import (
     export_peft_adapter,
     load_peft_adapter,
     load_peft_tensors,
@@ -30,7 +30,7 @@ from miles.backends.lora.peft_io import (
     read_peft_dir,
     write_peft_dir,
 )
-from miles.backends.lora.slots import (
+from miles.lora.slots import (
     clear_slot,
     fresh_slot_weights,
     get_slot_weights,

@@ -1,0 +1,179 @@
+"""The adapter lifecycle as the driver sees it: states, the snapshot, engine-side names.
+
+The registry (`miles.controller.registry`) owns every transition; these are the read-only
+views it hands out and the naming rules every component shares.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from miles.utils.adapter_config import AdapterRunConfig
+
+
+class AdapterState(str, enum.Enum):
+    """Lifecycle of one adapter; PENDING, ACTIVE, RETIRING and CLEANUP hold a slot."""
+
+    PENDING = "PENDING"
+    """Registered and given a slot; its weights are not on the engines yet."""
+    ACTIVE = "ACTIVE"
+    """Weights pushed at least once; sampled and trained."""
+    RETIRING = "RETIRING"
+    """Asked to stop (DELETE or `num_step` reached); still sampleable until retired."""
+    CLEANUP = "CLEANUP"
+    """No longer sampled; waiting for the trainer's final save and slot release."""
+    COMPLETED = "COMPLETED"
+    """Done; holds no slot. Kept for status queries (bounded retention)."""
+
+    @property
+    def holds_slot(self) -> bool:
+        return self is not AdapterState.COMPLETED
+
+    @property
+    def sampleable(self) -> bool:
+        return self in (AdapterState.ACTIVE, AdapterState.RETIRING)
+
+
+LoraUpdateMode = Literal["in_place", "versioned"]
+"""How pushed LoRA weights reach the engines (`--engine-lora-update`).
+
+`in_place`: a slot keeps one engine-side name and each push replaces its weights
+between two decode steps. `versioned`: each push loads a new name beside the previous
+version (for SGLang builds that cannot replace a loaded adapter).
+"""
+
+ENGINE_LORA_PREFIX = "__miles_slot_"
+
+
+def engine_lora_name(slot: int, version: int | None = None, mode: LoraUpdateMode = "in_place") -> str:
+    """The engine-side name of a slot's LoRA (`lora_path` in SGLang requests): the only place it is built.
+
+    >>> engine_lora_name(3, 7, "in_place"), engine_lora_name(3, 7, "versioned")
+    ('__miles_slot_3', '__miles_slot_3_v7')
+    """
+    if mode == "in_place":
+        return f"{ENGINE_LORA_PREFIX}{slot}"
+    if mode == "versioned":
+        if version is None:
+            raise ValueError(f"a versioned engine LoRA name needs the slot version (slot {slot})")
+        return f"{ENGINE_LORA_PREFIX}{slot}_v{version}"
+    raise ValueError(f"unknown LoRA update mode {mode!r}: use 'in_place' or 'versioned'")
+
+
+def engine_lora_slot(name: str) -> int:
+    """The slot of an engine-side LoRA name of either mode (the inverse of `engine_lora_name`)."""
+    if not name.startswith(ENGINE_LORA_PREFIX):
+        raise ValueError(f"{name!r} is not an engine-side slot LoRA name ({ENGINE_LORA_PREFIX}<slot>[_v<version>])")
+    return int(name[len(ENGINE_LORA_PREFIX):].split("_v", 1)[0])
+
+
+def next_slot_version(version: int) -> int:
+    """The slot version a push makes of `version` (the registry's rule, used by the push too)."""
+    return version + 1
+
+
+def adapter_rid(adapter: str, unique: str) -> str:
+    """Request id of one generation request; aborting an adapter is a prefix abort."""
+    return f"{adapter}::{unique}"
+
+
+def adapter_rid_prefix(adapter: str) -> str:
+    return f"{adapter}::"
+
+
+@dataclass(frozen=True)
+class AdapterRun:
+    """Read-only view of one live adapter, as carried by a snapshot."""
+
+    name: str
+    config: AdapterRunConfig
+    """The resolved config: every default filled in from the process config."""
+    slot: int
+    """Row of the LoRA page table this adapter owns."""
+    version: int
+    """Slot version of the weights the engines serve (bumped per push, never reset)."""
+    step: int
+    """Optimizer steps taken (including steps restored from a checkpoint)."""
+    accumulated_groups: int
+    """Prompt groups trained since the last optimizer step."""
+    registration_id: str
+    """uuid4 hex issued at registration; a re-registration gets a new one."""
+    start_step: int = 0
+    """Step this registration started at (its resumed step); `num_step` counts from here."""
+    pushed: bool = False
+    """Its weights were pushed at least once: `start_step` is fixed from then on (a trainer
+    that restarts over the registry resumes it without moving its end)."""
+
+    @property
+    def final_step(self) -> int | None:
+        """The step at which it retires by itself (None: only a DELETE retires it)."""
+        num_step = self.config.num_step
+        return None if num_step is None else self.start_step + num_step
+
+
+@dataclass(frozen=True)
+class MultiLoRASnapshot:
+    """Point-in-time copy of the registry that the driver loop acts on."""
+
+    pending: dict[str, AdapterRun] = field(default_factory=dict)
+    active: dict[str, AdapterRun] = field(default_factory=dict)
+    retiring: dict[str, AdapterRun] = field(default_factory=dict)
+    cleanup: frozenset[str] = frozenset()
+    completed: frozenset[str] = frozenset()
+
+    @property
+    def sampleable(self) -> dict[str, AdapterRun]:
+        """ACTIVE and RETIRING adapters: the ones the producer generates for."""
+        return {**self.active, **self.retiring}
+
+    @property
+    def live(self) -> dict[str, AdapterRun]:
+        """Adapters that own a slot and have a view (PENDING, ACTIVE, RETIRING)."""
+        return {**self.pending, **self.active, **self.retiring}
+
+    @property
+    def all_adapters_cleaned_up(self) -> bool:
+        """True when no adapter holds a slot any more."""
+        return not (self.pending or self.active or self.retiring or self.cleanup)
+
+    # The driver changes the registry between snapshots only through the calls below;
+    # each returns the snapshot as it is after that call, built from the registry's answer.
+
+    def after_retire(self, names: list[str]) -> MultiLoRASnapshot:
+        """`retire_adapters()` answered `names`: they moved to CLEANUP."""
+        gone = set(names)
+        keep = lambda views: {n: r for n, r in views.items() if n not in gone}  # noqa: E731
+        return replace(self, pending=keep(self.pending), active=keep(self.active), retiring=keep(self.retiring),
+                       cleanup=self.cleanup | gone)
+
+    def after_free(self, names: list[str]) -> MultiLoRASnapshot:
+        """`free_slot(name)` returned a slot for each of `names`: COMPLETED."""
+        freed = set(names)
+        return replace(self, cleanup=self.cleanup - freed, completed=self.completed | freed)
+
+    def with_step(self, name: str, step: int, accumulated_groups: int = 0) -> MultiLoRASnapshot:
+        """`set_adapter_step(name, step, accumulated_groups)` (a resume) was applied."""
+        return self._with_run(name, lambda run: replace(run, step=step, start_step=run.start_step if run.pushed else step,
+                                                        accumulated_groups=accumulated_groups))
+
+    def after_push(self, versions: dict[str, int]) -> MultiLoRASnapshot:
+        """`record_weight_update` answered `versions`: new slot versions, PENDING -> ACTIVE."""
+        out = self
+        for name, version in versions.items():
+            out = out._with_run(name, lambda run, v=version: replace(run, version=v, pushed=True))
+        promoted = {n: r for n, r in out.pending.items() if n in versions}
+        if not promoted:
+            return out
+        return replace(out, pending={n: r for n, r in out.pending.items() if n not in versions},
+                       active={**out.active, **promoted})
+
+    def _with_run(self, name: str, change: Callable[[AdapterRun], AdapterRun]) -> MultiLoRASnapshot:
+        for view in ("pending", "active", "retiring"):
+            runs: dict[str, AdapterRun] = getattr(self, view)
+            if name in runs:
+                return replace(self, **{view: {**runs, name: change(runs[name])}})
+        return self
