@@ -23,6 +23,9 @@ from miles.controller.registry import AdapterValidationError
 from miles.utils.adapter_config import AdapterDefaults
 
 TOKEN = "hostile-test-token"
+HOSTILE_CASES = 74
+"""Requests in `cases()`; docs/RELIABILITY.md ("Hostile and malformed input") states this number."""
+RELIABILITY = Path(__file__).resolve().parents[2] / "docs" / "RELIABILITY.md"
 
 
 @pytest.fixture
@@ -181,7 +184,10 @@ def test_every_hostile_request_is_a_4xx_naming_the_problem_and_changes_nothing(
     paths = hostile_files(data_root)
     assert http.post("/adapter_runs", json={"name": "taken", "config": {"data": paths["data"]}}).status_code == 200
     table = cases(data_root, paths)
-    assert len(table) >= 40
+    # Every case counted, none twice: a case lost from the table (or a label pasted twice)
+    # shows here, and docs/RELIABILITY.md states the same number.
+    assert len({label for label, *_ in table}) == len(table) == HOSTILE_CASES
+    assert f"`tests/controller/test_hostile_input.py`, {HOSTILE_CASES} cases" in RELIABILITY.read_text()
     failures = []
     for label, kwargs, status, words in table:
         before = plane.fingerprint()
