@@ -1,7 +1,7 @@
 """The Megatron backend at TP = 1 and TP = 2 (gloo, spawned ranks) against the torch backend.
 
 Same tiny model, same adapters, same samples, fp32: logits and logprobs of mixed-slot
-batches (slot -1 included) within 1e-4, one step of two adapters within 1e-5 with the
+batches (slot -1 included) within 1e-5, one step of two adapters within 1e-5 with the
 co-tenant untouched bit for bit, and checkpoints that cross between the backends (a
 Megatron checkpoint written at TP = 2 loads in PEFT with the torch backend's logprobs
 and resumes in the torch backend; a torch checkpoint resumes in Megatron; the gradient of
@@ -66,9 +66,12 @@ def test_fresh_adapter_equals_torch_init(runs):
 def test_logits_and_logprobs_of_mixed_slots_equal_torch(runs):
     _, _, meg, ref = runs
     assert meg["logits"].shape == ref["logits"].shape == (*logit_input_ids().shape, 100)
-    assert float((meg["logits"] - ref["logits"]).abs().max()) <= 1e-4
+    # fp32 on both sides, the two only sum in another order: measured 2.7e-7 (logits) and
+    # 4.8e-7 (TP 2) to 9.5e-7 (TP 1) (logprobs), the tolerance README states is 1e-5; a wrong
+    # slot, scale or shard moves them by 1e-2 and more (the slots' spread, checked below).
+    assert float((meg["logits"] - ref["logits"]).abs().max()) <= 1e-5
     assert len(meg["logprobs"]) == len(logprob_samples())
-    assert _max_list_diff(meg["logprobs"], ref["logprobs"]) <= 1e-4
+    assert _max_list_diff(meg["logprobs"], ref["logprobs"]) <= 1e-5
     # The slots differ from each other and from the base: the comparison is not vacuous.
     assert float((ref["logits"][0] - ref["logits"][2]).abs().max()) > 1e-2
 
