@@ -13,8 +13,10 @@ against the builtin engine on CPU, to test this script itself). It runs unattend
                  (it pins torch and transformers other than the trainer's), reused if present;
                  SKIP with `--engine builtin`
   adapters       a tiny Llama built locally (no download) and two random PEFT adapters
-  engine-peft    the engine serving both pushed adapters (versioned pushes) gives PEFT's greedy tokens
-  engine-trainer the engine's logprobs are within 1e-2 of the trainer's multi-LoRA model
+  engine-peft    the engine serving both pushed adapters (versioned pushes) gives PEFT's greedy tokens,
+                 each unlike the base's, and the base's own without an adapter
+  engine-trainer the engine's logprobs, one per generated token (none is a FAIL), are within 1e-2
+                 of the trainer's multi-LoRA model
   push-in-flight a push while requests are in flight fails none of them; the new version
                  then serves the new weights
   in-place       a broadcast push over NCCL (`/load_lora_adapter_from_distributed` with
@@ -148,6 +150,20 @@ class Reference:
             lora.load_peft_adapter(self.trainer, slot, path)
             self.slots[name] = slot
         self._peft = {}
+        self._base = None
+
+    @torch.no_grad()
+    def base_greedy(self, prompt_ids: list[int]) -> list[int]:
+        """The base model's greedy tokens (transformers, no adapter)."""
+        from transformers import AutoModelForCausalLM
+
+        if self._base is None:
+            base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+            self._base = base.to(self.device).eval()
+        ids = torch.tensor([prompt_ids], device=self.device)
+        out = self._base.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        return out[0, len(prompt_ids):].tolist()
 
     @torch.no_grad()
     def peft_greedy(self, adapter: str, prompt_ids: list[int]) -> list[int]:
@@ -182,12 +198,25 @@ def peft_payload(path: Path) -> tuple[dict, dict]:
     return config, tensors
 
 
-async def generate(client, url: str, name: str, prompt_ids: list[int], max_new_tokens: int = NEW_TOKENS) -> dict:
-    response = await client.post(url + "/generate", json={
-        "input_ids": prompt_ids, "lora_path": name, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}})
+async def generate(client, url: str, name: str | None, prompt_ids: list[int], max_new_tokens: int = NEW_TOKENS) -> dict:
+    """Greedy tokens and their logprobs; `name` None: the base model."""
+    request = {"input_ids": prompt_ids, "return_logprob": True,
+               "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    if name is not None:
+        request["lora_path"] = name
+    response = await client.post(url + "/generate", json=request)
     response.raise_for_status()
     return response.json()
+
+
+def logprob_gap(out: dict, trainer_lp: list[float]) -> float | str:
+    """max |engine - trainer| over a generation's tokens, or why they cannot be compared
+    (no logprobs, or not one per generated token: never a silent pass on fewer)."""
+    engine_lp = [lp for lp, _, _ in out["meta_info"].get("output_token_logprobs") or []]
+    n = len(out["output_ids"])
+    if n == 0 or not len(engine_lp) == len(trainer_lp) == n:
+        return f"{len(engine_lp)} engine and {len(trainer_lp)} trainer logprobs for {n} generated tokens"
+    return max(abs(a - b) for a, b in zip(engine_lp, trainer_lp))
 
 
 async def check_versioned(v: Verdicts, cfg, work: Path, ref: Reference, tokenizer) -> None:
@@ -200,23 +229,36 @@ async def check_versioned(v: Verdicts, cfg, work: Path, ref: Reference, tokenize
     try:
         served = {adapter: await server.push_lora(slot, 1, *peft_payload(ref.adapters[adapter]))
                   for slot, adapter in enumerate(("first", "second"))}
-        mismatches, worst = [], 0.0
+        mismatches, gaps, uncompared = [], [], []
         async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
-            for adapter, name in served.items():
-                for prompt in PROMPTS:
-                    prompt_ids = tokenizer.encode(prompt)
+            for prompt in PROMPTS:
+                prompt_ids = tokenizer.encode(prompt)
+                # The base (no lora_path) is the base model's, and no adapter's: the adapters apply.
+                base = (await generate(client, server.url(), None, prompt_ids))["output_ids"]
+                if base != ref.base_greedy(prompt_ids):
+                    mismatches.append(f"base/{prompt!r}")
+                for adapter, name in served.items():
                     out = await generate(client, server.url(), name, prompt_ids)
                     if out["output_ids"] != ref.peft_greedy(adapter, prompt_ids):
                         mismatches.append(f"{adapter}/{prompt!r}")
-                    engine_lp = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-                    trainer_lp = ref.trainer_logprobs(adapter, prompt_ids, out["output_ids"])
-                    worst = max([worst, *(abs(a - b) for a, b in zip(engine_lp, trainer_lp))])
-            n = len(served) * len(PROMPTS)
+                    if out["output_ids"] == base:
+                        mismatches.append(f"{adapter}/{prompt!r} gives the base's tokens")
+                    gap = logprob_gap(out, ref.trainer_logprobs(adapter, prompt_ids, out["output_ids"]))
+                    if isinstance(gap, str):
+                        uncompared.append(f"{adapter}/{prompt!r}: {gap}")
+                    else:
+                        gaps.append(gap)
+            n = (len(served) + 1) * len(PROMPTS)
             v.report("FAIL" if mismatches else "PASS", "engine-peft",
-                     f"greedy tokens differ from PEFT for {mismatches}" if mismatches
-                     else f"{n}/{n} greedy generations equal PEFT's (2 adapters)")
-            v.report("PASS" if worst <= LOGPROB_TOL else "FAIL", "engine-trainer",
-                     f"max |logprob(engine) - logprob(trainer)| = {worst:.2e} (tolerance {LOGPROB_TOL})")
+                     f"greedy tokens differ from PEFT (or the base) for {mismatches}" if mismatches
+                     else f"{n}/{n} greedy generations equal PEFT's (2 adapters, each unlike the base, and the base)")
+            if uncompared:
+                v.report("FAIL", "engine-trainer", f"logprobs missing: {uncompared}")
+            else:
+                worst = max(gaps)
+                v.report("PASS" if worst <= LOGPROB_TOL else "FAIL", "engine-trainer",
+                         f"max |logprob(engine) - logprob(trainer)| = {worst:.2e} over {len(gaps)} generations "
+                         f"(tolerance {LOGPROB_TOL})")
 
             # A push while requests of the previous version are in flight.
             prompt_ids = tokenizer.encode(PROMPTS[0])
@@ -225,7 +267,8 @@ async def check_versioned(v: Verdicts, cfg, work: Path, ref: Reference, tokenize
             await asyncio.sleep(0.2)
             new_name = await server.push_lora(0, 2, *peft_payload(ref.adapters["third"]))
             results = await asyncio.gather(*in_flight, return_exceptions=True)
-            failed = [r for r in results if isinstance(r, BaseException)
+            # Finished means every asked-for token: a request cut short counts as failed.
+            failed = [r for r in results if isinstance(r, BaseException) or len(r["output_ids"]) != 256
                       or r["meta_info"]["finish_reason"]["type"] == "abort"]
             after = await generate(client, server.url(), new_name, prompt_ids)
             ok = not failed and after["output_ids"] == ref.peft_greedy("third", prompt_ids)
@@ -640,12 +683,19 @@ def check_megatron(v: Verdicts, model_dir: Path, tp: int, device: str) -> None:
     except subprocess.TimeoutExpired:
         v.report("FAIL", f"megatron-tp{tp}", "did not finish within the budget")
         return
-    verdict = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
-    if verdict:
-        print(f"{verdict[-1]} [{time.monotonic() - v.started:.0f} s]", flush=True)
-        v.failed |= verdict[-1].startswith("FAIL")
-    else:
-        v.report("FAIL", f"megatron-tp{tp}", f"exit {done.returncode}: {(done.stderr or done.stdout)[-300:]}")
+    line = subprocess_verdict(f"megatron-tp{tp}", done)
+    print(f"{line} [{time.monotonic() - v.started:.0f} s]", flush=True)
+    v.failed |= line.startswith("FAIL")
+
+
+def subprocess_verdict(check: str, done: subprocess.CompletedProcess) -> str:
+    """The verdict line a check's subprocess printed last, or a FAIL line where it printed
+    none or its exit code contradicts it (a crash after a PASS line, a FAIL that exits 0)."""
+    verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS ", "FAIL ", "SKIP "))]
+    if verdicts and (done.returncode == 0) != verdicts[-1].startswith("FAIL "):
+        return verdicts[-1]
+    return (f"FAIL {check}: exit {done.returncode} after {verdicts[-1] if verdicts else 'no verdict'}: "
+            f"{(done.stderr or done.stdout)[-300:]}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,55 @@ def test_gpu_plan_shares_one_gpu_only_where_it_can():
     assert plan(4, 2, "in_place") == (4, False)
 
 
+def test_logprobs_the_engine_left_out_are_a_fail_not_a_pass():
+    """engine-trainer compares one engine logprob per generated token: none, fewer, or no
+    generated tokens at all is a reason to FAIL (a string), never a max over nothing."""
+    gap = load_script().logprob_gap
+
+    def out(n_tokens: int, logprobs: list[float] | None) -> dict:
+        meta = {} if logprobs is None else {"output_token_logprobs": [(lp, i, None) for i, lp in enumerate(logprobs)]}
+        return {"output_ids": list(range(n_tokens)), "meta_info": meta}
+
+    assert gap(out(2, [-1.0, -2.0]), [-1.0, -2.5]) == pytest.approx(0.5)
+    for engine, trainer in [(out(2, []), [-1.0, -2.0]), (out(2, None), [-1.0, -2.0]), (out(2, [-1.0]), [-1.0, -2.0]),
+                            (out(2, [-1.0, -2.0]), [-1.0]), (out(0, []), [])]:
+        assert "logprobs for" in gap(engine, trainer), (engine, trainer)
+
+
+def test_a_check_subprocess_passes_only_with_a_pass_line_and_exit_0():
+    verdict = load_script().subprocess_verdict
+
+    def done(code: int, stdout: str) -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess([], code, stdout, "Traceback: boom")
+
+    assert verdict("megatron-tp1", done(0, "noise\nPASS megatron-tp1: ok\n")) == "PASS megatron-tp1: ok"
+    assert verdict("megatron-tp1", done(1, "FAIL megatron-tp1: off\n")) == "FAIL megatron-tp1: off"
+    assert verdict("megatron-tp2", done(0, "SKIP megatron-tp2: 1 GPU\n")) == "SKIP megatron-tp2: 1 GPU"
+    for code, stdout in [(1, "PASS megatron-tp1: ok\n"), (0, "FAIL megatron-tp1: off\n"), (0, ""), (-9, "")]:
+        line = verdict("megatron-tp1", done(code, stdout))
+        assert line.startswith(f"FAIL megatron-tp1: exit {code} after ") and "boom" in line, line
+
+
+def test_the_megatron_check_fails_when_a_side_has_fewer_values():
+    """miles.backends.megatron.gpu_check compares every response logprob and every LoRA
+    tensor of both backends; a side with fewer (or none) is a FAIL, not a max over the rest."""
+    import torch
+
+    from miles.backends.megatron import gpu_check as megatron_check
+
+    vocab = 100
+    lengths = [len(s.response_ids) for s in megatron_check._probe(megatron_check._samples(vocab)[0])]
+    full = {"logprobs": [[-1.0] * n for n in lengths],
+            "lora": {n: {"w.lora_A.weight": torch.zeros(2)} for n in megatron_check.ADAPTERS}}
+    assert megatron_check._not_alike(full, full, vocab) is None
+    short = {**full, "logprobs": [xs[:-1] for xs in full["logprobs"]]}
+    for meg, ref in [({**full, "logprobs": []}, full), (full, short), (short, short)]:
+        assert "logprobs per sample" in megatron_check._not_alike(meg, ref, vocab)
+    no_lora = {**full, "lora": {n: {} for n in megatron_check.ADAPTERS}}
+    for meg, ref in [(no_lora, full), (no_lora, no_lora), ({**full, "lora": {"a": full["lora"]["a"]}}, full)]:
+        assert "LoRA tensors" in megatron_check._not_alike(meg, ref, vocab)
+
+
 @pytest.mark.parametrize("mode, backend, tp", [("versioned", "torch", 1), ("in_place", "torch", 1),
                                                ("versioned", "megatron", 1), ("versioned", "megatron", 2)])
 def test_gpu_trainer_flags_make_a_command_sglang_0_5_takes(tmp_path, mode, backend, tp):

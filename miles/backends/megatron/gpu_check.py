@@ -47,6 +47,11 @@ def _samples(vocab: int) -> tuple[list[Sample], list[float]]:
     return samples, advantages
 
 
+def _probe(samples: list[Sample]) -> list[Sample]:
+    """The mixed batch whose logprobs are compared: every sample, and base-only copies."""
+    return samples + [Sample(**{**s.__dict__, "slot": -1}) for s in samples[::4]]
+
+
 def _specs() -> list[AdapterSpec]:
     return [AdapterSpec(name=n, slot=s, rank=RANK, alpha=16.0, global_batch_size=8, lr=1e-4) for n, s in ADAPTERS.items()]
 
@@ -62,12 +67,25 @@ def _play(actor, set_weights, vocab: int, shapes) -> dict:
     for i, (name, slot) in enumerate(ADAPTERS.items()):
         set_weights(slot, _weights(shapes, 10 + i))
     samples, advantages = _samples(vocab)
-    probe = samples + [Sample(**{**s.__dict__, "slot": -1}) for s in samples[::4]]
-    seen = {"logprobs": actor.logprobs(probe)}
+    seen = {"logprobs": actor.logprobs(_probe(samples))}
     actor.train(samples, advantages, {n: 8 for n in ADAPTERS})
     actor.step_adapters(list(ADAPTERS))
     seen["lora"] = {n: actor.export_adapter(n) for n in ADAPTERS}
     return seen
+
+
+def _not_alike(meg: dict, ref: dict, vocab: int) -> str | None:
+    """Why the two runs' outputs cannot be compared value by value (None: they can). Fewer or
+    no values on one side must be a FAIL, never a max over what happens to be there."""
+    expected = [len(s.response_ids) for s in _probe(_samples(vocab)[0])]
+    counts = {side: [len(xs) for xs in seen["logprobs"]] for side, seen in (("Megatron", meg), ("torch", ref))}
+    if any(found != expected for found in counts.values()):
+        return f"logprobs per sample {counts}, responses of {expected} tokens"
+    keys = {side: {n: sorted(seen["lora"].get(n, {})) for n in ADAPTERS}
+            for side, seen in (("Megatron", meg), ("torch", ref))}
+    if keys["Megatron"] != keys["torch"] or not all(keys["torch"].values()):
+        return f"LoRA tensors after the step differ in names or are missing: {keys}"
+    return None
 
 
 def _rank_main(rank: int, world: int, address: str, args: argparse.Namespace, shapes, out: str) -> None:
@@ -108,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     ref_actor.load_adapter(_specs()[0])
     shapes = {k: v.shape for k, v in ref_actor.export_adapter("a").items()}
     ref_actor.cleanup_adapter("a")
+    vocab = ref_actor.model.config.vocab_size
     ref = _play(ref_actor, lambda slot, t: set_slot_weights(ref_actor.model, slot, t, rank=RANK, alpha=16.0),
-                ref_actor.model.config.vocab_size, shapes)
+                vocab, shapes)
     del ref_actor
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -119,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         mp.start_processes(_rank_main, args=(args.tp, address, args, shapes, out), nprocs=args.tp, join=True,
                            start_method="spawn")
         meg = torch.load(out, weights_only=False)
+    unlike = _not_alike(meg, ref, vocab)
+    if unlike is not None:
+        print(f"FAIL megatron-tp{args.tp}: Megatron vs torch backend ({args.device}, {args.dtype}): {unlike}")
+        return 1
     logprob_diff = max(abs(x - y) for xs, ys in zip(meg["logprobs"], ref["logprobs"]) for x, y in zip(xs, ys))
     lora_diff = max(float((meg["lora"][n][k] - ref["lora"][n][k]).abs().max()) for n in ADAPTERS for k in ref["lora"][n])
     ok = logprob_diff <= tol and lora_diff <= tol
