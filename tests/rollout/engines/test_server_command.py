@@ -1,14 +1,22 @@
 """Command lines of the engines and the router, built from the typed config.
 
-The SGLang command is checked against SGLang 0.5's own argument parser when `sglang`
-imports (the `gpu` extra), and always against the flags that parser defines, kept
-beside this test (`sglang_0_5_23_server_flags.json`, with the version it came from).
+The SGLang command is checked, on every machine, against the flags SGLang 0.5.23's own
+argument parser defines: saved beside this test (`sglang_0_5_23_server_flags.json`, with
+the version it came from), the source of truth, refreshed from a real SGLang install by
+
+    .venv-sglang/bin/python scripts/sglang_server_flags.py --out tests/rollout/engines/sglang_0_5_23_server_flags.json
+
+(`make gpu-check` installs SGLang in .venv-sglang; SGLang is never installed in the
+trainer's environment, whose torch and transformers it would replace).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,6 +99,7 @@ def test_router_command():
 
 
 SGLANG_FLAGS = Path(__file__).with_name("sglang_0_5_23_server_flags.json")
+REFRESH_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "sglang_server_flags.py"
 SGLANG_CASES = [
     ["--multi-lora-n-adapters", "6", "--lora-rank", "32", "--target-modules", "q_proj,v_proj", "--dtype", "bfloat16"],
     ["--multi-lora-n-adapters", "1", "--lora-rank", "8", "--target-modules", "all-linear", "--dtype", "float32"],
@@ -149,13 +158,78 @@ def test_flag_list_rejects_what_sglang_rejects():
         parser.parse_args(["--lora-target-modules", "all-linear"])  # SGLang spells it "all"
 
 
-@pytest.mark.parametrize("mode, n_slots, argv", sglang_commands())
-def test_sglang_command_parses_with_sglangs_own_parser(mode, n_slots, argv):
-    server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang is not installed (the gpu extra)")
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    server_args.ServerArgs.add_cli_args(parser)
-    args = parser.parse_args(argv)
-    check_lora_limits(mode, args, n_slots)
+def refresh_script():
+    spec = importlib.util.spec_from_file_location("sglang_server_flags", REFRESH_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_flag_list_is_what_the_refresh_script_writes():
+    """Read into a parser and described again, the saved list is its own file byte for byte:
+    a refresh from a real SGLang changes the lines SGLang changed and nothing else, and
+    what the tests parse with is what the file says."""
+    refresh = refresh_script()
+    text = SGLANG_FLAGS.read_text()
+    version = json.loads(text)["sglang_version"]
+    assert SGLANG_FLAGS.name == f"sglang_{version.replace('.', '_')}_server_flags.json"
+    assert refresh.render(version, refresh.describe(parser_from_flag_list())) == text
+    assert len(json.loads(text)["flags"]) == 560  # README ("Status of the GPU paths") states the number
+
+
+def test_the_refresh_script_describes_every_kind_of_option():
+    refresh = refresh_script()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--lora-target-modules", nargs="*", choices=["q_proj", "all"])
+    parser.add_argument("--json-model-override-args", type=json.loads)  # a converter of its own
+    parser.add_argument("--mem-fraction-static", type=float)
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction)
+    parser.add_argument("-v", "--verbose", action="count")
+    switch = {"nargs": 0, "choices": None, "type": None}
+    assert refresh.describe(parser) == {
+        "--enable-lora": switch, "--help": switch, "--overlap": switch, "--no-overlap": switch, "--verbose": switch,
+        "--json-model-override-args": {"nargs": 1, "choices": None, "type": None},
+        "--lora-target-modules": {"nargs": "*", "choices": ["q_proj", "all"], "type": None},
+        "--mem-fraction-static": {"nargs": 1, "choices": None, "type": "float"},
+        "--tensor-parallel-size": {"nargs": 1, "choices": None, "type": "int"},
+        "--tp-size": {"nargs": 1, "choices": None, "type": "int"},
+    }
+    assert list(refresh.describe(parser)) == sorted(refresh.describe(parser))
+
+
+def test_the_refresh_script_writes_what_the_installed_sglang_defines(tmp_path):
+    """Run as documented, by an interpreter where `sglang` imports (here a stand-in package
+    with two server flags): the file holds that version and exactly its flags."""
+    server_args = tmp_path / "pkgs" / "sglang" / "srt"
+    server_args.mkdir(parents=True)
+    (tmp_path / "pkgs" / "sglang" / "__init__.py").write_text('__version__ = "9.9.9"\n')
+    (server_args / "__init__.py").write_text("")
+    (server_args / "server_args.py").write_text(
+        "class ServerArgs:\n"
+        "    @staticmethod\n"
+        "    def add_cli_args(parser):\n"
+        "        parser.add_argument('--max-lora-rank', type=int)\n"
+        "        parser.add_argument('--enable-lora', action='store_true')\n")
+    out = tmp_path / "flags.json"
+    done = subprocess.run([sys.executable, str(REFRESH_SCRIPT), "--out", str(out)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path / "pkgs")}, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    spec = json.loads(out.read_text())
+    assert spec["sglang_version"] == "9.9.9"
+    assert spec["flags"] == {"--enable-lora": {"nargs": 0, "choices": None, "type": None},
+                             "--help": {"nargs": 0, "choices": None, "type": None},
+                             "--max-lora-rank": {"nargs": 1, "choices": None, "type": "int"}}
+
+
+def test_the_refresh_script_says_which_interpreter_to_run_it_with(tmp_path, capsys, monkeypatch):
+    """Under an interpreter without SGLang (the trainer's, on purpose) it says which one to
+    use and writes nothing."""
+    monkeypatch.setitem(sys.modules, "sglang", None)  # `import sglang` raises ImportError
+    assert refresh_script().main(["--out", str(tmp_path / "flags.json")]) == 2
+    assert ".venv-sglang/bin/python" in capsys.readouterr().err
+    assert not (tmp_path / "flags.json").exists()
 
 
 def test_builtin_command_takes_the_same_capacity_and_mode():
