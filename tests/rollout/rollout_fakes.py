@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from waiting import wait_until_async
 
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.types import AdapterRun, MultiLoRASnapshot, PromptGroup, Sample
@@ -27,10 +28,13 @@ class FakeController:
     def __init__(self, snapshot: MultiLoRASnapshot | None = None) -> None:
         self.current = snapshot or MultiLoRASnapshot()
         self.records: list[tuple[int, dict[str, int], list[str]]] = []
+        self.snapshot_reads = 0
+        """How many times the code under test read the snapshot (a producer reads it once per round)."""
         self.snapshot = FakeMethod(self._snapshot)
         self.record_batch_adapters = FakeMethod(self._record)
 
     async def _snapshot(self) -> MultiLoRASnapshot:
+        self.snapshot_reads += 1
         return self.current
 
     async def _record(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
@@ -107,7 +111,6 @@ class FakeEngineServer:
         self.gate.set()
         self.aborted_prefixes: list[str] = []
         self.status_code = 200
-        self._abort_event = asyncio.Event()
         app = FastAPI()
 
         @app.post("/generate")
@@ -145,10 +148,7 @@ class FakeEngineServer:
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
                                                      lifespan="off"))
         self._task = asyncio.create_task(self._server.serve())
-        while not self._server.started:
-            await asyncio.sleep(0.01)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = await served_url(self._server, self._task)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -157,9 +157,15 @@ class FakeEngineServer:
         await self._task
 
 
-async def wait_for(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
+async def served_url(server: Any, task: asyncio.Task) -> str:
+    """The URL of a uvicorn `server` started on port 0 by `task`, once it listens (the port
+    is the one the OS gave it, read back from its socket)."""
+
+    def listening() -> bool:
+        if task.done():  # it failed to start: raise its error instead of waiting out the deadline
+            task.result()
+            raise AssertionError("the fake server stopped before it listened")
+        return server.started
+
+    await wait_until_async(listening, 10, "the fake server to listen")
+    return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"

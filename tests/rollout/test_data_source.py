@@ -4,12 +4,12 @@ dataset. (Reading and checking the files themselves: test_datasets.py.)"""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 
 import pytest
 from rollout_fakes import make_run
+from waiting import wait_until_async
 
 from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.data_source import AdapterDataset, DatasetCheck, DataSourceConfig, MultiLoRADataSource
@@ -37,12 +37,15 @@ def data_source(*, seed=1, chat=False, shuffle=True, max_prompt_len=None):
     return MultiLoRADataSource(config, tokenizer), tokenizer
 
 
-async def wait_ready(source, runs, timeout=10.0):
-    for _ in range(int(timeout / 0.01)):
-        if all(source.ready(r) for r in runs):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"datasets not loaded; failed={source.failed}")
+async def wait_ready(source, runs):
+    """Datasets load in the background; one that failed to load fails the wait at once."""
+
+    def loaded() -> bool:
+        failed = {r.name: source.failed[r.registration_id] for r in runs if r.registration_id in source.failed}
+        assert not failed, f"datasets failed to load: {failed}"
+        return all(source.ready(r) for r in runs)
+
+    await wait_until_async(loaded, 10, f"the datasets of {[r.name for r in runs]} to load")
 
 
 async def test_samples_carry_adapter_label_merged_metadata_and_reward(files):
@@ -94,10 +97,7 @@ async def test_broken_dataset_disables_only_its_adapter(tmp_path, files):
     source, _ = data_source()
     source.sync(MultiLoRASnapshot(active={"good": good, "bad": bad}))
     await wait_ready(source, [good])
-    for _ in range(100):
-        if bad.registration_id in source.failed:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: bad.registration_id in source.failed, 10, "the broken dataset to fail")
     assert "no such file" in source.failed[bad.registration_id]
     assert not source.ready(bad)
     source.sync(MultiLoRASnapshot(active={"good": good, "bad": bad}))  # no retry loop on the same registration

@@ -10,7 +10,8 @@ import sys
 import textwrap
 
 import pytest
-from rollout_fakes import FakeController, FakeEngineServer, active, make_run, wait_for
+from rollout_fakes import FakeController, FakeEngineServer, active, make_run
+from waiting import wait_until_async
 
 from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.buffers import AdapterBuffers
@@ -94,7 +95,7 @@ async def test_miles_reward_and_zero_std_filter_count_drops_per_reason(dataset, 
         prod, buffers = producer(server, FakeController(active(a)),
                                  dynamic_filter_path=f"{miles_plugins}.check_reward_nonzero_std")
         prod.start()
-        await wait_for(lambda: prod.count("filtered", "a") >= 6, what="a pass over the dataset")
+        await wait_until_async(lambda: prod.count("filtered", "a") >= 6, 10, "a pass over the dataset")
         await prod.stop()
     counts = prod.generation_counts("a")
     assert set(counts.filtered_by_reason) == {"zero_std_1.0", "zero_std_0.0"}
@@ -112,8 +113,8 @@ async def test_adapter_filter_wins_and_a_bool_drop_counts_as_unspecified(dataset
     async with FakeEngineServer("12") as server:
         prod, buffers = producer(server, FakeController(active(a, b)))
         prod.start()
-        await wait_for(lambda: prod.count("filtered", "a") >= 2 and prod.count("produced", "b") >= 2,
-                       what="groups of both adapters")
+        await wait_until_async(lambda: prod.count("filtered", "a") >= 2 and prod.count("produced", "b") >= 2, 10,
+                               "groups of both adapters")
         await prod.stop()
     assert prod.generation_counts("a").filtered_by_reason == {UNSPECIFIED_REASON: prod.count("filtered", "a")}
     assert prod.count("produced", "a") == 0 and prod.count("filtered", "b") == 0
@@ -126,7 +127,7 @@ async def test_rollout_sample_filter_masks_removed_samples(dataset, miles_plugin
         prod, buffers = producer(server, FakeController(active(a)),
                                  rollout_sample_filter_path=f"{miles_plugins}.remove_unrewarded")
         prod.start()
-        await wait_for(lambda: len(buffers.get("a")) >= 6, what="a pass over the dataset")
+        await wait_until_async(lambda: len(buffers.get("a")) >= 6, 10, "a pass over the dataset")
         await prod.stop()
     samples = [s for g in buffers.get("a").pop(6) for s in g.samples]
     assert {s.reward for s in samples} == {0.0, 1.0}

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request
-from rollout_fakes import FakeController, active, make_run, wait_for
+from rollout_fakes import FakeController, active, make_run, served_url
+from waiting import wait_until_async
 
 from miles.recipes.calculator_tool import CALL_CLOSE
 from miles.recipes.tiny_model import build_char_tokenizer
@@ -83,9 +84,7 @@ class ScriptedEngine:
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
                                                      lifespan="off"))
         self._task = asyncio.create_task(self._server.serve())
-        while not self._server.started:
-            await asyncio.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self._server.servers[0].sockets[0].getsockname()[1]}"
+        self.url = await served_url(self._server, self._task)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -120,7 +119,7 @@ async def test_calculator_conversation_masks_the_tool_output(dataset):
     async with ScriptedEngine() as server:
         prod, buffers = producer(server, FakeController(active(calc_run(dataset, n_samples=2))))
         prod.start()
-        await wait_for(lambda: len(buffers.get("calc")) >= 1, what="a group")
+        await wait_until_async(lambda: len(buffers.get("calc")) >= 1, 10, "a group")
         await prod.stop()
     group = buffers.get("calc").pop(1)[0]
     sample = group.samples[0]
@@ -147,10 +146,11 @@ async def test_prefix_abort_mid_conversation_drops_the_group(dataset):
         server.turn_gates[1].clear()  # every second turn waits
         prod, buffers = producer(server, FakeController(active(calc_run(dataset, n_samples=2))))
         prod.start()
-        await wait_for(lambda: sum(TOKENIZER.decode(r["input_ids"]).count("</result>") for r in server.requests) == 2,
-                       what="both samples in their second turn")
+        await wait_until_async(
+            lambda: sum(TOKENIZER.decode(r["input_ids"]).count("</result>") for r in server.requests) == 2, 10,
+            "both samples in their second turn")
         server.aborted_prefixes.append("calc::")  # what the controller posts when the adapter retires
-        await wait_for(lambda: prod.count("aborted") >= 1, what="the aborted group")
+        await wait_until_async(lambda: prod.count("aborted") >= 1, 10, "the aborted group")
         n_requests = len(server.requests)
         await prod.stop()
     assert prod.count("produced") == 0 and len(buffers.get("calc")) == 0
@@ -167,11 +167,11 @@ async def test_adapter_retired_between_turns_sends_no_further_turn(dataset):
         server.turn_gates[0].clear()
         prod, buffers = producer(server, controller)
         prod.start()
-        await wait_for(lambda: len(server.requests) == 1, what="the first turn")
+        await wait_until_async(lambda: len(server.requests) == 1, 10, "the first turn")
         controller.current = active()  # retired (and its slot maybe reused) while the first turn runs
-        await wait_for(lambda: "calc" not in prod._snapshot.sampleable, what="the producer sees it")
+        await wait_until_async(lambda: "calc" not in prod._snapshot.sampleable, 10, "the producer sees it")
         server.turn_gates[0].set()
-        await wait_for(lambda: prod.count("aborted") == 1, what="the aborted group")
+        await wait_until_async(lambda: prod.count("aborted") == 1, 10, "the aborted group")
         await prod.stop()
     assert len(server.requests) == 1 and len(buffers.get("calc")) == 0
 

@@ -13,7 +13,8 @@ import textwrap
 
 import aiohttp
 import pytest
-from rollout_fakes import FakeController, FakeEngineServer, active, make_run, wait_for
+from rollout_fakes import FakeController, FakeEngineServer, active, make_run
+from waiting import wait_until_async
 
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
@@ -52,7 +53,7 @@ async def test_requests_and_groups_have_the_sglang_shape(dataset):
     async with FakeEngineServer("so 12") as server:
         prod, buffers, tokenizer = producer(server, controller, in_flight=1)
         prod.start()
-        await wait_for(lambda: len(buffers.get("a")) >= 2, what="two groups")
+        await wait_until_async(lambda: len(buffers.get("a")) >= 2, 10, "two groups")
         await prod.stop()
     request = server.requests[0]
     assert re.fullmatch(r"a::[0-9a-f]{32}", request["rid"])
@@ -77,11 +78,11 @@ async def test_stamp_is_the_version_at_submission_not_at_completion(dataset):
         server.gate.clear()
         prod, buffers, _ = producer(server, controller, in_flight=1)
         prod.start()
-        await wait_for(lambda: len(server.requests) == 1, what="first request")
+        await wait_until_async(lambda: len(server.requests) == 1, 10, "first request")
         controller.current = active(dataclasses.replace(a, version=2))  # a push lands mid-generation
-        await wait_for(lambda: prod._snapshot.active["a"].version == 2, what="producer sees version 2")
+        await wait_until_async(lambda: prod._snapshot.active["a"].version == 2, 10, "producer sees version 2")
         server.gate.set()
-        await wait_for(lambda: len(buffers.get("a")) >= 2, what="two groups")
+        await wait_until_async(lambda: len(buffers.get("a")) >= 2, 10, "two groups")
         await prod.stop()
     first, second = buffers.get("a").pop(2)
     assert (first.version, second.version) == (1, 2)
@@ -94,10 +95,10 @@ async def test_group_with_an_aborted_sample_is_dropped_whole(dataset):
         server.gate.clear()
         prod, buffers, _ = producer(server, controller, in_flight=1)
         prod.start()
-        await wait_for(lambda: len(server.requests) == 2, what="both requests of the group")
+        await wait_until_async(lambda: len(server.requests) == 2, 10, "both requests of the group")
         server.aborted_prefixes.append(server.requests[1]["rid"])  # abort one sample only
         server.gate.set()
-        await wait_for(lambda: prod.count("aborted") == 1 and len(buffers.get("a")) >= 2, what="later groups")
+        await wait_until_async(lambda: prod.count("aborted") == 1 and len(buffers.get("a")) >= 2, 10, "later groups")
         await prod.stop()
     groups = buffers.get("a").pop(len(buffers.get("a")))
     assert 0 not in [g.samples[0].group_index for g in groups]  # the first prompt's group is gone
@@ -111,9 +112,12 @@ async def test_round_robin_under_the_in_flight_cap(dataset):
         server.gate.clear()
         prod, _, _ = producer(server, controller, in_flight=2)
         prod.start()
-        await wait_for(lambda: len(server.requests) == 4, what="two groups of two")
-        await asyncio.sleep(0.2)  # nothing beyond the cap is submitted while all are in flight
-        assert len(server.requests) == 4
+        await wait_until_async(lambda: len(server.requests) == 4, 10, "two groups of two")
+        # Nothing beyond the cap is submitted while all are in flight: each round of the producer
+        # reads the snapshot, then submits; two more reads mean a full round ran with the cap reached.
+        reads = controller.snapshot_reads
+        await wait_until_async(lambda: controller.snapshot_reads >= reads + 2, 10, "two more producer rounds")
+        assert prod.count("submitted") == 2 and len(server.requests) == 4
         adapters = sorted(r["rid"].split("::")[0] for r in server.requests)
         assert adapters == ["a", "a", "b", "b"]
         assert {r["lora_path"] for r in server.requests} == {"__miles_slot_0", "__miles_slot_1"}
@@ -138,7 +142,7 @@ async def test_dynamic_filter_drops_groups(dataset, filter_module):
     async with FakeEngineServer() as server:
         prod, buffers, _ = producer(server, FakeController(active(a)), dynamic_filter_path="my_filters.keep_none")
         prod.start()
-        await wait_for(lambda: prod.count("filtered") >= 3, what="filtered groups")
+        await wait_until_async(lambda: prod.count("filtered") >= 3, 10, "filtered groups")
         await prod.stop()
     assert len(buffers.get("a")) == 0 and prod.count("produced") == 0
 
@@ -149,7 +153,7 @@ async def test_repeated_failures_kill_the_producer_and_surface_the_cause(dataset
         server.status_code = 500
         prod, _, _ = producer(server, FakeController(active(a)), max_consecutive_failures=2)
         prod.start()
-        await wait_for(lambda: prod.failure is not None, what="producer death")
+        await wait_until_async(lambda: prod.failure is not None, 10, "producer death")
         with pytest.raises(ProducerDiedError) as info:
             prod.raise_if_failed()
         assert isinstance(info.value.__cause__, aiohttp.ClientResponseError)
@@ -184,7 +188,7 @@ async def test_reward_key_picks_the_reward_of_a_dict_reward(dataset, reward_key,
     async with FakeEngineServer(response) as server:
         prod, buffers, _ = producer(server, FakeController(active(a)), in_flight=1, reward_key=reward_key)
         prod.start()
-        await wait_for(lambda: len(buffers.get("a")) >= 1, what="a group")
+        await wait_until_async(lambda: len(buffers.get("a")) >= 1, 10, "a group")
         await prod.stop()
     group = buffers.get("a").pop(1)[0]
     assert [s.reward for s in group.samples] == [reward, reward]
@@ -196,7 +200,7 @@ async def test_a_dict_reward_without_reward_key_fails_the_group_naming_the_flag(
     async with FakeEngineServer("Answer: 12") as server:
         prod, _, _ = producer(server, FakeController(active(a)), max_consecutive_failures=1)
         prod.start()
-        await wait_for(lambda: prod.failure is not None, what="producer death")
+        await wait_until_async(lambda: prod.failure is not None, 10, "producer death")
         await prod.stop()
     assert "set --reward-key" in str(prod.failure)
 
@@ -226,7 +230,7 @@ async def test_group_rm_scores_the_whole_group_with_one_call(dataset, group_rewa
         prod, buffers, _ = producer(server, FakeController(active(a)), in_flight=1, group_rm=group_rm,
                                     reward_key="r", max_consecutive_failures=1)
         prod.start()
-        await wait_for(lambda: len(buffers.get("a")) >= 1, what="a group")
+        await wait_until_async(lambda: len(buffers.get("a")) >= 1, 10, "a group")
         await prod.stop()
     calls = sys.modules["my_group_rewards"].CALLS
     rewards = [s.reward for s in buffers.get("a").pop(1)[0].samples]
@@ -243,12 +247,12 @@ async def test_an_adapter_deregistered_before_its_first_push_is_never_sampled(da
     async with FakeEngineServer() as server:
         prod, buffers, _ = producer(server, controller, in_flight=2)
         prod.start()
-        await wait_for(lambda: len(buffers.get("a")) >= 3, what="three groups of a")
+        await wait_until_async(lambda: len(buffers.get("a")) >= 3, 10, "three groups of a")
         assert {r["lora_path"] for r in server.requests} == {"__miles_slot_0"}
         # An adapter seen ACTIVE keeps generating while RETIRING, as before.
         controller.current = active(retiring=(a,))
         buffers.discard("a")  # its next step is no longer covered: the producer submits again
         served = len(server.requests)
-        await wait_for(lambda: len(server.requests) > served + 2, what="a's requests while retiring")
+        await wait_until_async(lambda: len(server.requests) > served + 2, 10, "a's requests while retiring")
         await prod.stop()
     assert not buffers.get("b") and {r["lora_path"] for r in server.requests} == {"__miles_slot_0"}

@@ -12,7 +12,8 @@ import time
 
 import httpx
 import pytest
-from rollout_fakes import FakeController, active, make_run, wait_for
+from rollout_fakes import FakeController, active, make_run
+from waiting import wait_until_async
 
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
@@ -104,8 +105,8 @@ async def test_two_adapters_then_deregistration_aborts_only_its_requests(router_
                            lora_name=engine_lora_name, reward_args=None)
     prod.start()
     try:
-        await wait_for(lambda: len(buffers.get("a")) >= 2 and len(buffers.get("b")) >= 2, timeout=120,
-                       what="groups of both adapters")
+        await wait_until_async(lambda: len(buffers.get("a")) >= 2 and len(buffers.get("b")) >= 2, 120,
+                               "groups of both adapters")
         for name, run in (("a", a), ("b", b)):
             for group in buffers.get(name).pop(2):
                 assert (group.slot, group.version, group.registration_id) == (run.slot, run.version,
@@ -114,17 +115,16 @@ async def test_two_adapters_then_deregistration_aborts_only_its_requests(router_
                 for sample in group.samples:
                     assert len(sample.rollout_logprobs) == len(sample.response_ids) <= 48
                     assert all(lp <= 0.0 for lp in sample.rollout_logprobs)
-        await wait_for(lambda: prod.in_flight["a"] >= 1, timeout=60, what="requests of a in flight")
+        await wait_until_async(lambda: prod.in_flight["a"] >= 1, 60, "requests of a in flight")
         # Deregistration as the controller does it: a leaves the snapshot, then a prefix abort.
         controller.current = MultiLoRASnapshot(active={"b": b})
         async with httpx.AsyncClient(trust_env=False) as client:
             reply = await client.post(f"{engine}/abort_request", json={"rid": "a::", "prefix": True})
             assert reply.status_code == 200
-        await wait_for(lambda: prod.in_flight["a"] == 0, timeout=60, what="a's requests to finish")
+        await wait_until_async(lambda: prod.in_flight["a"] == 0, 60, "a's requests to finish")
         assert prod.count("aborted", "a") >= 1
         submitted_a, produced_b = prod.count("submitted", "a"), prod.count("produced", "b")
-        await wait_for(lambda: prod.count("produced", "b") >= produced_b + 2, timeout=120,
-                       what="b to keep producing")
+        await wait_until_async(lambda: prod.count("produced", "b") >= produced_b + 2, 120, "b to keep producing")
         assert prod.count("submitted", "a") == submitted_a
         assert prod.count("aborted", "b") == 0 and prod.failure is None
     finally:
@@ -190,7 +190,7 @@ async def test_two_turn_generate_function_then_prefix_abort_in_the_second_turn(r
                            lora_name=engine_lora_name, reward_args=None)
     prod.start()
     try:
-        await wait_for(lambda: len(buffers.get("a")) >= 1, timeout=120, what="a two-turn group")
+        await wait_until_async(lambda: len(buffers.get("a")) >= 1, 120, "a two-turn group")
         sample = buffers.get("a").pop(1)[0].samples[0]
         observation = tokenizer.encode(two_turns.OBSERVATION, add_special_tokens=False)
         first = sample.response_ids[: sample.loss_mask.index(0)]
@@ -210,13 +210,13 @@ async def test_two_turn_generate_function_then_prefix_abort_in_the_second_turn(r
         # may end before the abort reaches the engine; then the next conversation is tried.
         for _ in range(5):
             n_second = len(two_turns.SECOND_TURNS)
-            await wait_for(lambda: len(two_turns.SECOND_TURNS) > n_second, timeout=60, what="a second turn")
+            await wait_until_async(lambda: len(two_turns.SECOND_TURNS) > n_second, 60, "a second turn")
             target = two_turns.SECOND_TURNS[-1]
             controller.current = MultiLoRASnapshot()
             async with httpx.AsyncClient(trust_env=False) as client:
                 reply = await client.post(f"{engine}/abort_request", json={"rid": "a::", "prefix": True})
                 assert reply.status_code == 200
-            await wait_for(lambda: prod.in_flight["a"] == 0, timeout=60, what="the conversation to end")
+            await wait_until_async(lambda: prod.in_flight["a"] == 0, 60, "the conversation to end")
             if target.status.value == "aborted":
                 break
             controller.current = active(a)

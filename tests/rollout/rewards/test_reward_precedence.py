@@ -4,9 +4,10 @@ sample's `metadata["rm_type"]`, then `--rm-type`. Registration must not copy
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
+
+from waiting import wait_until_async
 
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.recipes.tiny_model import build_char_tokenizer
@@ -36,10 +37,7 @@ async def draw_rewards(tmp_path: Path, adapter_config: dict) -> dict[str, str]:
     source = MultiLoRADataSource(DataSourceConfig(seed=0, apply_chat_template=False, default_rm_type=CLI_RM_TYPE),
                                  build_char_tokenizer())
     source.sync(MultiLoRASnapshot(active={"a": run}))
-    for _ in range(1000):
-        if source.ready(run):
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: source.ready(run) or source.failed, 10, "the dataset to load")
     assert source.ready(run), source.failed
     names = {fn: name for name, fn in (("math", get_reward_fn("math")), ("exact", get_reward_fn("exact")),
                                        ("f1", get_reward_fn("f1")))}
