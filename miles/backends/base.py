@@ -4,7 +4,7 @@ A training backend holds the frozen base model, the slot page table and one opti
 per slot, spread over its ranks. It does the math and nothing else: it never talks to
 the controller, keeps no lifecycle state and counts no steps for anyone. The adapter
 lifecycle (which adapter goes in which slot, when to push, when to save, under which
-step number) is orchestrated once, backend-neutral, by `miles.main.adapter_sync` on the
+step number) is orchestrated once, backend-neutral, by the loop's stages (`miles.main.stages`) on the
 iteration's snapshot.
 
     backend: TrainingBackend = TrainGroup(TrainGroupConfig.from_config(cfg))

@@ -176,26 +176,44 @@ class MultiLoRAController:
     async def deregister_adapter(self, name: str) -> AdapterState:
         return self.backend.deregister(name)
 
-    async def retire_adapters(self) -> list[str]:
-        return await self.backend.retire_adapters()
+    # ---- the driver's lifecycle calls: each answers with the registry's snapshot after it ----
 
-    async def free_slot(self, name: str) -> int:
-        return await self.backend.free_slot(name)
+    async def retire_adapters(self) -> MultiLoRASnapshot:
+        """RETIRING -> CLEANUP (their in-flight requests aborted)."""
+        await self.backend.retire_adapters()
+        return self.backend.snapshot()
 
-    async def record_weight_update(self, names: list[str]) -> dict[str, int]:
-        return self.backend.record_weight_update(names)
+    async def free_slots(self, names: list[str]) -> MultiLoRASnapshot:
+        """CLEANUP -> COMPLETED for each of `names` in CLEANUP (the others are left as they are)."""
+        for name in names:
+            await self.backend.free_slot(name)
+        return self.backend.snapshot()
+
+    async def begin_weight_update(self, names: list[str]) -> MultiLoRASnapshot:
+        """A push of `names` starts: each shows the version it will become as `pushing_version`."""
+        self.backend.begin_weight_update(names)
+        return self.backend.snapshot()
+
+    async def record_weight_update(self, names: list[str]) -> MultiLoRASnapshot:
+        """The push of `names` landed: new slot versions, PENDING -> ACTIVE."""
+        self.backend.record_weight_update(names)
+        return self.backend.snapshot()
 
     async def record_batch_adapters(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
         self.backend.record_batch_adapters(rollout_id, groups, step_names)
 
-    async def mark_batch_trained(self, rollout_id: int) -> list[str]:
-        return self.backend.mark_batch_trained(rollout_id)
+    async def mark_batch_trained(self, rollout_id: int) -> MultiLoRASnapshot:
+        """The batch trained: its groups count, adapters step (and retire at `num_step`)."""
+        self.backend.mark_batch_trained(rollout_id)
+        return self.backend.snapshot()
 
     async def requeue_for_new_trainer(self) -> list[str]:
         return self.backend.requeue_for_new_trainer()
 
-    async def set_adapter_step(self, name: str, step: int, accumulated_groups: int = 0) -> None:
+    async def set_adapter_step(self, name: str, step: int, accumulated_groups: int = 0) -> MultiLoRASnapshot:
+        """A resume: the adapter continues at its checkpoint's step."""
         self.backend.set_adapter_step(name, step, accumulated_groups)
+        return self.backend.snapshot()
 
     async def adapter_step(self, name: str) -> int:
         return self.backend.adapter_step(name)

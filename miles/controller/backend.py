@@ -281,6 +281,9 @@ class MultiLoRABackend:
 
     # ---- delegation to the registry ---------------------------------------------------
 
+    def begin_weight_update(self, names: list[str]) -> dict[str, int]:
+        return self.registry.begin_weight_update(names)  # transient: nothing to persist
+
     def record_weight_update(self, names: list[str]) -> dict[str, int]:
         versions = self.registry.record_weight_update(names)
         self._persist()

@@ -6,7 +6,8 @@ rule here is testable alone:
 
     registry = AdapterRegistry(n_slots=4)
     slot = registry.register("math", resolved_config)     # PENDING, lowest free slot
-    registry.record_weight_update(["math"])               # ACTIVE, slot version + 1
+    registry.begin_weight_update(["math"])                # the push will be slot version + 1
+    registry.record_weight_update(["math"])               # pushed: ACTIVE at that version
     registry.record_batch_adapters(0, {"math": 8}, ["math"])
     registry.mark_batch_trained(0)                        # step 1
     registry.deregister("math"); registry.retire_adapters(); registry.free_slot("math")
@@ -72,6 +73,9 @@ class _Record:
     accumulated_groups: int = 0
     pushed: bool = False
     """Its weights were pushed at least once (its `start_step` is fixed from then on)."""
+    pushing_version: int | None = None
+    """The version of a push under way (`begin_weight_update`), until it is recorded; not
+    persisted: a restarted trainer pushes every adapter again."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,22 @@ class AdapterRegistry:
 
     # ---- weights and batches -----------------------------------------------------
 
+    def begin_weight_update(self, names: list[str]) -> dict[str, int]:
+        """Before a push: the version each adapter's push will become (its slot's next one).
+
+        The engines go on serving the current version until `record_weight_update`; in the
+        meantime snapshots show the coming one as `pushing_version` (the weights the trainer
+        has sent), against which staleness counts. Names without a slot are skipped.
+        """
+        versions: dict[str, int] = {}
+        for name in names:
+            record = self._live.get(name)
+            if record is None:
+                logger.warning("Weight push begun for adapter '%s', which holds no slot; ignored", name)
+                continue
+            record.pushing_version = versions[name] = next_slot_version(self._slot_versions[record.slot])
+        return versions
+
     def record_weight_update(self, names: list[str]) -> dict[str, int]:
         """After a successful push: bump each slot's version, PENDING → ACTIVE.
 
@@ -232,6 +252,10 @@ class AdapterRegistry:
                 continue
             self._slot_versions[record.slot] = next_slot_version(self._slot_versions[record.slot])
             versions[name] = self._slot_versions[record.slot]
+            if record.pushing_version not in (None, versions[name]):
+                logger.warning("Adapter '%s' was pushed as version %d but its slot is now at version %d",
+                               name, record.pushing_version, versions[name])
+            record.pushing_version = None
             if record.state is AdapterState.PENDING:
                 record.state = AdapterState.ACTIVE
             record.pushed = True
@@ -359,7 +383,7 @@ class AdapterRegistry:
                 name=record.name, config=record.config, slot=record.slot,
                 version=self._slot_versions[record.slot], step=record.step,
                 accumulated_groups=record.accumulated_groups, registration_id=record.registration_id,
-                start_step=record.start_step, pushed=record.pushed,
+                start_step=record.start_step, pushed=record.pushed, pushing_version=record.pushing_version,
             )
         return MultiLoRASnapshot(
             pending=views[AdapterState.PENDING], active=views[AdapterState.ACTIVE],

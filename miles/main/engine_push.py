@@ -45,7 +45,7 @@ from ray.exceptions import RayActorError
 from miles.backends.base import LoraExport, TrainingBackend
 from miles.lora.weight_sync import UpdateGroupSpec
 from miles.rollout.engines.engine_actor import EngineNotReadyError
-from miles.utils.types import LoraUpdateMode, SlotPush
+from miles.utils.types import LoraUpdateMode, SlotPush, UpdateGroupLayout
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ class EnginePusher:
         """Engine index -> the weights-update group it shares with the exporting train rank."""
         self._broken: set[int] = set()
         """Engines whose group failed a push (rebuilt before their next push)."""
-        self._layout: tuple[str, int, bool] | None = None
-        """(process-group backend, ranks per engine, bucketed pushes), asked of the rollout manager once."""
+        self._layout: UpdateGroupLayout | None = None
+        """Asked of the rollout manager once."""
         self._down: set[int] = set()
         """Engines found down (dead, restarting, or without a server) since they last answered."""
 
@@ -164,7 +164,7 @@ class EnginePusher:
                                    f"v{version} after {IN_PLACE_ATTEMPTS} attempts (see the warnings above)")
             pending = [i for i in pending if i in self._groups]
             names = [self._groups[i].group_name for i in pending]
-            bucketed = self._layout is not None and self._layout[2]
+            bucketed = self._layout is not None and self._layout.bucketed
             sent, *loaded = await asyncio.gather(
                 self.backend.broadcast_adapter(export, names, bucketed=bucketed),
                 *(self.engines[i].push_lora_from_distributed.remote(
@@ -204,7 +204,7 @@ class EnginePusher:
         missing = [i for i, ok in joined.items() if not ok or i not in self._groups or i in self._broken]
         if missing:
             if self._layout is None:
-                self._layout = tuple(await self.rollout_manager.update_group_layout.remote())
+                self._layout = await self.rollout_manager.update_group_layout.remote()
             results = await asyncio.gather(*(self._join(i) for i in missing), return_exceptions=True)
             for i, result in zip(missing, results):
                 if isinstance(result, BaseException):
@@ -219,16 +219,17 @@ class EnginePusher:
         if old is not None:
             await asyncio.gather(self.backend.leave_update_group(old.group_name),
                                  engine.destroy_weights_update_group.remote(old.group_name))
-        backend, ranks, _ = self._layout
+        layout = self._layout
+        assert layout is not None, "the layout is asked for before the first join"
         host, port = await self.backend.update_group_endpoint()
-        spec = UpdateGroupSpec(master_address=host, master_port=port, world_size=1 + ranks,
-                               group_name=f"miles_lora_update_{i}_{uuid.uuid4().hex[:8]}", backend=backend,
+        spec = UpdateGroupSpec(master_address=host, master_port=port, world_size=1 + layout.ranks_per_engine,
+                               group_name=f"miles_lora_update_{i}_{uuid.uuid4().hex[:8]}", backend=layout.backend,
                                timeout_s=UPDATE_GROUP_TIMEOUT_S)
         await asyncio.gather(self.backend.join_update_group(spec),
                              engine.init_weights_update_group.remote(**spec.init_request(rank_offset=1)))
         self._groups[i] = spec
         logger.info("Weights-update group %s: the exporting train rank and engine %d at %s:%d (%s)",
-                    spec.group_name, i, host, port, backend)
+                    spec.group_name, i, host, port, layout.backend)
 
     # ---- versioned ---------------------------------------------------------------------
 

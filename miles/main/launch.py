@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from miles.backends.base import TrainingBackend
-from miles.main.adapter_sync import AdapterSync
 from miles.main.engine_push import EnginePusher
 from miles.main.progress import RunProgress, make_view
+from miles.main.stages import Stages
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
 
@@ -72,8 +72,8 @@ class Components:
     """RolloutManager actor handle."""
     backend: TrainingBackend
     """The training backend (the torch `TrainGroup` over its rank actors)."""
-    sync: AdapterSync
-    """The adapter lifecycle over the three above."""
+    stages: Stages
+    """The loop's stages over the three above."""
 
 
 def controller_hooks(cfg: MilesConfig) -> ControllerHooks:
@@ -103,10 +103,10 @@ async def launch(cfg: MilesConfig) -> Components:
     await controller.set_router_url.remote(router_url)
     pusher = EnginePusher(backend, await rollout_manager.engines.remote(), rollout_manager,
                           mode=cfg.engine_lora_update)
-    sync = AdapterSync(backend, controller, rollout_manager, save_interval=cfg.save_interval, pusher=pusher,
-                       overlap_push=cfg.overlap_weight_push)
+    stages = Stages.build(backend, controller, rollout_manager, pusher=pusher, save_interval=cfg.save_interval,
+                          overlap_push=cfg.overlap_weight_push)
     logger.info("Router at %s", router_url)
-    return Components(controller, rollout_manager, backend, sync)
+    return Components(controller, rollout_manager, backend, stages)
 
 
 def build_backend(cfg: MilesConfig) -> TrainingBackend:
@@ -131,7 +131,7 @@ async def shutdown(components: Components) -> None:
     """Save every loaded adapter (with its data position), then stop rollout, ranks, controller."""
     logger.info("Shutting down: saving adapters, stopping rollout")
     try:
-        await components.sync.save_all()
+        await components.stages.slots.save_all()
     finally:
         try:
             await components.rollout_manager.dispose.remote()

@@ -34,7 +34,7 @@ from typing import Any, Protocol, TextIO
 
 from miles.backends.base import AdapterTrainStats
 from miles.backends.torch.checkpoint import latest_checkpoint
-from miles.main.adapter_sync import TrainedBatch
+from miles.main.train_step import TrainedBatch
 from miles.utils.tracking import MetricsLogger
 from miles.utils.types import AdapterGauges, AdapterRolloutStats, AdapterState, MultiLoRASnapshot, RolloutBatch
 

@@ -48,10 +48,11 @@ async def generate(c: Components, rollout_id: int) -> RolloutBatch:
 
 
 async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progress: RunProgress) -> None:
+    s = c.stages
     timer = StageTimer()
     snapshot = await c.controller.snapshot.remote()
-    snapshot = await c.sync.reconcile(snapshot)  # loads the policy (resuming from its checkpoint)
-    snapshot = await c.sync.settle(await c.sync.update_weights(snapshot))
+    snapshot = await s.slots.reconcile(snapshot)  # loads the policy (resuming from its checkpoint)
+    snapshot = await s.push.settle(await s.push.update_weights(snapshot))
     next_rollout = asyncio.ensure_future(generate(c, cfg.start_rollout_id))
     try:
         for rollout_id in range(cfg.start_rollout_id, cfg.num_rollout):
@@ -60,14 +61,14 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             if rollout_id + 1 < cfg.num_rollout and not stop.is_set():
                 next_rollout = asyncio.ensure_future(generate(c, rollout_id + 1))
             with timer("train"):
-                trained = await c.sync.train(rollout_id, rollout, drop_failed=False)
+                trained = await s.train.train(rollout_id, rollout, drop_failed=False)
             with timer("commit"):
-                snapshot = await c.sync.commit(rollout_id)
+                snapshot = await s.train.commit(rollout_id)
             if (rollout_id + 1) % cfg.update_weights_interval == 0:
                 with timer("update_weights"):  # synchronous, as in Miles' train_async
-                    snapshot = await c.sync.settle(await c.sync.update_weights(snapshot))
+                    snapshot = await s.push.settle(await s.push.update_weights(snapshot))
             with timer("save"):
-                await c.sync.save(snapshot)
+                await s.slots.save(snapshot)
             await progress.record(rollout_id, rollout, trained, snapshot, timer.pop_metrics())
             if stop.is_set():
                 break

@@ -4,7 +4,7 @@
     curl -X POST localhost:8068/adapter_runs -d '{"name": "a", "yaml_path": "a.yaml"}'
 
 Every iteration acts on one snapshot of the controller's registry (DESIGN §1), handed
-from stage to stage (`miles.main.adapter_sync` does the lifecycle stages):
+from stage to stage (`miles.main.stages`: one owner per stage):
 snapshot -> reconcile adapters with slots -> push changed LoRA weights -> generate a
 batch of whole prompt groups -> train (per-adapter accumulation and steps) -> commit
 the batch -> save on each adapter's cadence. With `--overlap-weight-push` (the default)
@@ -41,6 +41,7 @@ def is_empty_batch_timeout(exc: BaseException) -> bool:
 
 
 async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progress: RunProgress) -> None:
+    s = c.stages
     timer = StageTimer()
     rollout_id = 0
     # Iterations tile the wall clock between two records (idle waits excluded), so
@@ -60,31 +61,31 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             iteration_start = time.perf_counter()
             continue
         with timer("reconcile"):
-            snapshot = await c.sync.reconcile(snapshot)
+            snapshot = await s.slots.reconcile(snapshot)
         with timer("update_weights"):
-            snapshot = await c.sync.update_weights(snapshot)
+            snapshot = await s.push.update_weights(snapshot)
         if not snapshot.sampleable:
             continue
-        async with c.sync.activating():  # registrations arriving meanwhile go to the engines at once
+        async with s.activation.activating():  # registrations arriving meanwhile go to the engines at once
             with timer("generate"):
                 rollout = await generate_or_none(c, rollout_id, snapshot)
             if rollout is None:
                 continue
             with timer("export_wait"):  # the push behind the loop takes its weights before train changes them
-                await c.sync.exports_taken()
+                await s.push.exports_taken()
             with timer("train"):
-                trained = await c.sync.train(rollout_id, rollout)
+                trained = await s.train.train(rollout_id, rollout)
         if trained is None:  # dropped: the registry never counts it, the backend took it back
             rollout_id += 1
             continue
         with timer("commit"):
-            snapshot = await c.sync.commit(rollout_id)
+            snapshot = await s.train.commit(rollout_id)
         with timer("save"):
-            await c.sync.save(snapshot)
+            await s.slots.save(snapshot)
         with timer("push_wait"):  # the push that ran behind generate and train (--overlap-weight-push)
-            snapshot = await c.sync.settle(snapshot)
+            snapshot = await s.push.settle(snapshot)
         now = time.perf_counter()
-        perf = {**timer.pop_metrics(), **c.sync.pop_push_metrics(), "perf/iteration_time": now - iteration_start,
+        perf = {**timer.pop_metrics(), **s.push.pop_push_metrics(), "perf/iteration_time": now - iteration_start,
                 "perf/stepped_adapters": float(len(trained.steps))}
         iteration_start = now
         await progress.record(rollout_id, rollout, trained, snapshot, perf)

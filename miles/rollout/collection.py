@@ -226,7 +226,7 @@ class BatchCollector:
         def reason(group: PromptGroup) -> DropReason | None:
             if group.registration_id != run.registration_id:
                 return DropReason.FOREIGN
-            if max_staleness is not None and run.version - group.version > max_staleness:
+            if max_staleness is not None and run.trainer_version - group.version > max_staleness:
                 return DropReason.STALE
             return None
 
@@ -266,7 +266,7 @@ class BatchCollector:
                 response_lengths=tuple(s.effective_response_length for s in samples),
                 truncated=sum(1 for s in samples if s.status is SampleStatus.TRUNCATED),
                 uniform_group_rewards=tuple(g.samples[0].reward for g in groups if _uniform_rewards(g)),
-                staleness=tuple(run.version - g.version for g in groups),
+                staleness=tuple(run.trainer_version - g.version for g in groups),
                 queue_length=queues.get(name, 0),
                 dropped={why: self.drops[name, why] for why in DropReason},
             )

@@ -36,9 +36,11 @@ from miles.utils.plugins import PluginError, load_object
 from miles.utils.types import (
     FinishReason,
     GenerateMetaInfo,
+    GenerateRequest,
     GenerateResponse,
     Sample,
     SampleStatus,
+    SamplingParams,
     adapter_rid,
 )
 
@@ -71,17 +73,22 @@ class AdapterEngine:
         """The adapter's current engine-side LoRA name; None once it is no longer sampleable."""
         return self._lora_name()
 
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *,
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | SamplingParams, *,
                        return_logprob: bool = True) -> GenerateResponse:
-        """One `POST /generate` continuing `input_ids`; raises on an HTTP error."""
+        """One `POST /generate` continuing `input_ids`; raises on an HTTP error.
+
+        `sampling_params`: the fields of `SamplingParams` (a key it does not know is refused
+        here, before anything is sent)."""
         rid = adapter_rid(self.adapter, uuid.uuid4().hex)
         lora_path = self._lora_name()
         if lora_path is None:
             return GenerateResponse(text="", output_ids=[], meta_info=GenerateMetaInfo(
                 id=rid, finish_reason=FinishReason(type="abort", message=f"adapter '{self.adapter}' is retired"),
                 prompt_tokens=len(input_ids), completion_tokens=0, output_token_logprobs=[]))
-        payload = {"input_ids": list(input_ids), "sampling_params": sampling_params, "lora_path": lora_path,
-                   "rid": rid, "return_logprob": return_logprob}
+        request = GenerateRequest(input_ids=list(input_ids), lora_path=lora_path, rid=rid,
+                                  sampling_params=SamplingParams.model_validate(sampling_params),
+                                  return_logprob=return_logprob)
+        payload = request.model_dump(mode="json", exclude_unset=True)
         self.requests += 1
         async with self._client.post(f"{self.router_url}/generate", json=payload) as response:
             if response.status >= 400:  # the engine's own words, not only the status line

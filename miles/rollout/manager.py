@@ -25,7 +25,7 @@ from miles.rollout.collection import BatchCollector, CollectionConfig
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
 from miles.rollout.producer import ProducerConfig, RolloutProducer
 from miles.utils.arguments import MilesConfig
-from miles.utils.types import DataPosition, MultiLoRASnapshot, RolloutBatch, SlotPush
+from miles.utils.types import DataPosition, MultiLoRASnapshot, RolloutBatch, SlotPush, UpdateGroupLayout
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,8 @@ class LocalRolloutManager:
             raise RolloutNotStartedError("call start() before asking for versions in flight")
         return self._producer.versions_in_flight()
 
-    def update_group_layout(self) -> tuple[str, int, bool]:
-        """(process-group backend, ranks per engine, bucketed pushes) of the engines' weights-update groups."""
+    def update_group_layout(self) -> UpdateGroupLayout:
+        """The layout of the engines' weights-update groups."""
         if self._fleet is None:
             raise RolloutNotStartedError("call start() before asking for the weights-update group layout")
         return self._fleet.update_group_layout()

@@ -83,9 +83,9 @@ async def trainer_stand_in(controller: MultiLoRAController, stop: asyncio.Event)
     """What the driver does each iteration, every 20 ms: retire, free, push, train a batch."""
     rollout_id = 0
     while not stop.is_set():
-        for name in await controller.retire_adapters():
-            await controller.free_slot(name)
-        snapshot = await controller.snapshot()
+        snapshot = await controller.retire_adapters()
+        if snapshot.cleanup:
+            snapshot = await controller.free_slots(sorted(snapshot.cleanup))
         if snapshot.pending:
             await controller.record_weight_update(sorted(snapshot.pending))
         live = sorted({**snapshot.active, **snapshot.retiring})

@@ -82,11 +82,11 @@ def test_full_lifecycle_seen_through_state_route(plane: ThreadedController, clie
     assert client.states(["a"])["a"] is AdapterState.RETIRING
     assert plane.router.aborts == []  # DELETE sends no abort
 
-    assert plane.call(plane.controller.retire_adapters()) == ["a"]
+    assert plane.call(plane.controller.retire_adapters()).cleanup == {"a"}
     assert client.wait_for_state("a", AdapterState.CLEANUP, timeout=5) is AdapterState.CLEANUP
     assert plane.router.aborts == [{"rid": "a::", "prefix": True}]
 
-    assert plane.call(plane.controller.free_slot("a")) == 0
+    assert plane.call(plane.controller.free_slots(["a"])).completed == {"a"}
     assert client.states(["a"])["a"] is AdapterState.COMPLETED
     assert plane.router.aborts == [{"rid": "a::", "prefix": True}] * 2
     status = client.status("a")
@@ -293,8 +293,8 @@ def test_per_adapter_gauges_cover_only_adapters_holding_a_slot(plane: ThreadedCo
     assert series(text, "miles_adapter_groups_buffered") == {"a": 3.0, "b": 2.0}
     # Once an adapter leaves its slot its series go.
     client.deregister("a")
-    assert plane.call(plane.controller.retire_adapters()) == ["a"]
-    plane.call(plane.controller.free_slot("a"))
+    assert plane.call(plane.controller.retire_adapters()).cleanup == {"a"}
+    plane.call(plane.controller.free_slots(["a"]))
     text = client.metrics()
     assert set(series(text, "miles_adapter_step")) == {"b"} and set(series(text, "miles_adapter_reward")) == set()
 

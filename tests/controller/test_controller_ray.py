@@ -44,10 +44,10 @@ def test_named_actor_serves_http_and_snapshots(ray_session, data_root: Path) -> 
         assert set(snapshot.pending) == {"a"} and snapshot.pending["a"].slot == 0
         assert snapshot.pending["a"].config.rollout_batch_size == 2
 
-        assert ray.get(handle.record_weight_update.remote(["a"])) == {"a": 1}
-        ray.get(handle.set_adapter_step.remote("a", 4))
+        assert ray.get(handle.record_weight_update.remote(["a"])).active["a"].version == 1
+        assert ray.get(handle.set_adapter_step.remote("a", 4)).active["a"].step == 4
         ray.get(handle.record_batch_adapters.remote(0, {"a": 2}, ["a"]))
-        assert ray.get(handle.mark_batch_trained.remote(0)) == ["a"]
+        assert ray.get(handle.mark_batch_trained.remote(0)).active["a"].step == 5
         assert ray.get(handle.adapter_step.remote("a")) == 5
         assert ray.get(handle.adapter_status.remote("a")).state is AdapterState.ACTIVE
 
@@ -58,8 +58,8 @@ def test_named_actor_serves_http_and_snapshots(ray_session, data_root: Path) -> 
             ray.get(handle.adapter_step.remote("ghost"))
 
         assert ray.get(handle.deregister_adapter.remote("a")) is AdapterState.RETIRING
-        assert ray.get(handle.retire_adapters.remote()) == ["a"]
-        assert ray.get(handle.free_slot.remote("a")) == 0
+        assert ray.get(handle.retire_adapters.remote()).cleanup == {"a"}
+        assert ray.get(handle.free_slots.remote(["a"])).completed == {"a"}
         assert ray.get(handle.snapshot.remote()).all_adapters_cleaned_up
     finally:
         destroy_multi_lora_controller()
@@ -125,8 +125,8 @@ def test_killed_controller_comes_back_with_its_registry_and_port(ray_session, da
         with ControlPlaneClient(url) as client:
             assert client.list() == listed
         # The recorded batch commits after the restart, and pushes continue the versions.
-        assert ray.get(controller.mark_batch_trained.remote(1)) == ["a"]
-        assert ray.get(controller.record_weight_update.remote(["a"])) == {"a": 2}
+        assert ray.get(controller.mark_batch_trained.remote(1)).active["a"].step == 2
+        assert ray.get(controller.record_weight_update.remote(["a"])).active["a"].version == 2
         before_trainer_restart = ray.get(controller.snapshot.remote())
     finally:
         destroy_multi_lora_controller()

@@ -2,8 +2,8 @@
 
 - `InProcessHandle(obj)`: `handle.method.remote(*args)` awaits `obj.method(*args)`, the
   way the driver calls a Ray actor handle.
-- `InProcessController`: the controller actor's methods over the real, pure
-  `MultiLoRABackend` (registry included); no Ray, no HTTP, no router.
+- `InProcessController`: the controller actor's own class (registry included), in-process;
+  no Ray, no HTTP, no router.
 - `FakeBackend`: a `TrainingBackend` whose "weights" are one number per adapter (the
   samples it has stepped on) and whose "disk" is a dict shared across instances.
 - `FakeRollout`: a rollout manager that generates whole groups for every sampleable
@@ -30,7 +30,8 @@ from miles.backends.base import (
     SaveRequest,
     TrainResult,
 )
-from miles.controller.backend import MultiLoRABackend
+from miles.controller.actor import ControllerConfig, MultiLoRAController
+from miles.controller.http_server import HTTPServerConfig
 from miles.main.engine_push import PushStats
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import (
@@ -60,44 +61,13 @@ class InProcessHandle:
         return _Method(getattr(self.target, name))
 
 
-class InProcessController:
-    """The controller actor's methods (by their actor names) over `MultiLoRABackend`."""
+class InProcessController(MultiLoRAController):
+    """The controller actor's own class, in-process: no Ray, and no HTTP (`start()` is never
+    called). Tests read the registry through `.backend` (plain calls)."""
 
     def __init__(self, n_slots: int, **defaults: Any) -> None:
-        self.backend = MultiLoRABackend(n_slots, AdapterDefaults(**defaults))
-
-    async def register_adapter(self, name: str, config: dict[str, Any] | None = None, yaml_path: str | None = None) -> int:
-        return await self.backend.register(name, config=config, yaml_path=yaml_path)
-
-    def deregister_adapter(self, name: str) -> Any:
-        return self.backend.deregister(name)
-
-    def snapshot(self) -> MultiLoRASnapshot:
-        return self.backend.snapshot()
-
-    async def wait_for_registration(self, after: int, timeout_s: float) -> int:
-        return await self.backend.wait_for_registration(after, timeout_s)
-
-    async def retire_adapters(self) -> list[str]:
-        return await self.backend.retire_adapters()
-
-    async def free_slot(self, name: str) -> int:
-        return await self.backend.free_slot(name)
-
-    def record_weight_update(self, names: list[str]) -> dict[str, int]:
-        return self.backend.record_weight_update(names)
-
-    def record_batch_adapters(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
-        self.backend.record_batch_adapters(rollout_id, groups, step_names)
-
-    def mark_batch_trained(self, rollout_id: int) -> list[str]:
-        return self.backend.mark_batch_trained(rollout_id)
-
-    def set_adapter_step(self, name: str, step: int, accumulated_groups: int = 0) -> None:
-        self.backend.set_adapter_step(name, step, accumulated_groups)
-
-    def adapter_status(self, name: str) -> Any:
-        return self.backend.adapter_status(name)
+        super().__init__(ControllerConfig(n_slots=n_slots, defaults=AdapterDefaults(**defaults),
+                                          server=HTTPServerConfig(port=0)))
 
 
 @dataclass(frozen=True)
@@ -147,6 +117,7 @@ class FakeBackend:
         del self.slots[spec.slot], self.weights[name], self.pending[name]
 
     async def export_adapter(self, name: str) -> LoraExport:
+        self.calls.append(("export", name))
         spec = self.specs[name]
         return LoraExport(peft_config={"r": spec.rank}, tensors={"w": self.weights[name]})
 
@@ -171,6 +142,7 @@ class FakeBackend:
         return {}
 
     async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
+        self.calls.append(("train", str(rollout_id)))
         self.training.set()
         if self.train_gate is not None:
             await self.train_gate.wait()
@@ -261,7 +233,7 @@ class FakeRollout:
 
 @dataclass
 class RecordingPusher:
-    """Implements `adapter_sync.Pusher`: records what reaches the engines."""
+    """Implements `weight_push.Pusher`: records what reaches the engines."""
 
     pushes: list[tuple[int, int, float]] = field(default_factory=list)
     """(slot, version, pushed weights) in push order."""

@@ -9,15 +9,10 @@ from __future__ import annotations
 import asyncio
 
 from lifecycle_fakes import SavedAdapter
-from test_adapter_sync import Trainer
+from test_stages import Trainer
+from waiting import wait_until_async
 
 from miles.utils.types import AdapterState
-
-
-async def _until(predicate, timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 async def _train_held_open(t: Trainer) -> tuple[asyncio.Task, asyncio.Event]:
@@ -33,7 +28,7 @@ async def test_a_registration_during_train_is_active_before_the_train_call_retur
     t = Trainer(tmp_path)
     loop, gate = await _train_held_open(t)
     await t.register("b", num_step=2)
-    await _until(lambda: t.status("b").state == AdapterState.ACTIVE)
+    await wait_until_async(lambda: t.status("b").state == AdapterState.ACTIVE, 10, "'b' to become ACTIVE")
 
     assert not gate.is_set() and ("load", "b") not in t.backend.calls  # the train call still runs
     assert ("fresh_export", "b") in t.backend.calls
@@ -53,7 +48,7 @@ async def test_an_adapter_that_would_resume_waits_for_the_reconcile(tmp_path):
     t.backend.disk[str(tmp_path / "save" / "adapters" / "b")] = {3: SavedAdapter(weights=7.0, data_position=None)}
     loop, gate = await _train_held_open(t)
     await t.register("b", num_step=1)
-    await _until(lambda: t.controller.snapshot().pending.keys() == {"b"})
+    await wait_until_async(lambda: t.snapshot().pending.keys() == {"b"}, 10, "'b' to be registered, PENDING")
     gate.set()
     await asyncio.wait_for(loop, 10)
 
@@ -66,8 +61,8 @@ async def test_an_adapter_that_leaves_before_its_load_is_unloaded_from_the_engin
     t = Trainer(tmp_path)
     loop, gate = await _train_held_open(t)
     await t.register("b", num_step=5)
-    await _until(lambda: t.status("b").state == AdapterState.ACTIVE)
-    t.controller.deregister_adapter("b")
+    await wait_until_async(lambda: t.status("b").state == AdapterState.ACTIVE, 10, "'b' to become ACTIVE")
+    t.controller.backend.deregister("b")
     gate.set()
     await asyncio.wait_for(loop, 10)
 
@@ -76,4 +71,4 @@ async def test_an_adapter_that_leaves_before_its_load_is_unloaded_from_the_engin
     assert t.status("b").state == AdapterState.COMPLETED
     await t.register("c", num_step=1)  # both slots are free again
     await t.register("d", num_step=1)
-    assert {run.slot for run in t.controller.snapshot().pending.values()} == {0, 1}
+    assert {run.slot for run in t.snapshot().pending.values()} == {0, 1}

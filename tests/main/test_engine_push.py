@@ -21,6 +21,7 @@ import time
 
 import httpx
 import pytest
+from fleet_pushes import FleetManager
 
 from miles.backends.base import AdapterSpec
 from miles.backends.torch.actor import TrainActorConfig
@@ -35,25 +36,6 @@ pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 SLOT = 1
 PROMPT = [5, 17, 42, 8, 23]
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
-
-
-class RolloutStandIn:
-    """The rollout-manager methods a pusher calls, over a fleet in this process."""
-
-    def __init__(self, fleet: EngineFleet):
-        self.fleet = fleet
-        self.update_group_layout = _Remote(fleet.update_group_layout)
-        self.versions_in_flight = _Remote(lambda: {})
-        self.record_push = _Remote(fleet.record_push)
-        self.forget_slot = _Remote(fleet.forget_slot)
-
-
-class _Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    async def remote(self, *args):
-        return self.fn(*args)
 
 
 def training_batch(rollout_id: int, seed: int) -> RolloutBatch:
@@ -96,7 +78,7 @@ async def test_a_group_after_a_push_is_generated_by_the_pushed_weights(ray_sessi
     fleet_cfg = EngineFleetConfig(server=server, num_engines=2, work_dir=str(tmp_path / "engines"),
                                   start_timeout_s=180)
     fleet, _ = await asyncio.gather(EngineFleet.start(fleet_cfg), group.start())
-    pusher = EnginePusher(group, fleet.engines, RolloutStandIn(fleet), mode=mode)
+    pusher = EnginePusher(group, fleet.engines, FleetManager(fleet), mode=mode)
     try:
         await group.load_adapter(AdapterSpec(name="a", slot=SLOT, rank=4, alpha=8.0, global_batch_size=4, lr=0.05))
         served: dict[int, tuple[list[int], list[float]]] = {}

@@ -27,12 +27,12 @@ from miles.backends.base import TrainRankLostError, TrainResult
 from miles.backends.torch.actor import FAULT_TRAIN_CALLS_ENV
 from miles.backends.torch.checkpoint import TRAINER_STATE, latest_checkpoint, read_checkpoint
 from miles.main import train_multi_lora_async
-from miles.main.adapter_sync import AdapterSync
 from miles.main.launch import Components
 from miles.main.progress import RunProgress
+from miles.main.stages import Stages
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
-from miles.utils.types import AdapterState, RolloutBatch
+from miles.utils.types import AdapterState, MultiLoRASnapshot, RolloutBatch
 
 
 class FlakyBackend(FakeBackend):
@@ -55,9 +55,9 @@ class CommitLog(InProcessController):
         super().__init__(*args, **kwargs)
         self.committed: list[int] = []
 
-    def mark_batch_trained(self, rollout_id: int) -> list[str]:
+    async def mark_batch_trained(self, rollout_id: int) -> MultiLoRASnapshot:
         self.committed.append(rollout_id)
-        return super().mark_batch_trained(rollout_id)
+        return await super().mark_batch_trained(rollout_id)
 
 
 def _trainer(tmp_path, backend: FakeBackend):
@@ -67,8 +67,8 @@ def _trainer(tmp_path, backend: FakeBackend):
                            save=str(tmp_path / "save"))
     handle = InProcessHandle(controller)
     rollout = FakeRollout(handle)
-    sync = AdapterSync(backend, handle, InProcessHandle(rollout), save_interval=1, pusher=RecordingPusher())
-    components = Components(handle, InProcessHandle(rollout), backend, sync)
+    stages = Stages.build(backend, handle, InProcessHandle(rollout), save_interval=1, pusher=RecordingPusher())
+    components = Components(handle, InProcessHandle(rollout), backend, stages)
     return controller, rollout, components, str(data)
 
 
@@ -84,13 +84,13 @@ async def test_a_failed_train_call_drops_its_batch_and_the_next_one_trains(tmp_p
     await controller.register_adapter("a", config={"data": data, "num_step": 2})
     with caplog.at_level(logging.ERROR):
         await _run(tmp_path, components)
-    status = controller.adapter_status("a")
+    status = controller.backend.adapter_status("a")
     assert status.state is AdapterState.COMPLETED and status.step == 2
     assert controller.committed == [0, 2]  # rollout 1 never reached the registry
     assert backend.disk[status.save][2].weights == 8  # two steps of 4 samples: the dropped batch counts nowhere
     assert rollout.group_indices["a"] == [0, 1, 2, 3, 4, 5]  # its prompts (2, 3) are consumed, not retrained
     assert "Training rollout 1 failed (RuntimeError: injected fault in rollout 1); its batch is dropped" in caplog.text
-    assert components.sync.train_failures == 0  # reset by the batch that trained
+    assert components.stages.train.failures == 0  # reset by the batch that trained
 
 
 async def test_failures_in_a_row_stop_the_run(tmp_path):
@@ -99,7 +99,7 @@ async def test_failures_in_a_row_stop_the_run(tmp_path):
     await controller.register_adapter("a", config={"data": data, "num_step": 2})
     with pytest.raises(RuntimeError, match="injected fault in rollout 2"):
         await _run(tmp_path, components)
-    assert controller.committed == [] and controller.adapter_status("a").step == 0
+    assert controller.committed == [] and controller.backend.adapter_status("a").step == 0
 
 
 async def test_a_dead_train_rank_stops_the_run_with_every_adapter_saved(tmp_path, caplog):
@@ -112,8 +112,8 @@ async def test_a_dead_train_rank_stops_the_run_with_every_adapter_saved(tmp_path
            "same --save" in caplog.text
     assert controller.committed == [0]
     # What `trainer_run` does on the way out (save_interval=1 already saved step 1; nothing newer is lost).
-    await components.sync.save_all()
-    status = controller.adapter_status("a")
+    await components.stages.slots.save_all()
+    status = controller.backend.adapter_status("a")
     assert status.step == 1 and max(backend.disk[status.save]) == 1
 
 

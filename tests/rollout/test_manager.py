@@ -14,6 +14,7 @@ import signal
 import httpx
 import pytest
 import ray
+from waiting import call_actor_async
 
 from miles.lora.peft_io import read_peft_dir
 from miles.rollout.data_source import AdapterDataset
@@ -101,7 +102,8 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
         positions = await manager.data_positions.remote()
         stream_index = {name: p.epoch * len(rows) + p.index for name, p in positions.items()}
         assert 10 <= stream_index["a"] <= 12 and 2 <= stream_index["b"] <= 4  # at most one step drawn ahead
-        assert await controller.mark_batch_trained.remote(0) == ["a", "b"]
+        committed = await controller.mark_batch_trained.remote(0)
+        assert {name: run.step for name, run in committed.live.items()} == {"a": 1, "b": 1}
 
         # The only engine's actor dies. Ray restarts it; the fleet loads the recorded slots and
         # routes to it again; meanwhile the producer waits instead of dying of failed groups.
@@ -109,15 +111,17 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
             tensors, config = read_peft_dir(tmp_path / f"peft_{name}")
             await manager.record_push.remote(SlotPush(slot, 1, config, ray.put(tensors)))
         [engine] = await manager.engines.remote()
-        old_incarnation = (await engine.identity.remote())[0]
+        old_incarnation = (await engine.identity.remote()).incarnation
         os.kill(await engine.actor_pid.remote(), signal.SIGKILL)
         for rollout_id in (1, 2):  # at most one step is drawn ahead: the second needs the restarted engine
             batch = await manager.generate.remote(rollout_id)
             assert batch.groups_per_adapter == {"a": 2, "b": 2}
-            assert await controller.mark_batch_trained.remote(rollout_id) == ["a", "b"]
+            committed = await controller.mark_batch_trained.remote(rollout_id)
+            assert {name: run.step for name, run in committed.live.items()} == {"a": 1 + rollout_id, "b": 1 + rollout_id}
         [new_url] = await worker_urls(router)
-        incarnation, url, _ = await engine.identity.remote()
-        assert incarnation != old_incarnation and new_url == url  # a new actor's server (the port may be the old one)
+        # Ray may still be restarting the actor (ActorUnavailableError): ask until it answers.
+        who = await call_actor_async(engine.identity, timeout=120, what="the restarted engine actor to answer")
+        assert who.incarnation != old_incarnation and new_url == who.url  # a new actor's server (the port may be the old one)
         async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
             info = (await client.get(f"{new_url}/get_server_info")).json()
         assert set(info["loaded_loras"]) == {engine_lora_name(0), engine_lora_name(1)}

@@ -51,6 +51,7 @@ from typing import Any
 import httpx
 import ray
 import torch
+from pydantic import BaseModel
 
 from miles.lora import write_peft_dir
 from miles.rollout.engines.process import ServerProcess, free_port
@@ -58,7 +59,17 @@ from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig, server_command
 from miles.utils.http_client import LoopClient
 from miles.utils.network import cluster_host
-from miles.utils.types import SlotPush, engine_lora_name, engine_lora_slot
+from miles.utils.types import (
+    AbortRequest,
+    DestroyWeightsUpdateGroupRequest,
+    InitWeightsUpdateGroupRequest,
+    LoadLoraFromDistributedRequest,
+    LoadLoraRequest,
+    SlotPush,
+    UnloadLoraRequest,
+    engine_lora_name,
+    engine_lora_slot,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +77,18 @@ LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
 SUPERVISE_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """Who an engine actor is, as the fleet's watcher asks it each round."""
+
+    incarnation: str
+    """A new id each time the actor is created (a Ray restart gives a new one)."""
+    url: str | None
+    """Its server's URL; None before its server started."""
+    serving: bool
+    """Whether the server takes requests now."""
 
 
 class EngineRequestFailed(RuntimeError):
@@ -191,12 +214,11 @@ class EngineServer:
             raise EngineNotReadyError(f"the engine in {self.work_dir} has no server: call start() first")
         return self._url
 
-    def identity(self) -> tuple[str, str | None, bool]:
-        """(incarnation, server URL or None, whether the server takes requests now). The
-        incarnation is a new id each time the actor is created: Ray restarts it with an empty
-        memory and no server."""
+    def identity(self) -> EngineIdentity:
+        """Who answers: the incarnation is a new id each time the actor is created (Ray
+        restarts it with an empty memory and no server)."""
         serving = self._process is not None and self._process.alive() and not self._recovering
-        return self._incarnation, self._url, serving
+        return EngineIdentity(self._incarnation, self._url, serving)
 
     def actor_pid(self) -> int:
         """Process id of this actor (tests kill it to exercise a Ray restart)."""
@@ -324,8 +346,9 @@ class EngineServer:
                                         world_size: int, group_name: str, backend: str) -> dict[str, Any]:
         """Join the sender's weights-update group (blocks until every rank joined). A server that
         died is restarted first, so the server that joins is the one that stays."""
-        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-                "world_size": world_size, "group_name": group_name, "backend": backend}
+        body = InitWeightsUpdateGroupRequest(master_address=master_address, master_port=master_port,
+                                             rank_offset=rank_offset, world_size=world_size, group_name=group_name,
+                                             backend=backend)
         for attempt in range(2):
             if self._process is not None and not self._process.alive():
                 await self.recover()
@@ -355,7 +378,7 @@ class EngineServer:
         """Leave the group; a server that is not in it (e.g. just restarted) is fine."""
         self._group_joined = False
         with contextlib.suppress(EngineRequestFailed, EngineNotReadyError):
-            await self._post("/destroy_weights_update_group", {"group_name": group_name})
+            await self._post("/destroy_weights_update_group", DestroyWeightsUpdateGroupRequest(group_name=group_name))
 
     async def push_lora_from_distributed(self, slot: int, version: int, peft_config: dict[str, Any],
                                          names: list[str], dtypes: list[str], shapes: list[list[int]],
@@ -374,10 +397,10 @@ class EngineServer:
         if bucketed and not self.bucketed_pushes():
             raise EngineConfigError(f"a {self.cfg.kind} server receives one tensor per name: push it unbucketed")
         name = engine_lora_name(slot, version, self.mode)
-        body = {"lora_name": name, "config_dict": peft_config, "names": names, "dtypes": dtypes, "shapes": shapes,
-                "group_name": group_name, "upsert": True}
-        if bucketed:
-            body["flattened_bucket"] = True
+        body = LoadLoraFromDistributedRequest(lora_name=name, config_dict=peft_config, names=names, dtypes=dtypes,
+                                              shapes=shapes, group_name=group_name, upsert=True)
+        if bucketed:  # only set when true: SGLang's servers know no such field
+            body.flattened_bucket = True
 
         async def load() -> str:
             await self._post("/load_lora_adapter_from_distributed", body)
@@ -409,7 +432,8 @@ class EngineServer:
 
     async def _unload(self, slot: int) -> None:
         for version in list(self._served.get(slot, [])):
-            await self._post("/unload_lora_adapter", {"lora_name": engine_lora_name(slot, version, self.mode)})
+            unload = UnloadLoraRequest(lora_name=engine_lora_name(slot, version, self.mode))
+            await self._post("/unload_lora_adapter", unload)
             self._served[slot].remove(version)
         self._served.pop(slot, None)
         self._slots.pop(slot, None)
@@ -437,7 +461,8 @@ class EngineServer:
                     path = await self._write_from_ref(slot, weights)
                     if self.mode == "in_place" and self.cfg.kind != "builtin" and self._served.get(slot):
                         # SGLang upserts only by broadcast; this server takes no requests yet: unload, then load.
-                        await self._post("/unload_lora_adapter", {"lora_name": engine_lora_name(slot, None, self.mode)})
+                        await self._post("/unload_lora_adapter",
+                                         UnloadLoraRequest(lora_name=engine_lora_name(slot, None, self.mode)))
                         self._served.pop(slot)
                     await self._load_version(slot, push.version, path)
                 self._remember(slot, weights)
@@ -447,19 +472,20 @@ class EngineServer:
         """Load (slot, version) from `path` into the running server (caller holds the lock)."""
         name = engine_lora_name(slot, version, self.mode)
         loaded = self._served.get(slot, [])
-        body: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
+        body = LoadLoraRequest(lora_name=name, lora_path=str(path))
         if self.mode == "in_place":
             if loaded:
                 if self.cfg.kind != "builtin":
                     raise EngineConfigError("SGLang replaces a loaded LoRA in place only by broadcast: "
                                             "push with push_lora_from_distributed")
-                body["upsert"] = True
+                body.upsert = True
             await self._post("/load_lora_adapter", body)
             self._served[slot] = [version]
             return name
         # versioned: keep the version requests use now, drop older ones, then add the new one.
         for old in loaded[:-1]:  # `_served` follows each step, so a failure leaves it true
-            await self._post("/unload_lora_adapter", {"lora_name": engine_lora_name(slot, old, self.mode)})
+            unload = UnloadLoraRequest(lora_name=engine_lora_name(slot, old, self.mode))
+            await self._post("/unload_lora_adapter", unload)
             self._served[slot] = [v for v in self._served[slot] if v != old]
         kept = loaded[-1:]
         if version not in kept:
@@ -492,10 +518,13 @@ class EngineServer:
     # ---- requests --------------------------------------------------------------------
 
     async def abort(self, prefix: str) -> dict[str, Any]:
-        return await self._post("/abort_request", {"rid": prefix, "prefix": True})
+        return await self._post("/abort_request", AbortRequest(rid=prefix, prefix=True))
 
-    async def _post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = await self._http.get().post(self.url() + route, json=body)
+    async def _post(self, route: str, body: BaseModel) -> dict[str, Any]:
+        """POST the request model: only the fields set on it are sent (as a caller spells them
+        out), so a server that does not know an optional field of ours never sees it."""
+        payload = body.model_dump(mode="json", exclude_unset=True)
+        response = await self._http.get().post(self.url() + route, json=payload)
         if response.status_code >= 400:
             raise EngineRequestFailed(f"{route} on {self._url} answered HTTP {response.status_code}: {response.text[:500]}")
         try:

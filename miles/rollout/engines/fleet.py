@@ -3,24 +3,20 @@
     fleet = await EngineFleet.start(EngineFleetConfig.from_config(cfg))
     fleet.router_url                      # where generation requests go
     fleet.lora_name(slot, version)        # `lora_path` of a group stamped with (slot, version)
-    await fleet.push_lora(push)           # a LoraPush: one object-store ref, every engine loads it
-    # in_place by broadcast: the engines join while the sender joins at rank 0 (weight_sync)
-    spec = fleet.update_group_spec(master_address, master_port)
-    await asyncio.gather(fleet.join_update_group(spec), <sender joins spec at rank 0>)
-    await asyncio.gather(fleet.push_lora_from_distributed(push, names, dtypes, shapes, spec.group_name),
-                         <sender broadcasts the same tensors>)
+    fleet.record_push(SlotPush(...))      # what a restarted engine loads (the pusher records each push)
     await fleet.shutdown()
 
 Engines start in parallel (one `EngineActor` each); then the fleet launches
 `sglang_router.launch_router` over their URLs, or attaches to the router given by
 `--sglang-router-ip/--sglang-router-port` and adds the engines to it. Used inside the
-rollout manager actor and by tests; plain Python, no Ray actor of its own.
+rollout manager actor and by tests; plain Python, no Ray actor of its own. Pushes go to the
+engine actors from `miles.main.engine_push.EnginePusher`, the one push path; the fleet keeps
+what each push recorded.
 
 Ray restarts a dead engine actor (`max_restarts=ENGINE_MAX_RESTARTS`) with nothing in
 memory, so the fleet keeps what it needs: the latest push of every live slot, and in
 versioned mode the one before it, which engines keep loaded for groups still in flight
-(`record_push`, `forget_slot`; the pusher records each push before sending it, the fleet's
-own pushes record themselves). It holds their object-store references; their owner is the
+(`record_push`, `forget_slot`; the pusher records each push before sending it). It holds their object-store references; their owner is the
 process that exported the tensors (the driver), which outlives any engine. The watcher also
 checks each server's `/health`, so `serving()` turns false as soon as no server answers
 (the producer then neither submits groups nor counts their failures). A watcher asks every engine for its identity each
@@ -34,7 +30,6 @@ pusher before its next push, as after a server restart.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,12 +44,11 @@ from ray.exceptions import RayActorError
 from miles.rollout.engines.engine_actor import EngineActor, takes_bucketed_pushes
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
-from miles.lora.weight_sync import UpdateGroupSpec
 from miles.utils import placement
 from miles.utils.arguments import MilesConfig
 from miles.utils.http_client import LoopClient
 from miles.utils.network import cluster_host
-from miles.utils.types import LoraPush, LoraUpdateMode, SlotPush, engine_lora_name
+from miles.utils.types import LoraUpdateMode, SlotPush, UpdateGroupLayout, engine_lora_name
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +146,7 @@ class EngineFleet:
             placement.remove(pg)
             raise
         logger.info("Engines %s behind router %s", urls, router.url)
-        incarnations = [identity[0] for identity in await asyncio.gather(*[e.identity.remote() for e in engines])]
+        incarnations = [who.incarnation for who in await asyncio.gather(*[e.identity.remote() for e in engines])]
         fleet = cls(cfg, engines, urls, router, pg, incarnations)
         fleet._watcher = asyncio.create_task(fleet._watch(), name="engine-fleet-watcher")
         return fleet
@@ -190,60 +184,13 @@ class EngineFleet:
         """Slot -> recorded version."""
         return {slot: push.version for slot, push in self._live.items()}
 
-    # ---- pushes -------------------------------------------------------------------------
+    # ---- the engines' side of pushes ----------------------------------------------------
 
-    async def push_lora(self, push: LoraPush) -> list[str]:
-        """Load one adapter's weights into every engine (through the object store); returns the served names."""
-        self.record_push(SlotPush(push.slot, push.version, push.peft_config, push.tensors_ref))
-        return list(await asyncio.gather(*[
-            e.push_lora.remote(push.slot, push.version, push.peft_config, push.tensors_ref) for e in self.engines
-        ]))
-
-    def update_group_spec(self, master_address: str, master_port: int, *, group_name: str = "miles_lora_update",
-                          backend: str | None = None, timeout_s: float | None = None) -> UpdateGroupSpec:
-        """The weights-update group of the sender (rank 0) and every engine rank."""
-        backend = backend or ("nccl" if self.cfg.server.device == "cuda" else "gloo")
-        spec = UpdateGroupSpec(master_address=master_address, master_port=master_port,
-                               world_size=1 + self.cfg.num_engines * self._ranks_per_engine(),
-                               group_name=group_name, backend=backend)
-        return spec if timeout_s is None else dataclasses.replace(spec, timeout_s=timeout_s)
-
-    def update_group_layout(self) -> tuple[str, int, bool]:
-        """(process-group backend, ranks per engine, whether pushes go as one flat tensor per
-        dtype) of a weights-update group with these engines."""
-        return ("nccl" if self.cfg.server.device == "cuda" else "gloo"), self._ranks_per_engine(), \
-            takes_bucketed_pushes(self.cfg.server.kind)
-
-    async def join_update_group(self, spec: UpdateGroupSpec) -> None:
-        """Every engine joins `spec` (returns once the sender joined too)."""
-        await asyncio.gather(*[
-            e.init_weights_update_group.remote(**spec.init_request(rank_offset=1 + i * self._ranks_per_engine()))
-            for i, e in enumerate(self.engines)
-        ])
-
-    async def leave_update_group(self, group_name: str) -> None:
-        await asyncio.gather(*[e.destroy_weights_update_group.remote(group_name) for e in self.engines])
-
-    async def update_group_joined(self) -> bool:
-        """False when an engine is out of the group (never joined, or restarted since): rejoin all before pushing."""
-        return all(await asyncio.gather(*[e.update_group_joined.remote() for e in self.engines]))
-
-    async def push_lora_from_distributed(self, push: LoraPush, names: list[str], dtypes: list[str],
-                                         shapes: list[list[int]], group_name: str) -> list[str]:
-        """Every engine receives one adapter by broadcast (the sender broadcasts concurrently).
-
-        `push.tensors_ref` is handed over unfetched, for reloading a restarted engine.
-        """
-        self.record_push(SlotPush(push.slot, push.version, push.peft_config, push.tensors_ref))
-        return list(await asyncio.gather(*[
-            e.push_lora_from_distributed.remote(push.slot, push.version, push.peft_config, names, dtypes, shapes,
-                                                group_name, weights_ref=[push.tensors_ref])
-            for e in self.engines
-        ]))
-
-    async def unload_slot(self, slot: int) -> None:
-        self.forget_slot(slot)
-        await asyncio.gather(*[e.unload_slot.remote(slot) for e in self.engines])
+    def update_group_layout(self) -> UpdateGroupLayout:
+        """The layout of a weights-update group with these engines."""
+        return UpdateGroupLayout(backend="nccl" if self.cfg.server.device == "cuda" else "gloo",
+                                 ranks_per_engine=self._ranks_per_engine(),
+                                 bucketed=takes_bucketed_pushes(self.cfg.server.kind))
 
     async def engine_urls(self) -> list[str]:
         """Current server URLs (a restarted engine listens on a new port)."""
@@ -282,11 +229,12 @@ class EngineFleet:
             elif isinstance(answer, BaseException):
                 if not isinstance(answer, asyncio.TimeoutError):  # a busy actor answers next round
                     logger.warning("Engine %d did not say who it is: %r", i, answer)
-            elif answer[0] == self._incarnations[i]:
-                self.urls[i] = answer[1] or self.urls[i]  # it may have restarted its server itself
-                self._serving[i] = answer[2] and (healthy[i] or self.urls[i] != checked[i])
+            elif answer.incarnation == self._incarnations[i]:
+                self.urls[i] = answer.url or self.urls[i]  # it may have restarted its server itself
+                self._serving[i] = answer.serving and (healthy[i] or self.urls[i] != checked[i])
             elif time.monotonic() >= self._retry_at.get(i, (0.0, 0))[0]:
-                self._restores[i] = asyncio.create_task(self._restore(i, answer[0]), name=f"engine-{i}-restore")
+                self._restores[i] = asyncio.create_task(self._restore(i, answer.incarnation),
+                                                        name=f"engine-{i}-restore")
 
     async def _healthy(self, url: str) -> bool:
         try:

@@ -37,8 +37,8 @@ from miles.utils.types.rollout import (
     SampleStatus,
 )
 from miles.utils.types.pushes import (
-    LoraPush,
     SlotPush,
+    UpdateGroupLayout,
 )
 from miles.utils.types.engine_api import (
     AbortRequest,
@@ -73,7 +73,6 @@ __all__ = [
     "InitWeightsUpdateGroupRequest",
     "LoadLoraFromDistributedRequest",
     "LoadLoraRequest",
-    "LoraPush",
     "LoraUpdateMode",
     "MultiLoRASnapshot",
     "PromptGroup",
@@ -85,6 +84,7 @@ __all__ = [
     "SamplingParams",
     "SlotPush",
     "UnloadLoraRequest",
+    "UpdateGroupLayout",
     "adapter_rid",
     "adapter_rid_prefix",
     "engine_lora_name",

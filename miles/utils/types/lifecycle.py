@@ -7,8 +7,7 @@ views it hands out and the naming rules every component shares.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -107,6 +106,14 @@ class AdapterRun:
     pushed: bool = False
     """Its weights were pushed at least once: `start_step` is fixed from then on (a trainer
     that restarts over the registry resumes it without moving its end)."""
+    pushing_version: int | None = None
+    """The version of a push under way (the trainer has exported these weights; the engines
+    still serve `version`); None when no push is under way."""
+
+    @property
+    def trainer_version(self) -> int:
+        """The version of the weights the trainer has sent last: what staleness counts against."""
+        return self.version if self.pushing_version is None else self.pushing_version
 
     @property
     def final_step(self) -> int | None:
@@ -139,41 +146,3 @@ class MultiLoRASnapshot:
     def all_adapters_cleaned_up(self) -> bool:
         """True when no adapter holds a slot any more."""
         return not (self.pending or self.active or self.retiring or self.cleanup)
-
-    # The driver changes the registry between snapshots only through the calls below;
-    # each returns the snapshot as it is after that call, built from the registry's answer.
-
-    def after_retire(self, names: list[str]) -> MultiLoRASnapshot:
-        """`retire_adapters()` answered `names`: they moved to CLEANUP."""
-        gone = set(names)
-        keep = lambda views: {n: r for n, r in views.items() if n not in gone}  # noqa: E731
-        return replace(self, pending=keep(self.pending), active=keep(self.active), retiring=keep(self.retiring),
-                       cleanup=self.cleanup | gone)
-
-    def after_free(self, names: list[str]) -> MultiLoRASnapshot:
-        """`free_slot(name)` returned a slot for each of `names`: COMPLETED."""
-        freed = set(names)
-        return replace(self, cleanup=self.cleanup - freed, completed=self.completed | freed)
-
-    def with_step(self, name: str, step: int, accumulated_groups: int = 0) -> MultiLoRASnapshot:
-        """`set_adapter_step(name, step, accumulated_groups)` (a resume) was applied."""
-        return self._with_run(name, lambda run: replace(run, step=step, start_step=run.start_step if run.pushed else step,
-                                                        accumulated_groups=accumulated_groups))
-
-    def after_push(self, versions: dict[str, int]) -> MultiLoRASnapshot:
-        """`record_weight_update` answered `versions`: new slot versions, PENDING -> ACTIVE."""
-        out = self
-        for name, version in versions.items():
-            out = out._with_run(name, lambda run, v=version: replace(run, version=v, pushed=True))
-        promoted = {n: r for n, r in out.pending.items() if n in versions}
-        if not promoted:
-            return out
-        return replace(out, pending={n: r for n, r in out.pending.items() if n not in versions},
-                       active={**out.active, **promoted})
-
-    def _with_run(self, name: str, change: Callable[[AdapterRun], AdapterRun]) -> MultiLoRASnapshot:
-        for view in ("pending", "active", "retiring"):
-            runs: dict[str, AdapterRun] = getattr(self, view)
-            if name in runs:
-                return replace(self, **{view: {**runs, name: change(runs[name])}})
-        return self

@@ -1,26 +1,9 @@
-"""LoRA weights on their way from the train rank to the engines."""
+"""Pushes of LoRA weights: what the engine fleet keeps of each, and how a weights-update group is laid out."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-
-@dataclass(frozen=True)
-class LoraPush:
-    """One adapter's LoRA weights on their way from train rank 0 to every engine.
-
-    `tensors_ref` is a Ray ObjectRef to a `dict[str, torch.Tensor]` keyed by PEFT
-    parameter names (rank-sliced); it is put in the object store once per push.
-    """
-
-    adapter: str
-    slot: int
-    version: int
-    """The slot version this push will become (current + 1)."""
-    peft_config: dict[str, Any]
-    """Contents of `adapter_config.json`."""
-    tensors_ref: Any
 
 
 @dataclass(frozen=True)
@@ -34,3 +17,15 @@ class SlotPush:
     tensors_ref: Any
     """ObjectRef to the `{PEFT name: tensor}` dict; the fleet holds it, so the object lives
     as long as the slot does (its owner, the process that exported it, outlives engines)."""
+
+
+@dataclass(frozen=True)
+class UpdateGroupLayout:
+    """How a weights-update group with the engines is laid out (the rollout manager says)."""
+
+    backend: str
+    """The process-group backend: nccl on GPU, gloo on CPU."""
+    ranks_per_engine: int
+    """Ranks each engine joins with (its tensor-parallel size)."""
+    bucketed: bool
+    """Pushes go as one flat tensor per dtype (builtin engines), not one per name (SGLang)."""

@@ -184,7 +184,7 @@ async def test_a_recreated_engine_stops_the_old_server_and_serves_the_slots_it_i
     leftover = first._process
     second = EngineServer(cfg, str(tmp_path), start_timeout_s=120)  # same arguments, empty memory
     try:
-        assert second.identity()[0] != first.identity()[0] and second.identity()[1] is None
+        assert second.identity().incarnation != first.identity().incarnation and second.identity().url is None
         with pytest.raises(EngineNotReadyError):
             second.update_group_joined()
         with pytest.raises(EngineNotReadyError):

@@ -1,4 +1,5 @@
-"""Two builtin engines (Ray actors) behind the real sglang-router, and LoRA pushes into them."""
+"""Two builtin engines (Ray actors) behind the real sglang-router, and LoRA pushes into them
+(through the trainer's push path, `EnginePusher`)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import uuid
 
 import httpx
 import pytest
-import ray
+from fleet_pushes import fleet_pusher, lora_export
 
 from miles import lora
+from miles.backends.base import LoraExport
 from miles.controller.router_workers import abort_on_workers, discover_workers
 from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
-from miles.utils.types import LoraPush, engine_lora_name
+from miles.utils.types import engine_lora_name
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 
@@ -74,36 +76,47 @@ async def test_prefix_abort_through_discovery_reaches_both(fleet, client):
         assert len(out["output_ids"]) < 400
 
 
-def slot_push(reference, adapter: str, slot: int, version: int) -> LoraPush:
+def reference_export(reference, adapter: str) -> LoraExport:
+    """The reference model's slot of `adapter`, exported as a train rank exports it."""
     tensors = lora.get_slot_weights(reference.model, reference.slots[adapter])
     rank, alpha = lora.slot_rank_alpha(reference.model, reference.slots[adapter])
     targets = sorted({name.rsplit(".", 1)[-1] for name in lora.lora_modules(reference.model)})
     config = lora.peft_adapter_config(rank=rank, alpha=alpha, target_modules=targets, base_model_name_or_path=None)
-    return LoraPush(adapter=adapter, slot=slot, version=version, peft_config=config, tensors_ref=ray.put(tensors))
+    return lora_export(config, tensors)
 
 
 async def test_pushed_lora_makes_engines_match_the_trainer_slot(fleet, client, trainer_reference):
     prompt_ids = trainer_reference.tokenizer.encode("hello there")
-    for version, adapter in [(1, "ad1"), (2, "alt")]:
-        name = fleet.lora_name(1, version)
-        assert name == engine_lora_name(1, version, "in_place") == "__miles_slot_1"
-        served = await fleet.push_lora(slot_push(trainer_reference, adapter, slot=1, version=version))
-        assert served == [name, name]
-        outputs = []
-        for url in fleet.urls:
-            response = await client.post(url + "/generate", json={
-                "input_ids": prompt_ids, "lora_path": name, "sampling_params": GREEDY, "return_logprob": True})
-            out = response.json()
-            scored = trainer_reference.score(prompt_ids, out["output_ids"], adapter)
-            assert out["output_ids"] == scored.greedy_tokens
-            assert [x[0] for x in out["meta_info"]["output_token_logprobs"]] == pytest.approx(scored.logprobs, abs=1e-4)
-            outputs.append(out["output_ids"])
-        assert outputs[0] == outputs[1]
-        via_router = await client.post(fleet.router_url + "/generate", json={
-            "input_ids": prompt_ids, "lora_path": name, "sampling_params": GREEDY})
-        assert via_router.json()["output_ids"] == outputs[0]
+    pusher = fleet_pusher(fleet, "in_place")
+    try:
+        for version, adapter in [(1, "ad1"), (2, "alt")]:
+            name = fleet.lora_name(1, version)
+            assert name == engine_lora_name(1, version, "in_place") == "__miles_slot_1"
+            await pusher.push([(1, version, reference_export(trainer_reference, adapter))])
+            assert await asyncio.gather(*[e.slots.remote() for e in fleet.engines]) == [{1: version}] * 2
+            outputs = await served_outputs(fleet, client, trainer_reference, prompt_ids, name, adapter)
+    finally:
+        await pusher.close()
     base = await client.post(fleet.urls[0] + "/generate", json={"input_ids": prompt_ids, "sampling_params": GREEDY})
     assert base.json()["output_ids"] != outputs[0]
+
+
+async def served_outputs(fleet, client, reference, prompt_ids, name: str, adapter: str) -> list[list[int]]:
+    """Every engine serves `name` as the reference's `adapter`, and so does the router; their outputs."""
+    outputs = []
+    for url in fleet.urls:
+        response = await client.post(url + "/generate", json={
+            "input_ids": prompt_ids, "lora_path": name, "sampling_params": GREEDY, "return_logprob": True})
+        out = response.json()
+        scored = reference.score(prompt_ids, out["output_ids"], adapter)
+        assert out["output_ids"] == scored.greedy_tokens
+        assert [x[0] for x in out["meta_info"]["output_token_logprobs"]] == pytest.approx(scored.logprobs, abs=1e-4)
+        outputs.append(out["output_ids"])
+    assert outputs[0] == outputs[1]
+    via_router = await client.post(fleet.router_url + "/generate", json={
+        "input_ids": prompt_ids, "lora_path": name, "sampling_params": GREEDY})
+    assert via_router.json()["output_ids"] == outputs[0]
+    return outputs
 
 
 async def test_attach_to_running_router_adds_workers(fleet, tmp_path):

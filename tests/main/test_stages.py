@@ -1,5 +1,5 @@
-"""The driver loops over the backend contract, with no Ray: a fake backend, a fake
-rollout manager and the real (pure) controller backend and registry in-process.
+"""The driver's stages and loops over the backend contract, with no Ray: a fake backend, a
+fake rollout manager and the real controller (registry included) in-process.
 
 Covers register -> train -> retire -> re-register -> resume through the real
 `run_loop`, the data position carried by checkpoints, the snapshot each stage hands
@@ -19,8 +19,8 @@ from lifecycle_fakes import FakeBackend, FakeRollout, InProcessController, InPro
 
 from miles.backends.base import TrainingBackend
 from miles.main import train_async, train_multi_lora_async
-from miles.main.adapter_sync import AdapterSync
 from miles.main.launch import Components
+from miles.main.stages import Stages
 from miles.main.progress import RunProgress
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger, read_metrics
@@ -40,9 +40,9 @@ class Trainer:
         self.rollout = FakeRollout(handle)
         self.receiver = RecordingPusher()
         self.backend = FakeBackend(disk={} if disk is None else disk)
-        sync = AdapterSync(self.backend, handle, InProcessHandle(self.rollout), save_interval=1,
-                           pusher=self.receiver, overlap_push=overlap_push)
-        self.components = Components(handle, InProcessHandle(self.rollout), self.backend, sync)
+        self.stages = Stages.build(self.backend, handle, InProcessHandle(self.rollout), save_interval=1,
+                                   pusher=self.receiver, overlap_push=overlap_push)
+        self.components = Components(handle, InProcessHandle(self.rollout), self.backend, self.stages)
         self.metrics = MetricsLogger(tmp_path / "run")
         self.progress = RunProgress(self.metrics)
 
@@ -57,7 +57,11 @@ class Trainer:
         return [(version, weights) for pushed_slot, version, weights in self.receiver.pushes if pushed_slot == slot]
 
     def status(self, name):
-        return self.controller.adapter_status(name)
+        return self.controller.backend.adapter_status(name)
+
+    def snapshot(self):
+        """The registry's snapshot now."""
+        return self.controller.backend.snapshot()
 
 
 def test_fake_backend_implements_the_contract():
@@ -90,7 +94,7 @@ async def test_register_train_retire_reregister_resume(tmp_path, caplog):
 
     # Re-registered, `a` resumes: its step, its weights and its dataset where it stopped.
     await t.register("a", num_step=2)
-    registration = t.controller.snapshot().pending["a"].registration_id
+    registration = t.snapshot().pending["a"].registration_id
     await t.run_until_idle()
     a = t.status("a")
     assert a.registration_id == registration and (a.state, a.step) == (AdapterState.COMPLETED, 4)
@@ -110,28 +114,28 @@ async def test_register_train_retire_reregister_resume(tmp_path, caplog):
 async def test_a_new_trainer_resumes_from_the_disk_and_saves_at_shutdown(tmp_path):
     first = Trainer(tmp_path)
     await first.register("a", num_step=5)
-    sync = first.components.sync
-    snapshot = await sync.update_weights(await sync.reconcile(first.controller.snapshot()))
+    s = first.stages
+    snapshot = await s.push.update_weights(await s.slots.reconcile(first.snapshot()))
     for rollout_id in range(2):
         batch = await first.rollout.generate(rollout_id, snapshot)
-        await sync.train(rollout_id, batch)
-        snapshot = await sync.commit(rollout_id)
-        assert await sync.save(snapshot) == ["a"]
+        await s.train.train(rollout_id, batch)
+        snapshot = await s.train.commit(rollout_id)
+        assert await s.slots.save(snapshot) == ["a"]
     assert snapshot.active["a"].step == 2
-    assert await sync.save_all() == []  # saved on its cadence already
+    assert await s.slots.save_all() == []  # saved on its cadence already
     # Between two saves: no periodic save at step 3, so the shutdown save writes it.
-    sync.save_interval = 10
+    s.slots.save_interval = 10
     batch = await first.rollout.generate(2, snapshot)
-    await sync.train(2, batch)
-    await sync.commit(2)
-    assert await sync.save_all() == ["a"]
+    await s.train.train(2, batch)
+    await s.train.commit(2)
+    assert await s.slots.save_all() == ["a"]
     save_a = str(tmp_path / "save" / "adapters" / "a")
     assert first.backend.disk[save_a][3].data_position == DataPosition(0, 6)
 
     second = Trainer(tmp_path, disk=first.backend.disk)
     await second.register("a", num_step=1)
-    snapshot = await second.components.sync.reconcile(second.controller.snapshot())
-    assert snapshot.pending["a"].step == 3 and second.controller.snapshot().pending["a"].step == 3
+    snapshot = await second.stages.slots.reconcile(second.snapshot())
+    assert snapshot.pending["a"].step == 3 and second.snapshot().pending["a"].step == 3
     assert snapshot.pending["a"].final_step == 4
     assert second.backend.weights["a"] == 12.0
     assert second.rollout.restores[0][2] == DataPosition(0, 6)
@@ -140,9 +144,9 @@ async def test_a_new_trainer_resumes_from_the_disk_and_saves_at_shutdown(tmp_pat
 async def test_a_restored_step_without_a_checkpoint_follows_the_weights(tmp_path):
     trainer = Trainer(tmp_path)  # its backend's disk is empty: no checkpoint of "a"
     await trainer.register("a", num_step=5)
-    trainer.controller.set_adapter_step("a", 3)  # what a registry restored from --save may hold
-    snapshot = await trainer.components.sync.reconcile(trainer.controller.snapshot())
-    assert snapshot.pending["a"].step == 0 and trainer.controller.snapshot().pending["a"].step == 0
+    trainer.controller.backend.set_adapter_step("a", 3)  # what a registry restored from --save may hold
+    snapshot = await trainer.stages.slots.reconcile(trainer.snapshot())
+    assert snapshot.pending["a"].step == 0 and trainer.snapshot().pending["a"].step == 0
 
 
 async def test_adapter_named_like_the_loop_metrics_gets_its_own_records(tmp_path):
@@ -181,36 +185,36 @@ async def test_loop_records_time_the_whole_iteration_and_push_only_what_stepped(
 
 async def test_a_new_adapter_is_pushed_and_active_before_the_stepped_ones_are_pushed(tmp_path):
     t = Trainer(tmp_path, n_slots=2)
-    sync, registry = t.components.sync, t.controller
+    s = t.stages
     await t.register("a", num_step=5)
-    snapshot = await sync.update_weights(await sync.reconcile(registry.snapshot()))
-    await sync.train(0, await t.rollout.generate(0, snapshot))
-    await sync.commit(0)  # a stepped: stale
+    snapshot = await s.push.update_weights(await s.slots.reconcile(t.snapshot()))
+    await s.train.train(0, await t.rollout.generate(0, snapshot))
+    await s.train.commit(0)  # a stepped: stale
     await t.register("b", num_step=5)
     states_at_push = []
     push = t.receiver.push
 
     async def recording_push(pushes):
-        states_at_push.append((pushes[0][0], registry.adapter_status("b").state))
+        states_at_push.append((pushes[0][0], t.status("b").state))
         return await push(pushes)
 
     t.receiver.push = recording_push
-    snapshot = await sync.update_weights(await sync.reconcile(registry.snapshot()))
-    assert snapshot == registry.snapshot() and set(snapshot.active) == {"a", "b"}
+    snapshot = await s.push.update_weights(await s.slots.reconcile(t.snapshot()))
+    assert snapshot == t.snapshot() and set(snapshot.active) == {"a", "b"}
     # b (slot 1) alone first, then a (slot 0), by which time b is already ACTIVE.
     assert states_at_push == [(1, AdapterState.PENDING), (0, AdapterState.ACTIVE)]
-    assert sync.pop_push_metrics()["perf/push_adapters"] == 3.0  # a's first push, then b, then a
+    assert s.push.pop_push_metrics()["perf/push_adapters"] == 3.0  # a's first push, then b, then a
 
 
 async def _stepped_once_with_the_push_behind(tmp_path) -> Trainer:
     """Adapter "a" pushed (ACTIVE) and stepped once, with `overlap_push`."""
     t = Trainer(tmp_path, n_slots=1, overlap_push=True)
-    sync, registry = t.components.sync, t.controller
+    s = t.stages
     await t.register("a", num_step=5)
-    snapshot = await sync.update_weights(await sync.reconcile(registry.snapshot()))
-    assert snapshot == registry.snapshot() and "a" in snapshot.active  # a first push is never behind the loop
-    await sync.train(0, await t.rollout.generate(0, snapshot))
-    await sync.commit(0)
+    snapshot = await s.push.update_weights(await s.slots.reconcile(t.snapshot()))
+    assert snapshot == t.snapshot() and "a" in snapshot.active  # a first push is never behind the loop
+    await s.train.train(0, await t.rollout.generate(0, snapshot))
+    await s.train.commit(0)
     return t
 
 
@@ -226,32 +230,34 @@ def _held(call, gate: asyncio.Event):
 
 async def test_an_overlapped_push_runs_behind_the_next_train_call_with_the_exported_weights(tmp_path):
     t = await _stepped_once_with_the_push_behind(tmp_path)
-    sync, registry = t.components.sync, t.controller
-    served = registry.snapshot().active["a"].version
+    s = t.stages
+    served = t.snapshot().active["a"].version
     exported = t.backend.weights["a"]
     gate = asyncio.Event()
     t.receiver.push = _held(t.receiver.push, gate)
-    snapshot = await sync.update_weights(registry.snapshot())
-    # Back with the push held: the registry names what the engines serve, the loop's snapshot
-    # the exported version (staleness counts against the trainer's weights).
-    assert registry.snapshot().active["a"].version == served
-    assert snapshot.active["a"].version == next_slot_version(served)
-    await sync.train(1, await t.rollout.generate(1, snapshot))
-    await sync.commit(1)
+    snapshot = await s.push.update_weights(t.snapshot())
+    # Back with the push held: the engines serve the old version, the registry names the one
+    # under way (staleness counts against the trainer's weights).
+    assert snapshot == t.snapshot()
+    assert snapshot.active["a"].version == served
+    assert snapshot.active["a"].pushing_version == snapshot.active["a"].trainer_version == next_slot_version(served)
+    await s.train.train(1, await t.rollout.generate(1, snapshot))
+    await s.train.commit(1)
     assert t.backend.weights["a"] != exported  # the train call ran while the push was held
     gate.set()
-    settled = await sync.settle(registry.snapshot())
-    assert settled == registry.snapshot() and settled.active["a"].version == next_slot_version(served)
+    settled = await s.push.settle(t.snapshot())
+    assert settled == t.snapshot() and settled.active["a"].version == next_slot_version(served)
+    assert settled.active["a"].pushing_version is None
     assert t.pushes(0)[-1] == (next_slot_version(served), exported)  # the weights as exported
 
     async def failing_push(pushes):
         raise RuntimeError("engine push failed")
 
     t.receiver.push = failing_push
-    await sync.update_weights(registry.snapshot())  # a stepped again: its push fails behind the loop
+    await s.push.update_weights(t.snapshot())  # a stepped again: its push fails behind the loop
     with pytest.raises(RuntimeError, match="engine push failed"):
-        await sync.settle()
-    assert await sync.settle() is None  # raised once; nothing left behind the loop
+        await s.push.settle()
+    assert await s.push.settle() is None  # raised once; nothing left behind the loop
 
 
 async def test_the_next_train_call_waits_for_the_export_behind_the_loop(tmp_path):
@@ -259,20 +265,21 @@ async def test_the_next_train_call_waits_for_the_export_behind_the_loop(tmp_path
     meanwhile holds until the export is done, so the push carries the weights the snapshot
     names, not the ones that train call makes."""
     t = await _stepped_once_with_the_push_behind(tmp_path)
-    sync, registry = t.components.sync, t.controller
+    s = t.stages
     before_train = t.backend.weights["a"]
     gate = asyncio.Event()
     t.backend.export_adapter = _held(t.backend.export_adapter, gate)
-    snapshot = await sync.update_weights(registry.snapshot())  # returns with the export held
-    train = asyncio.create_task(sync.train(1, await t.rollout.generate(1, snapshot)))
-    for _ in range(20):  # let the train task run as far as it can
-        await asyncio.sleep(0)
-    assert not train.done() and t.backend.weights["a"] == before_train
+    snapshot = await s.push.update_weights(t.snapshot())  # returns with the export held
+    train = asyncio.create_task(s.train.train(1, await t.rollout.generate(1, snapshot)))
+    # The export is released only once train 1 is under way; had the train call not waited
+    # for it, the backend would have trained before it exported.
     gate.set()
     await train
+    calls = [c for c in t.backend.calls if c in (("export", "a"), ("train", "1"))]
+    assert calls == [("export", "a"), ("train", "1")]
     assert t.backend.weights["a"] != before_train
-    await sync.commit(1)
-    await sync.settle(registry.snapshot())
+    await s.train.commit(1)
+    await s.push.settle(t.snapshot())
     assert t.pushes(0)[-1][1] == before_train  # the weights as they were before train 1
 
 
@@ -315,7 +322,7 @@ async def test_train_async_cancels_and_awaits_its_prefetch_when_training_fails(t
     t.rollout = BlockingRollout(t.rollout.controller)
     t.rollout.started = t.backend.train_gate = asyncio.Event()  # train fails once the prefetch runs
     t.components.rollout_manager = InProcessHandle(t.rollout)
-    t.components.sync.rollout_manager = InProcessHandle(t.rollout)
+    t.stages.slots.rollout_manager = InProcessHandle(t.rollout)
     await t.register(train_async.POLICY, num_step=train_async.NEVER_RETIRE)
     t.backend.fail_train = True
     cfg = MilesConfig(multi_lora_n_adapters=1, num_rollout=5)
@@ -325,26 +332,26 @@ async def test_train_async_cancels_and_awaits_its_prefetch_when_training_fails(t
     assert t.status(train_async.POLICY).step == 0  # nothing committed for a batch that did not train
 
 
-async def test_each_stage_returns_the_snapshot_the_registry_would_give(tmp_path):
-    """The driver passes the snapshot down instead of re-reading it: it must be exact."""
+async def test_each_stage_returns_the_registrys_own_snapshot(tmp_path):
+    """The driver passes the snapshot down instead of re-reading it: every call that changes
+    the registry answers with the registry's snapshot after it, so it is exact."""
     t = Trainer(tmp_path, n_slots=3)
-    sync, registry = t.components.sync, t.controller
+    s = t.stages
     await t.register("a", num_step=1)
     await t.register("b", num_step=5)
     await t.register("c", num_step=5)
-    snapshot = await sync.reconcile(registry.snapshot())
-    assert snapshot == registry.snapshot() and sync.loaded == ["a", "b", "c"]
-    snapshot = await sync.update_weights(snapshot)
-    assert snapshot == registry.snapshot() and set(snapshot.active) == {"a", "b", "c"}
-    await sync.train(0, await t.rollout.generate(0, snapshot))
-    snapshot = await sync.commit(0)
-    assert set(snapshot.retiring) == {"a"}  # reached num_step
-    registry.deregister_adapter("c")
-    snapshot = registry.snapshot()
-    snapshot = await sync.reconcile(snapshot)  # retires a and c, saves, frees both slots
-    assert snapshot == registry.snapshot() and snapshot.completed == {"a", "c"} and sync.loaded == ["b"]
+    snapshot = await s.slots.reconcile(t.snapshot())
+    assert snapshot == t.snapshot() and sorted(s.slots.loaded) == ["a", "b", "c"]
+    snapshot = await s.push.update_weights(snapshot)
+    assert snapshot == t.snapshot() and set(snapshot.active) == {"a", "b", "c"}
+    await s.train.train(0, await t.rollout.generate(0, snapshot))
+    snapshot = await s.train.commit(0)
+    assert snapshot == t.snapshot() and set(snapshot.retiring) == {"a"}  # reached num_step
+    t.controller.backend.deregister("c")
+    snapshot = await s.slots.reconcile(t.snapshot())  # retires a and c, saves, frees both slots
+    assert snapshot == t.snapshot() and snapshot.completed == {"a", "c"} and sorted(s.slots.loaded) == ["b"]
     await t.register("a", num_step=2)  # the lowest free slot again, resumed from step 1
-    snapshot = await sync.update_weights(await sync.reconcile(registry.snapshot()))
-    assert snapshot == registry.snapshot()
+    snapshot = await s.push.update_weights(await s.slots.reconcile(t.snapshot()))
+    assert snapshot == t.snapshot()
     assert (snapshot.active["a"].step, snapshot.active["a"].start_step, snapshot.active["a"].final_step) == (1, 1, 3)
     assert snapshot.active["a"].version == 2  # slot 0 was pushed once before

@@ -1,0 +1,175 @@
+"""Reconcile and saves: the adapters the training backend holds in its slots.
+
+    snapshot = await slots.reconcile(snapshot)   # retire -> save and clean up those that left -> load new ones
+    await slots.save(snapshot)                   # on each adapter's --save-interval
+    await slots.save_all()                       # at shutdown
+
+`AdapterSlots` is the only component that loads adapters into the backend's slots and takes
+them out (DESIGN §6 "Reconcile"), and the only one that writes checkpoints. An adapter's step
+lives in the registry and is read from snapshots; the backend holds weights and optimizer
+state; the rollout manager owns each adapter's data position, which a save records in
+`trainer_state.json` and a resume hands back. Loading an adapter makes it stale for the
+weight push (`WeightPush.mark_stale`), unless early activation already pushed its fresh
+weights (`EarlyActivation.claim`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from miles.backends.base import AdapterSpec, SaveRequest, TrainingBackend
+from miles.main.early_activation import EarlyActivation
+from miles.main.handles import ControllerHandle, RolloutManagerHandle
+from miles.main.weight_push import WeightPush
+from miles.utils.types import DataPosition, MultiLoRASnapshot
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedAdapter:
+    """An adapter the backend holds, as of the latest snapshot."""
+
+    registration_id: str
+    slot: int
+    saves: bool
+    """It has a save directory."""
+    samples_per_group: int
+    """Its `n_samples_per_prompt`."""
+    step: int
+    """The registry's step (a copy, never counted here)."""
+    accumulated_groups: int
+    """The registry's groups toward the next step (a copy)."""
+    saved: tuple[int, int]
+    """(step, accumulated groups) of the checkpoint last written or resumed from."""
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        return self.step, self.accumulated_groups
+
+
+class AdapterSlots:
+    def __init__(self, backend: TrainingBackend, controller: ControllerHandle, rollout_manager: RolloutManagerHandle,
+                 push: WeightPush, activation: EarlyActivation, *, save_interval: int | None = None) -> None:
+        self.backend = backend
+        self.controller = controller
+        self.rollout_manager = rollout_manager
+        self.push = push
+        self.activation = activation
+        self.save_interval = save_interval
+        self.loaded: dict[str, LoadedAdapter] = {}
+
+    def _observe(self, snapshot: MultiLoRASnapshot) -> None:
+        live = snapshot.live
+        for name, entry in self.loaded.items():
+            run = live.get(name)
+            if run is not None and run.registration_id == entry.registration_id:
+                entry.step, entry.accumulated_groups = run.step, run.accumulated_groups
+
+    # ---- reconcile ----------------------------------------------------------------------
+
+    async def reconcile(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
+        """Retire RETIRING adapters, save and clean up those that left, load the new ones."""
+        self._observe(await self.push.settle(snapshot))
+        snapshot = await self.controller.retire_adapters.remote()
+        snapshot = await self._cleanup(snapshot)
+        return await self._load(snapshot)
+
+    async def _cleanup(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
+        live = snapshot.live
+        gone = [name for name, entry in sorted(self.loaded.items())
+                if name not in live or live[name].registration_id != entry.registration_id]
+        positions = await self._data_positions() if gone else {}
+        for name in gone:
+            await self._save(name, positions.get(name))
+            await self.backend.cleanup_adapter(name)
+            await self.push.unload(self.loaded.pop(name).slot)
+            self.push.forget(name)
+            logger.info("Adapter '%s' cleaned up", name)
+        for slot in self.activation.left(snapshot):
+            await self.push.unload(slot)
+        if not snapshot.cleanup:  # also those never loaded here: nothing to save
+            return snapshot
+        return await self.controller.free_slots.remote(sorted(snapshot.cleanup))
+
+    async def _load(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
+        for name, run in sorted(snapshot.live.items()):
+            if name in self.loaded:
+                continue
+            spec = AdapterSpec.from_run(run)
+            loaded = await self.backend.load_adapter(spec)
+            # A restored registry may be ahead of the weights (no checkpoint, or an older one):
+            # the weights win, so the step and the groups accumulated toward the next one
+            # always match what the backend holds.
+            progress = (loaded.step, loaded.accumulated_groups)
+            if loaded.checkpoint is not None or progress != (run.step, run.accumulated_groups):
+                snapshot = await self.controller.set_adapter_step.remote(name, *progress)
+            if loaded.checkpoint is not None:
+                logger.info("Adapter '%s' resumed from %s (step %d)", name, loaded.checkpoint, loaded.step)
+            elif loaded.step != run.step:
+                logger.warning("Adapter '%s' had step %d but no checkpoint: it starts again from step %d",
+                               name, run.step, loaded.step)
+            if loaded.data_position is not None:
+                # Before its first push: the adapter is PENDING, so nothing was sampled yet.
+                await self.rollout_manager.restore_data_position.remote(name, run.registration_id,
+                                                                        loaded.data_position)
+            if not self.activation.claim(run) or loaded.checkpoint is not None:
+                self.push.mark_stale([name])
+            self.loaded[name] = LoadedAdapter(
+                registration_id=run.registration_id, slot=run.slot, saves=spec.save_dir is not None,
+                samples_per_group=run.config.n_samples_per_prompt, step=loaded.step,
+                accumulated_groups=loaded.accumulated_groups, saved=progress)
+        return snapshot
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    async def save(self, snapshot: MultiLoRASnapshot) -> list[str]:
+        """Save every loaded adapter whose step is a positive multiple of `save_interval`."""
+        self._observe(snapshot)
+        interval = self.save_interval
+        if interval is None:
+            return []
+        due = [name for name, e in sorted(self.loaded.items())
+               if e.saves and e.step > 0 and e.step % interval == 0 and e.step != e.saved[0]]
+        if not due:
+            return []
+        positions = await self._data_positions()
+        return [name for name in due if await self._save(name, positions.get(name))]
+
+    async def save_all(self) -> list[str]:
+        """Shutdown: save every loaded adapter that stepped or trained groups since its last
+        checkpoint (the gradient of a step's unfinished window is saved with it)."""
+        try:
+            await self.push.settle()
+        except Exception as exc:  # a failed push must not cost the adapters' weights
+            logger.warning("The last weight push failed (%s); saving anyway", exc)
+        if not self.loaded:
+            return []
+        # Re-read: shutdown may come at any stage of an iteration.
+        self._observe(await self.controller.snapshot.remote())
+        try:
+            positions = await self._data_positions()
+        except Exception as exc:  # a dead rollout manager must not cost the adapters' weights
+            logger.warning("Data positions unavailable (%s); saving without them", exc)
+            positions = {}
+        return [name for name in sorted(self.loaded) if await self._save(name, positions.get(name))]
+
+    async def _save(self, name: str, data_position: DataPosition | None) -> bool:
+        entry = self.loaded[name]
+        if entry.progress in (entry.saved, (0, 0)):
+            return False
+        if not entry.saves:
+            logger.warning("Adapter '%s' has no save directory; its step %d is not saved", name, entry.step)
+            return False
+        path = await self.backend.save_adapter(SaveRequest(
+            name, entry.step, data_position, accumulated_groups=entry.accumulated_groups,
+            accumulated_samples=entry.accumulated_groups * entry.samples_per_group,
+        ))
+        entry.saved = entry.progress
+        logger.info("Adapter '%s' saved at step %d (%d group(s) toward the next) to %s", name, entry.step,
+                    entry.accumulated_groups, path)
+        return True
+
+    async def _data_positions(self) -> dict[str, DataPosition]:
+        return await self.rollout_manager.data_positions.remote()
