@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_or_skip import rowwise_kernel_or_skip
 
 from miles.lora import MultiLoRALinear, rowwise, set_delta_mode, use_slots
 from miles.lora import layer as layer_module
@@ -49,8 +50,7 @@ def test_decode_steps_take_the_torch_paths_without_the_kernel(monkeypatch, caplo
 
 def test_the_kernel_is_built_once_per_cache(tmp_path, monkeypatch):
     """A second build finds the first one's file (same source, flags, compiler and CPU)."""
-    if rowwise.rowwise_kernel() is None:
-        pytest.skip("the row-wise kernel is not built here (no C compiler)")
+    rowwise_kernel_or_skip()
     monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path))
     first = rowwise._build()
     stamp = first.stat().st_mtime_ns
@@ -67,9 +67,7 @@ def test_the_kernel_is_built_once_per_cache(tmp_path, monkeypatch):
 def test_each_compiled_rank_equals_torch(rank):
     """Ranks 8, 16, 32 and 64 run copies of the row loop compiled for that rank; any other
     rank (12) the general one. Odd widths take the tail loops; rows out of slot order."""
-    kernel = rowwise.rowwise_kernel()
-    if kernel is None:
-        pytest.skip("the row-wise kernel is not built here (no C compiler)")
+    kernel = rowwise_kernel_or_skip()
     gen = torch.Generator().manual_seed(rank)
     n_slots, in_f, out_f = 3, 45, 38
     a_SIR = torch.randn(n_slots, in_f, rank, generator=gen)
