@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from miles.utils.adapter_config import resolved_field
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition, RolloutBatch
 
@@ -80,11 +81,13 @@ class AdapterSpec:
     def from_run(cls, run: AdapterRun) -> AdapterSpec:
         cfg = run.config
         return cls(
-            name=run.name, slot=run.slot, rank=cfg.rank, alpha=float(cfg.alpha),
-            global_batch_size=cfg.rollout_batch_size * cfg.n_samples_per_prompt,
-            rollout_batch_size=cfg.rollout_batch_size,
-            lr=cfg.lr, weight_decay=cfg.weight_decay, lr_decay_style=cfg.lr_decay_style,
-            lr_warmup_steps=cfg.lr_warmup_steps, num_step=cfg.num_step,
+            name=run.name, slot=run.slot, rank=resolved_field(cfg.rank, "rank"),
+            alpha=float(resolved_field(cfg.alpha, "alpha")),
+            global_batch_size=cfg.adapter_global_batch_size,
+            rollout_batch_size=resolved_field(cfg.rollout_batch_size, "rollout_batch_size"),
+            lr=resolved_field(cfg.lr, "lr"), weight_decay=resolved_field(cfg.weight_decay, "weight_decay"),
+            lr_decay_style=resolved_field(cfg.lr_decay_style, "lr_decay_style"),
+            lr_warmup_steps=resolved_field(cfg.lr_warmup_steps, "lr_warmup_steps"), num_step=cfg.num_step,
             start_step=run.start_step if run.pushed else None,
             registration_id=run.registration_id, save_dir=None if cfg.save is None else str(cfg.save),
             loss=None if cfg.loss is None else cfg.loss_settings(),

@@ -254,7 +254,7 @@ def create_multilora_controller(config: MilesConfig, router_url: str | None = No
         logger.warning("Replacing a running %s actor left over from an earlier run", CONTROLLER_NAME)
         ray.kill(stale, no_restart=True)
     node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    handle = ray.remote(MultiLoRAController).options(
+    handle: Any = ray.remote(MultiLoRAController).options(
         name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE, num_cpus=0, scheduling_strategy=node,
         max_restarts=MAX_RESTARTS, max_task_retries=MAX_TASK_RETRIES,
     ).remote(controller_config, router_url)

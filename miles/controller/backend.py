@@ -45,6 +45,7 @@ from miles.utils.adapter_config import (
     parse_adapter_run_yaml,
     resolve_adapter_config,
     resolve_num_step,
+    resolved_field,
     validate_adapter_name,
 )
 from miles.controller.router_workers import abort_on_workers
@@ -228,7 +229,8 @@ class MultiLoRABackend:
             )
         self._dataset_checks_running += 1
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._dataset_checks, validate, config.data, config.input_key, config.label_key)
+        future = loop.run_in_executor(self._dataset_checks, validate, config.data,
+                                      resolved_field(config.input_key, "input_key"), config.label_key)
 
         def release(_: object) -> None:
             self._dataset_checks_running -= 1

@@ -12,6 +12,7 @@ server's `detail`.
 
 from __future__ import annotations
 
+import builtins
 import time
 from typing import Any
 
@@ -72,10 +73,10 @@ class ControlPlaneClient:
     def status(self, name: str) -> AdapterStatus:
         return AdapterStatus.model_validate(self._request("GET", f"/adapter_runs/{name}"))
 
-    def list(self) -> list[AdapterStatus]:
+    def list(self) -> builtins.list[AdapterStatus]:
         return [AdapterStatus.model_validate(a) for a in self._request("GET", "/adapter_runs")["adapters"]]
 
-    def states(self, names: list[str]) -> dict[str, AdapterState | None]:
+    def states(self, names: builtins.list[str]) -> dict[str, AdapterState | None]:
         raw = self._request("GET", "/adapter_runs/state", params={"names": list(names)})["states"]
         return {n: (AdapterState(s) if s is not None else None) for n, s in raw.items()}
 

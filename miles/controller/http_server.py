@@ -65,7 +65,7 @@ class RequestBodyTooLargeError(Exception):
 class RegisterAdapterBody(RegisterAdapterRequest):
     """`POST /adapter_runs` as received: the inline config is checked field by field."""
 
-    config: AdapterRunConfig | None = None
+    config: AdapterRunConfig | None = None  # type: ignore[assignment]  # the schema of the dict the base takes
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles.utils.adapter_config import AdapterConfigError, AdapterRunConfig, validate_adapter_name
+from miles.utils.adapter_config import AdapterConfigError, AdapterRunConfig, resolved_field, validate_adapter_name
 from miles.utils.types import AdapterRun, AdapterState, AdapterStatus, MultiLoRASnapshot, next_slot_version
 
 logger = logging.getLogger(__name__)
@@ -330,8 +330,9 @@ class AdapterRegistry:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         record = self._record(name)
-        if not 0 <= accumulated_groups < record.config.rollout_batch_size:
-            raise ValueError(f"adapter '{name}': accumulated groups must be in 0..{record.config.rollout_batch_size - 1} "
+        window = resolved_field(record.config.rollout_batch_size, "rollout_batch_size")
+        if not 0 <= accumulated_groups < window:
+            raise ValueError(f"adapter '{name}': accumulated groups must be in 0..{window - 1} "
                              f"(rollout_batch_size - 1), got {accumulated_groups}")
         record.step = step
         record.accumulated_groups = accumulated_groups

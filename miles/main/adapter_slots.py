@@ -22,6 +22,7 @@ from miles.backends.base import AdapterSpec, SaveRequest, TrainingBackend
 from miles.main.early_activation import EarlyActivation
 from miles.main.handles import ControllerHandle, RolloutManagerHandle
 from miles.main.weight_push import WeightPush
+from miles.utils.adapter_config import resolved_field
 from miles.utils.types import DataPosition, MultiLoRASnapshot
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class AdapterSlots:
 
     async def reconcile(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
         """Retire RETIRING adapters, save and clean up those that left, load the new ones."""
-        self._observe(await self.push.settle(snapshot))
+        self._observe(await self.push.settle(snapshot))  # not None: a snapshot went in
         snapshot = await self.controller.retire_adapters.remote()
         snapshot = await self._cleanup(snapshot)
         return await self._load(snapshot)
@@ -118,7 +119,7 @@ class AdapterSlots:
                 self.push.mark_stale([name])
             self.loaded[name] = LoadedAdapter(
                 registration_id=run.registration_id, slot=run.slot, saves=spec.save_dir is not None,
-                samples_per_group=run.config.n_samples_per_prompt, step=loaded.step,
+                samples_per_group=resolved_field(run.config.n_samples_per_prompt, "n_samples_per_prompt"), step=loaded.step,
                 accumulated_groups=loaded.accumulated_groups, saved=progress)
         return snapshot
 

@@ -53,8 +53,10 @@ def init_ray(cfg: MilesConfig) -> None:
         return
     # Logical CPUs: the actors are mostly idle waiting on each other, so a small
     # machine still fits one train rank per DP worker plus the engines.
-    train_ranks = cfg.actor_num_workers * (cfg.tensor_model_parallel_size if cfg.train_backend == "megatron" else 1)
-    needed = train_ranks * cfg.actor_num_cpus_per_worker + cfg.rollout_num_engines + 2
+    workers, engines = cfg.actor_num_workers, cfg.rollout_num_engines
+    assert workers is not None and engines is not None, "MilesConfig resolves both"
+    train_ranks = workers * (cfg.tensor_model_parallel_size if cfg.train_backend == "megatron" else 1)
+    needed = train_ranks * cfg.actor_num_cpus_per_worker + engines + 2
     ray.init(
         address="local",
         namespace="miles",
@@ -95,7 +97,7 @@ async def launch(cfg: MilesConfig) -> Components:
     controller = create_multilora_controller(cfg, router_url=None, hooks=controller_hooks(cfg))  # logs its URL
     # A registry restored from --save: nothing is sampled before this trainer pushed it.
     await controller.requeue_for_new_trainer.remote()
-    rollout_manager = RolloutManager.options(name="miles_rollout_manager").remote(cfg)
+    rollout_manager: Any = RolloutManager.options(name="miles_rollout_manager").remote(cfg)  # a Ray handle
     backend = build_backend(cfg)
     # Engines and train ranks load the base model in parallel.
     await asyncio.gather(rollout_manager.start.remote(controller), backend.start())

@@ -128,7 +128,7 @@ class LiveTableView:
         self._live.start()
         self._rerouted = self._route_logging_through_live()
 
-    def _route_logging_through_live(self) -> list[tuple[logging.StreamHandler[TextIO], TextIO]]:
+    def _route_logging_through_live(self) -> list[tuple[logging.StreamHandler[Any], Any]]:
         """Log handlers write to the stream they were given, which the live display does not
         see; point those on the real stderr at the display's proxy while it runs."""
         if sys.stderr is sys.__stderr__:  # nothing redirected (not a terminal)

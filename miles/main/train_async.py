@@ -69,6 +69,7 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
                     snapshot = await s.push.settle(await s.push.update_weights(snapshot))
             with timer("save"):
                 await s.slots.save(snapshot)
+            assert trained is not None, "drop_failed=False: a failed train call raises"
             await progress.record(rollout_id, rollout, trained, snapshot, timer.pop_metrics())
             if stop.is_set():
                 break

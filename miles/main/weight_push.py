@@ -30,7 +30,7 @@ import asyncio
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, overload
 
 from miles.backends.base import LoraExport, TrainingBackend
 from miles.main.engine_push import PushStats
@@ -115,6 +115,12 @@ class WeightPush:
         waiter = asyncio.ensure_future(behind.exported.wait())
         await asyncio.wait({waiter, behind.task}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
+
+    @overload
+    async def settle(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot: ...
+
+    @overload
+    async def settle(self, snapshot: None = None) -> None: ...
 
     async def settle(self, snapshot: MultiLoRASnapshot | None = None) -> MultiLoRASnapshot | None:
         """Wait for the push running behind the loop, if any (its failure is raised here).

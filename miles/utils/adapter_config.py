@@ -16,14 +16,13 @@ Resolution fills the defaults and applies the rules that need the trainer's flag
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -36,6 +35,8 @@ if TYPE_CHECKING:
     from miles.utils.arguments import MilesConfig
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 ADAPTER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]+$")
 MAX_ADAPTER_NAME_LENGTH = 64
@@ -151,9 +152,8 @@ class AdapterRunConfig(BaseModel):
     @property
     def adapter_global_batch_size(self) -> int:
         """Samples per optimizer step: `rollout_batch_size * n_samples_per_prompt`."""
-        if self.rollout_batch_size is None or self.n_samples_per_prompt is None:
-            raise AdapterConfigError("adapter_global_batch_size needs a resolved config (call resolve_adapter_config)")
-        return adapter_global_batch_size(self.rollout_batch_size, self.n_samples_per_prompt)
+        return adapter_global_batch_size(resolved_field(self.rollout_batch_size, "rollout_batch_size"),
+                                         resolved_field(self.n_samples_per_prompt, "n_samples_per_prompt"))
 
     def loss_settings(self) -> LossSettings:
         """The adapter's loss settings (a resolved config has all of them)."""
@@ -166,6 +166,13 @@ class AdapterRunConfig(BaseModel):
         out = self.model_dump()
         out["save"] = None if self.save is None else str(self.save)
         return out
+
+
+def resolved_field(value: T | None, name: str) -> T:
+    """A field of a resolved config (`resolve_adapter_config` filled in every default)."""
+    if value is None:
+        raise AdapterConfigError(f"{name} needs a resolved adapter config (call resolve_adapter_config)")
+    return value
 
 
 ADAPTER_CONFIG_KEYS: tuple[str, ...] = tuple(AdapterRunConfig.model_fields)
