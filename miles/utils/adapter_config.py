@@ -22,17 +22,15 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import ADAPTER_LOSS_KEYS, KL_LOSS_TYPES, LossSettings
 from miles.utils.plugins import PluginError, load_object
 from miles.utils.safe_yaml import load_yaml
-
-if TYPE_CHECKING:
-    from miles.utils.arguments import MilesConfig
 
 logger = logging.getLogger(__name__)
 
@@ -178,30 +176,39 @@ def resolved_field(value: T | None, name: str) -> T:
 ADAPTER_CONFIG_KEYS: tuple[str, ...] = tuple(AdapterRunConfig.model_fields)
 
 
+_FLAGS = MilesConfig()
+"""The trainer's flags at their defaults (resolved): the one source of an adapter's defaults."""
+
+
 @dataclass(frozen=True)
 class AdapterDefaults:
-    """The process-wide flags an adapter config falls back to."""
+    """The process-wide flags an adapter config falls back to.
 
-    lora_rank: int = 16
-    lora_alpha: float = 16.0
-    rollout_batch_size: int = 8
-    n_samples_per_prompt: int = 4
-    save: str | None = None
+    Built from the trainer's flags (`from_config`); constructed directly (tests, the
+    standalone control plane) every field not given is the flag's own default."""
+
+    lora_rank: int = _FLAGS.lora_rank
+    lora_alpha: float = _FLAGS.lora_alpha
+    rollout_batch_size: int = _FLAGS.rollout_batch_size
+    n_samples_per_prompt: int = _FLAGS.n_samples_per_prompt
+    save: str | None = _FLAGS.save
     input_key: str = "text"
-    """Miles' adapters read prompts from `text` unless their config says otherwise."""
-    label_key: str | None = None
+    """Miles' adapters read prompts from `text` unless their config says otherwise (the
+    flag `--input-key` is the single policy's)."""
+    label_key: str | None = _FLAGS.label_key
     """None: rows carry no label (Miles' default)."""
-    metadata_key: str = "metadata"
-    rm_type: str | None = None
-    custom_rm_path: str | None = None
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    lr_decay_style: str = "constant"
-    lr_warmup_steps: int = 0
-    dp_size: int = 1
+    metadata_key: str = _FLAGS.metadata_key
+    rm_type: str | None = _FLAGS.rm_type
+    custom_rm_path: str | None = _FLAGS.custom_rm_path
+    lr: float = _FLAGS.lr
+    weight_decay: float = _FLAGS.weight_decay
+    lr_decay_style: str = _FLAGS.lr_decay_style
+    lr_warmup_steps: int = _FLAGS.lr_warmup_steps
+    dp_size: int = resolved_field(_FLAGS.actor_num_workers, "--actor-num-workers")
     """Data-parallel train ranks (`--actor-num-workers`)."""
-    max_adapter_global_batch_size: int = 128
-    loss: LossSettings = LossSettings()
+    max_adapter_global_batch_size: int = resolved_field(_FLAGS.multi_lora_max_adapter_global_batch_size,
+                                                        "--multi-lora-max-adapter-global-batch-size")
+    loss: LossSettings = _FLAGS.loss
     """The trainer's loss flags; an adapter's `loss:` keys override them."""
 
     @classmethod
