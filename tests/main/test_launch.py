@@ -1,20 +1,24 @@
-"""What the launcher hands its components: the controller's registration hooks (the
+"""What the launcher does with the flags: the controller's registration hooks (the
 dataset rows that fit `--rollout-max-prompt-len`, so `num_step` is derived after the
-filter as in Miles), the run's metrics logger (Miles' W&B flags), and the Ray instance a
-driver without RAY_ADDRESS starts."""
+filter as in Miles), a real `trainer_run` on the session's Ray (control plane, engine
+behind the router, train ranks, Miles' W&B flags, and everything stopped on the way out),
+and the Ray instance a driver without RAY_ADDRESS starts."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from contextlib import asynccontextmanager
 from pathlib import Path
 
+import httpx
 import pytest
+from waiting import wait_until
 
 from miles.controller.backend import MultiLoRABackend
 from miles.main import launch as launch_module
@@ -22,7 +26,6 @@ from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.data_source import DatasetCheck
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.arguments import parse_args
-from miles.utils.tracking import MetricsLogger
 
 
 @pytest.mark.parametrize("max_len, num_step", [(None, 5), (4, 3)])
@@ -42,33 +45,88 @@ async def test_num_step_is_counted_after_the_max_prompt_len_filter(tmp_path, max
     assert backend.registry.snapshot().pending["a"].config.num_step == num_step
 
 
-async def test_the_run_logs_with_miles_wandb_flags(monkeypatch, tmp_path):
-    """`trainer_run` builds its logger with `MetricsLogger.from_config`: the W&B group,
-    key and suffix flags reach it."""
-    built = []
+class RecordingWandb:
+    """Stands in for the `wandb` module: records what the run's logger asks of it."""
 
-    def from_config(cfg):
-        built.append(cfg)
-        return MetricsLogger(tmp_path / "run")  # no W&B in tests
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+        self.util = type("util", (), {"generate_id": staticmethod(lambda: "r4nd0m")})
 
-    class Components:
-        controller = None
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: self.calls.append((name, kwargs))
 
-    async def no_launch(cfg):
-        return Components()
 
-    async def no_shutdown(components):
-        return None
+def _refuses(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=2.0, trust_env=False)
+    except httpx.TransportError:
+        return True
+    return False
 
-    monkeypatch.setattr(launch_module, "init_ray", lambda cfg: None)
-    monkeypatch.setattr(launch_module, "install_stop_handlers", lambda stop: None)
-    monkeypatch.setattr(launch_module, "launch", no_launch)
-    monkeypatch.setattr(launch_module, "shutdown", no_shutdown)
-    monkeypatch.setattr(MetricsLogger, "from_config", staticmethod(from_config))
-    cfg = parse_args(["--use-wandb", "--wandb-group", "g", "--disable-wandb-random-suffix"])
-    async with launch_module.trainer_run(cfg) as run:
-        assert run.progress is not None
-    assert built == [cfg]
+
+def _dead(actor) -> bool:
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=10)
+    except RayActorError:
+        return True
+    return False
+
+
+async def test_trainer_run_starts_what_the_flags_ask_for_and_stops_all_of_it(
+        ray_session, tiny_model_dir, tmp_path, monkeypatch):
+    """The real `trainer_run` on this session's Ray: the controller serves on the port the OS
+    gave (--multi-lora-api-port 0) and counts rows after --rollout-max-prompt-len, one engine
+    serves behind the router, --actor-num-workers train ranks start, the W&B flags reach
+    wandb; on the way out every server and actor it started is stopped."""
+    import ray
+
+    from miles.controller.client import ControlPlaneClient
+    from miles.rollout.engines.router import Router
+
+    wandb = RecordingWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)  # the logger imports it at start
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": "x" * n, "label": str(n)}) + "\n" for n in (2, 7, 3, 9, 4)))
+    cfg = parse_args([
+        "--hf-checkpoint", str(tiny_model_dir), "--multi-lora-n-adapters", "2", "--multi-lora-api-port", "0",
+        "--multi-lora-allowed-roots", str(tmp_path), "--rollout-max-prompt-len", "4", "--rollout-num-engines", "1",
+        "--rm-type", "math",
+        "--actor-num-workers", "2", "--save", str(tmp_path / "save"), "--run-dir", str(tmp_path / "run"),
+        "--use-wandb", "--wandb-group", "g", "--disable-wandb-random-suffix",
+    ])
+    loop = asyncio.get_running_loop()
+    try:
+        async with launch_module.trainer_run(cfg) as run:
+            c = run.components
+            api = f"http://127.0.0.1:{await c.controller.api_port.remote()}"
+            ControlPlaneClient(api).register("a", config={"data": str(data), "rollout_batch_size": 1})
+            snapshot = await c.controller.snapshot.remote()
+            assert snapshot.pending["a"].config.num_step == 3  # rows of 2, 3 and 4 tokens fit in 4
+            engines = await c.rollout_manager.engines.remote()
+            assert len(engines) == 1
+            engine_url = await engines[0].url.remote()
+            router_url = await c.rollout_manager.get_router_address.remote()
+            assert await Router(router_url, None).workers() == [engine_url]
+            assert httpx.get(engine_url + "/health", timeout=10, trust_env=False).status_code == 200
+            ranks = list(c.backend.actors)
+            assert len(ranks) == 2
+            assert wandb.calls == [("init", {"project": "miles-multi-lora", "group": "g", "name": "g",
+                                             "dir": str(cfg.resolved_run_dir)})]
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # trainer_run's stop handlers, on the test's loop
+            loop.remove_signal_handler(signum)
+    assert wandb.calls[-1][0] == "finish"
+    for url in (api, engine_url, router_url):
+        wait_until(lambda url=url: _refuses(url), 30, f"{url} to stop serving")
+    for rank in ranks:
+        wait_until(lambda rank=rank: _dead(rank), 30, "a train rank to be gone")
+    # The controller and rollout manager actors live on with the driver, as in a run (they go
+    # with its Ray); here the session's Ray outlives the test, so they are taken down by hand.
+    for actor in (c.controller, c.rollout_manager):
+        ray.kill(actor)
 
 
 def test_a_driver_without_ray_address_starts_its_own_ray_beside_another(ray_session):
