@@ -31,11 +31,6 @@ def curves(records: list[dict], metrics: tuple[str, ...] = DEFAULT_METRICS) -> d
     return {metric: series for metric, series in out.items() if series}
 
 
-def reward_curves(records: list[dict], key: str = "raw_reward_mean") -> dict[str, list[tuple[float, float]]]:
-    """adapter -> [(step, value)] of one per-adapter metric."""
-    return adapter_series(records, key)
-
-
 def plot(panels: dict[str, dict[str, list]], out: Path, title: str | None = None) -> None:
     import matplotlib
 
