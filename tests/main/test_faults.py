@@ -2,13 +2,17 @@
 
 - A train call that raises: the batch is dropped (never committed, counted by no
   adapter), the next iteration trains normally; failures in a row stop the run.
-- A dead train rank: the run stops with a message naming the fix, every adapter saved.
-  Both through the real `run_loop` over fakes (no Ray).
+- A dead train rank: the run stops with a message naming the fix, and the driver's own
+  way out (`trainer_run`) saves every adapter. The first two through the real `run_loop`
+  over fakes (no Ray), the third through the driver's `main` with `launch` handing it
+  those fakes.
 - SIGKILL of the whole trainer (driver and its Ray cluster) mid-run, then a restart
   with the same `--save`: the registry comes back from its SQLite file, every adapter
-  resumes from its latest complete checkpoint (never a partial one) and keeps stepping
-  from where its data stood. A subprocess trainer on the tiny base, with a train fault
-  injected through the test-only `MILES_TEST_FAULT_TRAIN_CALLS` on the way.
+  resumes from its latest complete checkpoint (never a partial one): its first step
+  after the resume is one AdamW step from exactly that checkpoint's weights, moments,
+  step count and LR clock, and its data continues from where it stood. A subprocess
+  trainer on the tiny model, with a train fault injected through the test-only
+  `MILES_TEST_FAULT_TRAIN_CALLS` on the way.
 """
 
 from __future__ import annotations
@@ -16,23 +20,35 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import shutil
+import signal
 import time
 from pathlib import Path
 
 import pytest
-from lifecycle_fakes import FakeBackend, FakeRollout, InProcessController, InProcessHandle, RecordingPusher
+import torch
+from lifecycle_fakes import (
+    FakeBackend,
+    FakeRollout,
+    InProcessController,
+    InProcessHandle,
+    RecordingPusher,
+    SavedAdapter,
+)
+from safetensors.torch import load_file
+from waiting import WaitTimeout, wait_until
 
 from miles.backends.base import TrainRankLostError, TrainResult
 from miles.backends.torch.actor import FAULT_TRAIN_CALLS_ENV
-from miles.backends.torch.checkpoint import TRAINER_STATE, latest_checkpoint, read_checkpoint
-from miles.main import train_multi_lora_async
+from miles.backends.torch.checkpoint import TRAINER_STATE, Checkpoint, latest_checkpoint, read_checkpoint
+from miles.main import launch, train_multi_lora_async
 from miles.main.launch import Components
 from miles.main.progress import RunProgress
 from miles.main.stages import Stages
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
-from miles.utils.types import AdapterState, MultiLoRASnapshot, RolloutBatch
+from miles.utils.types import AdapterState, DataPosition, MultiLoRASnapshot, RolloutBatch
 
 
 class FlakyBackend(FakeBackend):
@@ -60,14 +76,24 @@ class CommitLog(InProcessController):
         return await super().mark_batch_trained(rollout_id)
 
 
-def _trainer(tmp_path, backend: FakeBackend):
+class StoppableRollout(FakeRollout):
+    """What the driver's shutdown also calls on the rollout manager."""
+
+    disposed: bool = False
+
+    async def dispose(self) -> None:
+        self.disposed = True
+
+
+def _trainer(tmp_path, backend: FakeBackend, *, n_slots: int = 1, save_interval: int | None = 1):
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"text": "1+1=", "label": "2"}) + "\n")
-    controller = CommitLog(1, rollout_batch_size=2, n_samples_per_prompt=2, rm_type="math",
+    controller = CommitLog(n_slots, rollout_batch_size=2, n_samples_per_prompt=2, rm_type="math",
                            save=str(tmp_path / "save"))
     handle = InProcessHandle(controller)
-    rollout = FakeRollout(handle)
-    stages = Stages.build(backend, handle, InProcessHandle(rollout), save_interval=1, pusher=RecordingPusher())
+    rollout = StoppableRollout(handle)
+    stages = Stages.build(backend, handle, InProcessHandle(rollout), save_interval=save_interval,
+                          pusher=RecordingPusher())
     components = Components(handle, InProcessHandle(rollout), backend, stages)
     return controller, rollout, components, str(data)
 
@@ -102,19 +128,37 @@ async def test_failures_in_a_row_stop_the_run(tmp_path):
     assert controller.committed == [] and controller.backend.adapter_status("a").step == 0
 
 
-async def test_a_dead_train_rank_stops_the_run_with_every_adapter_saved(tmp_path, caplog):
+async def test_a_dead_train_rank_stops_the_run_with_every_adapter_saved(tmp_path, caplog, monkeypatch):
+    """The driver's `main` as the CLI runs it (trainer_run around run_loop), `launch` handing
+    it the fakes: a rank dies while training rollout 1, the run stops with the rank's error,
+    and its way out saves both adapters at step 1. No save cadence: only that save writes."""
     backend = FlakyBackend({1}, rank_lost=True)
-    controller, _, components, data = _trainer(tmp_path, backend)
-    await controller.register_adapter("a", config={"data": data, "num_step": 5})
-    with caplog.at_level(logging.ERROR), pytest.raises(TrainRankLostError):
-        await _run(tmp_path, components)
+    controller, rollout, components, data = _trainer(tmp_path, backend, n_slots=2, save_interval=None)
+    for name in ("a", "b"):
+        await controller.register_adapter(name, config={"data": data, "num_step": 5})
+
+    async def launch_fakes(cfg: MilesConfig) -> Components:
+        return components
+
+    monkeypatch.setattr(launch, "init_ray", lambda cfg: None)  # the components are in-process: no Ray
+    monkeypatch.setattr(launch, "launch", launch_fakes)
+    cfg = MilesConfig(multi_lora_n_adapters=2, multi_lora_disable_service_mode=True, run_dir=str(tmp_path / "run"))
+    loop = asyncio.get_running_loop()
+    try:
+        with caplog.at_level(logging.ERROR), pytest.raises(TrainRankLostError):
+            await train_multi_lora_async.main(cfg)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # trainer_run's stop handlers, on the test's loop
+            loop.remove_signal_handler(signum)
     assert "Stopping: every adapter is saved from the surviving ranks; start the trainer again with the " \
            "same --save" in caplog.text
     assert controller.committed == [0]
-    # What `trainer_run` does on the way out (save_interval=1 already saved step 1; nothing newer is lost).
-    await components.stages.slots.save_all()
-    status = controller.backend.adapter_status("a")
-    assert status.step == 1 and max(backend.disk[status.save]) == 1
+    for name in ("a", "b"):
+        status = controller.backend.adapter_status(name)
+        # Step 1's weights: two groups of two samples; its data continues after rollout 1's
+        # groups (2, 3), which are consumed, not retrained.
+        assert status.step == 1 and backend.disk[status.save] == {1: SavedAdapter(4.0, DataPosition(0, 4))}, name
+    assert rollout.disposed and backend.calls[-1] == ("shutdown", "")  # then everything stopped
 
 
 # ---- SIGKILL of the whole trainer, then a restart with the same --save ----------------------
@@ -123,15 +167,38 @@ TRAINER = "miles.main.train_multi_lora_async"
 
 
 def _wait(predicate, timeout: float, what: str, driver):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if driver.proc.poll() is not None:
-            raise AssertionError(f"trainer exited while waiting for {what}:\n{driver.log_tail()}")
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}:\n{driver.log_tail()}")
+    """`wait_until` while the trainer runs; a failed wait shows the end of its log."""
+    try:
+        return wait_until(predicate, timeout, what, poll_s=0.25, alive=lambda: driver.proc.poll() is None)
+    except WaitTimeout as exc:
+        raise WaitTimeout(f"{exc}\n{driver.log_tail()}") from None
+
+
+def assert_one_adamw_step_from(before: Checkpoint, after: Checkpoint) -> None:
+    """`after` holds what one AdamW step (torch's update, written out here) makes of exactly
+    `before`'s weights, moments, step count and LR clock, for some gradient g: the moments
+    give g (m1 = b1 m0 + (1 - b1) g), which must also give v1 and the new weights. A resume
+    from anything else (fresh weights, zero moments, a restarted step count) breaks this."""
+    opt0, opt1 = before.optimizer, after.optimizer
+    assert (after.trainer_state.step, opt1.step) == (before.trainer_state.step + 1, opt0.step + 1)
+    schedule = after.scheduler
+    assert (schedule["style"], schedule["warmup_steps"]) == ("constant", 0)  # the lr is the same at every step
+    assert schedule["samples_seen"] == before.scheduler["samples_seen"] + schedule["samples_per_step"]
+    (b1, b2), eps, lr, wd = opt1.hyper["betas"], opt1.hyper["eps"], opt1.hyper["lr"], opt1.hyper["weight_decay"]
+    w0, w1 = (load_file(c.path / "adapter_model.safetensors") for c in (before, after))
+    assert set(opt0.exp_avg) == set(opt1.exp_avg) and {f"base_model.model.{k}.weight" for k in opt0.exp_avg} \
+        == set(w0) == set(w1)
+    t = opt1.step
+    moved = 0.0
+    for key in opt0.exp_avg:
+        m0, v0, m1, v1 = (x[key].double() for x in (opt0.exp_avg, opt0.exp_avg_sq, opt1.exp_avg, opt1.exp_avg_sq))
+        weight0, weight1 = (w[f"base_model.model.{key}.weight"].double() for w in (w0, w1))
+        g = (m1 - b1 * m0) / (1 - b1)
+        torch.testing.assert_close(v1, b2 * v0 + (1 - b2) * g * g, rtol=1e-4, atol=1e-15, msg=key)
+        update = lr / (1 - b1**t) * m1 / (v1.sqrt() / math.sqrt(1 - b2**t) + eps)
+        torch.testing.assert_close(weight1, weight0 * (1 - lr * wd) - update, rtol=0, atol=1e-7, msg=key)
+        moved = max(moved, float((weight1 - weight0).abs().max()))
+    assert moved > 1e-5  # the step moved the weights: the equalities above are not 0 == 0
 
 
 def _plant_partial_checkpoints(save_dir: Path, latest: Path) -> None:
@@ -198,18 +265,22 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
             ckpt = read_checkpoint(latest[name])
             line = f"Adapter '{name}' resumed from {latest[name]} (step {ckpt.trainer_state.step})"
             _wait(lambda: line in second.log_path.read_text(), 120, f"{name} to resume", second)
-            resumed[name] = ckpt.trainer_state
-        _wait(lambda: all(client.status(n).step > resumed[n].step for n in datasets), 120,
+            resumed[name] = ckpt
+        _wait(lambda: all(client.status(n).step > resumed[n].trainer_state.step for n in datasets), 120,
               "both adapters to step after the resume", second)
         resume_s = time.monotonic() - started
         for name in datasets:
-            path = Path(before[name].save) / "checkpoints" / f"step_{resumed[name].step + 1}"
+            state = resumed[name].trainer_state
+            path = Path(before[name].save) / "checkpoints" / f"step_{state.step + 1}"
             _wait(lambda: latest_checkpoint(before[name].save) not in (None, latest[name]), 60,
                   f"{name}'s first checkpoint after the resume", second)
-            after = read_checkpoint(path).trainer_state
+            after = read_checkpoint(path)
+            # At most the work since the latest checkpoint is lost: the first step after the
+            # resume started from that checkpoint's weights, moments, step and LR clock.
+            assert_one_adamw_step_from(resumed[name], after)
             # Its data continued from the resumed position instead of starting over.
-            assert after.data_position.index > resumed[name].data_position.index, (name, after, resumed[name])
-            assert after.registration_id == before[name].registration_id
+            assert after.trainer_state.data_position.index > state.data_position.index, (name, after, state)
+            assert after.trainer_state.registration_id == before[name].registration_id
         print(f"restart to the first step of both resumed adapters: {resume_s:.1f}s")
         assert second.terminate() == 0, second.log_tail()
     finally:
