@@ -5,10 +5,11 @@ server joins with `POST /init_weights_update_group` at its rank offset. Then eac
 sends names, dtypes and shapes over HTTP (`/load_lora_adapter_from_distributed`) and
 the tensors themselves by broadcast from rank 0: nothing is pickled.
 
-    spec = UpdateGroupSpec(master_address=node_ip, master_port=free_port(node_ip),
+    store = listening_store(node_ip)             # the rendezvous, on a port the OS gave it
+    spec = UpdateGroupSpec(master_address=node_ip, master_port=store.port,
                            world_size=1 + n_engines, backend="gloo")      # "nccl" on GPU
     # at the same time: every engine posts spec.init_request(rank_offset=1 + i) ...
-    group = join_update_group(spec, rank=0)      # ... and the sender joins; all block until all are in
+    group = join_update_group(spec, rank=0, store=store)   # ... and the sender joins; all block until all are in
     names, dtypes, shapes = tensor_metadata(tensors)   # -> the HTTP body of each engine's load
     broadcast_tensors(group, tensors)            # while those load requests are in flight
 

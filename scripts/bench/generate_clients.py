@@ -22,8 +22,8 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from miles.rollout.engines.process import ServerProcess, free_port
-from miles.rollout.engines.server_command import EngineServerConfig, build_builtin_command
+from miles.rollout.engines.process import ServerProcess
+from miles.rollout.engines.server_command import BUILTIN_URL_LINE, EngineServerConfig, build_builtin_command
 
 PROMPT = "12+35="
 PROMPT_IDS: list[int] = []  # PROMPT encoded with the model's tokenizer in run()
@@ -73,12 +73,10 @@ async def run(model: Path, n_requests: int, rounds: int) -> None:
     PROMPT_IDS[:] = AutoTokenizer.from_pretrained(model)(PROMPT, add_special_tokens=False)["input_ids"]
     config = EngineServerConfig(kind="builtin", model_path=str(model), n_slots=1, max_lora_rank=8,
                                 target_modules="all-linear", max_running_requests=n_requests)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = Path(tempfile.mkdtemp()) / "engine.log"
-    server = ServerProcess.launch(build_builtin_command(config, "127.0.0.1", port), log_path=log_path)
+    server, url = await ServerProcess.start(build_builtin_command(config, "127.0.0.1", 0), log_path=log_path,
+                                            url_line=BUILTIN_URL_LINE, timeout_s=120, what="builtin engine")
     try:
-        await server.wait_ready(f"{url}/health", timeout_s=120, what="builtin engine")
         await burst_aiohttp(url, n_requests)  # warm-up
         rates: dict[str, list[float]] = {"aiohttp": [], "httpx": []}
         for _ in range(rounds):

@@ -14,6 +14,9 @@ only, as SGLang 0.5 releases lack it), /health, /health_generate, /get_model_inf
 /get_server_info, /flush_cache, /pause_generation, /continue_generation. Bad input
 answers 4xx with a message (`{"detail": ...}`, plus SGLang's own fields) and the
 server keeps serving.
+
+Once its port is bound it writes `Builtin engine server listening at http://HOST:PORT` to
+stdout; `--port 0` binds a port the OS picks, which that line reports.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import socket
 from typing import Any
 
 import torch
@@ -38,6 +42,7 @@ from miles.rollout.engines.builtin_engine import (
     WeightsUpdateGroupError,
 )
 from miles.rollout.engines.lora_table import LoraRequestError
+from miles.rollout.engines.server_command import BUILTIN_URL_PREFIX
 from miles.utils.types import (
     AbortRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -180,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-path", required=True, help="Hugging Face model directory.")
     parser.add_argument("--tokenizer-path", default=None, help="Tokenizer directory (default: --model-path).")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=int, default=30000, help="0: a free port the OS picks (written to stdout).")
     parser.add_argument("--enable-lora", action="store_true", help="Accepted for SGLang compatibility; LoRA is on when --max-loras-per-batch > 0.")
     parser.add_argument("--max-loras-per-batch", type=int, default=8, help="LoRA slots (0: no LoRA).")
     parser.add_argument("--max-lora-rank", type=int, default=16)
@@ -220,7 +225,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.num_threads)
     engine = BuiltinEngine(options_from_args(args))
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+    # Bound here rather than by uvicorn so that the port is known before serving: with
+    # `--port 0` the OS picks a free one and the launcher reads it from this line.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    print(f"{BUILTIN_URL_PREFIX}http://{args.host}:{sock.getsockname()[1]}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level=args.log_level))
+    server.run(sockets=[sock])
 
 
 if __name__ == "__main__":

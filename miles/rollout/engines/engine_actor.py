@@ -54,9 +54,13 @@ import torch
 from pydantic import BaseModel
 
 from miles.lora import write_peft_dir
-from miles.rollout.engines.process import ServerProcess, free_port
+from miles.rollout.engines.process import ServerProcess, free_port, on_probed_ports
 from miles.rollout.engines.router import Router
-from miles.rollout.engines.server_command import EngineServerConfig, server_command
+from miles.rollout.engines.server_command import (
+    BUILTIN_URL_LINE,
+    EngineServerConfig,
+    server_command,
+)
 from miles.utils.http_client import LoopClient
 from miles.utils.network import cluster_host
 from miles.utils.types import (
@@ -158,13 +162,28 @@ class EngineServer:
 
     async def _launch(self) -> str:
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        port = free_port(self.host)
-        process = ServerProcess.launch(server_command(self.cfg, self.host, port),
-                                       log_path=self.work_dir / f"{self.cfg.kind}-server.log")
-        url = f"http://{self.host}:{port}"
+        log_path = self.work_dir / f"{self.cfg.kind}-server.log"
+        what = f"{self.cfg.kind} inference server"
+        if self.cfg.kind == "builtin":  # binds port 0 and reports the port it got
+            process, url = await ServerProcess.start(server_command(self.cfg, self.host, 0), log_path=log_path,
+                                                     url_line=BUILTIN_URL_LINE, timeout_s=self.start_timeout_s,
+                                                     what=what)
+        else:
+            # SGLang takes its port on the command line (it warms itself up through it), so it
+            # gets one probed free, and another if a process took that one first.
+            async def start_sglang() -> tuple[ServerProcess, str]:
+                port = free_port(self.host)
+                launched = ServerProcess.launch(server_command(self.cfg, self.host, port), log_path=log_path)
+                try:
+                    await launched.wait_ready(f"http://{self.host}:{port}/health", timeout_s=self.start_timeout_s,
+                                              what=what)
+                except BaseException:
+                    launched.terminate()
+                    raise
+                return launched, f"http://{self.host}:{port}"
+
+            process, url = await on_probed_ports(start_sglang, what)
         try:
-            await process.wait_ready(url + "/health", timeout_s=self.start_timeout_s,
-                                     what=f"{self.cfg.kind} inference server")
             if self.cfg.kind == "sglang" and self.mode == "in_place":
                 await self._require_distributed_route(url)
         except BaseException:

@@ -22,11 +22,17 @@ from pathlib import Path
 import httpx
 
 from miles.controller.router_workers import discover_workers
-from miles.rollout.engines.process import ServerProcess, ServerStartError, free_port
+from miles.rollout.engines.process import (
+    ServerProcess,
+    ServerStartError,
+    free_port,
+    on_probed_ports,
+)
 
 logger = logging.getLogger(__name__)
 
 ROUTER_START_TIMEOUT_S = 120.0
+ROUTER = "sglang-router"
 
 
 def build_router_command(worker_urls: list[str], host: str, port: int, policy: str,
@@ -48,19 +54,23 @@ class Router:
 
     @classmethod
     async def launch(cls, worker_urls: list[str], *, log_path: Path, host: str = "127.0.0.1",
-                     port: int | None = None, policy: str = "round_robin",
-                     timeout_s: float = ROUTER_START_TIMEOUT_S) -> Router:
-        port = port or free_port(host)
-        command = build_router_command(worker_urls, host, port, policy, prometheus_port=free_port(host))
-        process = ServerProcess.launch(command, log_path=log_path)
-        router = cls(f"http://{host}:{port}", process)
-        try:
-            await process.wait_ready(router.url + "/health", timeout_s=timeout_s, what="sglang-router")
-            await router.wait_for_workers(worker_urls, timeout_s=timeout_s)
-        except BaseException:
-            process.terminate()
-            raise
-        return router
+                     policy: str = "round_robin", timeout_s: float = ROUTER_START_TIMEOUT_S) -> Router:
+        # The router refuses port 0 for either of its ports, so it gets two probed free, and
+        # two others if a process took one of them before the router bound it.
+        async def start() -> Router:
+            port = free_port(host)
+            command = build_router_command(worker_urls, host, port, policy, prometheus_port=free_port(host))
+            process = ServerProcess.launch(command, log_path=log_path)
+            router = cls(f"http://{host}:{port}", process)
+            try:
+                await process.wait_ready(router.url + "/health", timeout_s=timeout_s, what=ROUTER)
+                await router.wait_for_workers(worker_urls, timeout_s=timeout_s)
+            except BaseException:
+                process.terminate()
+                raise
+            return router
+
+        return await on_probed_ports(start, ROUTER)
 
     @classmethod
     async def attach(cls, url: str, worker_urls: list[str], *, timeout_s: float = ROUTER_START_TIMEOUT_S) -> Router:
@@ -110,8 +120,7 @@ class Router:
         missing = set(worker_urls)
         while time.monotonic() < deadline:
             if self.process is not None and not self.process.alive():
-                raise ServerStartError(f"sglang-router exited with code {self.process.popen.returncode}; "
-                                       f"see {self.process.log_path}")
+                raise self.process.died_error(ROUTER)
             missing = set(worker_urls) - set(await self.workers())
             if not missing:
                 return

@@ -17,6 +17,7 @@ loading and pausing in place assume. Every flag we pass is one SGLang 0.5's
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from typing import Literal
@@ -25,6 +26,10 @@ from miles.utils.arguments import MilesConfig
 from miles.utils.types import LoraUpdateMode
 
 EngineKind = Literal["builtin", "sglang"]
+
+BUILTIN_URL_PREFIX = "Builtin engine server listening at "
+BUILTIN_URL_LINE = re.compile(re.escape(BUILTIN_URL_PREFIX) + r"(http://\S+)")
+"""The line the builtin server writes once its port is bound (with `--port 0`, the one the OS gave it)."""
 
 
 @dataclass(frozen=True)

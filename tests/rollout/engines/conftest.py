@@ -17,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles import lora
-from miles.rollout.engines.process import ServerProcess, free_port
+from miles.rollout.engines.process import ServerProcess
+from miles.rollout.engines.server_command import BUILTIN_URL_LINE
 
 ENGINE_SLOTS = 5
 MAX_RANK = 4
@@ -90,22 +91,16 @@ def trainer_reference(tiny_model_dir, engine_adapters) -> TrainerReference:
 
 def launch_builtin(model_dir: Path, log_dir: Path, *, lora_paths: dict[str, Path], slots: int = ENGINE_SLOTS,
                    extra: list[str] | None = None) -> tuple[ServerProcess, str]:
-    port = free_port()
+    """A builtin server on a port the OS picks (it reports the port in its log)."""
     command = [sys.executable, "-m", "miles.rollout.engines.builtin_server", "--model-path", str(model_dir),
-               "--host", "127.0.0.1", "--port", str(port), "--max-loras-per-batch", str(slots),
+               "--host", "127.0.0.1", "--port", "0", "--max-loras-per-batch", str(slots),
                "--max-lora-rank", str(MAX_RANK), "--lora-target-modules", "all-linear", "--dtype", "float32",
                "--device", "cpu", "--num-threads", "1", *(extra or [])]
     if lora_paths:
         command += ["--lora-paths", *[f"{name}={path}" for name, path in lora_paths.items()]]
-    proc = ServerProcess.launch(command, log_path=log_dir / f"builtin-{port}.log",
-                                env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        asyncio.run(proc.wait_ready(url + "/health", timeout_s=120, what="builtin server"))
-    except BaseException:
-        proc.terminate()
-        raise
-    return proc, url
+    return asyncio.run(ServerProcess.start(command, log_path=log_dir / "builtin.log", url_line=BUILTIN_URL_LINE,
+                                           timeout_s=120, what="builtin server",
+                                           env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}))
 
 
 @pytest.fixture(scope="session")

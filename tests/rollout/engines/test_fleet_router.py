@@ -4,16 +4,20 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
 
 import httpx
 import pytest
 from fleet_pushes import fleet_pusher, lora_export
+from waiting import wait_until_async
 
 from miles import lora
 from miles.backends.base import LoraExport
 from miles.controller.router_workers import abort_on_workers, discover_workers
+from miles.rollout.engines import router as router_module
 from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
+from miles.rollout.engines.process import free_port
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
 from miles.utils.types import engine_lora_name
@@ -63,15 +67,16 @@ async def test_prefix_abort_through_discovery_reaches_both(fleet, client):
     long = {**GREEDY, "max_new_tokens": 400}
     victims = [asyncio.create_task(client.post(fleet.router_url + "/generate", json={
         "text": f"{i}", "rid": f"victim::{uuid.uuid4().hex}", "sampling_params": long})) for i in range(4)]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30
-    reached: set[str] = set()
-    while not all(t.done() for t in victims) and loop.time() < deadline:
-        reached |= set(await abort_on_workers(fleet.router_url, "victim::"))
-        await asyncio.sleep(0.05)
-    assert reached == set(fleet.urls)
+
+    async def all_in_flight() -> bool:
+        infos = [(await client.get(url + "/get_server_info")).json() for url in fleet.urls]
+        return sum(info["running_requests"] + info["waiting_requests"] for info in infos) == len(victims)
+
+    await wait_until_async(all_in_flight, 60, "the four requests to reach the engines")
+    # One prefix abort, through the router's worker list, reaches both engines.
+    assert sorted(await abort_on_workers(fleet.router_url, "victim::")) == sorted(fleet.urls)
     for task in victims:
-        out = (await task).json()
+        out = (await asyncio.wait_for(task, 60)).json()
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
         assert len(out["output_ids"]) < 400
 
@@ -119,6 +124,26 @@ async def served_outputs(fleet, client, reference, prompt_ids, name: str, adapte
     return outputs
 
 
+async def test_a_router_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypatch):
+    """The router needs its port on the command line; when another process binds the probed
+    port first, the router dies of it and is started again on a fresh one."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))  # held, not listening: a health probe of it is refused at once
+    busy = taken.getsockname()[1]
+    probes = [busy]  # the first port the launcher probes is the taken one
+    monkeypatch.setattr(router_module, "free_port", lambda host: probes.pop() if probes else free_port(host))
+    try:
+        router = await Router.launch([], log_path=tmp_path / "router.log")
+    finally:
+        taken.close()
+    try:
+        assert not probes and router.url != f"http://127.0.0.1:{busy}"
+        assert "address already in use" in (tmp_path / "router.log").read_text().lower()  # why the first one died
+        assert await router.workers() == []  # the second one answers
+    finally:
+        await router.shutdown()
+
+
 async def test_attach_to_running_router_adds_workers(fleet, tmp_path):
     empty = await Router.launch([], log_path=tmp_path / "router.log")
     try:
@@ -127,10 +152,11 @@ async def test_attach_to_running_router_adds_workers(fleet, tmp_path):
         assert sorted(await attached.workers()) == sorted(fleet.urls)
         await attached.shutdown()  # attached: leaves the router running, takes our workers out
         assert empty.process.alive()
-        deadline = asyncio.get_running_loop().time() + 30
-        while await empty.workers() and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.2)
-        assert await empty.workers() == []
+
+        async def no_workers() -> bool:
+            return not await empty.workers()
+
+        await wait_until_async(no_workers, 30, "the router to drop the attached workers")
     finally:
         await empty.shutdown()
     assert not empty.process.alive()

@@ -11,7 +11,6 @@ import pytest
 
 from miles import lora
 from miles.lora import weight_sync
-from miles.rollout.engines.process import free_port
 from miles.utils.types import engine_lora_name
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
@@ -27,10 +26,11 @@ async def client():
 
 async def join(client: httpx.AsyncClient, url: str) -> tuple[weight_sync.UpdateGroupSpec, object]:
     """The server (rank 1) and this process (rank 0, the sender) join one group at the same time."""
-    spec = weight_sync.UpdateGroupSpec(master_address="127.0.0.1", master_port=free_port(), world_size=2,
+    store = weight_sync.listening_store("127.0.0.1")  # the sender's rendezvous, on a port the OS gave it
+    spec = weight_sync.UpdateGroupSpec(master_address="127.0.0.1", master_port=store.port, world_size=2,
                                        group_name=f"test_{uuid.uuid4().hex[:8]}", backend="gloo", timeout_s=60)
     answer, group = await asyncio.gather(client.post(url + "/init_weights_update_group", json=spec.init_request(1)),
-                                         asyncio.to_thread(weight_sync.join_update_group, spec, 0))
+                                         asyncio.to_thread(weight_sync.join_update_group, spec, 0, store))
     assert answer.status_code == 200 and answer.json()["success"] is True, answer.text
     return spec, group
 
