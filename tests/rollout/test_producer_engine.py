@@ -5,10 +5,9 @@ the other adapter keeps producing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -17,26 +16,13 @@ from waiting import wait_until_async
 
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
-from miles.rollout.engines.process import free_port
+from miles.rollout.engines.process import ServerProcess
+from miles.rollout.engines.router import Router
+from miles.rollout.engines.server_command import BUILTIN_URL_LINE
 from miles.rollout.producer import ProducerConfig, RolloutProducer
 from miles.utils.types import MultiLoRASnapshot, engine_lora_name
 
 pytestmark = pytest.mark.slow
-
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, path: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + path, timeout=2.0, trust_env=False).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url}{path} not healthy after {timeout}s")
 
 
 def write_adapters(model_dir, out_dir) -> list[str]:
@@ -59,29 +45,36 @@ def write_adapters(model_dir, out_dir) -> list[str]:
 @pytest.fixture(scope="module")
 def router_url(tiny_model_dir, tmp_path_factory):
     adapters = write_adapters(tiny_model_dir, tmp_path_factory.mktemp("adapters"))
-    engine_port, router_port = free_port(), free_port()
-    engine = subprocess.Popen([
+    logs = tmp_path_factory.mktemp("logs")
+    command = [
         sys.executable, "-m", "miles.rollout.engines.builtin_server", "--model-path", str(tiny_model_dir),
-        "--host", "127.0.0.1", "--port", str(engine_port), "--max-loras-per-batch", "2", "--max-lora-rank", "8",
-        "--device", "cpu", "--lora-paths", f"{engine_lora_name(0)}={adapters[0]}", f"{engine_lora_name(1)}={adapters[1]}",
-    ])
-    router = None
+        "--host", "127.0.0.1", "--port", "0", "--max-loras-per-batch", "2", "--max-lora-rank", "8", "--device", "cpu",
+        "--lora-paths", f"{engine_lora_name(0)}={adapters[0]}", f"{engine_lora_name(1)}={adapters[1]}",
+    ]
+    started = ServerProcess.start(command, log_path=logs / "engine.log", url_line=BUILTIN_URL_LINE, timeout_s=120,
+                                  what="builtin server")
+    engine, engine_url = asyncio.run(started)
     try:
-        wait_healthy(f"http://127.0.0.1:{engine_port}", engine, "/health")
-        router = subprocess.Popen([
-            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(router_port),
-            "--worker-urls", f"http://127.0.0.1:{engine_port}", "--policy", "round_robin", "--log-level", "warn",
-        ])
-        wait_healthy(f"http://127.0.0.1:{router_port}", router, "/health")
-        yield f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{engine_port}"
+        router = asyncio.run(Router.launch([engine_url], log_path=logs / "router.log"))
+        try:
+            yield router.url, engine_url
+        finally:
+            asyncio.run(router.shutdown())
     finally:
-        for proc in (router, engine):
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        engine.terminate()
+
+
+async def post(url: str, body: dict) -> None:
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
+        reply = await client.post(url, json=body)
+    assert reply.status_code == 200, reply.text
+
+
+async def held_requests(engine: str) -> tuple[int, int]:
+    """(decoding, queued) requests at the engine."""
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
+        info = (await client.get(f"{engine}/get_server_info")).json()
+    return info["running_requests"], info["waiting_requests"]
 
 
 async def test_two_adapters_then_deregistration_aborts_only_its_requests(router_url, tiny_model_dir, tmp_path):
@@ -115,14 +108,24 @@ async def test_two_adapters_then_deregistration_aborts_only_its_requests(router_
                 for sample in group.samples:
                     assert len(sample.rollout_logprobs) == len(sample.response_ids) <= 48
                     assert all(lp <= 0.0 for lp in sample.rollout_logprobs)
-        await wait_until_async(lambda: prod.in_flight["a"] >= 1, 60, "requests of a in flight")
-        # Deregistration as the controller does it: a leaves the snapshot, then a prefix abort.
-        controller.current = MultiLoRASnapshot(active={"b": b})
-        async with httpx.AsyncClient(trust_env=False) as client:
-            reply = await client.post(f"{engine}/abort_request", json={"rid": "a::", "prefix": True})
-            assert reply.status_code == 200
-        await wait_until_async(lambda: prod.in_flight["a"] == 0, 60, "a's requests to finish")
-        assert prod.count("aborted", "a") >= 1
+        # Paused in place, the engine holds every request that reaches it; once it holds two per
+        # group the producer has in flight (both samples of each), a's requests are all there.
+        await post(f"{engine}/pause_generation", {"mode": "in_place"})
+        try:
+            async def all_held() -> bool:
+                return prod.in_flight["a"] >= 1 and sum(await held_requests(engine)) == 2 * sum(prod.in_flight.values())
+
+            await wait_until_async(all_held, 60, "the paused engine to hold every request in flight, a's among them")
+            held_a, aborted_a = prod.in_flight["a"], prod.count("aborted", "a")
+            # Deregistration as the controller does it: a leaves the snapshot, then a prefix abort.
+            controller.current = MultiLoRASnapshot(active={"b": b})
+            await wait_until_async(lambda: "a" not in prod._snapshot.sampleable, 10, "the producer to see a gone")
+            await post(f"{engine}/abort_request", {"rid": "a::", "prefix": True})
+            await wait_until_async(lambda: prod.in_flight["a"] == 0, 60, "a's requests to finish")
+            assert prod.count("aborted", "a") - aborted_a == held_a  # every group of a in flight, and only a's
+            assert prod.count("aborted", "b") == 0
+        finally:
+            await post(f"{engine}/continue_generation", {})
         submitted_a, produced_b = prod.count("submitted", "a"), prod.count("produced", "b")
         await wait_until_async(lambda: prod.count("produced", "b") >= produced_b + 2, 120, "b to keep producing")
         assert prod.count("submitted", "a") == submitted_a
@@ -138,6 +141,7 @@ from miles.utils.types import SampleStatus
 SECOND_TURNS = []
 ABORTED = []  # (sample, turn) of each conversation an abort ended
 OBSERVATION = " ok "
+BEFORE_SECOND_TURN = None  # set by the test: awaited before a second turn is sent
 
 
 async def generate(input):
@@ -146,6 +150,8 @@ async def generate(input):
     for turn, extra in enumerate(({"max_new_tokens": 4}, {"max_new_tokens": 480, "ignore_eos": True})):
         if turn == 1:
             SECOND_TURNS.append(sample)
+            if BEFORE_SECOND_TURN is not None:
+                await BEFORE_SECOND_TURN()
         out = await engine.generate(sample.prompt_ids + ids, {**input.sampling_params, **extra})
         if FINISH_STATUS[out.meta_info.finish_reason.type] is SampleStatus.ABORTED:
             sample.status = SampleStatus.ABORTED
@@ -206,24 +212,30 @@ async def test_two_turn_generate_function_then_prefix_abort_in_the_second_turn(r
                 "sampling_params": {"max_new_tokens": 480, "temperature": 0.0, "top_k": 1, "ignore_eos": True}})
         assert reply.json()["output_ids"] == second
 
-        # The controller's deregistration while a conversation is in its second turn. That turn
-        # may end before the abort reaches the engine; then the next conversation is tried.
-        for _ in range(5):
-            n_second = len(two_turns.SECOND_TURNS)
-            await wait_until_async(lambda: len(two_turns.SECOND_TURNS) > n_second, 60, "a second turn")
+        # The controller's deregistration while a conversation is in its second turn: the next
+        # conversation to reach it pauses the engine in place first, so its second turn is held
+        # there (one group in flight, one sample: the only request) until the abort.
+        async def pause_once() -> None:
+            two_turns.BEFORE_SECOND_TURN = None
+            await post(f"{engine}/pause_generation", {"mode": "in_place"})
+
+        two_turns.BEFORE_SECOND_TURN = pause_once
+        try:
+            async def second_turn_held() -> bool:  # it arrived after the pause: queued, not decoding
+                return two_turns.BEFORE_SECOND_TURN is None and await held_requests(engine) == (0, 1)
+
+            await wait_until_async(second_turn_held, 60, "a second turn held by the paused engine")
             target = two_turns.SECOND_TURNS[-1]
             controller.current = MultiLoRASnapshot()
-            async with httpx.AsyncClient(trust_env=False) as client:
-                reply = await client.post(f"{engine}/abort_request", json={"rid": "a::", "prefix": True})
-                assert reply.status_code == 200
+            # Seen gone, a gets no new group once the aborted one ends (it would wait at the paused engine).
+            await wait_until_async(lambda: "a" not in prod._snapshot.sampleable, 10, "the producer to see a gone")
+            await post(f"{engine}/abort_request", {"rid": "a::", "prefix": True})
             await wait_until_async(lambda: prod.in_flight["a"] == 0, 60, "the conversation to end")
-            if target.status.value == "aborted":
-                break
-            controller.current = active(a)
-        else:
-            raise AssertionError("no abort reached a conversation in its second turn in 5 tries")
-        assert any(sample is target and turn == 1 for sample, turn in two_turns.ABORTED)
-        assert prod.count("aborted", "a") == len(two_turns.ABORTED)
+        finally:
+            two_turns.BEFORE_SECOND_TURN = None
+            await post(f"{engine}/continue_generation", {})
+        assert two_turns.ABORTED == [(target, 1)] and target.status.value == "aborted"
+        assert prod.count("aborted", "a") == 1
         assert prod.failure is None
     finally:
         await prod.stop()

@@ -6,6 +6,7 @@ import asyncio
 
 import httpx
 import pytest
+from waiting import wait_until_async
 
 from miles.rollout.engines.builtin_server import build_parser, options_from_args
 from miles.rollout.engines.lora_table import LoraRequestError, LoraSlotTable, UnknownLoraError
@@ -44,10 +45,16 @@ async def test_pause_in_place_holds_requests_until_continue(builtin_engine_url, 
     try:
         task = asyncio.create_task(client.post(builtin_engine_url + "/generate",
                                                json={"text": "a", "sampling_params": GREEDY}))
-        await asyncio.sleep(0.5)
+
+        async def queued() -> dict | None:
+            info = await server_info(client, builtin_engine_url)
+            return info if info["waiting_requests"] + info["running_requests"] or task.done() else None
+
+        # The server has the request: it waits in the queue, not admitted to a decode step.
+        info = await wait_until_async(queued, 60, "the paused server to receive the request")
+        assert (info["waiting_requests"], info["running_requests"], info["paused"]) == (1, 0, True)
         assert not task.done()
         assert (await client.get(builtin_engine_url + "/health_generate")).status_code == 503
-        assert (await server_info(client, builtin_engine_url))["paused"] is True
     finally:
         assert (await client.post(builtin_engine_url + "/continue_generation")).status_code == 200
     out = (await task).json()
@@ -58,8 +65,11 @@ async def test_pause_in_place_holds_requests_until_continue(builtin_engine_url, 
 async def test_pause_abort_mode_returns_in_flight_requests(builtin_engine_url, client):
     task = asyncio.create_task(client.post(builtin_engine_url + "/generate", json={
         "text": "a", "sampling_params": {**GREEDY, "max_new_tokens": 450}}))
-    while (await server_info(client, builtin_engine_url))["running_requests"] == 0 and not task.done():
-        await asyncio.sleep(0.02)
+
+    async def running() -> bool:
+        return task.done() or (await server_info(client, builtin_engine_url))["running_requests"] > 0
+
+    await wait_until_async(running, 60, "the request to start decoding")
     try:
         assert (await client.post(builtin_engine_url + "/pause_generation")).status_code == 200
         out = (await asyncio.wait_for(task, 10)).json()

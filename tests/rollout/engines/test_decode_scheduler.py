@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
+from waiting import wait_until
 
 from miles import lora
 from miles.rollout.engines.sampling import RowSampling, filter_logits
@@ -34,19 +34,12 @@ def make_job(rid: str, prompt_ids: list[int], slot: int, max_new_tokens: int) ->
     return job, done
 
 
-def wait_for(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
-
-
 def test_new_requests_join_a_running_batch(scheduler, trainer_reference):
     encode = trainer_reference.tokenizer.encode
     slots = trainer_reference.slots
     long_job, long_done = make_job("long", encode("The quick brown fox"), slots["ad0"], 200)
     scheduler.submit(long_job)
-    wait_for(lambda: len(long_job.output_ids) >= 5)
+    wait_until(lambda: len(long_job.output_ids) >= 5, 30, "five tokens of the long request")
     steps_before = scheduler.steps
     joiners = [make_job(f"join{i}", encode(p), s, 6)
                for i, (p, s) in enumerate([("1+2=", slots["ad1"]), ("hi", -1), ("x", slots["ad2"])])]
@@ -71,7 +64,7 @@ def test_abort_running_and_queued(scheduler, trainer_reference):
     running, running_done = make_job("a::1", encode("abc"), -1, 400)
     other, other_done = make_job("b::1", encode("abc"), -1, 10)
     scheduler.submit(running)
-    wait_for(lambda: len(running.output_ids) >= 2)
+    wait_until(lambda: len(running.output_ids) >= 2, 30, "two tokens of the running request")
     scheduler.pause()
     queued, queued_done = make_job("a::2", encode("xyz"), -1, 10)
     scheduler.submit(queued)
@@ -80,7 +73,9 @@ def test_abort_running_and_queued(scheduler, trainer_reference):
     assert queued_done.wait(5) and running_done.wait(5)
     assert queued.finish.type == "abort" and queued.output_ids == []
     assert running.finish.type == "abort" and 2 <= len(running.output_ids) < 400
-    assert not other_done.wait(0.2)  # paused: held, not lost
+    # Paused: held, not lost. The aborted request has left the batch and the other one is queued.
+    wait_until(lambda: scheduler.counts() == (0, 1), 30, "the aborted request to leave the batch")
+    assert not other_done.is_set() and other.output_ids == []
     scheduler.resume()
     assert other_done.wait(30) and other.finish.type == "length" and len(other.output_ids) == 10
 

@@ -8,17 +8,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 import uuid
 
 import httpx
 import pytest
 import ray
+from waiting import wait_until_async
 
 from miles import lora
 from miles.lora import weight_sync
 from miles.rollout.engines.engine_actor import EngineNotReadyError, EngineServer
-from miles.rollout.engines.process import ServerStartError, free_port
+from miles.rollout.engines.process import ServerStartError
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
 from miles.utils.types import SlotPush
@@ -93,14 +93,6 @@ async def test_versioned_pushes_keep_two_versions_per_slot(tiny_model_dir, train
         await server.shutdown()
 
 
-async def wait_for(condition, what: str, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.1)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["in_place", "versioned"])
 @session_loop
@@ -117,10 +109,11 @@ async def test_killed_server_restarts_behind_the_router_with_every_slot(mode, ra
         await server.push_lora(0, 2, *peft_payload(trainer_reference, "ad2"))
         config, tensors = peft_payload(trainer_reference, "ad1")
         if mode == "in_place":  # slot 1 by broadcast; the actor keeps only the object-store reference
-            spec = weight_sync.UpdateGroupSpec(master_address="127.0.0.1", master_port=free_port(), world_size=2,
+            store = weight_sync.listening_store("127.0.0.1")  # the sender's rendezvous, on a port the OS gave it
+            spec = weight_sync.UpdateGroupSpec(master_address="127.0.0.1", master_port=store.port, world_size=2,
                                                group_name=f"g{uuid.uuid4().hex[:6]}", timeout_s=60)
             _, group = await asyncio.gather(server.init_weights_update_group(**spec.init_request(1)),
-                                            asyncio.to_thread(weight_sync.join_update_group, spec, 0))
+                                            asyncio.to_thread(weight_sync.join_update_group, spec, 0, store))
             assert server.update_group_joined()
             names, dtypes, shapes = weight_sync.tensor_metadata(tensors)
             await asyncio.gather(
@@ -131,12 +124,12 @@ async def test_killed_server_restarts_behind_the_router_with_every_slot(mode, ra
             await server.push_lora(1, 1, config, tensors)
         assert server.slots() == {0: 2, 1: 1}
 
-        os.kill(server.pid(), signal.SIGKILL)
-        await wait_for(lambda: server.restarts == 1, "the engine to restart its server")
+        old_pid = server.pid()
+        os.kill(old_pid, signal.SIGKILL)
+        await wait_until_async(lambda: server.restarts == 1, 180, "the engine to restart its server")
         new_url = server.url()
-        assert new_url != url and await server.health()
-        workers = await router.workers()
-        assert new_url in workers and url not in workers
+        assert server.pid() != old_pid and await server.health()
+        assert await router.workers() == [new_url]  # the old server out, the new one in (its port may be the old one)
         assert server.slots() == {0: 2, 1: 1}
         async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
             for slot, adapter in ((0, "ad2"), (1, "ad1")):  # through the router: the restarted server

@@ -11,6 +11,7 @@ import uuid
 
 import httpx
 import pytest
+from waiting import wait_until_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -92,19 +93,25 @@ async def test_token_ids_in_and_rids_out(engine_url, client, trainer_reference):
     assert by_ids["meta_info"]["output_token_logprobs"] is None
 
 
+def aborting(client, url: str, abort: dict, tasks: list[asyncio.Task]):
+    """A condition that posts `abort` and holds once every task answered. An abort may
+    overtake a request still on its way to the engine, so it is posted until all have."""
+
+    async def answered() -> bool:
+        assert (await client.post(url + "/abort_request", json=abort)).status_code == 200
+        return all(task.done() for task in tasks)
+
+    return answered
+
+
 async def test_prefix_abort_stops_one_adapter_only(engine_url, client):
     long = greedy(400)
     victims = [asyncio.create_task(generate(client, engine_url, text=p, lora_path="ad0", rid=rid("victim"),
                                             sampling_params=long)) for p in PROMPTS[:3]]
     keepers = [asyncio.create_task(generate(client, engine_url, text=p, lora_path="ad1", rid=rid("keeper"),
                                             sampling_params=greedy(12))) for p in PROMPTS[:2]]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 20
-    # Abort until every victim has answered: the first abort may overtake a request in flight.
-    while not all(t.done() for t in victims) and loop.time() < deadline:
-        response = await client.post(engine_url + "/abort_request", json={"rid": "victim::", "prefix": True})
-        assert response.status_code == 200
-        await asyncio.sleep(0.05)
+    await wait_until_async(aborting(client, engine_url, {"rid": "victim::", "prefix": True}, victims), 20,
+                           "every victim to answer the prefix abort")
     for task in victims:
         out = await task
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
@@ -120,15 +127,11 @@ async def test_exact_rid_and_abort_all(engine_url, client):
     target, other = rid("exact"), rid("exact")
     t1 = asyncio.create_task(generate(client, engine_url, text="a", rid=target, sampling_params=greedy(400)))
     t2 = asyncio.create_task(generate(client, engine_url, text="b", rid=other, sampling_params=greedy(30)))
-    while not t1.done():
-        await client.post(engine_url + "/abort_request", json={"rid": target})
-        await asyncio.sleep(0.05)
+    await wait_until_async(aborting(client, engine_url, {"rid": target}, [t1]), 20, "the exact-rid abort")
     assert (await t1)["meta_info"]["finish_reason"]["type"] == "abort"
     assert (await t2)["meta_info"]["finish_reason"]["type"] == "length"
     t3 = asyncio.create_task(generate(client, engine_url, text="c", rid=rid("all"), sampling_params=greedy(400)))
-    while not t3.done():
-        await client.post(engine_url + "/abort_request", json={"abort_all": True})
-        await asyncio.sleep(0.05)
+    await wait_until_async(aborting(client, engine_url, {"abort_all": True}, [t3]), 20, "the abort of all requests")
     assert (await t3)["meta_info"]["finish_reason"]["type"] == "abort"
 
 

@@ -15,6 +15,7 @@ import asyncio
 
 import httpx
 import pytest
+from waiting import wait_until_async
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 
@@ -74,14 +75,28 @@ async def test_unload_waits_for_requests_in_flight(versioned_url, client, engine
     long = asyncio.create_task(client.post(url + "/generate", json={
         "input_ids": prompt_ids, "lora_path": "busy", "return_logprob": True,
         "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}))
-    while (await client.get(url + "/get_server_info")).json()["running_requests"] == 0:
-        await asyncio.sleep(0.02)
-    unload = asyncio.create_task(client.post(url + "/unload_lora_adapter", json={"lora_name": "busy"}))
-    while "busy" in await loaded(client, url):
-        await asyncio.sleep(0.02)
-    late = await client.post(url + "/generate", json={"input_ids": prompt_ids, "lora_path": "busy",
-                                                      "sampling_params": GREEDY})
-    assert late.status_code == 400 and "busy" in late.json()["detail"]
+
+    async def running() -> bool:
+        return long.done() or (await client.get(url + "/get_server_info")).json()["running_requests"] > 0
+
+    await wait_until_async(running, 60, "the long request to start decoding")
+    # Held mid-decode by an in-place pause, the request uses "busy" for as long as the test needs.
+    assert (await client.post(url + "/pause_generation", json={"mode": "in_place"})).status_code == 200
+    try:
+        assert (await client.get(url + "/get_server_info")).json()["running_requests"] == 1, \
+            "the long request finished before the pause"
+        unload = asyncio.create_task(client.post(url + "/unload_lora_adapter", json={"lora_name": "busy"}))
+
+        async def unloading() -> bool:
+            return unload.done() or "busy" not in await loaded(client, url)
+
+        await wait_until_async(unloading, 60, "the unload to take busy off the loaded adapters")
+        late = await client.post(url + "/generate", json={"input_ids": prompt_ids, "lora_path": "busy",
+                                                          "sampling_params": GREEDY})
+        assert late.status_code == 400 and "busy" in late.json()["detail"]
+        assert not unload.done() and not long.done()  # the unload waits for the request held in flight
+    finally:
+        assert (await client.post(url + "/continue_generation")).status_code == 200
     assert (await unload).status_code == 200
     out = (await long).json()
     # The request that was running finished normally, on the adapter's weights throughout.
