@@ -20,15 +20,25 @@ the whole step of several adapters (mask, scale, clip by each slot's own norm, A
 zero the gradients) in one fused pass over all their rows:
 
     norms = opt.step_slots([SlotStep(slot=0, lr=1e-4, grad_scale=1 / 64), SlotStep(slot=2, lr=3e-4)], max_norm=1.0)
+
+Where a slot's gradient is sharded over ranks (Megatron's tensor parallelism), its norm
+is taken over every shard by the `slot_norm` it is given, and the slots step one by one:
+
+    norms = opt.step_slots(steps, max_norm=1.0, slot_norm=norm_over_tensor_parallel_ranks)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
+
+
+SlotNorm = Callable[[list[Tensor]], Tensor]
+"""The L2 norm (a 0-dim float32 tensor) of one slot's gradient given this rank's rows of it."""
 
 
 @dataclass(frozen=True)
@@ -123,8 +133,11 @@ class SlotAdamW:
         return self._clip(self.slot_grads(slot), max_norm)
 
     @staticmethod
-    def _clip(grads: list[Tensor], max_norm: float) -> float:
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, dtype=torch.float32)))
+    def _clip(grads: list[Tensor], max_norm: float, slot_norm: SlotNorm | None = None) -> float:
+        if slot_norm is None:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, dtype=torch.float32)))
+        else:
+            norm = slot_norm(grads)
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
@@ -138,7 +151,8 @@ class SlotAdamW:
         self._adamw_rows(slot, slot + 1, lr)
 
     @torch.no_grad()
-    def step_slots(self, steps: list[SlotStep], max_norm: float) -> dict[int, float]:
+    def step_slots(self, steps: list[SlotStep], max_norm: float, *,
+                   slot_norm: SlotNorm | None = None) -> dict[int, float]:
         """The whole optimizer step of several slots in one fused pass; returns each slot's
         gradient norm (after `grad_scale`, before clipping).
 
@@ -149,12 +163,18 @@ class SlotAdamW:
 
         Per parameter and run of consecutive slots, one norm and one multiply each for the
         scale and the clip; one fused AdamW kernel per run of slots with equal scalars.
+
+        With `slot_norm` (this rank holds a shard of each slot's gradient; it returns the
+        norm over every shard, a collective), the slots step one by one in the given order,
+        that sequence with the clip taken by `slot_norm`.
         """
         if not steps:
             return {}
         slots = [s.slot for s in steps]
         if len(set(slots)) != len(slots):
             raise ValueError(f"a fused step names a slot twice: {slots}")
+        if slot_norm is not None:
+            return {s.slot: self._step_sharded(s, max_norm, slot_norm) for s in steps}
         steps = sorted(steps, key=lambda s: s.slot)
         self._ensure_grads()
         for s in steps:
@@ -177,6 +197,14 @@ class SlotAdamW:
             self._adamw_rows(block[0].slot, block[-1].slot + 1, block[0].lr)
         torch._foreach_zero_([g for run_grads in grads for g in run_grads])
         return dict(zip([s.slot for s in steps], norm_S.tolist()))
+
+    def _step_sharded(self, step: SlotStep, max_norm: float, slot_norm: SlotNorm) -> float:
+        self.mask_slot_grad(step.slot)
+        self.scale_slot_grad(step.slot, step.grad_scale)
+        norm = self._clip(self.slot_grads(step.slot), max_norm, slot_norm)
+        self.step_slot(step.slot, step.lr)
+        self.zero_slot_grad(step.slot)
+        return norm
 
     @staticmethod
     def _runs(slots: list[int]) -> list[tuple[int, int]]:

@@ -184,6 +184,42 @@ def test_fused_step_over_a_run_of_slots_equals_the_per_slot_sequence():
     assert fused.steps == loop.steps == [3, 3, 3]
 
 
+def test_a_step_with_a_sharded_norm_is_the_per_slot_sequence_clipped_by_that_norm():
+    """`slot_norm` (a slot's gradient sharded over ranks): each slot in turn is masked, scaled,
+    clipped by the norm it gives and stepped, bit for bit the per-slot calls."""
+    from miles.backends.torch.optimizer import SlotStep
+
+    def doubled(grads):  # as if another shard held the same gradient again
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, dtype=torch.float32))) * 2 ** 0.5
+
+    stepped_params, loop_params = _params(7), _params(7)
+    stepped = SlotAdamW([(stepped_params[0], 1), (stepped_params[1], 2)], n_slots=3)
+    loop = SlotAdamW([(loop_params[0], 1), (loop_params[1], 2)], n_slots=3)
+    for opt in (stepped, loop):
+        opt.configure_slot(2, rank=2, lr=0.01, weight_decay=0.1)
+        opt.configure_slot(0, rank=4, lr=0.02, weight_decay=0.0)
+    g = torch.Generator().manual_seed(8)
+    grads = [torch.randn(3, 4, 5, generator=g), torch.randn(3, 6, 4, generator=g)]
+    for (a, b) in (stepped_params, loop_params):
+        a.grad, b.grad = grads[0].clone(), grads[1].clone()
+    norms = stepped.step_slots([SlotStep(slot=2, lr=0.01, grad_scale=0.5), SlotStep(slot=0, lr=0.02, grad_scale=0.25)],
+                               max_norm=1.0, slot_norm=doubled)
+    expected = {}
+    for slot, lr, scale in ((2, 0.01, 0.5), (0, 0.02, 0.25)):
+        loop.mask_slot_grad(slot)
+        loop.scale_slot_grad(slot, scale)
+        grads_S = loop.slot_grads(slot)
+        norm = doubled(grads_S)
+        torch._foreach_mul_(grads_S, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+        expected[slot] = float(norm)
+        loop.step_slot(slot, lr)
+        loop.zero_slot_grad(slot)
+    assert norms == expected and list(norms) == [2, 0]
+    for s, l in zip(stepped_params, loop_params):
+        assert torch.equal(s.detach(), l.detach()) and torch.equal(s.grad, l.grad)
+    assert stepped.steps == loop.steps == [1, 0, 1]
+
+
 def test_steps_bump_the_version_counters_that_cached_layouts_check():
     """The layers keep layouts derived from A and B while the weights' version counters are
     unchanged; every kind of step must move them (the fused AdamW kernel alone does not)."""
