@@ -100,10 +100,10 @@ def test_errors_have_messages_and_exit_codes(control_plane, tmp_path):
     code, _, err = cli(url, "register", "x", "--set", "no-equals-sign")
     assert code == 2 and "expected key=value" in err
 
-    with socket.socket() as sock:  # a port nobody listens on
+    with socket.socket() as sock:  # a port nobody listens on: held (bound, not listening) while the CLI tries it
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    code, _, err = cli(closed, "list")
+        code, _, err = cli(closed, "list")
     assert code == 3 and f"cannot reach the control plane at {closed}" in err
 
 

@@ -6,20 +6,19 @@ import asyncio
 import dataclasses
 import json
 import logging
-import socket
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from controller_fakes import ROLLOUT_HOOKS, LoopbackRouter, write_dataset
+from waiting import wait_until_async
 
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.controller.registry import AdapterValidationError
 from miles.controller.router_workers import abort_on_workers, discover_workers
+from miles.rollout.engines.process import ServerProcess, free_port, on_probed_ports
+from miles.rollout.engines.router import build_router_command
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig
 from miles.utils.types import AdapterState
 
@@ -40,12 +39,25 @@ async def test_register_resolves_and_validates(data_root: Path, defaults: Adapte
     assert backend.registrations_total == 1
 
 
+class WatchedEvent(asyncio.Event):
+    """An event that tells when something waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = asyncio.Event()
+
+    async def wait(self) -> bool:
+        self.waited.set()
+        return await super().wait()
+
+
 async def test_wait_for_registration_wakes_at_a_registration(data_root: Path, defaults: AdapterDefaults) -> None:
     backend = make_backend(defaults)
     data = str(data_root / "data" / "train.jsonl")
     assert await backend.wait_for_registration(-1, 60.0) == 0  # already past: answers at once
+    backend._registered = registered = WatchedEvent()
     waiting = asyncio.create_task(backend.wait_for_registration(0, 60.0))
-    await asyncio.sleep(0)
+    await wait_until_async(registered.waited.is_set, 5, "the long poll to wait for a registration")
     await backend.register("a", config={"data": data})
     async with asyncio.timeout(5):  # woken by the registration, long before its 60 s
         assert await waiting == 1
@@ -192,24 +204,36 @@ async def test_status_is_json_ready(data_root: Path, defaults: AdapterDefaults) 
 
 @pytest.mark.slow
 async def test_aborts_reach_workers_behind_the_real_sglang_router(data_root: Path, defaults: AdapterDefaults,
-                                                                  loopback_servers: list[LoopbackRouter]) -> None:
+                                                                  loopback_servers: list[LoopbackRouter],
+                                                                  tmp_path: Path) -> None:
     workers = [LoopbackRouter(mode="none"), LoopbackRouter(mode="none")]
     loopback_servers.extend(workers)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    router_url = f"http://127.0.0.1:{port}"
-    router = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-urls", *[w.url for w in workers], "--disable-health-check"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    urls = sorted(w.url for w in workers)
+
+    async def start_router() -> tuple[ServerProcess, str]:
+        # The router takes its ports on the command line (it refuses 0): probed ones, and others
+        # if a process took one first (`on_probed_ports`). The fake workers have no /health.
+        port = free_port()
+        command = build_router_command(urls, "127.0.0.1", port, "round_robin", prometheus_port=free_port())
+        process = ServerProcess.launch([*command, "--disable-health-check"], log_path=tmp_path / "router.log")
+        url = f"http://127.0.0.1:{port}"
+
+        async def lists_both() -> bool:
+            if not process.alive():
+                raise process.died_error("sglang-router")
+            return sorted(await discover_workers(url, client)) == urls
+
+        try:
+            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+                await wait_until_async(lists_both, 60, "the router to list both workers",
+                                       retry_on=(httpx.TransportError,))
+        except BaseException:
+            process.terminate()
+            raise
+        return process, url
+
+    router, router_url = await on_probed_ports(start_router, "sglang-router")
     try:
-        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
-            deadline = time.monotonic() + 60
-            while sorted(await discover_workers(router_url, client)) != sorted(w.url for w in workers):
-                assert time.monotonic() < deadline and router.poll() is None, "router never listed both workers"
-                await asyncio.sleep(0.2)
         backend = make_backend(defaults, router_url)
         await backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
         backend.deregister("a")
@@ -217,7 +241,6 @@ async def test_aborts_reach_workers_behind_the_real_sglang_router(data_root: Pat
         assert [w.aborts for w in workers] == [[{"rid": "a::", "prefix": True}]] * 2
     finally:
         router.terminate()
-        router.wait(timeout=20)
 
 
 @pytest.mark.parametrize("extra, rows, expected", [
@@ -282,12 +305,18 @@ async def test_dataset_is_read_off_the_event_loop(data_root: Path, defaults: Ada
 
 async def test_a_name_taken_while_the_dataset_was_read_is_refused(data_root: Path, defaults: AdapterDefaults) -> None:
     release = threading.Event()
-    hooks = ControllerHooks(validate_dataset=lambda *args: 4 if release.wait(timeout=30) else 0)
-    backend = MultiLoRABackend(2, defaults, None, hooks)
+    reading: list[str] = []
+
+    def validate(path: str, input_key: str, label_key: str | None) -> int:
+        reading.append(path)
+        return 4 if release.wait(timeout=30) else 0
+
+    backend = MultiLoRABackend(2, defaults, None, ControllerHooks(validate_dataset=validate))
     data = str(data_root / "data" / "train.jsonl")
     first = asyncio.create_task(backend.register("a", config={"data": data}))
     second = asyncio.create_task(backend.register("a", config={"data": data, "save": str(data_root / "s2")}))
-    await asyncio.sleep(0)  # both are now past their fast checks, reading the dataset
+    # Both are past their fast checks (the name was free for both), reading the dataset.
+    await wait_until_async(lambda: len(reading) == 2, 10, "both registrations to read the dataset")
     release.set()
     results = await asyncio.gather(first, second, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]

@@ -1,5 +1,5 @@
 """Dataset checks never block the control plane: while a registration's dataset read is
-stuck, /health and reads answer within milliseconds; a read past the timeout, a file over
+stuck, /health and reads answer as fast as when idle; a read past the timeout, a file over
 the size limit and one check too many are each a clear 4xx."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from controller_fakes import ThreadedController, controller_config
+from waiting import wait_until
 
 from miles.controller.backend import ControllerHooks, DatasetLimits
 from miles.rollout.datasets import validate_dataset
@@ -56,7 +57,7 @@ def make_plane(data_root: Path, defaults: AdapterDefaults, slow: SlowReader, **l
                                                 dataset_limits=DatasetLimits(**limits)))
 
 
-def test_health_answers_in_milliseconds_during_a_slow_dataset_read(
+def test_health_answers_as_fast_as_idle_during_a_slow_dataset_read(
         data_root: Path, defaults: AdapterDefaults, slow: SlowReader) -> None:
     plane = make_plane(data_root, defaults, slow)
     data = str(data_root / "data" / "train.jsonl")
@@ -70,10 +71,14 @@ def test_health_answers_in_milliseconds_during_a_slow_dataset_read(
             assert not pending.done()  # the registration was in its dataset read all along
             slow.release.set()
             assert pending.result(timeout=30).json() == {"name": "big", "slot": 0}
-        median_ms, worst_ms = statistics.median(latencies) * 1e3, max(latencies) * 1e3
-        print(f"/health: idle median {statistics.median(idle) * 1e3:.1f} ms; during a blocked dataset read "
+            idle += health_latencies(http)  # idle before and after: the machine's load may change meanwhile
+        idle_ms, median_ms, worst_ms = (statistics.median(idle) * 1e3, statistics.median(latencies) * 1e3,
+                                        max(latencies) * 1e3)
+        print(f"/health: idle median {idle_ms:.1f} ms; during a blocked dataset read "
               f"median {median_ms:.1f} ms, max {worst_ms:.1f} ms")
-        assert median_ms < 200, latencies
+        # As fast as idle, give or take noise; a loop blocked by the read would answer only
+        # once it is released (seconds).
+        assert median_ms <= 3 * idle_ms + 20, (idle, latencies)
     finally:
         plane.close()
 
@@ -98,10 +103,12 @@ def test_read_timeout_size_limit_and_busy_checks_are_4xx(
             assert "2800 bytes, over the 1000-byte limit" in response.json()["detail"]
             assert plane.fingerprint() == before
             slow.release.set()
-            deadline = time.monotonic() + 30
-            while (response := http.post("/adapter_runs", json={"name": "next", "config": {"data": str(data)}})
-                   ).status_code == 429 and time.monotonic() < deadline:
-                time.sleep(0.05)  # the released thread frees its worker
+
+            def registered() -> httpx.Response | None:  # once the released thread freed its worker
+                answer = http.post("/adapter_runs", json={"name": "next", "config": {"data": str(data)}})
+                return None if answer.status_code == 429 else answer
+
+            response = wait_until(registered, 30, "the freed worker to take a registration")
             assert response.json() == {"name": "next", "slot": 0}
     finally:
         plane.close()

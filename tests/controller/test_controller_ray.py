@@ -4,12 +4,12 @@ killed actor comes back with its registry and port."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from controller_fakes import ROLLOUT_HOOKS
+from waiting import call_actor, wait_until
 
 from miles.controller.actor import (
     CONTROLLER_NAME,
@@ -67,18 +67,10 @@ def test_named_actor_serves_http_and_snapshots(ray_session, data_root: Path) -> 
         ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
 
 
-def wait_for_health(url: str, timeout: float = 60.0) -> float:
-    """Seconds until GET /health answers 200 at `url`."""
-    start = time.monotonic()
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200:
-                return time.monotonic() - start
-        except httpx.TransportError:
-            pass
-        if time.monotonic() - start > timeout:
-            raise TimeoutError(f"{url} did not answer /health within {timeout}s")
-        time.sleep(0.05)
+def wait_for_health(url: str, timeout: float = 60.0) -> None:
+    """Until GET /health answers 200 at `url`."""
+    wait_until(lambda: httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200, timeout,
+               f"{url}/health to answer", retry_on=(httpx.TransportError,))
 
 
 def test_killed_controller_comes_back_with_its_registry_and_port(ray_session, data_root: Path) -> None:
@@ -111,10 +103,8 @@ def test_killed_controller_comes_back_with_its_registry_and_port(ray_session, da
         ray.kill(controller, no_restart=False)
         # ray.kill returns before the process is gone: a call right after it may still reach it.
         # Wait for the restarted process (calls in between are retried on it).
-        deadline = time.monotonic() + 60
-        while ray.get(controller.__ray_call__.remote(lambda self: os.getpid()), timeout=60) == pid:
-            assert time.monotonic() < deadline, "Ray did not restart the killed controller within 60 s"
-            time.sleep(0.1)
+        wait_until(lambda: call_actor(controller.__ray_call__, lambda self: os.getpid(), timeout=60) != pid, 60,
+                   "Ray to restart the killed controller")
         after = ray.get(controller.snapshot.remote(), timeout=60)
         assert after == before
         assert after.active["a"].step == 1 and after.active["b"].accumulated_groups == 1

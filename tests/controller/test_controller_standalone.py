@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from miles.controller.client import ControlPlaneClient, ControlPlaneError
 from miles.utils.types import AdapterState
@@ -21,35 +21,62 @@ URL_LINE = re.compile(r"Control plane listening on (http://127\.0\.0\.1:\d+) \(O
 
 
 def start(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, queue.Queue]:
+    """The controller's process, its URL (from the line it logs) and its further stderr lines
+    (`None` after the last: the process closed its stderr)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "miles.controller", *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
         text=True, env={**os.environ, **(env or {})},
     )
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()
-    deadline = time.monotonic() + 60
-    seen = []
-    while time.monotonic() < deadline:
+
+    def read() -> None:
+        for line in process.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: list[str] = []
+
+    def logged_url() -> str | None:
+        for line in drain(lines):
+            if line is None:
+                raise AssertionError(f"exited with {process.wait()} before logging its URL: {''.join(seen)}")
+            seen.append(line)
+            if match := URL_LINE.search(line):
+                return match.group(1)
+        return None
+
+    try:
+        return process, wait_until(logged_url, 60, "the controller to log its URL"), lines
+    except BaseException:
+        process.kill()
+        raise
+
+
+def drain(lines: queue.Queue) -> list[str | None]:
+    """The lines read so far."""
+    out = []
+    while True:
         try:
-            line = lines.get(timeout=1)
+            out.append(lines.get_nowait())
         except queue.Empty:
-            assert process.poll() is None, f"exited early with {process.returncode}: {''.join(seen)}"
-            continue
-        seen.append(line)
-        match = URL_LINE.search(line)
-        if match:
-            return process, match.group(1), lines
-    process.kill()
-    raise AssertionError(f"no URL logged within 60 s: {''.join(seen)}")
+            return out
 
 
 def stop(process: subprocess.Popen, sig: int, lines: queue.Queue) -> str:
+    """Signal the controller; its exit code must be 0. Returns what it wrote to stderr since it logged its URL."""
     process.send_signal(sig)
     rc = process.wait(timeout=20)
-    time.sleep(0.05)
-    tail = "".join(lines.queue)
-    assert rc == 0, tail
-    return tail
+    tail: list[str | None] = []
+
+    def read_to_the_end() -> bool:
+        tail.extend(drain(lines))
+        return tail[-1:] == [None]
+
+    wait_until(read_to_the_end, 20, "the end of the controller's stderr")
+    text = "".join(tail[:-1])
+    assert rc == 0, text
+    return text
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
