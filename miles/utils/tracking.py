@@ -31,7 +31,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,16 +48,17 @@ LOOP_STEP_KEY = "rollout_id"
 class StageTimer:
     """Accumulates wall time per named stage until `pop_metrics()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
         self._seconds: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start = self._clock()
         try:
             yield
         finally:
-            self._seconds[stage] = self._seconds.get(stage, 0.0) + time.perf_counter() - start
+            self._seconds[stage] = self._seconds.get(stage, 0.0) + self._clock() - start
 
     def pop_metrics(self) -> dict[str, float]:
         metrics = {f"perf/{stage}_time": seconds for stage, seconds in self._seconds.items()}
