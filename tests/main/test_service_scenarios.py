@@ -7,15 +7,16 @@ random model and drives it over the control plane's HTTP API.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from waiting import WaitTimeout, wait_until
 
 from miles.controller.client import ControlPlaneClient
 from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
@@ -28,31 +29,46 @@ pytestmark = pytest.mark.slow
 TRAINER = "miles.main.train_multi_lora_async"
 
 
-def wait_until(predicate, timeout: float, what: str, driver: DriverProcess, poll_s: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if driver.proc.poll() is not None:
-            raise AssertionError(f"trainer exited while waiting for {what}:\n{driver.log_tail()}")
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}:\n{driver.log_tail()}")
+def wait_for(predicate, timeout: float, what: str, driver: DriverProcess, poll_s: float = 0.5):
+    """`wait_until` while the trainer runs; a failed wait shows the end of its log."""
+    try:
+        return wait_until(predicate, timeout, what, poll_s=poll_s, alive=lambda: driver.proc.poll() is None)
+    except WaitTimeout as exc:
+        raise WaitTimeout(f"{exc}\n{driver.log_tail()}") from None
 
 
-def assert_checkpoint_loads_in_peft(model_dir: Path, checkpoint: Path) -> None:
-    """A PEFT directory written by the trainer loads as is and changes the logits."""
+PEFT_ATOL = 1e-5
+"""|logprob(PEFT) - logprob(ours)| in fp32, as in tests/lora/test_lora_peft_io.py and the
+torch actor's resume test."""
+
+
+def assert_peft_computes_the_trainers_logprobs(model_dir: Path, checkpoint: Path) -> None:
+    """The checkpoint the trainer wrote, loaded by PEFT as is, gives the logprobs the trainer's
+    own model gives with that checkpoint in one of its slots: two implementations of the
+    same adapter (PEFT's LoRA layers, our slot page table) agree on the trainer's output,
+    and the adapter moves them from the base by far more than that tolerance."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    from miles.lora import inject_multi_lora, load_peft_adapter, use_slots
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = torch.tensor([tokenizer("12+34=46", add_special_tokens=False)["input_ids"]])
+    rank = json.loads((checkpoint / "adapter_config.json").read_text())["r"]
+    ours = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    inject_multi_lora(ours, n_slots=2, max_rank=rank, target_modules="all-linear")  # the trainer's default
+    load_peft_adapter(ours, 1, checkpoint)
     with torch.no_grad():
-        base_logits = base(ids).logits.clone()
-        peft_model = PeftModel.from_pretrained(base, str(checkpoint))
-        adapted = peft_model(ids).logits
-    assert torch.isfinite(adapted).all()
-    assert not torch.allclose(adapted, base_logits), "trained adapter left the logits unchanged"
+        with use_slots(ours, [1]):
+            trainer = torch.log_softmax(ours(input_ids=ids).logits, dim=-1)
+        with use_slots(ours, [-1]):
+            base = torch.log_softmax(ours(input_ids=ids).logits, dim=-1)
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                               str(checkpoint)).eval()
+        peft = torch.log_softmax(peft_model(input_ids=ids).logits, dim=-1)
+    torch.testing.assert_close(peft, trainer, atol=PEFT_ATOL, rtol=0)
+    moved = float((peft - base).abs().max())
+    assert moved > 100 * PEFT_ATOL, f"the trained adapter moves the logprobs by only {moved:.1e}"
 
 
 @pytest.fixture
@@ -86,18 +102,18 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         assert auto.step == 2 and auto.version is None
         checkpoint = latest_checkpoint(auto.save)
         assert checkpoint is not None and checkpoint.name == "step_2"
-        assert_checkpoint_loads_in_peft(tiny_model_dir, checkpoint)
+        assert_peft_computes_the_trainers_logprobs(tiny_model_dir, checkpoint)
         # It records how far into its dataset it got: at least the prompts it trained on.
         position = read_checkpoint(checkpoint).trainer_state.data_position
         assert position is not None and position.index >= 2 * 2
 
         # `a` trains; `b` joins while `a` trains, without a restart.
         client.register("a", config={"data": add})
-        wait_until(lambda: client.status("a").step >= 1, 240, "a to step", driver)
+        wait_for(lambda: client.status("a").step >= 1, 240, "a to step", driver)
         client.register("b", config={"data": sub})
         step_a_before_b = client.status("a").step
-        wait_until(lambda: client.status("b").step >= 1, 240, "b to step", driver)
-        wait_until(lambda: client.status("a").step > step_a_before_b, 240, "a to keep stepping", driver)
+        wait_for(lambda: client.status("b").step >= 1, 240, "b to step", driver)
+        wait_for(lambda: client.status("a").step > step_a_before_b, 240, "a to keep stepping", driver)
 
         # DELETE a while b keeps training: a is retired, cleaned up, its slot freed.
         first_registration = client.status("a").registration_id
@@ -106,11 +122,11 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         a_done = client.status("a")
         assert latest_checkpoint(a_done.save) is not None
         step_b = client.status("b").step
-        wait_until(lambda: client.status("b").step > step_b, 240, "b to keep stepping after a left", driver)
+        wait_for(lambda: client.status("b").step > step_b, 240, "b to keep stepping after a left", driver)
 
         # Re-registering a takes the freed slot (2 slots: b + a) and resumes from its checkpoint.
         client.register("a", config={"data": add})
-        wait_until(lambda: client.status("a").state is AdapterState.ACTIVE, 240, "a to be active again", driver)
+        wait_for(lambda: client.status("a").state is AdapterState.ACTIVE, 240, "a to be active again", driver)
         again = client.status("a")
         assert again.registration_id != first_registration
         assert again.step >= a_done.step
@@ -128,7 +144,7 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         client.wait_for_state("c1", AdapterState.COMPLETED, timeout=240)
 
         # SIGTERM mid-training: exit 0 with the still-training adapter saved at its step.
-        wait_until(lambda: client.status("c2").step >= 1, 240, "c2 to step", driver)
+        wait_for(lambda: client.status("c2").step >= 1, 240, "c2 to step", driver)
         assert driver.terminate() == 0, driver.log_tail()
         saved = latest_checkpoint(workdir / "save" / "adapters" / "c2")
         assert saved is not None and int(saved.name.removeprefix("step_")) >= 1
@@ -199,19 +215,19 @@ def test_update_modes_survive_a_killed_server_mid_rollout(tiny_model_dir, workdi
         client = ControlPlaneClient(url)
         client.register("a", config={"data": str(workdir / "data" / "add.jsonl")})
         client.register("b", config={"data": str(workdir / "data" / "sub.jsonl")})
-        wait_until(lambda: min(client.status(n).step for n in "ab") >= 1, 240, "both adapters to step", driver)
-        servers = wait_until(lambda: _server_pids(driver.proc.pid), 30, "the engine servers", driver)
+        wait_for(lambda: min(client.status(n).step for n in "ab") >= 1, 240, "both adapters to step", driver)
+        servers = wait_for(lambda: _server_pids(driver.proc.pid), 30, "the engine servers", driver)
         assert len(servers) == 2
         steps = {n: client.status(n).step for n in "ab"}
         os.kill(servers[0], signal.SIGKILL)
-        wait_until(lambda: "is back at" in driver.log_path.read_text(), 240, "the server to be restarted", driver)
-        wait_until(lambda: all(client.status(n).step >= steps[n] + 1 for n in "ab"), 240,
+        wait_for(lambda: "is back at" in driver.log_path.read_text(), 240, "the server to be restarted", driver)
+        wait_for(lambda: all(client.status(n).step >= steps[n] + 1 for n in "ab"), 240,
                    "both adapters to keep stepping after the kill", driver)
 
         # The other engine's actor process dies (its server goes with it): Ray restarts the actor.
         steps = {n: client.status(n).step for n in "ab"}
         os.kill(_parent_pid(servers[1]), signal.SIGKILL)
-        restored = wait_until(lambda: ACTOR_RESTORED.search(driver.log_path.read_text()), 240,
+        restored = wait_for(lambda: ACTOR_RESTORED.search(driver.log_path.read_text()), 240,
                               "the fleet to restore the restarted engine actor", driver)
         _, engine_url, router_url = restored.groups()
         workers = set(asyncio.run(Router(router_url, None).workers()))
@@ -223,14 +239,14 @@ def test_update_modes_survive_a_killed_server_mid_rollout(tiny_model_dir, workdi
             loaded = _loaded_loras(engine_url)
             return names <= loaded and loaded == _loaded_loras(peer)
 
-        wait_until(serves_current_versions, 30, "the restored engine to serve what its peer serves", driver, 0.1)
-        wait_until(lambda: all(client.status(n).step >= steps[n] + 1 for n in "ab"), 240,
+        wait_for(serves_current_versions, 30, "the restored engine to serve what its peer serves", driver, 0.1)
+        wait_for(lambda: all(client.status(n).step >= steps[n] + 1 for n in "ab"), 240,
                    "both adapters to keep stepping after the actor restart", driver)
         # A retired adapter leaves the engines; the other one keeps training.
         client.deregister("a")
         client.wait_for_state("a", AdapterState.COMPLETED, timeout=240)
         step_b = client.status("b").step
-        wait_until(lambda: client.status("b").step > step_b, 240, "b to keep stepping after a left", driver)
+        wait_for(lambda: client.status("b").step > step_b, 240, "b to keep stepping after a left", driver)
         assert driver.terminate() == 0, driver.log_tail()
 
         log = driver.log_path.read_text()
