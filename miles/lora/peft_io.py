@@ -134,7 +134,7 @@ def export_peft_adapter(
     return write_peft_dir(path, tensors, config)
 
 
-_UNSUPPORTED = {
+UNSUPPORTED_PEFT_FEATURES = {
     "use_dora": "DoRA",
     "use_rslora": "rank-stabilised LoRA",
     "rank_pattern": "per-module ranks (rank_pattern)",
@@ -146,12 +146,14 @@ _UNSUPPORTED = {
     "trainable_token_indices": "trainable_token_indices",
     "fan_in_fan_out": "transposed (fan_in_fan_out) weights",
 }
+"""PEFT config keys the slot page table cannot hold, and what each one is (named in the error).
+The Megatron backend checks its loads against the same list."""
 
 
 def _check_loadable(config: dict[str, Any], path: Path, model: nn.Module) -> tuple[int, float]:
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}; only LORA adapters load into slots")
-    for key, what in _UNSUPPORTED.items():
+    for key, what in UNSUPPORTED_PEFT_FEATURES.items():
         if config.get(key):
             raise ValueError(f"{path}: {what} is not supported by the slot page table; save the adapter without it")
     if config.get("bias", "none") != "none":

@@ -42,7 +42,7 @@ def worker(kind: str, model: str, adapters: int, rows: int, prompt_len: int, res
     if kind == "ours":
         from train_mixed import build_actor, step_fn
 
-        from miles.backends.torch.actor import AdapterSpec
+        from miles.backends.base import AdapterSpec
 
         names = [f"a{i}" for i in range(adapters)]
         actor = build_actor(path, adapters, rank, micro_batch_size, recompute_granularity, recompute_modules,

@@ -23,7 +23,7 @@ import torch
 from benchlib import Figure
 from train_mixed import build_actor, step_fn
 
-from miles.backends.torch.actor import AdapterSpec
+from miles.backends.base import AdapterSpec
 
 
 def peft_model(path, n_adapters: int, rank: int):

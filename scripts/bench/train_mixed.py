@@ -26,7 +26,9 @@ import sys
 import benchlib
 from benchlib import Figure
 
-from miles.backends.torch.actor import AdapterSpec, TorchTrainActor, TrainActorConfig
+from miles.backends.base import AdapterSpec
+from miles.backends.rank.config import TrainActorConfig
+from miles.backends.torch.actor import TorchTrainActor
 from miles.utils.arguments import TORCH_RECOMPUTE_MODULES
 
 
@@ -107,7 +109,7 @@ def main() -> None:
                                            global_batch_size=args.batch, lr=1e-4))
         samples, adv = benchlib.make_samples(args.batch, [(names[i], i) for i in range(k)], args.prompt_len, args.response_len, vocab)
         cases["whole"] = step_fn(whole, samples, adv, names[:k])
-        budget = actor._budget_tokens(samples)
+        budget = actor.core.budget_tokens(samples)
         default_label = f"micro-batches of up to {budget} tokens" if budget else "one forward (the batch fits the budget)"
     times = benchlib.alternate(cases, args.reps)
     figures = [

@@ -8,8 +8,10 @@
 
 Modules: `model` (GPTModel from a Hugging Face Llama/Qwen2 directory, the HF <-> Megatron
 weight mapping), `lora` (the slot page table inside the column/row-parallel linears,
-A/B sharded like the base weights), `actor` (one rank: the torch backend's contract on a
-Megatron shard), `train_group` (the DP x TP Ray actors the driver talks to), `cpu_shims`
+A/B sharded like the base weights), `train_model` (the GPTModel shard as a rank's
+`TrainModel`: forward, slot loads, TP gathers, the norm over TP), `actor` (one rank: the
+backend-neutral `miles.backends.rank` over that model), `train_group` (the DP x TP Ray
+actors the driver talks to), `cpu_shims`
 (what megatron-core needs to run on CPU over gloo, applied only without CUDA),
 `gpu_check` (Megatron vs the torch backend on the same model and adapters).
 

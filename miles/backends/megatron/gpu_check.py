@@ -97,7 +97,7 @@ def _rank_main(rank: int, world: int, address: str, args: argparse.Namespace, sh
                                                    device=device, dtype=args.dtype, tensor_model_parallel_size=world),
                                rank, world)
     actor.init_process_group(address)
-    seen = _play(actor, lambda slot, t: mlora.set_slot_weights(actor.parts, slot, t, rank=RANK, alpha=16.0),
+    seen = _play(actor, lambda slot, t: mlora.set_slot_weights(actor.model.parts, slot, t, rank=RANK, alpha=16.0),
                  actor.shape.vocab_size, shapes)
     if rank == 0:
         torch.save(seen, out)
@@ -106,7 +106,8 @@ def _rank_main(rank: int, world: int, address: str, args: argparse.Namespace, sh
 
 def main(argv: list[str] | None = None) -> int:
     from miles.lora import set_slot_weights
-    from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
+    from miles.backends.rank.config import TrainActorConfig
+    from miles.backends.torch.actor import TorchTrainActor
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf-checkpoint", required=True)
@@ -126,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ref_actor.load_adapter(_specs()[0])
     shapes = {k: v.shape for k, v in ref_actor.export_adapter("a").items()}
     ref_actor.cleanup_adapter("a")
-    vocab = ref_actor.model.config.vocab_size
-    ref = _play(ref_actor, lambda slot, t: set_slot_weights(ref_actor.model, slot, t, rank=RANK, alpha=16.0),
+    vocab = ref_actor.model.module.config.vocab_size
+    ref = _play(ref_actor, lambda slot, t: set_slot_weights(ref_actor.model.module, slot, t, rank=RANK, alpha=16.0),
                 vocab, shapes)
     del ref_actor
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:

@@ -39,11 +39,14 @@ from miles.backends.base import (
     TrainRankLostError,
     TrainResult,
 )
-from miles.backends.torch.actor import LossSums, TorchTrainActor, TrainActorConfig
-from miles.backends.torch.checkpoint import AccumulatedGrad, latest_checkpoint
-from miles.lora.weight_sync import UpdateGroupSpec
+from miles.backends.rank.actor import ExportDescription, TrainRank
+from miles.backends.rank.config import TrainActorConfig
+from miles.backends.rank.core import GradShare, LossSums
+from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.batching import Advantage
+from miles.backends.torch.checkpoint import AccumulatedGrad, latest_checkpoint
 from miles.backends.torch.loss import adapter_token_advantages, needs_reward_kl
+from miles.lora.weight_sync import UpdateGroupSpec
 from miles.utils import placement
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
@@ -100,16 +103,16 @@ def split_prompt_groups(group_sizes: Sequence[int], n_ranks: int) -> list[list[i
 class TrainGroup:
     """The torch `TrainingBackend`: N `TorchTrainActor` ranks driven as one."""
 
-    actor_class: type = TorchTrainActor
+    actor_class: type[TrainRank] = TorchTrainActor
     """The rank actor; built as `actor_class(config.actor, rank, config.world_size)`."""
 
     def __init__(self, config: TrainGroupConfig) -> None:
         self.config = config
         self._actors: list[Any] = []
         self._specs: dict[str, AdapterSpec] = {}
+        """Loaded adapters (what every rank holds)."""
         self._placement: Any = None
         """The rank actors' placement group (one bundle per rank)."""
-        """Loaded adapters (what every rank holds)."""
 
     @property
     def actors(self) -> list[Any]:
@@ -166,17 +169,19 @@ class TrainGroup:
 
     async def _export_from_rank_0(self, name: str, *joining: Any) -> LoraExport:
         """Rank 0's export (`joining`: the calls of the other ranks that take part, awaited too)."""
-        tensors_ref, described = self._actors[0].export_for_push.options(num_returns=2).remote(name)
+        tensors_ref, description_ref = self._actors[0].export_for_push.options(num_returns=2).remote(name)
         await asyncio.gather(*joining)
-        return _lora_export(tensors_ref, await described)
+        description: ExportDescription = await description_ref
+        return description.export(tensors_ref)
 
     async def fresh_export(self, spec: AdapterSpec) -> LoraExport | None:
         """Rank 0 draws the fresh adapter `load_adapter` would put in the slot, on its push
         thread (a train call may be running); None when a checkpoint would resume it."""
         if spec.save_dir and latest_checkpoint(spec.save_dir) is not None:
             return None
-        tensors_ref, described = self._actors[0].fresh_export_for_push.options(num_returns=2).remote(spec)
-        return _lora_export(tensors_ref, await described)
+        tensors_ref, description_ref = self._actors[0].fresh_export_for_push.options(num_returns=2).remote(spec)
+        description: ExportDescription = await description_ref
+        return description.export(tensors_ref)
 
     # ---- weights-update group (rank 0 exports, so rank 0 sends) -------------------------
 
@@ -295,23 +300,23 @@ class TrainGroup:
         trained but not committed): then the save keeps nothing of the window, as before."""
         if request.accumulated_groups == 0:
             return None
-        shares = await asyncio.gather(*(actor.accumulated_grad.remote(request.name) for actor in self._actors),
-                                      return_exceptions=True)
+        shares: list[GradShare | BaseException] = await asyncio.gather(
+            *(actor.accumulated_grad.remote(request.name) for actor in self._actors), return_exceptions=True)
         failed = [rank for rank, share in enumerate(shares) if isinstance(share, BaseException)]
         if failed:
             logger.warning("Adapter '%s': train rank(s) %s are gone, so the gradient of its %d accumulated group(s) "
                            "is lost; the resumed adapter starts its step's window again", request.name, failed,
                            request.accumulated_groups)
             return None
-        samples = shares[0][1]
+        samples = shares[0].samples  # the same on every rank
         if samples != request.accumulated_samples:
             logger.warning("Adapter '%s': the trainer holds the gradient of %d samples but the registry counts %d "
                            "group(s) (%d samples) toward the next step; the gradient is not saved", request.name,
                            samples, request.accumulated_groups, request.accumulated_samples)
             return None
         tensors: dict[str, torch.Tensor] = {}
-        for share, _ in shares:  # each rank's share of the sum (a Megatron rank past 0 returns none)
-            for key, value in share.items():
+        for share in shares:  # each rank's share of the sum (a Megatron rank past 0 returns none)
+            for key, value in share.tensors.items():
                 tensors[key] = tensors[key] + value if key in tensors else value
         return AccumulatedGrad(tensors, groups=request.accumulated_groups, samples=samples)
 
@@ -330,13 +335,6 @@ class TrainGroup:
         self._specs.clear()
         placement.remove(self._placement)
         self._placement = None
-
-
-def _lora_export(tensors_ref: Any, described: tuple[dict[str, Any], list[str], list[str], list[list[int]], int]
-                 ) -> LoraExport:
-    peft_config, names, dtypes, shapes, nbytes = described
-    return LoraExport(peft_config=peft_config, tensors=tensors_ref, names=names, dtypes=dtypes, shapes=shapes,
-                      nbytes=nbytes)
 
 
 def _rank_error(exc: BaseException, doing: str) -> BaseException:

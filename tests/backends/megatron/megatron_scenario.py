@@ -22,7 +22,6 @@ The tests compare the two. The script:
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -96,8 +95,8 @@ def play(actor, *, set_weights, logits_fn, save_dir: Path, torch_ckpt: Path) -> 
     seen["step2"] = {n: actor.export_adapter(n) for n in ("a", "a2")}
     samples, adv = flatten_with_advantages(step3_groups(("a",), seed=8))
     actor.train(samples, adv, counts(samples))
-    tensors, n_samples = actor.accumulated_grad("a")  # a TP gather in Megatron: rank 0 holds it
-    seen["ckpt_a_mid"] = actor.save_adapter("a", 2, None, AccumulatedGrad(tensors, groups=1, samples=n_samples))
+    share = actor.accumulated_grad("a")  # a TP gather in Megatron: rank 0 holds it
+    seen["ckpt_a_mid"] = actor.save_adapter("a", 2, None, AccumulatedGrad(share.tensors, groups=1, samples=share.samples))
     _barrier()  # rank 0 writes; every rank reads it back
     actor.cleanup_adapter("c")
     actor.load_adapter(spec("a3", 1, rank=RANK, global_batch_size=6), str(save_dir / "a" / "checkpoints" / "step_2"))
@@ -126,7 +125,18 @@ def _broadcast_shapes(shapes):
     return box[0]
 
 
-def _rank_main(rank: int, world: int, address: str, model_dir: str, work: str) -> None:
+def _rendezvous(actor, rank: int, world: int, addresses) -> str:
+    """The process group's address: rank 0 listens on a port the OS picked (`master_address`
+    holds it until the group forms) and hands the address to the other ranks."""
+    if rank == 0:
+        address = actor.master_address("127.0.0.1")
+        for _ in range(world - 1):
+            addresses.put(address)
+        return address
+    return addresses.get(timeout=600)
+
+
+def _rank_main(rank: int, world: int, addresses, model_dir: str, work: str) -> None:
     from miles.backends.megatron import lora as mlora
     from miles.backends.megatron.actor import MegatronActorConfig, MegatronTrainActor
     from miles.backends.megatron.model import forward_logits
@@ -135,15 +145,15 @@ def _rank_main(rank: int, world: int, address: str, model_dir: str, work: str) -
     work_dir = Path(work)
     actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=model_dir, n_slots=N_SLOTS, lora_rank=RANK,
                                                    tensor_model_parallel_size=world), rank, world)
-    actor.init_process_group(address)
+    actor.init_process_group(_rendezvous(actor, rank, world, addresses))
 
     def set_weights(slot, tensors):
-        mlora.set_slot_weights(actor.parts, slot, tensors, rank=RANK, alpha=8.0)
+        mlora.set_slot_weights(actor.model.parts, slot, tensors, rank=RANK, alpha=8.0)
 
     @torch.no_grad()
     def logits_fn(ids, slots):
-        with mlora.use_slots(actor.model, slots):
-            return forward_logits(actor.model, actor.shape, ids)
+        with mlora.use_slots(actor.model.module, slots):
+            return forward_logits(actor.model.module, actor.model.shape, ids)
 
     seen = play(actor, set_weights=set_weights, logits_fn=logits_fn, save_dir=work_dir / "megatron_save",
                 torch_ckpt=work_dir / "torch_ckpt")
@@ -153,10 +163,8 @@ def _rank_main(rank: int, world: int, address: str, model_dir: str, work: str) -
 
 
 def run_megatron(model_dir: Path, tp: int, work: Path) -> dict:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-    mp.start_processes(_rank_main, args=(tp, address, str(model_dir), str(work)), nprocs=tp, join=True,
+    addresses = mp.get_context("spawn").Queue()
+    mp.start_processes(_rank_main, args=(tp, addresses, str(model_dir), str(work)), nprocs=tp, join=True,
                        start_method="spawn")
     return torch.load(work / "megatron.pt", weights_only=False)
 
@@ -164,17 +172,18 @@ def run_megatron(model_dir: Path, tp: int, work: Path) -> dict:
 def run_torch(model_dir: Path, work: Path) -> dict:
     """The torch twin; also leaves `work/torch_ckpt` (adapter a at step 1) for the Megatron run."""
     from miles.lora import set_slot_weights, use_slots
-    from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
+    from miles.backends.rank.config import TrainActorConfig
+    from miles.backends.torch.actor import TorchTrainActor
 
     actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(model_dir), n_slots=N_SLOTS, lora_rank=RANK))
 
     def set_weights(slot, tensors):
-        set_slot_weights(actor.model, slot, tensors, rank=RANK, alpha=8.0)
+        set_slot_weights(actor.model.module, slot, tensors, rank=RANK, alpha=8.0)
 
     @torch.no_grad()
     def logits_fn(ids, slots):
-        with use_slots(actor.model, slots):
-            return actor.model(input_ids=ids).logits
+        with use_slots(actor.model.module, slots):
+            return actor.model.module(input_ids=ids).logits
 
     seen = play(actor, set_weights=set_weights, logits_fn=logits_fn, save_dir=work / "torch_save",
                 torch_ckpt=work / "torch_save" / "a" / "checkpoints" / "step_1")
@@ -185,7 +194,7 @@ def run_torch(model_dir: Path, work: Path) -> dict:
     return seen
 
 
-def _dp_rank_main(rank: int, world: int, address: str, model_dir: str, work: str) -> None:
+def _dp_rank_main(rank: int, world: int, addresses, model_dir: str, work: str) -> None:
     """Two DP replicas of one TP rank each: the script's adapters and random weights, then
     step 1 with the prompt groups split over the replicas as `MegatronTrainGroup` splits them."""
     from miles.backends.megatron import lora as mlora
@@ -194,27 +203,25 @@ def _dp_rank_main(rank: int, world: int, address: str, model_dir: str, work: str
 
     torch.set_num_threads(1)
     actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=model_dir, n_slots=N_SLOTS, lora_rank=RANK), rank, world)
-    actor.init_process_group(address)
+    actor.init_process_group(_rendezvous(actor, rank, world, addresses))
     for name, slot in SLOTS.items():
         actor.load_adapter(spec(name, slot, rank=RANK, global_batch_size=6))
     shapes = _broadcast_shapes({k: v.shape for k, v in actor.export_adapter("a").items()} if rank == 0 else None)
     for i, (name, slot) in enumerate(SLOTS.items()):
-        mlora.set_slot_weights(actor.parts, slot, random_adapter(shapes, seed=100 + i), rank=RANK, alpha=8.0)
+        mlora.set_slot_weights(actor.model.parts, slot, random_adapter(shapes, seed=100 + i), rank=RANK, alpha=8.0)
     groups = step1_groups()
     samples, adv = flatten_with_advantages(groups)
     mine = split_prompt_groups([len(g) for g in groups], world)[rank]
     actor.train([samples[i] for i in mine], [adv[i] for i in mine], counts(samples))
     actor.step_adapters(["a", "b"])
     # Each replica's own copy (export_adapter answers from replica 0 only).
-    seen = {n: mlora.gather_slot_weights(actor.parts, slot) for n, slot in SLOTS.items()}
+    seen = {n: mlora.gather_slot_weights(actor.model.parts, slot) for n, slot in SLOTS.items()}
     torch.save(seen, Path(work) / f"dp{rank}.pt")
     actor.shutdown()
 
 
 def run_megatron_dp(model_dir: Path, work: Path) -> list[dict]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-    mp.start_processes(_dp_rank_main, args=(2, address, str(model_dir), str(work)), nprocs=2, join=True,
+    addresses = mp.get_context("spawn").Queue()
+    mp.start_processes(_dp_rank_main, args=(2, addresses, str(model_dir), str(work)), nprocs=2, join=True,
                        start_method="spawn")
     return [torch.load(work / f"dp{r}.pt", weights_only=False) for r in range(2)]

@@ -54,15 +54,3 @@ def test_a_model_the_tensor_parallel_size_does_not_divide_is_refused(tiny_model_
         MegatronTrainActor(MegatronActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=2, lora_rank=4,
                                                tensor_model_parallel_size=4), rank=0, world_size=4)
 
-
-def test_megatron_rank_has_the_state_of_a_torch_rank(tiny_model_dir):
-    """The Megatron rank reuses the torch rank's methods without its __init__ (which loads
-    an HF model): every attribute that __init__ sets must exist here too; the model-bound
-    ones are built when the rank joins its process group."""
-    from miles.backends.megatron.actor import MegatronActorConfig, MegatronTrainActor
-    from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
-
-    torch_rank = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=2, lora_rank=4))
-    megatron_rank = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=2, lora_rank=4))
-    built_with_the_model = {"model", "module_names", "param_names", "optimizer", "target_short_names"}
-    assert set(vars(torch_rank)) - set(vars(megatron_rank)) - built_with_the_model == set()

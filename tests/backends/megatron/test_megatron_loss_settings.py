@@ -6,7 +6,6 @@ process) and one torch rank play the same script on the same tiny model, in fp32
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -45,29 +44,27 @@ def play(actor, set_weights) -> dict:
             "weights": {n: actor.export_adapter(n) for n in SLOTS}}
 
 
-def _megatron_main(rank: int, address: str, model_dir: str, out: str) -> None:
+def _megatron_main(rank: int, model_dir: str, out: str) -> None:
     from miles.backends.megatron import lora as mlora
     from miles.backends.megatron.actor import MegatronActorConfig, MegatronTrainActor
 
     torch.set_num_threads(1)
     actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=model_dir, n_slots=4, lora_rank=RANK), rank, 1)
-    actor.init_process_group(address)
-    seen = play(actor, lambda slot, t: mlora.set_slot_weights(actor.parts, slot, t, rank=RANK, alpha=8.0))
+    actor.init_process_group(None)  # one rank: its own group, on a port the OS picks
+    seen = play(actor, lambda slot, t: mlora.set_slot_weights(actor.model.parts, slot, t, rank=RANK, alpha=8.0))
     torch.save(seen, out)
     actor.shutdown()
 
 
 def test_entropy_and_kl_shaped_reinforce_plus_plus_step_as_in_the_torch_backend(tiny_model_dir, tmp_path):
     from miles.lora import set_slot_weights
-    from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
+    from miles.backends.rank.config import TrainActorConfig
+    from miles.backends.torch.actor import TorchTrainActor
 
     actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=4, lora_rank=RANK))
-    ref = play(actor, lambda slot, t: set_slot_weights(actor.model, slot, t, rank=RANK, alpha=8.0))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    ref = play(actor, lambda slot, t: set_slot_weights(actor.model.module, slot, t, rank=RANK, alpha=8.0))
     out = tmp_path / "megatron.pt"
-    mp.start_processes(_megatron_main, args=(address, str(tiny_model_dir), str(out)), nprocs=1, join=True,
+    mp.start_processes(_megatron_main, args=(str(tiny_model_dir), str(out)), nprocs=1, join=True,
                        start_method="spawn")
     meg = torch.load(out, weights_only=False)
     kl_ref = [v for kl in ref["reward_kl"] for v in kl]

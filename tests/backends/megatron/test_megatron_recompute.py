@@ -6,7 +6,6 @@ run twice, and the replay sees the forward's slots though `backward()` runs outs
 
 from __future__ import annotations
 
-import socket
 import threading
 from pathlib import Path
 
@@ -28,12 +27,6 @@ SETTINGS = {
     "selective-mlp": ("selective", None, None, ("mlp",)),
 }
 BATCH_SLOTS = [2, -1, 0, 2, 1]
-
-
-def _address() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
 
 
 def _lora_model(model_dir: str, shape: ModelShape, recompute: dict):
@@ -68,7 +61,7 @@ def _call_counter(modules) -> list[int]:
     return calls
 
 
-def _model_rank(rank: int, world: int, address: str, model_dir: str, out: str) -> None:
+def _model_rank(rank: int, world: int, rendezvous: str, model_dir: str, out: str) -> None:
     """Per setting: a mixed-slot forward inside `use_slots`, `backward()` after the block on
     a fresh thread; the loss, this rank's LoRA gradients and per-layer call counts."""
     import torch.distributed as dist
@@ -78,7 +71,7 @@ def _model_rank(rank: int, world: int, address: str, model_dir: str, out: str) -
     from miles.backends.megatron.model import forward_logits
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     shape = ModelShape.from_hf_dir(model_dir)
     ids = torch.randint(4, 100, (len(BATCH_SLOTS), 9), generator=torch.Generator().manual_seed(5))
@@ -135,7 +128,8 @@ CALLS = {
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_recompute_gives_the_same_loss_and_lora_grads_and_replays_the_forward_slots(tiny_model_dir, tmp_path, tp):
-    mp.start_processes(_model_rank, args=(tp, _address(), str(tiny_model_dir), str(tmp_path)), nprocs=tp, join=True,
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"  # the ranks meet in a file: no port to pick
+    mp.start_processes(_model_rank, args=(tp, rendezvous, str(tiny_model_dir), str(tmp_path)), nprocs=tp, join=True,
                        start_method="spawn")
     for rank in range(tp):
         seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
@@ -150,7 +144,7 @@ def test_recompute_gives_the_same_loss_and_lora_grads_and_replays_the_forward_sl
                 torch.testing.assert_close(got["grads"][key], grad, atol=1e-6, rtol=0, msg=f"{name} {key}")
 
 
-def _actor_rank(rank: int, address: str, model_dir: str, out: str) -> None:
+def _actor_rank(rank: int, model_dir: str, out: str) -> None:
     """The actor with `--recompute-granularity full` (Megatron's defaults after it): a train
     call of three adapters in mixed micro-batches, then the same call with Megatron's
     recompute gate closed (the plain forward); the loss sums and the gradients of both."""
@@ -160,33 +154,33 @@ def _actor_rank(rank: int, address: str, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=model_dir, n_slots=4, lora_rank=RANK,
                                                    micro_batch_size=4, recompute_granularity="full"), rank, 1)
-    actor.init_process_group(address)
-    config = actor.model.config
+    actor.init_process_group(None)  # one rank: its own group, on a port the OS picks
+    config = actor.model.module.config
     seen: dict = {"config": (config.recompute_granularity, config.recompute_method, config.recompute_num_layers)}
     slots = {"a": 0, "b": 2, "c": 3}
     for i, (name, slot) in enumerate(slots.items()):
         actor.load_adapter(spec(name, slot, rank=RANK, global_batch_size=4))
         shapes = {k: v.shape for k, v in actor.export_adapter(name).items()}
-        mlora.set_slot_weights(actor.parts, slot, random_adapter(shapes, seed=400 + i), rank=RANK, alpha=8.0)
+        mlora.set_slot_weights(actor.model.parts, slot, random_adapter(shapes, seed=400 + i), rank=RANK, alpha=8.0)
     groups = [g for trio in zip(make_groups("a", 0, 2, 2, seed=1), make_groups("b", 2, 2, 2, seed=2),
                                 make_groups("c", 3, 2, 2, seed=3)) for g in trio]
     samples, adv = flatten_with_advantages(groups)
-    calls = _call_counter(list(actor.model.decoder.layers))
+    calls = _call_counter(list(actor.model.module.decoder.layers))
     for run in ("recompute", "plain"):
-        actor.model.decoder.training = run == "recompute"
+        actor.model.module.decoder.training = run == "recompute"
         calls[:] = [0] * len(calls)
         stats = actor.train(samples, adv, counts(samples))
         seen[run] = {"loss": {n: s.loss_sum for n, s in stats.items()}, "calls": list(calls),
-                     "grads": {n: actor.accumulated_grad(n)[0] for n in slots}}
+                     "grads": {n: actor.accumulated_grad(n).tensors for n in slots}}
         for slot in slots.values():
-            actor.optimizer.zero_slot_grad(slot)
+            actor.core.optimizer.zero_slot_grad(slot)
     torch.save(seen, out)
     actor.shutdown()
 
 
 def test_the_actor_recomputes_with_megatrons_defaults_and_trains_the_same(tiny_model_dir, tmp_path):
     out = tmp_path / "actor.pt"
-    mp.start_processes(_actor_rank, args=(_address(), str(tiny_model_dir), str(out)), nprocs=1, join=True,
+    mp.start_processes(_actor_rank, args=(str(tiny_model_dir), str(out)), nprocs=1, join=True,
                        start_method="spawn")
     seen = torch.load(out, weights_only=False)
     assert seen["config"] == ("full", "uniform", 1)

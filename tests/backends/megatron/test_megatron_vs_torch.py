@@ -25,7 +25,8 @@ from megatron_scenario import (
 )
 from torch_backend_data import counts, flatten_with_advantages, max_abs_diff, spec
 
-from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
+from miles.backends.rank.config import TrainActorConfig
+from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,10 +58,10 @@ def test_fresh_adapter_equals_torch_init(runs):
     assert max_abs_diff(meg["fresh"], ref["fresh"]) == 0.0
     # What a registration is pushed with before any rank loads it is what the load gives.
     for seen in (meg, ref):
-        tensors, (peft_config, names, _, shapes, nbytes) = seen["fresh_export"]
+        tensors, description = seen["fresh_export"]
         assert max_abs_diff(tensors, seen["fresh"]) == 0.0
-        assert names == list(tensors) and shapes == [list(t.shape) for t in tensors.values()]
-        assert peft_config["r"] == 4 and nbytes == sum(t.numel() * 4 for t in tensors.values())
+        assert description.names == list(tensors) and description.shapes == [list(t.shape) for t in tensors.values()]
+        assert description.peft_config["r"] == 4 and description.nbytes == sum(t.numel() * 4 for t in tensors.values())
 
 
 def test_logits_and_logprobs_of_mixed_slots_equal_torch(runs):
@@ -115,8 +116,8 @@ def test_megatron_checkpoint_loads_in_peft_and_resumes_in_torch(runs, tiny_model
     torch_actor.load_adapter(spec("a", 0, rank=RANK, global_batch_size=6), meg["ckpt_a"])
     from miles.lora import use_slots
 
-    with torch.no_grad(), use_slots(torch_actor.model, [0] * len(ids)):
-        ours = torch.log_softmax(torch_actor.model(input_ids=ids).logits, -1)
+    with torch.no_grad(), use_slots(torch_actor.model.module, [0] * len(ids)):
+        ours = torch.log_softmax(torch_actor.model.module(input_ids=ids).logits, -1)
     assert float((peft_logprobs - ours).abs().max()) <= 1e-4
 
     # Resumed in the torch backend, one more step equals the torch run's own continuation.

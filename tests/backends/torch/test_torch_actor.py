@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
 
-from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.backends.base import LoadResult
+from miles.backends.torch.actor import TorchTrainActor
+from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.backends.torch.loss import LossConfig
 from miles.utils.types import DataPosition
 
@@ -74,7 +75,7 @@ def test_step_of_one_adapter_leaves_the_others_bit_identical(tiny_model_dir):
     assert state.step == b_state.step == 1
     assert all(torch.equal(state.exp_avg[k], b_state.exp_avg[k]) for k in state.exp_avg)
     # b's gradient from this batch is retained for its own step, not dropped.
-    assert any(torch.count_nonzero(g) > 0 for g in actor.optimizer.slot_grads(2))
+    assert any(torch.count_nonzero(g) > 0 for g in actor.core.optimizer.slot_grads(2))
 
 
 def test_accumulating_over_two_calls_equals_one_call(tiny_model_dir):
@@ -155,9 +156,9 @@ def test_reused_slot_starts_fresh_and_cotenants_are_untouched(tiny_model_dir):
     b_weights, b_state = actor.export_adapter("b"), actor.optimizer_state("b")
 
     actor.cleanup_adapter("old")
-    assert actor.optimizer.steps[0] == 0
-    assert all(torch.count_nonzero(m[0]) == 0 for m in actor.optimizer.exp_avg + actor.optimizer.exp_avg_sq)
-    assert all(torch.count_nonzero(g) == 0 for g in actor.optimizer.slot_grads(0))
+    assert actor.core.optimizer.steps[0] == 0
+    assert all(torch.count_nonzero(m[0]) == 0 for m in actor.core.optimizer.exp_avg + actor.core.optimizer.exp_avg_sq)
+    assert all(torch.count_nonzero(g) == 0 for g in actor.core.optimizer.slot_grads(0))
     actor.load_adapter(spec("new", 0))
     assert actor.schedule_state("new")["samples_seen"] == 0
 
@@ -174,7 +175,7 @@ def test_reused_slot_starts_fresh_and_cotenants_are_untouched(tiny_model_dir):
 
 
 def test_bf16_base_keeps_fp32_lora_weights_and_moments(tiny_model_dir):
-    from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
+    from miles.backends.rank.config import TrainActorConfig
 
     actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=2, lora_rank=4, dtype="bfloat16"))
     actor.load_adapter(spec("a", 1, rank=2, lr=1e-5, weight_decay=0.0))
@@ -182,9 +183,9 @@ def test_bf16_base_keeps_fp32_lora_weights_and_moments(tiny_model_dir):
     for seed in (3, 4):  # A gets its first gradient at step 2, once B is nonzero
         _train_step(actor, make_groups("a", 1, 2, 2, seed=seed), ["a"])
     after = actor.export_adapter("a")
-    assert next(actor.model.parameters()).dtype == torch.bfloat16
+    assert next(actor.model.module.parameters()).dtype == torch.bfloat16
     assert all(t.dtype == torch.float32 for t in after.values())
-    assert all(m.dtype == torch.float32 for m in actor.optimizer.exp_avg + actor.optimizer.exp_avg_sq)
+    assert all(m.dtype == torch.float32 for m in actor.core.optimizer.exp_avg + actor.core.optimizer.exp_avg_sq)
     # An AdamW update of ~1e-5 on A entries of magnitude ~0.1 would round away in bf16
     # (spacing ~5e-4 there); in fp32 it lands: 1e-5 * 0.526 / 0.707 at the first nonzero gradient.
     delta_a = max(float((after[k] - before[k]).abs().max()) for k in after if "lora_A" in k)
@@ -214,14 +215,14 @@ def test_token_budget_micro_batches_give_the_gradient_of_one_batch(tiny_model_di
         actor.load_adapter(spec("b", 1, rank=2, global_batch_size=6))
     batch = make_groups("a", 0, 3, 2, seed=40) + make_groups("b", 1, 3, 2, seed=41)
     samples, adv = flatten_with_advantages(batch)
-    assert len(packed._micro_batches(samples, adv)) > 2  # the budget really splits this batch
+    assert len(packed.core.micro_batches(samples, adv)) > 2  # the budget really splits this batch
     stats_whole = whole.train(samples, adv, counts(samples))
     stats_packed = packed.train(samples, adv, counts(samples))
     for name in ("a", "b"):
         assert abs(stats_whole[name].loss_sum - stats_packed[name].loss_sum) < 1e-5
         assert stats_whole[name].tokens == stats_packed[name].tokens
     for slot in (0, 1):
-        for got, want in zip(packed.optimizer.slot_grads(slot), whole.optimizer.slot_grads(slot)):
+        for got, want in zip(packed.core.optimizer.slot_grads(slot), whole.core.optimizer.slot_grads(slot)):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     stepped_whole, stepped_packed = whole.step_adapters(["a", "b"]), packed.step_adapters(["a", "b"])
     assert abs(stepped_whole["a"].grad_norm - stepped_packed["a"].grad_norm) < 1e-5
@@ -235,43 +236,42 @@ def test_an_activation_budget_splits_training_where_no_micro_batch_size_is_given
     samples, adv = flatten_with_advantages(batch)
     whole = new_actor(tiny_model_dir, loss=LOSS, activation_budget_mb=0)
     probe = new_actor(tiny_model_dir, loss=LOSS)
-    budget_mb = 12 * probe._activation_budget.bytes_per_token / 2**20  # about 12 tokens' worth
+    budget_mb = 12 * probe.core.activation_budget.bytes_per_token / 2**20  # about 12 tokens' worth
     budgeted = new_actor(tiny_model_dir, loss=LOSS, activation_budget_mb=budget_mb)
     calls = []
-    original = type(budgeted)._train_micro_batch
+    original = type(budgeted.core).train_micro_batch
 
     def counted(self, batch, stats):
         calls.append((id(self), batch.input_ids_BL.numel()))
         return original(self, batch, stats)
 
-    monkeypatch.setattr(type(budgeted), "_train_micro_batch", counted)
+    monkeypatch.setattr(type(budgeted.core), "train_micro_batch", counted)
     for actor in (whole, budgeted):
         actor.load_adapter(spec("a", 0, global_batch_size=6))
         actor.load_adapter(spec("b", 1, rank=2, global_batch_size=6))
-    with caplog.at_level(logging.INFO, logger="miles.backends.torch.actor"):
+    with caplog.at_level(logging.INFO, logger="miles.backends.rank.core"):
         stats_budgeted = budgeted.train(samples, adv, counts(samples))
         budgeted.discard_batch()
         budgeted.train(samples, adv, counts(samples))
     stats_whole = whole.train(samples, adv, counts(samples))
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    split = [n for who, n in calls if who == id(budgeted)]
+    split = [n for who, n in calls if who == id(budgeted.core)]
     assert len(split) >= 4 and all(n <= max(12, longest) for n in split)  # two calls, two or more each
-    assert [n for who, n in calls if who == id(whole)] == [len(samples) * longest]
+    assert [n for who, n in calls if who == id(whole.core)] == [len(samples) * longest]
     assert sum("Training in micro-batches of up to" in r.getMessage() for r in caplog.records) == 1
     for name in ("a", "b"):
         assert abs(stats_whole[name].loss_sum - stats_budgeted[name].loss_sum) < 1e-5
     for slot in (0, 1):
-        for got, want in zip(budgeted.optimizer.slot_grads(slot), whole.optimizer.slot_grads(slot)):
+        for got, want in zip(budgeted.core.optimizer.slot_grads(slot), whole.core.optimizer.slot_grads(slot)):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     # the default budget on CPU is far above this batch, and a micro-batch size wins over it
-    assert probe._activation_budget.budget_bytes == 1024 * 2**20 and probe._budget_tokens(samples) is None
+    assert probe.core.activation_budget.budget_bytes == 1024 * 2**20 and probe.core.budget_tokens(samples) is None
     sized = new_actor(tiny_model_dir, micro_batch_size=4, activation_budget_mb=budget_mb)
-    assert sized._budget_tokens(samples) is None and len(sized._micro_batches(samples, adv)) == 3
+    assert sized.core.budget_tokens(samples) is None and len(sized.core.micro_batches(samples, adv)) == 3
 
 
 def test_a_cpu_rank_runs_the_threads_of_its_reserved_cpus(tiny_model_dir):
     """--actor-num-cpus-per-worker N: Ray reserves N CPUs per rank and the rank runs N torch threads."""
-    from miles.backends.torch.actor import TorchTrainActor
     from miles.backends.torch.train_group import TrainGroupConfig
     from miles.utils.arguments import parse_args
 
@@ -286,3 +286,4 @@ def test_a_cpu_rank_runs_the_threads_of_its_reserved_cpus(tiny_model_dir):
     finally:
         torch.set_num_threads(before)
     assert TrainGroupConfig.from_config(parse_args(["--hf-checkpoint", "/m"])).num_cpus_per_worker == 1.0
+

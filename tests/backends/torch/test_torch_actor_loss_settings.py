@@ -165,7 +165,7 @@ def _window_run(model_dir):
         ]
         samples, adv = advantages([samples[i : i + 3] for i in range(0, len(samples), 3)], WINDOW_SETTINGS)
         stats = actor.train(samples, adv, counts(samples))
-        grads = [g.clone() for slot in range(3) for g in actor.optimizer.slot_grads(slot)]
+        grads = [g.clone() for slot in range(3) for g in actor.core.optimizer.slot_grads(slot)]
         norms = actor.step_adapters(list(WINDOW_SETTINGS))
         seen.append((stats, grads, norms, actor.logprobs(samples), actor.reward_kl(samples)))
     return seen, {name: actor.export_adapter(name) for name in WINDOW_SETTINGS}, actor, samples
@@ -175,26 +175,26 @@ def test_the_response_window_gives_the_numbers_of_the_full_forward(tiny_model_di
     """The LM head on the response window only (`logits_to_keep`) changes no logprob,
     entropy, loss term or gradient (fp32; KL to the reference, TIS, rollout logprobs,
     entropy bonus, GSPO and a loss mask, three adapters in one micro-batch)."""
-    from miles.backends.torch import actor as actor_module
+    from miles.backends.torch import train_model as model_module
     from miles.backends.torch.batching import logits_to_keep, make_micro_batches
     from miles.backends.torch.loss import entropy_from_logits
 
-    monkeypatch.setattr(actor_module, "WINDOW_MIN_SKIPPED_LOGITS", 0)  # the tiny vocabulary is below it
+    monkeypatch.setattr(model_module, "WINDOW_MIN_SKIPPED_LOGITS", 0)  # the tiny vocabulary is below it
     windowed, windowed_weights, actor, samples = _window_run(tiny_model_dir)
     (batch,) = make_micro_batches(samples, [0.0] * len(samples), None)
     length, keep = batch.input_ids_BL.shape[1], logits_to_keep(batch)
     assert keep <= length - 7  # the window leaves out at least 7 prompt positions
     with torch.no_grad():
-        logprobs_BT, entropy_BT = actor._forward_logprobs(batch, batch.slots, entropy=True)
+        logprobs_BT, entropy_BT = actor.model.forward_logprobs(batch, batch.slots, entropy=True)
         from miles.lora import use_slots
 
-        with use_slots(actor.model, batch.slots):
-            full_BLV = actor.model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
+        with use_slots(actor.model.module, batch.slots):
+            full_BLV = actor.model.module(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
     assert torch.all(logprobs_BT[:, : length - keep] == 0) and torch.all(entropy_BT[:, : length - keep] == 0)
     window = slice(length - keep, None)
     torch.testing.assert_close(entropy_BT[:, window], entropy_from_logits(full_BLV[:, :-1])[:, window], atol=1e-6, rtol=0)
 
-    monkeypatch.setattr(actor_module, "logits_to_keep", lambda batch: batch.input_ids_BL.shape[1])
+    monkeypatch.setattr(model_module, "logits_to_keep", lambda batch: batch.input_ids_BL.shape[1])
     full, full_weights, _, _ = _window_run(tiny_model_dir)
     for (stats_w, grads_w, norms_w, logp_w, kl_w), (stats_f, grads_f, norms_f, logp_f, kl_f) in zip(windowed, full):
         for name in WINDOW_SETTINGS:

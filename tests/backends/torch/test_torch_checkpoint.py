@@ -23,6 +23,7 @@ from miles.backends.torch.checkpoint import (
     write_checkpoint,
 )
 from miles.backends.base import SaveRequest
+from miles.backends.rank.core import GradShare
 from miles.backends.torch.train_group import TrainGroup
 from miles.utils.types import DataPosition
 
@@ -152,7 +153,7 @@ class _Rank:
         async def remote(name: str):
             if share is None:
                 raise RuntimeError("the rank is gone")
-            return share, samples
+            return GradShare(share, samples)
 
         self.accumulated_grad = type("Method", (), {"remote": staticmethod(remote)})
 
@@ -179,15 +180,15 @@ def test_a_resumed_gradient_goes_back_on_the_first_rank_only_and_only_if_it_fits
     actor.load_adapter(spec("a", 0, global_batch_size=6, rollout_batch_size=3, save_dir=tmp_path))
     samples, advantages = flatten_with_advantages(make_groups("a", 0, 2, 2, seed=5))
     actor.train(samples, advantages, counts(samples))
-    tensors, n_samples = actor.accumulated_grad("a")
+    share = actor.accumulated_grad("a")
+    tensors, n_samples = share.tensors, share.samples
     assert n_samples == 4 and any(float(t.abs().max()) > 0 for t in tensors.values())  # B (A waits for B != 0)
     path = actor.save_adapter("a", 0, None, AccumulatedGrad(tensors, groups=2, samples=n_samples))
 
     def resumed(rank: int, **kw) -> tuple[int, dict[str, torch.Tensor], dict]:
-        other = new_actor(tiny_model_dir)
-        other.rank = rank
+        other = new_actor(tiny_model_dir, rank=rank, world_size=2)  # of DP replica `rank`
         loaded = other.load_adapter(spec("a", 1, save_dir=tmp_path, **kw), path)
-        return loaded.accumulated_groups, other.accumulated_grad("a")[0], other.schedule_state("a")
+        return loaded.accumulated_groups, other.accumulated_grad("a").tensors, other.schedule_state("a")
 
     groups, grads, clock = resumed(0, global_batch_size=6, rollout_batch_size=3)
     assert groups == 2 and max_abs_diff(grads, tensors) == 0.0

@@ -17,7 +17,8 @@ from transformers import AutoTokenizer
 
 from miles.backends.base import AdapterSpec
 from miles.lora import use_slots
-from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
+from miles.backends.rank.config import TrainActorConfig
+from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.loss import adapter_token_advantages, needs_reward_kl
 from miles.rollout.rewards.builtin import BUILTIN_REWARDS
 from miles.utils.loss_settings import LossSettings
@@ -42,9 +43,9 @@ def _sample(actor, tokenizer, rows, n: int, gen: torch.Generator | None) -> list
     prompt_BT = torch.tensor([tokenizer(r["text"], add_special_tokens=False)["input_ids"] for r in rows])
     prompt_BT = prompt_BT.repeat_interleave(n, dim=0)  # the additions all have one token length
     seq_BT, done_B = prompt_BT, torch.zeros(prompt_BT.shape[0], dtype=torch.bool)
-    with use_slots(actor.model, [0] * prompt_BT.shape[0]):
+    with use_slots(actor.model.module, [0] * prompt_BT.shape[0]):
         for _ in range(MAX_NEW_TOKENS):
-            logits_BV = actor.model(input_ids=seq_BT).logits[:, -1].float()
+            logits_BV = actor.model.module(input_ids=seq_BT).logits[:, -1].float()
             if gen is None:
                 next_B = logits_BV.argmax(-1)
             else:

@@ -107,12 +107,12 @@ LOSSES = {  # the entropy bonus, and a KL whose reference is a forward without g
 
 
 def _actor_run(model_dir, monkeypatch, *, fused: bool):
-    from miles.backends.torch import actor as actor_module
+    from miles.backends.torch import train_model as model_module
 
-    monkeypatch.setattr(actor_module, "FUSED_HEAD_MIN_LOGITS", 0 if fused else float("inf"))
-    monkeypatch.setattr(actor_module, "WINDOW_MIN_SKIPPED_LOGITS", 0)  # the tiny vocabulary is below it
+    monkeypatch.setattr(model_module, "FUSED_HEAD_MIN_LOGITS", 0 if fused else float("inf"))
+    monkeypatch.setattr(model_module, "WINDOW_MIN_SKIPPED_LOGITS", 0)  # the tiny vocabulary is below it
     actor = new_actor(model_dir, n_slots=2)
-    assert fused_head_weight(actor.model) is not None
+    assert fused_head_weight(actor.model.module) is not None
     for slot, name in enumerate(LOSSES):
         actor.load_adapter(spec(name, slot, loss=LOSSES[name], lr=0.05, global_batch_size=6))
     seen = []
@@ -120,7 +120,7 @@ def _actor_run(model_dir, monkeypatch, *, fused: bool):
         groups = [g for slot, name in enumerate(LOSSES) for g in make_groups(name, slot, 2, 3, seed=7 + step + slot)]
         samples, adv = flatten_with_advantages(groups)
         stats = actor.train(samples, adv, counts(samples))
-        grads = [g.clone() for slot in range(2) for g in actor.optimizer.slot_grads(slot)]
+        grads = [g.clone() for slot in range(2) for g in actor.core.optimizer.slot_grads(slot)]
         actor.step_adapters(list(LOSSES))
         seen.append((stats, grads, actor.logprobs(samples)))
     return seen

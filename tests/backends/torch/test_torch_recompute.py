@@ -13,7 +13,8 @@ from torch_backend_data import counts, flatten_with_advantages, make_groups, spe
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from miles.lora import init_slot, inject_multi_lora, lora_modules, use_slots
-from miles.backends.torch.actor import TorchTrainActor, TrainActorConfig
+from miles.backends.rank.config import TrainActorConfig
+from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.recompute import decoder_layers, recompute_decoder_layers, release_cheap_activations
 
 
@@ -53,7 +54,7 @@ def test_recompute_gives_the_same_losses_and_steps_and_runs_the_layers_again(tin
     keep = _actor(tiny_model_dir)
     again = _actor(tiny_model_dir, recompute_granularity="full", recompute_method=method,
                    recompute_num_layers=num_layers)
-    calls = _count_attention_calls(again.model)
+    calls = _count_attention_calls(again.model.module)
     for step in range(2):
         groups = [g for trio in zip(make_groups("a", 0, 2, 2, seed=step), make_groups("b", 1, 2, 2, seed=10 + step),
                                     make_groups("c", 3, 2, 2, seed=20 + step)) for g in trio]
@@ -102,7 +103,7 @@ def test_the_replay_routes_each_sample_through_its_forward_slot_from_another_thr
 
 def test_forward_without_gradients_does_not_recompute(tiny_model_dir):
     actor = _actor(tiny_model_dir, recompute_granularity="full")
-    calls = _count_attention_calls(actor.model)
+    calls = _count_attention_calls(actor.model.module)
     samples, _ = flatten_with_advantages(make_groups("a", 0, 1, 2, seed=5))
     logprobs = actor.logprobs(samples)
     assert len(logprobs) == len(samples)

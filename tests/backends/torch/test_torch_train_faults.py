@@ -40,15 +40,15 @@ def _state(actor: TorchTrainActor) -> dict[str, torch.Tensor]:
     """Everything a batch may change: gradients, weights, moments, step counts, LR clocks."""
     out = {}
     for slot in (0, 1):
-        for i, g in enumerate(actor.optimizer.slot_grads(slot)):
+        for i, g in enumerate(actor.core.optimizer.slot_grads(slot)):
             out[f"grad.{slot}.{i}"] = g.clone()
-        exp_avg, exp_avg_sq, step = actor.optimizer.slot_state(slot)
+        exp_avg, exp_avg_sq, step = actor.core.optimizer.slot_state(slot)
         for i, (m, v) in enumerate(zip(exp_avg, exp_avg_sq)):
             out[f"exp_avg.{slot}.{i}"], out[f"exp_avg_sq.{slot}.{i}"] = m.clone(), v.clone()
         out[f"step.{slot}"] = torch.tensor(step)
     for name in ("a", "b"):
         out.update({f"{name}.{k}": v.clone() for k, v in actor.export_adapter(name).items()})
-        out[f"{name}.clock"] = torch.tensor(actor.adapters[name].schedule.samples_seen)
+        out[f"{name}.clock"] = torch.tensor(actor.core.adapters[name].schedule.samples_seen)
     return out
 
 
@@ -92,7 +92,7 @@ def test_without_taking_back_the_fault_leaves_partial_gradients(tiny_model_dir):
     `discard_batch` did nothing."""
     actor = _loaded(_actor(tiny_model_dir, {(-1, 1)}))
     before = _state(actor)
-    actor.discard_batch = lambda: None
+    actor.core.discard_batch = lambda: None
     batch = _batch(1)
     with pytest.raises(InjectedTrainFault):
         actor.train(*batch, counts(batch[0]))

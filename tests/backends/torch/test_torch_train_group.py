@@ -195,7 +195,7 @@ async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, ti
         assert tensors.keys() == expected.keys()
         assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in tensors)
         assert all(torch.equal(tensors[k], expected[k]) for k in tensors)
-        assert peft_config["r"] == reference.adapters[name].spec.rank
+        assert peft_config["r"] == reference.core.loaded(name).spec.rank
     assert await sync2.update_weights(snapshot) == snapshot  # nothing changed since
     assert await receiver.take.remote() == []
     await sync1.update_weights(await reg1.snapshot.remote())

@@ -11,7 +11,7 @@ import pytest
 from torch_backend_data import make_groups, max_abs_diff
 
 from miles.backends.base import AdapterSpec
-from miles.backends.torch.actor import TrainActorConfig
+from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import RolloutBatch

@@ -1,0 +1,493 @@
+"""The training of one rank, the same for every backend: `TrainCore` over a `TrainModel`.
+
+It holds the loaded adapters (spec and LR schedule) and one `SlotAdamW` over the model's
+LoRA rows, and does everything between a train rank's methods and the model: loads,
+fresh or resumed from a checkpoint; train calls cut into micro-batches, each sample's
+loss with its adapter's settings, and the take-back of a call that failed; the optimizer
+step; the tensors and state a checkpoint is made of. No Ray, no process group of its own:
+
+    core = TrainCore(config, TorchTrainModel(config), rank=0)
+    core.load_adapter(AdapterSpec(name="math", slot=0, rank=8, alpha=16.0, global_batch_size=8))
+    core.train(samples, advantages, samples_per_adapter={"math": 8})
+    core.step_adapters(["math"])
+
+Every sample enters the gradient with weight 1 and a slot's gradients persist across
+train calls until that adapter steps; at step time the stepping slots' gradients are
+summed over the data-parallel replicas, scaled by `1 / adapter_global_batch_size`, clipped
+by the slot's own norm and applied to that slot only. A rank counts no adapter steps (the
+registry owns them; a save is named by the step it is given); only AdamW's bias-correction
+count and the LR schedule's sample clock live here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult
+from miles.backends.rank.config import InjectedTrainFault, TrainActorConfig
+from miles.backends.rank.model import TrainModel
+from miles.backends.torch.batching import (
+    ActivationBudget,
+    Advantage,
+    MicroBatch,
+    make_micro_batches,
+    response_logprobs,
+)
+from miles.backends.torch.checkpoint import (
+    AccumulatedGrad,
+    Checkpoint,
+    OptimizerState,
+    TrainerState,
+    read_checkpoint,
+    write_checkpoint,
+)
+from miles.backends.torch.loss import LossParams, approx_kl_per_sample, policy_loss_terms
+from miles.backends.torch.lr_schedule import LRSchedule
+from miles.backends.torch.optimizer import SlotAdamW, SlotStep
+from miles.lora import peft_adapter_config, peft_tensors, write_peft_dir
+from miles.utils.loss_settings import LossSettings
+from miles.utils.types import DataPosition, Sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LossSums:
+    """Sums over one rank's samples of one adapter; `TrainGroup` adds ranks and divides."""
+
+    loss_sum: float = 0.0
+    samples: int = 0
+    clipped_tokens: float = 0.0
+    tokens: float = 0.0
+    kl_sum: float = 0.0
+    tis_sum: float = 0.0
+
+    def __add__(self, other: LossSums) -> LossSums:
+        return LossSums(
+            self.loss_sum + other.loss_sum, self.samples + other.samples, self.clipped_tokens + other.clipped_tokens,
+            self.tokens + other.tokens, self.kl_sum + other.kl_sum, self.tis_sum + other.tis_sum,
+        )
+
+
+@dataclass(frozen=True)
+class GradShare:
+    """A rank's part of an adapter's gradient toward its next step (`TrainCore.accumulated_grad`)."""
+
+    tensors: dict[str, Tensor]
+    """By LoRA parameter name, whole, rank-sliced, CPU, not scaled: a torch rank's own share
+    (the train group sums them); Megatron: the replicas' sum on global rank 0, none elsewhere."""
+    samples: int
+    """The samples of all ranks trained toward that step (the LR clock's count, the same on every rank)."""
+
+
+@dataclass
+class LoadedAdapter:
+    """An adapter in its slot: its spec and its LR schedule (whose clock counts its samples)."""
+
+    spec: AdapterSpec
+    schedule: LRSchedule
+
+
+@dataclass
+class _BatchUndo:
+    """What the latest train call changed, so it can be taken back until a step."""
+
+    grads: dict[int, list[Tensor] | None]
+    """Slot -> copies of its gradients before the call; None when they were all zero
+    (the first call after a step: no copy is held, the undo zeroes them)."""
+    samples_seen: dict[str, int]
+    """Adapter -> its LR clock before the call."""
+
+
+def adapter_seed(seed: int, name: str) -> int:
+    """Seed of an adapter's fresh init: the same on every rank and in every run."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class TrainCore:
+    """One rank's training over a `TrainModel`: adapters, loads, micro-batches, loss, take-back, step, checkpoints."""
+
+    def __init__(self, config: TrainActorConfig, model: TrainModel, rank: int = 0,
+                 activation_budget: ActivationBudget | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.rank = rank
+        self.device = torch.device(config.device)
+        self.optimizer = SlotAdamW(model.lora_params, n_slots=config.n_slots, betas=config.adam_betas,
+                                   eps=config.adam_eps)
+        self.adapters: dict[str, LoadedAdapter] = {}
+        self.activation_budget = activation_budget
+        """Where no micro-batch size is given, micro-batches sized by estimated activation
+        memory (the torch backend on CPU); None: the whole batch."""
+        self._undo: _BatchUndo | None = None
+        self._train_calls = 0
+
+    # ---- adapters in slots ----------------------------------------------------------
+
+    def load_adapter(self, spec: AdapterSpec, checkpoint: str | None = None) -> LoadResult:
+        """Put an adapter into its slot, fresh (A seeded by seed and name, B zero) or resumed
+        from a checkpoint directory; says which step and data position it resumed at."""
+        self._check_free(spec)
+        self.optimizer.reset_slot(spec.slot)
+        schedule = self._new_schedule(spec)
+        result = LoadResult()
+        if checkpoint is None:
+            self.model.init_slot(spec.slot, rank=spec.rank, alpha=spec.alpha, generator=self._generator(spec))
+        else:
+            result, schedule = self._resume(spec, Path(checkpoint), schedule)
+        self.optimizer.configure_slot(spec.slot, rank=spec.rank, lr=spec.lr, weight_decay=spec.weight_decay)
+        if spec.num_step is not None:
+            # `num_step` counts from the step this registration started at.
+            schedule.total_steps = spec.final_step(result.step)
+        self.adapters[spec.name] = LoadedAdapter(spec=spec, schedule=schedule)
+        return result
+
+    def fresh_export(self, spec: AdapterSpec) -> dict[str, Tensor]:
+        """What `export_adapter` will give once `load_adapter(spec)` has put the fresh adapter
+        in its slot (the same seeded draws), computed without touching the model."""
+        self.check_rank(spec)
+        return peft_tensors(self.model.fresh_weights(rank=spec.rank, generator=self._generator(spec)))
+
+    def _generator(self, spec: AdapterSpec) -> torch.Generator:
+        return torch.Generator().manual_seed(adapter_seed(self.config.seed, spec.name))
+
+    def _check_free(self, spec: AdapterSpec) -> None:
+        if spec.name in self.adapters:
+            raise ValueError(f"adapter '{spec.name}' is already loaded in slot {self.adapters[spec.name].spec.slot}")
+        for other in self.adapters.values():
+            if other.spec.slot == spec.slot:
+                raise ValueError(f"slot {spec.slot} is held by adapter '{other.spec.name}': clean it up first")
+        self.check_rank(spec)
+
+    def check_rank(self, spec: AdapterSpec) -> None:
+        if not 0 < spec.rank <= self.config.lora_rank:
+            raise ValueError(f"adapter '{spec.name}' has rank {spec.rank}; it must be in 1..{self.config.lora_rank} (--lora-rank)")
+
+    def _new_schedule(self, spec: AdapterSpec) -> LRSchedule:
+        return LRSchedule(
+            lr=spec.lr, samples_per_step=spec.global_batch_size, style=spec.lr_decay_style,  # type: ignore[arg-type]
+            warmup_steps=spec.lr_warmup_steps, min_lr=self.config.min_lr,
+        )
+
+    def _resume(self, spec: AdapterSpec, path: Path, fresh: LRSchedule) -> tuple[LoadResult, LRSchedule]:
+        ckpt = read_checkpoint(path)
+        if ckpt.trainer_state.rank != spec.rank or abs(ckpt.trainer_state.alpha - spec.alpha) > 1e-6:
+            raise ValueError(
+                f"checkpoint {path} holds a rank-{ckpt.trainer_state.rank} alpha-{ckpt.trainer_state.alpha} adapter "
+                f"but adapter '{spec.name}' is configured with rank {spec.rank} alpha {spec.alpha}: "
+                "use the checkpoint's rank and alpha, or give the adapter a fresh save directory"
+            )
+        self.model.load_peft_dir(spec.slot, path)
+        exp_avg = self.model.pad_slot_tensors(ckpt.optimizer.exp_avg, spec.slot, spec.rank, path, "optimizer state")
+        exp_avg_sq = self.model.pad_slot_tensors(ckpt.optimizer.exp_avg_sq, spec.slot, spec.rank, path,
+                                                 "optimizer state")
+        self.optimizer.load_slot_state(spec.slot, exp_avg, exp_avg_sq, ckpt.optimizer.step)
+        # The clock comes from the checkpoint; the schedule's settings from today's config.
+        saved = LRSchedule.from_state_dict(ckpt.scheduler)
+        schedule = replace(fresh, samples_seen=saved.samples_seen, samples_at_last_step=saved.samples_at_last_step)
+        result = LoadResult(checkpoint=path, step=ckpt.trainer_state.step,
+                            data_position=ckpt.trainer_state.data_position,
+                            accumulated_groups=self._restore_accumulated_grad(spec, ckpt, schedule))
+        return result, schedule
+
+    def _restore_accumulated_grad(self, spec: AdapterSpec, ckpt: Checkpoint, schedule: LRSchedule) -> int:
+        """Put a checkpoint's part-window gradient back into the slot; returns the groups it
+        covers. The first DP replica holds the whole sum and the others zeros, so the step's
+        all-reduce gives the sum the interrupted run would have had."""
+        acc = ckpt.accumulated_grad
+        if acc is None:
+            return 0
+        rbs = spec.rollout_batch_size
+        fits = acc.samples < spec.global_batch_size and \
+            (rbs is None or (acc.groups < rbs and acc.samples == acc.groups * (spec.global_batch_size // rbs)))
+        if not fits:
+            logger.warning("Adapter '%s': the gradient of %d group(s) (%d samples) in %s does not fit its batch "
+                           "(%s groups, %d samples per step) as configured now; it is dropped and the step's "
+                           "window starts empty", spec.name, acc.groups, acc.samples, ckpt.path, rbs,
+                           spec.global_batch_size)
+            schedule.samples_seen = schedule.samples_at_last_step
+            return 0
+        if self.model.dp_rank == 0:
+            grads = self.model.pad_slot_tensors(acc.tensors, spec.slot, spec.rank, ckpt.path, "accumulated gradient")
+            torch._foreach_copy_(self.optimizer.slot_grads(spec.slot), grads)
+        return acc.groups
+
+    def cleanup_adapter(self, name: str) -> None:
+        """Empty the adapter's slot: weights, moments, step counter, retained grads, schedule."""
+        loaded = self.loaded(name)
+        self.model.clear_slot(loaded.spec.slot)
+        self.optimizer.reset_slot(loaded.spec.slot)
+        del self.adapters[name]
+        self._undo = None
+
+    def loaded_adapters(self) -> dict[str, int]:
+        return {name: a.spec.slot for name, a in self.adapters.items()}
+
+    def loaded(self, name: str) -> LoadedAdapter:
+        if name not in self.adapters:
+            raise KeyError(f"adapter '{name}' is not loaded on train rank {self.rank}: reconcile adapters first")
+        return self.adapters[name]
+
+    def loss_settings(self, adapter: str) -> LossSettings:
+        return self.loaded(adapter).spec.loss or self.config.loss
+
+    # ---- training -------------------------------------------------------------------
+
+    def train(
+        self, samples: Sequence[Sample], advantages: Sequence[Advantage], samples_per_adapter: dict[str, int]
+    ) -> dict[str, LossSums]:
+        """Forward and backward this rank's samples (gradients accumulate per slot); the loss
+        sums of the rank that reports for its replica, none from the others.
+
+        `advantages[i]` is sample i's advantage: one value, or one per response token
+        (the reinforce++ estimators).
+
+        `samples_per_adapter` counts each adapter's samples in the whole (all-rank)
+        batch; it advances the adapters' LR clocks identically on every rank.
+        """
+        for sample in samples:
+            loaded = self.loaded(sample.adapter)
+            if sample.slot != loaded.spec.slot:
+                raise ValueError(f"sample of adapter '{sample.adapter}' names slot {sample.slot}, but the adapter is in slot {loaded.spec.slot}")
+        for name in samples_per_adapter:
+            self.loaded(name)
+        stats: dict[str, LossSums] = {}
+        need_rollout = any(self.loss_settings(name).needs_rollout_logprobs for name in {s.adapter for s in samples})
+        batches = self.micro_batches(samples, advantages, need_rollout_logprobs=need_rollout,
+                                     max_tokens=self.budget_tokens(samples))
+        self._remember_batch({s.adapter for s in samples} | set(samples_per_adapter))
+        self._train_calls += 1
+        try:
+            for i, batch in enumerate(batches):
+                self.train_micro_batch(batch.to(self.device), stats)
+                if i == 0 and self._fault_due():
+                    raise InjectedTrainFault(f"injected fault in train call {self._train_calls} of rank {self.rank}")
+            for name, n in samples_per_adapter.items():
+                self.adapters[name].schedule.add_samples(n)
+        except BaseException:
+            self.discard_batch()
+            raise
+        return stats if self.model.reports_loss else {}
+
+    def _fault_due(self) -> bool:
+        faults = self.config.fault_train_calls
+        return (self.rank, self._train_calls) in faults or (-1, self._train_calls) in faults
+
+    def micro_batches(self, samples: Sequence[Sample], advantages: Sequence[Advantage], *,
+                      need_rollout_logprobs: bool = False, max_tokens: int | None = None) -> list[MicroBatch]:
+        return make_micro_batches(samples, advantages, self.config.micro_batch_size,
+                                  max_tokens=self.config.max_tokens_per_micro_batch or max_tokens,
+                                  need_rollout_logprobs=need_rollout_logprobs)
+
+    def budget_tokens(self, samples: Sequence[Sample]) -> int | None:
+        """Tokens per training micro-batch under the activation budget, where no micro-batch
+        size was given; None: the whole batch."""
+        budget = self.activation_budget
+        if budget is None or self.config.micro_batch_size or self.config.max_tokens_per_micro_batch:
+            return None
+        tokens = budget.max_tokens(samples)
+        if tokens is not None and not budget.announced:
+            budget.announced = True
+            logger.info(
+                "Training in micro-batches of up to %d tokens: about %.0f KiB a token stays for the backward, "
+                "and --activation-budget-mb is %g (--micro-batch-size sets the split instead)",
+                tokens, budget.bytes_per_token / 1024, budget.budget_bytes / 2**20)
+        return tokens
+
+    def train_micro_batch(self, batch: MicroBatch, stats: dict[str, LossSums]) -> None:
+        """Forward and backward of one micro-batch, each sample's loss with its adapter's
+        settings (`LossParams`), so a mixed batch gives every adapter the gradient it would
+        get alone; adds to each adapter's `stats`."""
+        settings = [self.loss_settings(name) for name in batch.adapters]
+        params = LossParams.gather(settings, list(range(len(settings)))).to(self.device)
+        ref = None
+        if any(s.use_kl_loss for s in settings):
+            with torch.no_grad():
+                ref = self.model.forward_logprobs(batch, [-1] * len(batch.slots))
+        entropy = None
+        if any(s.entropy_coef != 0 for s in settings):
+            logprobs, entropy = self.model.forward_logprobs(batch, batch.slots, entropy=True)
+        else:
+            logprobs = self.model.forward_logprobs(batch, batch.slots)
+        rollout = batch.rollout_logprobs_BT if any(s.needs_rollout_logprobs for s in settings) else None
+        out = policy_loss_terms(
+            logprobs, logprobs.detach(), batch.advantages_BT, batch.loss_mask_BT, params,
+            rollout_logprobs_BT=rollout, ref_logprobs_BT=ref, entropy_BT=entropy, tis_args=self.config,
+        )
+        out.loss_B.sum().backward()
+        clipped_B = out.pg_clipfrac_B * out.tokens_B
+        rows = zip(batch.adapters, out.loss_B.tolist(), clipped_B.tolist(), out.tokens_B.tolist(),
+                   out.kl_loss_B.tolist(), out.tis_B.tolist())
+        for adapter, loss, clipped, tokens, kl, tis in rows:
+            s = stats.setdefault(adapter, LossSums())
+            s.loss_sum += loss
+            s.samples += 1
+            s.clipped_tokens += clipped
+            s.tokens += tokens
+            s.kl_sum += kl
+            s.tis_sum += tis
+
+    def _remember_batch(self, names: set[str]) -> None:
+        slots = sorted({self.adapters[name].spec.slot for name in names})
+        grads = {slot: self.optimizer.slot_grads(slot) for slot in slots}
+        nonzero = self._slots_with_grads(slots)
+        self._undo = _BatchUndo(
+            grads={slot: [g.clone() for g in grads[slot]] if slot in nonzero else None for slot in slots},
+            samples_seen={name: self.adapters[name].schedule.samples_seen for name in names},
+        )
+
+    def _slots_with_grads(self, slots: list[int]) -> set[int]:
+        """Those of `slots` with a nonzero gradient: one check per parameter, not per slot."""
+        if not slots or not self.optimizer.params:
+            return set()
+        nonzero_PS = torch.stack([param.grad.flatten(1).any(dim=1) for param, _ in self.optimizer.params])
+        nonzero_S = nonzero_PS.any(dim=0).tolist()
+        return {slot for slot in slots if nonzero_S[slot]}
+
+    def discard_batch(self) -> None:
+        """Take back the latest train call (its gradients and LR clock advance), unless an
+        adapter stepped since; a failed call does this itself, and `TrainGroup` asks every
+        rank when any rank failed, so the batch counts nowhere."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return
+        for slot, saved in undo.grads.items():
+            if saved is None:
+                torch._foreach_zero_(self.optimizer.slot_grads(slot))
+            else:
+                torch._foreach_copy_(self.optimizer.slot_grads(slot), saved)
+        for name, seen in undo.samples_seen.items():
+            if name in self.adapters:
+                self.adapters[name].schedule.samples_seen = seen
+
+    def step_adapters(self, names: Sequence[str]) -> dict[str, AdapterStepStats]:
+        """Optimizer step of the given adapters only; every rank must call it with the same names."""
+        loaded = [self.loaded(name) for name in sorted(names)]
+        self._undo = None  # a batch that stepped is kept
+        slots = [a.spec.slot for a in loaded]
+        if slots:
+            self.model.reduce_grads([g for slot in slots for g in self.optimizer.slot_grads(slot)])
+        lrs = {a.spec.name: a.schedule.begin_step() for a in loaded}
+        norms = self.optimizer.step_slots(
+            [SlotStep(slot=a.spec.slot, lr=lrs[a.spec.name], grad_scale=1.0 / a.spec.global_batch_size)
+             for a in loaded],
+            max_norm=self.config.clip_grad, slot_norm=self.model.slot_grad_norm,
+        )
+        return {a.spec.name: AdapterStepStats(grad_norm=norms[a.spec.slot], lr=lrs[a.spec.name]) for a in loaded}
+
+    @torch.no_grad()
+    def reward_kl(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Each sample's per-response-token KL of its adapter's policy to the base model
+        (slot off), with its adapter's `--kl-loss-type`: the KL that `--kl-coef` subtracts
+        from the reinforce++ token rewards. As in Miles the policy's logprobs are the
+        engine's with `--use-rollout-logprobs`, else the trainer's before this step's update."""
+        out: list[list[float]] = [[] for _ in samples]
+        settings_by_adapter = {s.adapter: self.loss_settings(s.adapter) for s in samples}
+        need_rollout = any(s.use_rollout_logprobs for s in settings_by_adapter.values())
+        for batch in self.micro_batches(samples, [0.0] * len(samples), need_rollout_logprobs=need_rollout):
+            batch = batch.to(self.device)
+            settings = [settings_by_adapter[name] for name in batch.adapters]
+            params = LossParams.gather(settings, list(range(len(settings)))).to(self.device)
+            policy = self.model.forward_logprobs(batch, batch.slots).float()
+            policy = torch.where(params.use_rollout_logprobs_B.view(-1, 1), batch.rollout_logprobs_BT, policy)
+            base = self.model.forward_logprobs(batch, [-1] * len(batch.slots)).float()
+            kl = approx_kl_per_sample(policy, base, params.kl_type_B)
+            for index, values in zip(batch.indices, response_logprobs(kl, batch)):
+                out[index] = values
+        return out
+
+    @torch.no_grad()
+    def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Each sample's response-token logprobs under its slot (in the given order)."""
+        out: list[list[float]] = [[] for _ in samples]
+        for batch in self.micro_batches(samples, [0.0] * len(samples)):
+            batch = batch.to(self.device)
+            logprobs_BT = self.model.forward_logprobs(batch, batch.slots)
+            for index, values in zip(batch.indices, response_logprobs(logprobs_BT, batch)):
+                out[index] = values
+        return out
+
+    # ---- export and checkpoints -----------------------------------------------------------
+
+    def export_adapter(self, name: str) -> dict[str, Tensor]:
+        """The adapter's LoRA tensors in PEFT names, sliced to its rank (CPU); every rank that
+        `gathers` must call, and only a rank that `writes` gets them."""
+        return self.model.export_slot(self.loaded(name).spec.slot)
+
+    def peft_config(self, spec: AdapterSpec) -> dict[str, Any]:
+        """`adapter_config.json` of the adapter `spec` describes."""
+        return peft_adapter_config(
+            rank=spec.rank, alpha=spec.alpha, target_modules=self.model.target_modules,
+            base_model_name_or_path=self.config.hf_checkpoint,
+        )
+
+    def optimizer_state(self, name: str) -> OptimizerState:
+        """The adapter's AdamW moments (whole, rank-sliced, by LoRA parameter name) and step count."""
+        spec = self.loaded(name).spec
+        exp_avg, exp_avg_sq, step = self.optimizer.slot_state(spec.slot)
+        hyper = {"lr": spec.lr, "weight_decay": spec.weight_decay, "betas": list(self.optimizer.betas),
+                 "eps": self.optimizer.eps}
+        return OptimizerState(exp_avg=self.model.whole_tensors(exp_avg, spec.rank),
+                              exp_avg_sq=self.model.whole_tensors(exp_avg_sq, spec.rank), step=step, hyper=hyper)
+
+    def schedule_state(self, name: str) -> dict[str, Any]:
+        return self.loaded(name).schedule.state_dict()
+
+    def accumulated_grad(self, name: str) -> GradShare:
+        """This rank's part of the adapter's gradient toward its next step (`TrainModel.gather_grad`)
+        and the samples of all ranks trained toward that step."""
+        a = self.loaded(name)
+        tensors = self.model.gather_grad(self.optimizer.slot_grads(a.spec.slot), a.spec.rank)
+        return GradShare(tensors, a.schedule.samples_seen - a.schedule.samples_at_last_step)
+
+    def save_adapter(self, name: str, step: int, data_position: DataPosition | None = None,
+                     accumulated: AccumulatedGrad | None = None) -> str:
+        """Write `{save}/checkpoints/step_{step}` for the adapter; returns its path, or '' on
+        a rank that only takes part in the gathers (or in none).
+
+        `step` is the adapter's step as the registry counts it; this rank keeps none.
+        `accumulated` is the adapter's part-window gradient summed over every rank (the
+        train group gathers it with `accumulated_grad`); None: nothing toward the next step
+        is kept.
+        """
+        spec = self.loaded(name).spec
+        state, scheduler = self._checkpoint_state(name, step, data_position, accumulated)
+        if not self.model.gathers:
+            return ""
+        tensors = self.model.export_slot(spec.slot)
+        optimizer = self.optimizer_state(name)
+        if not self.model.writes:
+            return ""
+        path = write_checkpoint(
+            spec.save_dir, step,  # type: ignore[arg-type]
+            write_adapter=lambda p: write_peft_dir(p, tensors, self.peft_config(spec)),
+            optimizer=optimizer, scheduler=scheduler, trainer_state=state, accumulated_grad=accumulated,
+        )
+        return str(path)
+
+    def _checkpoint_state(self, name: str, step: int, data_position: DataPosition | None,
+                          accumulated: AccumulatedGrad | None) -> tuple[TrainerState, dict[str, Any]]:
+        """`trainer_state.json` and `scheduler.json` of a save. Without a gradient the saved
+        clock drops the samples trained since the last step, as the resumed window will."""
+        a = self.loaded(name)
+        spec = a.spec
+        if spec.save_dir is None:
+            raise ValueError(f"adapter '{name}' has no save directory: set 'save' in its config or --save")
+        state = TrainerState(
+            name=name, step=step, registration_id=spec.registration_id, rank=spec.rank, alpha=spec.alpha,
+            data_position=data_position, accumulated_groups=0 if accumulated is None else accumulated.groups,
+            accumulated_samples=0 if accumulated is None else accumulated.samples,
+        )
+        scheduler = a.schedule.state_dict()
+        if accumulated is None:
+            scheduler["samples_seen"] = scheduler["samples_at_last_step"]
+        return state, scheduler
