@@ -72,6 +72,9 @@ class MilesConfig:
     # ---- model and backends ----
     hf_checkpoint: str | None = _flag(None, "Hugging Face model directory of the frozen base model.")
     train_backend: Literal["torch", "megatron"] = _flag("torch", "Training backend.")
+    train_actor_path: str | None = _flag(
+        None, "Dotted path of the train rank class to run: a subclass of the backend's own "
+              "(miles.backends.torch.actor.TorchTrainActor, miles.backends.megatron.actor.MegatronTrainActor).")
     actor_num_workers: int | None = _flag(
         None, "Data-parallel train ranks (Ray actors); default: --actor-num-nodes x --actor-num-gpus-per-node "
               "over the Megatron model-parallel size, else 1.")

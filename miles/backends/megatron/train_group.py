@@ -50,7 +50,7 @@ class MegatronGroupConfig(TrainGroupConfig):
         actor = MegatronActorConfig.from_config(cfg)
         return cls(actor=actor, n_workers=cfg.actor_num_workers,
                    num_cpus_per_worker=float(cfg.actor_num_cpus_per_worker),
-                   num_gpus_per_worker=1.0 if actor.device == "cuda" else 0.0)
+                   num_gpus_per_worker=1.0 if actor.device == "cuda" else 0.0, actor_path=cfg.train_actor_path)
 
 
 class MegatronTrainGroup(TrainGroup):

@@ -2,7 +2,7 @@
 
 `TrainGroup` implements `miles.backends.base.TrainingBackend`. It lives in the driver
 process and owns N `TorchTrainActor` Ray actors (one per DP rank, torch.distributed
-over gloo on CPU or nccl on GPU):
+over gloo on CPU or nccl on GPU; `--train-actor-path` names a subclass to run instead):
 
     group = TrainGroup(TrainGroupConfig.from_config(cfg))
     await group.start()
@@ -50,6 +50,7 @@ from miles.lora.weight_sync import UpdateGroupSpec
 from miles.utils import placement
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
+from miles.utils.plugins import load_subclass
 from miles.utils.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ class TrainGroupConfig:
     master_host: str | None = None
     """Rendezvous host of the process group; default rank 0's node address when the
     cluster has more than one node, else loopback."""
+    actor_path: str | None = None
+    """Dotted path of the rank class to run (`--train-actor-path`): a subclass of the
+    backend's own (`TrainGroup.actor_class`); None: that class."""
 
     def __post_init__(self) -> None:
         if self.n_workers <= 0:
@@ -82,7 +86,7 @@ class TrainGroupConfig:
         actor = TrainActorConfig.from_config(cfg)
         return cls(
             actor=actor, n_workers=cfg.actor_num_workers, num_cpus_per_worker=float(cfg.actor_num_cpus_per_worker),
-            num_gpus_per_worker=1.0 if actor.device == "cuda" else 0.0,
+            num_gpus_per_worker=1.0 if actor.device == "cuda" else 0.0, actor_path=cfg.train_actor_path,
         )
 
 
@@ -104,10 +108,12 @@ class TrainGroup:
     """The torch `TrainingBackend`: N `TorchTrainActor` ranks driven as one."""
 
     actor_class: type[TrainRank] = TorchTrainActor
-    """The rank actor; built as `actor_class(config.actor, rank, config.world_size)`."""
+    """The backend's rank actor; built as `actor_class(config.actor, rank, config.world_size)`."""
 
     def __init__(self, config: TrainGroupConfig) -> None:
         self.config = config
+        self.rank_class = load_subclass(config.actor_path, self.actor_class, "--train-actor-path")
+        """The class each rank runs: `actor_class`, or the subclass `config.actor_path` names."""
         self._actors: list[Any] = []
         self._specs: dict[str, AdapterSpec] = {}
         """Loaded adapters (what every rank holds)."""
@@ -137,7 +143,7 @@ class TrainGroup:
         cpus, gpus = self.config.num_cpus_per_worker, self.config.num_gpus_per_worker
         # One bundle per rank; ranks that do not fit on one node spread over nodes.
         self._placement = await placement.one_bundle_each(n, cpus=cpus, gpus=gpus)
-        remote_cls = ray.remote(concurrency_groups=self.actor_class.ray_concurrency_groups)(self.actor_class)
+        remote_cls = ray.remote(concurrency_groups=self.rank_class.ray_concurrency_groups)(self.rank_class)
         self._actors = [remote_cls.options(num_cpus=cpus, num_gpus=gpus,
                                            scheduling_strategy=placement.bundle_strategy(self._placement, rank))
                         .remote(self.config.actor, rank, n) for rank in range(n)]

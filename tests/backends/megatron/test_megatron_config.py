@@ -54,3 +54,15 @@ def test_a_model_the_tensor_parallel_size_does_not_divide_is_refused(tiny_model_
         MegatronTrainActor(MegatronActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=2, lora_rank=4,
                                                tensor_model_parallel_size=4), rank=0, world_size=4)
 
+
+def test_a_rank_class_by_dotted_path_must_subclass_the_megatron_rank(tiny_model_dir):
+    """`--train-actor-path` swaps the rank class the group starts; a torch rank cannot run as a Megatron one."""
+    from miles.backends.megatron.actor import MegatronTrainActor
+    from miles.backends.megatron.train_group import MegatronTrainGroup
+    from miles.utils.plugins import PluginError
+
+    group = MegatronTrainGroup(MegatronGroupConfig.from_config(parse_args(_args(tiny_model_dir))))
+    assert group.rank_class is MegatronTrainActor
+    wrong = parse_args(_args(tiny_model_dir, "--train-actor-path", "miles.backends.torch.actor.TorchTrainActor"))
+    with pytest.raises(PluginError, match="--train-actor-path .*must be a subclass of .*MegatronTrainActor"):
+        MegatronTrainGroup(MegatronGroupConfig.from_config(wrong))

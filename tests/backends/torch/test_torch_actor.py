@@ -287,3 +287,28 @@ def test_a_cpu_rank_runs_the_threads_of_its_reserved_cpus(tiny_model_dir):
         torch.set_num_threads(before)
     assert TrainGroupConfig.from_config(parse_args(["--hf-checkpoint", "/m"])).num_cpus_per_worker == 1.0
 
+
+def test_a_rank_class_given_by_dotted_path_is_the_one_the_group_starts(tiny_model_dir):
+    """`--train-actor-path`: a subclass of the backend's rank, checked when the group is built."""
+    from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
+    from miles.utils.arguments import parse_args
+    from miles.utils.plugins import PluginError
+
+    def group(*flags: str) -> TrainGroup:
+        return TrainGroup(TrainGroupConfig.from_config(parse_args(["--hf-checkpoint", str(tiny_model_dir), *flags])))
+
+    assert group().rank_class is TorchTrainActor
+    assert group("--train-actor-path", f"{__name__}.CountingTrainActor").rank_class is CountingTrainActor
+    with pytest.raises(PluginError, match="must be a subclass of miles.backends.torch.actor.TorchTrainActor"):
+        group("--train-actor-path", "miles.backends.megatron.actor.MegatronTrainActor")
+
+
+class CountingTrainActor(TorchTrainActor):
+    """A rank that counts its train calls (an extension through `--train-actor-path`)."""
+
+    calls = 0
+
+    def train(self, *args, **kwargs):
+        self.calls += 1
+        return super().train(*args, **kwargs)
+
