@@ -11,8 +11,8 @@
   resumes from its latest complete checkpoint (never a partial one): its first step
   after the resume is one AdamW step from exactly that checkpoint's weights, moments,
   step count and LR clock, and its data continues from where it stood. A subprocess
-  trainer on the tiny model, with a train fault injected through the test-only
-  `MILES_TEST_FAULT_TRAIN_CALLS` on the way.
+  trainer on the tiny model, with a train fault injected on the way by the test rank of
+  `tests/backends/torch/fault_injection.py` (`--train-actor-path`, `MILES_TEST_FAULT_TRAIN_CALLS`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from safetensors.torch import load_file
 from waiting import WaitTimeout, wait_until
 
 from miles.backends.base import TrainRankLostError, TrainResult
-from miles.backends.torch.actor import FAULT_TRAIN_CALLS_ENV
 from miles.backends.torch.checkpoint import TRAINER_STATE, Checkpoint, latest_checkpoint, read_checkpoint
 from miles.main import launch, train_multi_lora_async
 from miles.main.launch import Components
@@ -49,6 +48,7 @@ from miles.main.stages import Stages
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
 from miles.utils.types import AdapterState, DataPosition, MultiLoRASnapshot, RolloutBatch
+from tests.backends.torch.fault_injection import ACTOR_PATH, FAULT_TRAIN_CALLS_ENV
 
 
 class FlakyBackend(FakeBackend):
@@ -227,9 +227,9 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
     url = f"http://127.0.0.1:{port}"
     flags = tiny_run_flags(tiny_model_dir, save, n_adapters=2, port=port) + ["--save-interval", "1"]
 
-    # First run: the second train call of the rank raises (test hook); the run goes on.
+    # First run: the second train call of the rank raises (the test rank); the run goes on.
     monkeypatch.setenv(FAULT_TRAIN_CALLS_ENV, "2")
-    first = DriverProcess(TRAINER, flags, tmp_path / "first.log")
+    first = DriverProcess(TRAINER, [*flags, "--train-actor-path", ACTOR_PATH], tmp_path / "first.log")
     try:
         first.wait_for_http(url)
         client = ControlPlaneClient(url)

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -56,10 +55,6 @@ class TrainActorConfig:
     loss: LossSettings = field(default_factory=LossSettings)
     """The trainer's loss flags (`cfg.loss`): the settings of adapters whose spec has none.
     A `LossConfig` is accepted and read as the settings it implements."""
-    fault_train_calls: frozenset[tuple[int, int]] = frozenset()
-    """Test only: (rank, call) pairs; that rank's call-th train call (1-based) raises
-    `InjectedTrainFault` after its first micro-batch's backward; rank -1 means every rank.
-    Set from `MILES_TEST_FAULT_TRAIN_CALLS`: "2,5" (every rank) or "1:2" (rank 1 only)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -96,21 +91,4 @@ class TrainActorConfig:
             clip_grad=cfg.clip_grad,
             min_lr=cfg.min_lr,
             loss=cfg.loss,
-            fault_train_calls=fault_train_calls_from_env(),
         )
-
-
-FAULT_TRAIN_CALLS_ENV = "MILES_TEST_FAULT_TRAIN_CALLS"
-
-
-class InjectedTrainFault(RuntimeError):
-    """Raised by a train call named in `TrainActorConfig.fault_train_calls` (tests only)."""
-
-
-def fault_train_calls_from_env() -> frozenset[tuple[int, int]]:
-    out = set()
-    for part in os.environ.get(FAULT_TRAIN_CALLS_ENV, "").split(","):
-        rank, _, call = part.strip().rpartition(":")
-        if call:
-            out.add((int(rank) if rank else -1, int(call)))
-    return frozenset(out)

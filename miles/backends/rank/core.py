@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult
-from miles.backends.rank.config import InjectedTrainFault, TrainActorConfig
+from miles.backends.rank.config import TrainActorConfig
 from miles.backends.rank.model import TrainModel
 from miles.backends.torch.batching import (
     ActivationBudget,
@@ -129,7 +129,6 @@ class TrainCore:
         """Where no micro-batch size is given, micro-batches sized by estimated activation
         memory (the torch backend on CPU); None: the whole batch."""
         self._undo: _BatchUndo | None = None
-        self._train_calls = 0
 
     # ---- adapters in slots ----------------------------------------------------------
 
@@ -265,22 +264,15 @@ class TrainCore:
         batches = self.micro_batches(samples, advantages, need_rollout_logprobs=need_rollout,
                                      max_tokens=self.budget_tokens(samples))
         self._remember_batch({s.adapter for s in samples} | set(samples_per_adapter))
-        self._train_calls += 1
         try:
-            for i, batch in enumerate(batches):
+            for batch in batches:
                 self.train_micro_batch(batch.to(self.device), stats)
-                if i == 0 and self._fault_due():
-                    raise InjectedTrainFault(f"injected fault in train call {self._train_calls} of rank {self.rank}")
             for name, n in samples_per_adapter.items():
                 self.adapters[name].schedule.add_samples(n)
         except BaseException:
             self.discard_batch()
             raise
         return stats if self.model.reports_loss else {}
-
-    def _fault_due(self) -> bool:
-        faults = self.config.fault_train_calls
-        return (self.rank, self._train_calls) in faults or (-1, self._train_calls) in faults
 
     def micro_batches(self, samples: Sequence[Sample], advantages: Sequence[Advantage], *,
                       need_rollout_logprobs: bool = False, max_tokens: int | None = None) -> list[MicroBatch]:

@@ -14,12 +14,12 @@ rank can be driven in-process:
 from __future__ import annotations
 
 from miles.backends.rank.actor import TrainRank
-from miles.backends.rank.config import FAULT_TRAIN_CALLS_ENV, InjectedTrainFault, TrainActorConfig
+from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.allocator import keep_freed_memory
 from miles.backends.torch.train_model import TorchTrainModel
 
 
-__all__ = ["FAULT_TRAIN_CALLS_ENV", "InjectedTrainFault", "TorchTrainActor", "TrainActorConfig"]
+__all__ = ["TorchTrainActor", "TrainActorConfig"]
 
 
 class TorchTrainActor(TrainRank):

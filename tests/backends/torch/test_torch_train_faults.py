@@ -1,7 +1,7 @@
 """Train faults in the torch backend: a failed train call counts nowhere, a dead rank is named.
 
-A train call that raises (injected with `TrainActorConfig.fault_train_calls`, the test-only
-hook) takes its batch back: gradients, LR clock and optimizer state are as before the
+A train call that raises (injected by the test rank of `fault_injection`, a
+`TorchTrainActor` subclass; the group runs it through `--train-actor-path`) takes its batch back: gradients, LR clock and optimizer state are as before the
 call, on every rank, so training the batch again gives exactly the update of a run that
 never failed. A killed rank makes `train` raise `TrainRankLostError`; the adapters are
 still saved from a surviving rank and the group shuts down.
@@ -16,14 +16,17 @@ from safetensors.torch import load_file
 from torch_backend_data import counts, flatten_with_advantages, make_groups, spec
 
 from miles.backends.base import SaveRequest, TrainRankLostError
-from miles.backends.torch.actor import InjectedTrainFault, TorchTrainActor, TrainActorConfig
+from miles.backends.rank.config import TrainActorConfig
+from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
 from miles.utils.types import RolloutBatch
+from tests.backends.torch.fault_injection import RANK_1_FAILS_FIRST, FaultInjectingTrainActor, InjectedTrainFault
 
 
 def _actor(model_dir, faults=frozenset()) -> TorchTrainActor:
-    return TorchTrainActor(TrainActorConfig(hf_checkpoint=str(model_dir), n_slots=4, lora_rank=4,
-                                            micro_batch_size=3, fault_train_calls=frozenset(faults)))
+    """A rank whose train calls `faults` ((rank, call), rank -1: any) fail after the first micro-batch."""
+    return FaultInjectingTrainActor.failing(faults)(TrainActorConfig(hf_checkpoint=str(model_dir), n_slots=4,
+                                                                     lora_rank=4, micro_batch_size=3))
 
 
 def _loaded(actor: TorchTrainActor) -> TorchTrainActor:
@@ -107,10 +110,9 @@ def _rollout(rollout_id: int, seed: int, slots: dict[str, int]) -> RolloutBatch:
                         step_names=["a", "b"])
 
 
-async def _group(model_dir, tmp_path, faults=frozenset()) -> TrainGroup:
-    actor = TrainActorConfig(hf_checkpoint=str(model_dir), n_slots=4, lora_rank=4, micro_batch_size=3,
-                             fault_train_calls=frozenset(faults))
-    group = TrainGroup(TrainGroupConfig(actor=actor, n_workers=2, num_cpus_per_worker=0))
+async def _group(model_dir, tmp_path, actor_path: str | None = None) -> TrainGroup:
+    actor = TrainActorConfig(hf_checkpoint=str(model_dir), n_slots=4, lora_rank=4, micro_batch_size=3)
+    group = TrainGroup(TrainGroupConfig(actor=actor, n_workers=2, num_cpus_per_worker=0, actor_path=actor_path))
     await group.start()
     await group.load_adapter(spec("a", 0, global_batch_size=8, save_dir=tmp_path / "a"))
     await group.load_adapter(spec("b", 1, rank=2, global_batch_size=8, save_dir=tmp_path / "b"))
@@ -125,7 +127,7 @@ async def _weights(group: TrainGroup, name: str) -> dict[str, torch.Tensor]:
 async def test_a_rank_that_fails_makes_every_rank_take_the_batch_back_and_a_dead_rank_is_named(
         ray_session, tiny_model_dir, tmp_path):
     # Rank 1 fails its first train call; rank 0 trained its share and must drop it too.
-    faulty = await _group(tiny_model_dir, tmp_path / "faulty", {(1, 1)})
+    faulty = await _group(tiny_model_dir, tmp_path / "faulty", RANK_1_FAILS_FIRST)
     clean = await _group(tiny_model_dir, tmp_path / "clean")
     slots = {"a": 0, "b": 1}
     try:
