@@ -24,6 +24,7 @@ same run directory finds its adapters there too.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ MAX_RESTARTS = 16
 """Times Ray restarts a controller actor that died; each restart reloads the registry file."""
 MAX_TASK_RETRIES = 3
 """Times a call in flight when the actor died is sent again to the restarted actor."""
+API_URL_LINE = re.compile(r"Multi-LoRA controller API at (http://\S+?:\d+)")
+"""The line the driver logs once the control plane listens; with `--multi-lora-api-port 0` it is
+how a launcher learns the port the OS picked."""
 
 
 def registry_path_from_config(cfg: MilesConfig) -> Path | None:

@@ -66,7 +66,7 @@ from benchlib import ROOT, Figure, base_parser, model_dir, report  # noqa: E402
 sys.path.insert(0, str(ROOT))
 import control_plane_load as load_test  # noqa: E402
 
-from miles.rollout.engines.process import free_port  # noqa: E402
+from miles.controller.actor import API_URL_LINE  # noqa: E402
 
 TOKEN = "bench-token"
 POLL_S = 0.02
@@ -104,11 +104,11 @@ def lora_nbytes(config: dict[str, Any], rank: int, bytes_per_value: int = 4) -> 
     return config["num_hidden_layers"] * rank * sum(i + o for i, o in linears) * bytes_per_value
 
 
-def trainer_config(model: str, workdir: Path, n_slots: int, port: int, quick: bool,
-                   engine_lora_update: str = "in_place", overlap_weight_push: bool = True) -> Path:
+def trainer_config(model: str, workdir: Path, n_slots: int, quick: bool, engine_lora_update: str = "in_place",
+                   overlap_weight_push: bool = True) -> Path:
     demo, _ = DEMOS[model]
     cfg = {k: v for k, v in yaml.safe_load((ROOT / demo).read_text()).items() if k not in LEFT_OUT}
-    cfg.update(hf_checkpoint=str(model_dir(model)), multi_lora_n_adapters=n_slots, multi_lora_api_port=port,
+    cfg.update(hf_checkpoint=str(model_dir(model)), multi_lora_n_adapters=n_slots, multi_lora_api_port=0,
                multi_lora_api_token=TOKEN, multi_lora_allowed_roots=[str(workdir), str(ROOT)],
                multi_lora_idle_poll_s=0.2, save=str(workdir / "save"), engine_lora_update=engine_lora_update,
                overlap_weight_push=overlap_weight_push)
@@ -134,19 +134,19 @@ def demo_adapters(model: str, quick: bool) -> list[tuple[str, dict[str, Any]]]:
 class Trainer:
     """The trainer subprocess, its control plane and its metrics."""
 
-    def __init__(self, config: Path, workdir: Path, port: int) -> None:
+    def __init__(self, config: Path, workdir: Path) -> None:
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         env.pop("RAY_ADDRESS", None)
         self.log_path = workdir / "trainer.log"
         self.metrics_path = workdir / "save" / "metrics.jsonl"
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = ""
+        """The control plane's, once `connect` read it from the log."""
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen([sys.executable, "-m", "miles.main.train_multi_lora_async", "--config",
                                       str(config)], cwd=ROOT, env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60,
-                                 trust_env=False)
+        self.http = httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60, trust_env=False)
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -164,6 +164,14 @@ class Trainer:
                 return value
             time.sleep(poll_s)
         raise CheckFailed(f"timed out after {timeout:.0f}s waiting for {what}:\n{self.log_tail()}")
+
+    def connect(self, timeout: float) -> None:
+        """Find the control plane (it binds a port the OS picks and logs its URL), then wait until it serves."""
+        found = self.wait_until("the control plane's address in the trainer's log",
+                                lambda: API_URL_LINE.search(self.log_path.read_text(errors="replace")), timeout,
+                                poll_s=0.5)
+        self.url = self.http.base_url = found.group(1)
+        self.wait_until("the control plane", self.serving, timeout, poll_s=0.5)
 
     def serving(self) -> bool:
         try:
@@ -343,16 +351,15 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="trainer_service_"))
     adapters = demo_adapters(args.model, args.quick)
     n_slots = len(adapters) + args.extra_slots
-    port = free_port()
     base = model_dir(args.model)
     model_config = json.loads((base / "config.json").read_text())
-    trainer = Trainer(trainer_config(args.model, workdir, n_slots, port, args.quick, args.engine_lora_update,
+    trainer = Trainer(trainer_config(args.model, workdir, n_slots, args.quick, args.engine_lora_update,
                                      args.overlap_weight_push),
-                      workdir, port)
+                      workdir)
     problems: list[str] = []
     figures: list[Figure] = []
     try:
-        trainer.wait_until("the control plane", trainer.serving, args.timeout, poll_s=0.5)
+        trainer.connect(args.timeout)
         for name, config in adapters:
             response = trainer.register(name, config)
             if response.status_code != 200:

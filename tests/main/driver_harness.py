@@ -12,12 +12,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from miles.rollout.engines.process import free_port
+from waiting import WaitTimeout, wait_until
+
+from miles.controller.actor import API_URL_LINE
+from miles.rollout.engines.process import free_port  # noqa: F401  (tests that still pick the trainer's port)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
 
 
 def write_arithmetic_dataset(path: Path, n: int, *, op: str = "+", seed: int = 0) -> Path:
@@ -32,8 +36,9 @@ def write_arithmetic_dataset(path: Path, n: int, *, op: str = "+", seed: int = 0
     return path
 
 
-def tiny_run_flags(model_dir: Path, save: Path, *, n_adapters: int, port: int) -> list[str]:
-    """Small, fast settings: two prompt groups of two samples per step, short answers."""
+def tiny_run_flags(model_dir: Path, save: Path, *, n_adapters: int, port: int = 0) -> list[str]:
+    """Small, fast settings: two prompt groups of two samples per step, short answers. `port`
+    0: the control plane binds a port the OS picks (`DriverProcess.wait_for_api_url` reads it)."""
     return [
         "--hf-checkpoint", str(model_dir),
         "--multi-lora-n-adapters", str(n_adapters),
@@ -72,20 +77,27 @@ class DriverProcess:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
 
+    def wait_until(self, predicate: Callable[[], Any], timeout: float, what: str, **kwargs: Any) -> Any:
+        """`waiting.wait_until` that gives up as soon as the trainer exits, and quotes its log."""
+        try:
+            return wait_until(predicate, timeout, what, poll_s=0.2, alive=lambda: self.proc.poll() is None, **kwargs)
+        except WaitTimeout as exc:
+            raise WaitTimeout(f"{exc}; trainer exit code {self.proc.poll()}, its log:\n{self.log_tail()}") from None
+
+    def wait_for_api_url(self, timeout: float = 240.0) -> str:
+        """The control plane's URL, from the line the trainer logs once it listens (with
+        `--multi-lora-api-port 0`, on the port the OS picked), once it answers /health."""
+        deadline = time.monotonic() + timeout
+        found = self.wait_until(lambda: API_URL_LINE.search(self.log_path.read_text(errors="replace")), timeout,
+                                "the trainer to log its control plane's address")
+        self.wait_for_http(found.group(1), timeout=max(1.0, deadline - time.monotonic()))
+        return found.group(1)
+
     def wait_for_http(self, url: str, timeout: float = 240.0) -> None:
         import httpx
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"trainer exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"trainer did not serve {url} within {timeout}s:\n{self.log_tail()}")
+        self.wait_until(lambda: httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200,
+                        timeout, f"the trainer to serve {url}/health", retry_on=(httpx.HTTPError,))
 
     def wait(self, timeout: float) -> int:
         try:
@@ -112,9 +124,8 @@ class DriverProcess:
                 except ProcessLookupError:
                     pass
             self.proc.wait(timeout=timeout)
-            deadline = time.monotonic() + timeout
-            while any(_alive(pid) for pid in below) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: not any(_alive(pid) for pid in below), timeout,
+                       f"the trainer's processes {below} to exit after SIGKILL")
         self._log.close()
 
 

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 from ray.job_submission import JobStatus, JobSubmissionClient
+from waiting import wait_until
 
-from driver_harness import DriverProcess, free_port, tiny_run_flags, write_arithmetic_dataset
+from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
 from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.utils.types import DataPosition
 
@@ -27,7 +29,7 @@ VENV_BIN = Path(sys.executable).parent
 def test_train_async_runs_rollouts_and_saves(tiny_model_dir, tmp_path):
     data = write_arithmetic_dataset(tmp_path / "add.jsonl", 100)
     save = tmp_path / "save"
-    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=1, port=0)
+    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=1)
     flags += ["--prompt-data", str(data), "--num-rollout", "4", "--save-interval", "2"]
     driver = DriverProcess("miles.main.train_async", flags, tmp_path / "train_async.log")
     try:
@@ -50,6 +52,14 @@ def test_train_async_requires_prompt_data(tmp_path):
     assert "--prompt-data is required" in proc.stderr
 
 
+JOB_API_LINE = re.compile(r"RAY_API_SERVER_ADDRESS='(http://[^']+)'")
+"""How `ray start --head` tells where its job API (the dashboard) listens."""
+
+
+def finished(status: JobStatus) -> JobStatus | None:
+    return status if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED) else None
+
+
 def ray_cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([str(VENV_BIN / "ray"), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -67,54 +77,72 @@ def stop_process_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
             continue
 
 
+class JobAgentNotReady(Exception):
+    """`ray job submit` could not reach the job agent yet."""
+
+
 def test_ray_job_submit_to_a_local_head(tiny_model_dir, tmp_path):
     """`ray start --head` on loopback, then `ray job submit` of a tiny non-service run."""
     data = write_arithmetic_dataset(tmp_path / "add.jsonl", 100)
     adapter_yaml = tmp_path / "add.yaml"
     adapter_yaml.write_text(f"data: {data}\nnum_step: 2\n")
     save = tmp_path / "save"
-    gcs_port, dashboard_port = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    head_log = tmp_path / "ray_head.log"
+    # Ray's default ports would clash with any other Ray cluster on this machine: every port is
+    # 0 (Ray binds a free one; the job API's address is read back from the head's output) but
+    # the Ray client server's, which Ray refuses to put on 0 (and would put on 10001). For it
+    # the test holds a free port with SO_REUSEPORT: no other process can take it, and the
+    # client server, a gRPC server (which binds with SO_REUSEPORT), still can.
+    client_port = socket.socket()
+    client_port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    client_port.bind(("127.0.0.1", 0))
     # --block keeps the head's processes in one process group that this test owns, so it
     # is stopped without `ray stop`, which would kill every Ray cluster on the machine.
-    head = subprocess.Popen(
-        [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         "--port", str(gcs_port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
-         "--num-cpus", "4", "--temp-dir", temp_dir, "--disable-usage-stats",
-         # Fixed default ports would clash with any other Ray cluster on this machine.
-         *(arg for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
-                            "--metrics-export-port", "--runtime-env-agent-port", "--ray-client-server-port")
-           for arg in (flag, str(free_port())))],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
+    with head_log.open("w") as log:
+        head = subprocess.Popen(
+            [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+             "--dashboard-host", "127.0.0.1", "--num-cpus", "4", "--temp-dir", temp_dir, "--disable-usage-stats",
+             *(arg for flag in ("--port", "--dashboard-port", "--dashboard-agent-listen-port",
+                                "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")
+               for arg in (flag, "0")),
+             "--ray-client-server-port", str(client_port.getsockname()[1])],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def head_alive() -> bool:
+        return head.poll() is None
+
     try:
-        flags = tiny_run_flags(tiny_model_dir, save, n_adapters=1, port=0)
+        address = wait_until(lambda: JOB_API_LINE.search(head_log.read_text(errors="replace")), 180,
+                             "the Ray head to print its job API address", alive=head_alive).group(1)
+        flags = tiny_run_flags(tiny_model_dir, save, n_adapters=1)
         flags += ["--multi-lora-disable-service-mode", "--multi-lora-adapters", str(adapter_yaml)]
         entrypoint = " ".join([sys.executable, "-m", "miles.main.train_multi_lora_async", *flags])
-        address = f"http://127.0.0.1:{dashboard_port}"
-        deadline = time.monotonic() + 180
-        while True:  # the job agent comes up a little after `ray start` returns
+
+        def submit() -> subprocess.CompletedProcess:
             # --no-wait, then the job's status: tailing its logs over the dashboard's
             # websocket can drop on a busy machine although the job runs on.
             submitted = ray_cli("job", "submit", "--address", address, "--no-wait", "--submission-id", "tiny-run",
                                 "--", *entrypoint.split(), env=env, timeout=120)
-            not_ready = "Connection" in submitted.stderr or "try again" in submitted.stderr
-            if submitted.returncode == 0 or not not_ready or time.monotonic() > deadline:
-                break
-            time.sleep(3)
+            if submitted.returncode != 0 and ("Connection" in submitted.stderr or "try again" in submitted.stderr):
+                raise JobAgentNotReady(submitted.stderr[-2000:])
+            return submitted
+
+        # The job agent comes up a little after the head prints its address.
+        submitted = wait_until(submit, 180, "the job agent to take the job", poll_s=3, retry_on=(JobAgentNotReady,),
+                               alive=head_alive)
         assert submitted.returncode == 0, submitted.stdout[-4000:] + submitted.stderr[-4000:]
         client = JobSubmissionClient(address)
-        deadline = time.monotonic() + 600
-        while (status := client.get_job_status("tiny-run")) not in (JobStatus.SUCCEEDED, JobStatus.FAILED,
-                                                                    JobStatus.STOPPED):
-            assert time.monotonic() < deadline, f"the job is still {status} after 600 s"
-            time.sleep(2)
+        status = wait_until(lambda: finished(client.get_job_status("tiny-run")), 600, "the job to finish", poll_s=2,
+                            alive=head_alive)
         assert status == JobStatus.SUCCEEDED, client.get_job_logs("tiny-run")[-4000:]
     finally:
         stop_process_group(head)
+        client_port.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
     checkpoint = latest_checkpoint(save / "adapters" / "add")
     assert checkpoint is not None and checkpoint.name == "step_2"
