@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -88,7 +87,18 @@ def _not_alike(meg: dict, ref: dict, vocab: int) -> str | None:
     return None
 
 
-def _rank_main(rank: int, world: int, address: str, args: argparse.Namespace, shapes, out: str) -> None:
+def _rendezvous(actor, rank: int, world: int, addresses) -> str:
+    """The process group's address: rank 0 listens on a port the OS picked (`master_address`
+    holds it until the group forms) and hands the address to the other ranks."""
+    if rank == 0:
+        address = actor.master_address("127.0.0.1")
+        for _ in range(world - 1):
+            addresses.put(address)
+        return address
+    return addresses.get(timeout=600)
+
+
+def _rank_main(rank: int, world: int, addresses, args: argparse.Namespace, shapes, out: str) -> None:
     from miles.backends.megatron import lora as mlora
     from miles.backends.megatron.actor import MegatronActorConfig, MegatronTrainActor
 
@@ -96,7 +106,7 @@ def _rank_main(rank: int, world: int, address: str, args: argparse.Namespace, sh
     actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=args.hf_checkpoint, n_slots=N_SLOTS, lora_rank=RANK,
                                                    device=device, dtype=args.dtype, tensor_model_parallel_size=world),
                                rank, world)
-    actor.init_process_group(address)
+    actor.init_process_group(_rendezvous(actor, rank, world, addresses))
     seen = _play(actor, lambda slot, t: mlora.set_slot_weights(actor.model.parts, slot, t, rank=RANK, alpha=16.0),
                  actor.shape.vocab_size, shapes)
     if rank == 0:
@@ -131,12 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     ref = _play(ref_actor, lambda slot, t: set_slot_weights(ref_actor.model.module, slot, t, rank=RANK, alpha=16.0),
                 vocab, shapes)
     del ref_actor
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-        sock.close()
+    with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "megatron.pt")
-        mp.start_processes(_rank_main, args=(args.tp, address, args, shapes, out), nprocs=args.tp, join=True,
+        addresses = mp.get_context("spawn").Queue()
+        mp.start_processes(_rank_main, args=(args.tp, addresses, args, shapes, out), nprocs=args.tp, join=True,
                            start_method="spawn")
         meg = torch.load(out, weights_only=False)
     unlike = _not_alike(meg, ref, vocab)

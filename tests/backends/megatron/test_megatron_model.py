@@ -6,7 +6,6 @@ Llama (untied and tied embeddings) and Qwen2 (QKV bias) tiny models.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -82,14 +81,14 @@ def test_fused_layouts_at_tp2(tiny_qwen2_dir):
         assert torch.equal(local["decoder.layers.1.self_attention.linear_proj.weight"], o[:, rank * 32 : (rank + 1) * 32])
 
 
-def _rank_logits(rank: int, world: int, address: str, dirs: list[str], out: str) -> None:
+def _rank_logits(rank: int, world: int, rendezvous: str, dirs: list[str], out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from miles.backends.megatron.model import build_gpt_model, forward_logits, load_hf_weights
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     ids = torch.randint(4, 100, (3, 10), generator=torch.Generator().manual_seed(0))
     logits = {}
@@ -109,10 +108,8 @@ def test_gpt_model_at_tp2_gives_the_hf_logits(tiny_qwen2_dir, tied_llama_dir, tm
     from transformers import AutoModelForCausalLM
 
     dirs = [str(tiny_qwen2_dir), str(tied_llama_dir)]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-    mp.start_processes(_rank_logits, args=(2, address, dirs, str(tmp_path / "out.pt")), nprocs=2, join=True,
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"  # the ranks meet in a file: no port to pick
+    mp.start_processes(_rank_logits, args=(2, rendezvous, dirs, str(tmp_path / "out.pt")), nprocs=2, join=True,
                        start_method="spawn")
     seen = torch.load(tmp_path / "out.pt")
     for d in dirs:
