@@ -31,8 +31,8 @@ class DecodePlan:
     Valid while the step runs the same `SlotBatch` object (cached per slot list by
     `use_slots`) on an input of the same size and dtype, with A and B unchanged (same
     storage and version counter: a slot load or an optimizer step bumps it) and the same
-    delta mode and slot scales. Then a step is the path's ops and numbers (`_stacked_step`,
-    `_jagged_step`) without its Python.
+    delta mode and slot scales. Then a step is the path's ops and numbers (`stacked_step`,
+    `jagged_step`) without its Python.
     """
 
     __slots__ = ("batch", "numel", "dtype", "a_key", "b_key", "delta_mode", "slot_scales", "step")
@@ -57,16 +57,18 @@ class DecodePlan:
             a.data_ptr() == self.a_key[0] and b.data_ptr() == self.b_key[0])
 
 
-def _stacked_step(a_IC: torch.Tensor, scale_BC: torch.Tensor, b_CO: torch.Tensor, in_features: int,
-                  x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def stacked_step(a_IC: torch.Tensor, scale_BC: torch.Tensor, b_CO: torch.Tensor, in_features: int,
+                 x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` plus the delta of the stacked path: every slot's A side by side, one GEMM each way."""
     h_NC = torch.mm(x.reshape(-1, in_features), a_IC)
     h_NC.mul_(scale_BC)
     return torch.addmm(out.reshape(-1, b_CO.shape[1]), h_NC, b_CO).reshape(out.shape)
 
 
-def _jagged_step(rows_N: torch.Tensor, offs_M: torch.Tensor, in_order: bool, a_MIR: torch.Tensor,
-                 scale_N1: torch.Tensor, b_MRO: torch.Tensor, in_features: int,
-                 x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def jagged_step(rows_N: torch.Tensor, offs_M: torch.Tensor, in_order: bool, a_MIR: torch.Tensor,
+                scale_N1: torch.Tensor, b_MRO: torch.Tensor, in_features: int,
+                x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` plus the delta of the jagged path: rows grouped by slot, one grouped GEMM each way."""
     x_NI = x.reshape(-1, in_features)
     if not in_order:
         x_NI = x_NI.index_select(0, rows_N)
@@ -76,8 +78,8 @@ def _jagged_step(rows_N: torch.Tensor, offs_M: torch.Tensor, in_order: bool, a_M
     return (out_NO.add_(delta_NO) if in_order else out_NO.index_add_(0, rows_N, delta_NO)).reshape(out.shape)
 
 
-def _rowwise_step(kernel: RowwiseKernel, fixed: tuple[int, ...], keep_alive: tuple,
-                  x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def rowwise_step(kernel: RowwiseKernel, fixed: tuple[int, ...], keep_alive: tuple,
+                 x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`out` (the base output, fresh) plus the delta, written in place by the kernel, which
     reads both as [rows, features] (the plan fixes x's size; `keep_alive` holds the tensors
     behind the pointers in `fixed`)."""

@@ -44,7 +44,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from miles.lora.decode_plan import DecodePlan, _jagged_step, _rowwise_step, _stacked_step, kept
+from miles.lora.decode_plan import DecodePlan, jagged_step, rowwise_step, stacked_step, kept
 from miles.lora.grouped import GroupedLoRALinear
 from miles.lora.rowwise import RowwiseKernel, plan_arguments, rowwise_kernel
 
@@ -320,7 +320,7 @@ class MultiLoRALinear(nn.Module):
         if out_NO.dtype == h_NC.dtype:
             if rows_per_sample == 1 and x.dtype == a_CI.dtype and not _training(self):
                 self._decode_plan = DecodePlan(self, x, batch, functools.partial(
-                    _stacked_step, a_CI.detach().transpose(0, 1), scale_BC, b_CO, self.in_features))
+                    stacked_step, a_CI.detach().transpose(0, 1), scale_BC, b_CO, self.in_features))
             return torch.addmm(out_NO, h_NC, b_CO).reshape(out.shape)
         return out + (h_NC @ b_CO).to(out.dtype).reshape(out.shape)
 
@@ -349,7 +349,7 @@ class MultiLoRALinear(nn.Module):
             scale_N1 = self.scaling.index_select(0, slots_N)[:, None]
         a_MIR = self.lora_A.detach()[:n_slots].transpose(1, 2)
         b_MRO = self.lora_B.detach()[:n_slots].transpose(1, 2)
-        step = functools.partial(_jagged_step, batch.jagged_rows_N, batch.jagged_offs_M, batch.jagged_in_order,
+        step = functools.partial(jagged_step, batch.jagged_rows_N, batch.jagged_offs_M, batch.jagged_in_order,
                                  a_MIR, scale_N1.to(a_MIR.dtype), b_MRO, self.in_features)
         if x.dtype == a_MIR.dtype and out.dtype == a_MIR.dtype:
             self._decode_plan = DecodePlan(self, x, batch, step)
@@ -377,7 +377,7 @@ class MultiLoRALinear(nn.Module):
         a_SIR, b_SRO = self._rowwise_a(), self._stacked_b().view(self.n_slots, self.max_rank, self.out_features)
         fixed = plan_arguments(a_SIR, b_SRO, ids_B, scale_B, batch.jagged_rows_N)
         # The plan holds the tensors behind those pointers, so they live as long as it does.
-        step = functools.partial(_rowwise_step, kernel, fixed, (a_SIR, b_SRO, ids_B, scale_B, batch))
+        step = functools.partial(rowwise_step, kernel, fixed, (a_SIR, b_SRO, ids_B, scale_B, batch))
         self._decode_plan = DecodePlan(self, x, batch, step)
         return step(x, out)
 
@@ -491,7 +491,7 @@ class MultiLoRALinear(nn.Module):
                 f"LoRA shapes do not fit this layer: expected A [rank, {self.in_features}] and "
                 f"B [{self.out_features}, rank], got A {list(a.shape)} and B {list(b.shape)}"
             )
-        _check_rank(rank, self.max_rank)
+        check_rank(rank, self.max_rank)
         self.lora_A[slot].zero_()
         self.lora_B[slot].zero_()
         self.lora_A[slot, :rank].copy_(a)
@@ -523,7 +523,8 @@ def _training(layer: MultiLoRALinear) -> bool:
     return torch.is_grad_enabled() and (layer.lora_A.requires_grad or layer.lora_B.requires_grad)
 
 
-def _check_rank(rank: int, max_rank: int) -> None:
+def check_rank(rank: int, max_rank: int) -> None:
+    """ValueError unless an adapter of `rank` fits a slot `max_rank` wide."""
     if not 0 < rank <= max_rank:
         raise ValueError(f"LoRA rank {rank} does not fit the slot width: need 0 < rank <= max_rank={max_rank}")
 
@@ -533,7 +534,7 @@ def _check_rank(rank: int, max_rank: int) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _resolve_targets(target_modules: str | Sequence[str]) -> set[str] | None:
+def resolve_targets(target_modules: str | Sequence[str]) -> set[str] | None:
     """None means all-linear; otherwise the set of module short names to wrap."""
     if isinstance(target_modules, str):
         if target_modules.strip() == "all-linear":
@@ -566,7 +567,7 @@ def inject_multi_lora(
     """
     if lora_modules(model):
         raise ValueError("model already has multi-LoRA layers: inject_multi_lora must be called once")
-    targets = _resolve_targets(target_modules)
+    targets = resolve_targets(target_modules)
     prefix = _decoder_layers_prefix(model)
     chosen = [
         name
@@ -608,11 +609,12 @@ def set_delta_mode(model: nn.Module, mode: DeltaMode) -> None:
     if mode not in ("auto", "segment", "gather", "stacked", "jagged", "rowwise"):
         raise ValueError(f"delta mode must be 'auto', 'segment', 'gather', 'stacked', 'jagged' or 'rowwise', "
                          f"got {mode!r}")
-    for module in _require_lora(model).values():
+    for module in require_lora(model).values():
         module.delta_mode = mode
 
 
-def _require_lora(model: nn.Module) -> dict[str, MultiLoRALinear]:
+def require_lora(model: nn.Module) -> dict[str, MultiLoRALinear]:
+    """The model's multi-LoRA layers by module name; ValueError when it has none."""
     modules = lora_modules(model)
     if not modules:
         raise ValueError("model has no multi-LoRA layers: call inject_multi_lora(model, ...) first")
@@ -630,7 +632,7 @@ def use_slots(model: nn.Module, slot_ids: Sequence[int] | torch.Tensor) -> Itera
     """
     layers = _LAYERS.get(model)
     if layers is None:
-        layers = _LAYERS[model] = tuple(_require_lora(model).values())
+        layers = _LAYERS[model] = tuple(require_lora(model).values())
     first = layers[0]
     ids = slot_ids.reshape(-1).tolist() if isinstance(slot_ids, torch.Tensor) else slot_ids
     batch = _slot_batch(tuple(ids), first.lora_A.device, first.slot_scales, first.max_rank)

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from miles.lora.layer import _require_lora, _resolve_targets
+from miles.lora.layer import require_lora, resolve_targets
 from miles.lora.slots import get_slot_weights, peft_names, set_slot_weights, slot_rank_alpha
 
 CONFIG_FILE = "adapter_config.json"
@@ -86,12 +86,12 @@ def read_peft_dir(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dic
 
 
 def _wrapped_short_names(model: nn.Module) -> set[str]:
-    return {name.rsplit(".", 1)[-1] for name in _require_lora(model)}
+    return {name.rsplit(".", 1)[-1] for name in require_lora(model)}
 
 
 def _export_targets(model: nn.Module, target_modules: str | Sequence[str] | None) -> set[str]:
     wrapped = _wrapped_short_names(model)
-    targets = None if target_modules is None else _resolve_targets(target_modules)
+    targets = None if target_modules is None else resolve_targets(target_modules)
     if targets is None:
         return wrapped
     missing = targets - wrapped
@@ -123,7 +123,7 @@ def export_peft_adapter(
     targets = _export_targets(model, target_modules)
     weights = get_slot_weights(model, slot)
     tensors: dict[str, torch.Tensor] = {}
-    for module_name in _require_lora(model):
+    for module_name in require_lora(model):
         if module_name.rsplit(".", 1)[-1] in targets:
             for key in peft_names(module_name):
                 tensors[key] = weights[key]
@@ -161,7 +161,7 @@ def _check_loadable(config: dict[str, Any], path: Path, model: nn.Module) -> tup
     targets = config.get("target_modules")
     if isinstance(targets, list):
         # PEFT writes short names ("q_proj") or, for "all-linear", full module paths.
-        wrapped = set(_require_lora(model))
+        wrapped = set(require_lora(model))
         short = _wrapped_short_names(model)
         missing = {t for t in targets if t not in short and t not in wrapped
                    and not any(name.endswith(f".{t}") for name in wrapped)}
@@ -193,7 +193,7 @@ def load_peft_tensors(model: nn.Module, slot: int, tensors: dict[str, torch.Tens
     `source` names where they came from in error messages.
     """
     rank, alpha = _check_loadable(config, Path(source), model)
-    max_rank = next(iter(_require_lora(model).values())).max_rank
+    max_rank = next(iter(require_lora(model).values())).max_rank
     if rank > max_rank:
         raise ValueError(f"{source}: adapter rank {rank} exceeds the slot width max_rank={max_rank}; raise --lora-rank")
     set_slot_weights(model, slot, tensors, rank=rank, alpha=alpha)

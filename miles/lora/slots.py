@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from miles.lora.layer import MultiLoRALinear, _check_rank, _require_lora
+from miles.lora.layer import MultiLoRALinear, check_rank, require_lora
 
 PEFT_PREFIX = "base_model.model."
 _A_SUFFIX = ".lora_A.weight"
@@ -50,8 +50,8 @@ def fresh_lora_weights(shapes: dict[str, tuple[int, int]], *, rank: int, generat
 def fresh_slot_weights(model: nn.Module, *, rank: int, generator: torch.Generator | None = None
                        ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """`fresh_lora_weights` for the model's LoRA layers in module order, not written anywhere."""
-    modules = _require_lora(model)
-    _check_rank(rank, next(iter(modules.values())).max_rank)
+    modules = require_lora(model)
+    check_rank(rank, next(iter(modules.values())).max_rank)
     shapes = {name: (module.in_features, module.out_features) for name, module in modules.items()}
     return fresh_lora_weights(shapes, rank=rank, generator=generator)
 
@@ -60,7 +60,7 @@ def init_slot(
     model: nn.Module, slot: int, *, rank: int, alpha: float, generator: torch.Generator | None = None
 ) -> None:
     """Fresh adapter in `slot` (`fresh_slot_weights`), scaling alpha / rank."""
-    modules = _require_lora(model)
+    modules = require_lora(model)
     _check_slot(modules, slot)
     for name, (a, b) in fresh_slot_weights(model, rank=rank, generator=generator).items():
         modules[name].set_slot(slot, a, b, alpha=alpha)
@@ -77,7 +77,7 @@ def peft_tensors(weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[
 
 def clear_slot(model: nn.Module, slot: int) -> None:
     """Empty `slot` in every layer: A, B and scaling zero, rank 0."""
-    modules = _require_lora(model)
+    modules = require_lora(model)
     _check_slot(modules, slot)
     for module in modules.values():
         module.clear_slot(slot)
@@ -85,7 +85,7 @@ def clear_slot(model: nn.Module, slot: int) -> None:
 
 def slot_rank_alpha(model: nn.Module, slot: int) -> tuple[int, float]:
     """(rank, alpha) of the adapter in `slot`; rank 0 means the slot is empty."""
-    modules = _require_lora(model)
+    modules = require_lora(model)
     _check_slot(modules, slot)
     module = next(iter(modules.values()))
     return module.ranks[slot], module.alphas[slot]
@@ -100,9 +100,9 @@ def set_slot_weights(
     for a layer that is not wrapped, or of the wrong shape, raises ValueError and
     leaves the slot as it was.
     """
-    modules = _require_lora(model)
+    modules = require_lora(model)
     _check_slot(modules, slot)
-    _check_rank(rank, next(iter(modules.values())).max_rank)
+    check_rank(rank, next(iter(modules.values())).max_rank)
     if alpha <= 0:
         raise ValueError(f"LoRA alpha must be > 0, got {alpha}")
     by_module = _split_by_module(tensors, set(modules))
@@ -148,7 +148,7 @@ def _split_by_module(tensors: dict[str, torch.Tensor], wrapped: set[str]) -> dic
 
 def get_slot_weights(model: nn.Module, slot: int) -> dict[str, torch.Tensor]:
     """Slot `slot`'s adapter in PEFT names, sliced to its rank (detached CPU copies)."""
-    modules = _require_lora(model)
+    modules = require_lora(model)
     _check_slot(modules, slot)
     if next(iter(modules.values())).ranks[slot] == 0:
         raise ValueError(f"slot {slot} is empty: init_slot or load an adapter into it first")

@@ -340,8 +340,8 @@ def test_decode_steps_of_many_rows_take_the_jagged_path():
     from miles.lora.layer import (
         HAS_GROUPED_MM,
         MultiLoRALinear,
-        _jagged_step,
-        _stacked_step,
+        jagged_step,
+        stacked_step,
     )
 
     if not HAS_GROUPED_MM:  # the pinned torch (pyproject.toml) has it: `make test` runs this
@@ -357,11 +357,11 @@ def test_decode_steps_of_many_rows_take_the_jagged_path():
     x = torch.randn(64, 1, 256, generator=gen)
     with torch.no_grad(), use_slots(layer, slots):
         jagged = layer(x)
-        assert layer._decode_plan.step.func is _jagged_step
+        assert layer._decode_plan.step.func is jagged_step
         assert torch.equal(layer(x), jagged)  # the kept plan
         layer.delta_mode = "stacked"
         stacked = layer(x)
-        assert layer._decode_plan.step.func is _stacked_step
+        assert layer._decode_plan.step.func is stacked_step
     torch.testing.assert_close(jagged, stacked, atol=1e-3, rtol=1e-5)
     # A bf16 base under fp32 LoRA weights (as train ranks hold them): computed in fp32, added in bf16.
     layer.base.to(torch.bfloat16)
@@ -408,7 +408,7 @@ def test_rowwise_kernel_equals_per_row_reference(slots):
     expected = per_row_reference(layers, weights, x, slots)
     with torch.no_grad(), use_slots(layers, slots):
         first = layers(x)
-        assert all(layer._decode_plan.step.func.__name__ == "_rowwise_step" for layer in layers)
+        assert all(layer._decode_plan.step.func.__name__ == "rowwise_step" for layer in layers)
         second = layers(x)  # the kept plan
     torch.testing.assert_close(first, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(first, second)

@@ -42,7 +42,7 @@ def test_decode_steps_take_the_torch_paths_without_the_kernel(monkeypatch, caplo
         layer._decode_plan = None
     with torch.no_grad(), use_slots(layers, slots):
         torch.testing.assert_close(layers(x), expected, atol=1e-5, rtol=1e-5)
-        assert all(layer._decode_plan.step.func.__name__ == "_stacked_step" for layer in layers)
+        assert all(layer._decode_plan.step.func.__name__ == "stacked_step" for layer in layers)
         set_delta_mode(layers, "rowwise")
         with pytest.raises(ValueError, match="kernel built"):
             layers(x)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from miles.lora.layer import SlotBatch, _resolve_targets
+from miles.lora.layer import SlotBatch, resolve_targets
 from miles.lora.slots import fresh_lora_weights, peft_names
 from miles.backends.megatron.model import ModelShape
 
@@ -314,7 +314,7 @@ def inject_parallel_lora(model: nn.Module, shape: ModelShape, *, n_slots: int, m
     (in HF module order, the order a fresh init draws A in)."""
     if n_slots <= 0 or max_rank <= 0:
         raise ValueError(f"n_slots and max_rank must be > 0, got n_slots={n_slots}, max_rank={max_rank}")
-    targets = _resolve_targets(target_modules)
+    targets = resolve_targets(target_modules)
     targets = set(HF_TARGETS) if targets is None else targets
     unknown = targets - set(HF_TARGETS)
     if unknown:
