@@ -18,7 +18,6 @@ from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.allocator import keep_freed_memory
 from miles.backends.torch.train_model import TorchTrainModel
 
-
 __all__ = ["TorchTrainActor", "TrainActorConfig"]
 
 
