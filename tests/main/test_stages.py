@@ -269,13 +269,14 @@ async def test_the_next_train_call_waits_for_the_export_behind_the_loop(tmp_path
     before_train = t.backend.weights["a"]
     gate = asyncio.Event()
     t.backend.export_adapter = _held(t.backend.export_adapter, gate)
+    mark = len(t.backend.calls)
     snapshot = await s.push.update_weights(t.snapshot())  # returns with the export held
     train = asyncio.create_task(s.train.train(1, await t.rollout.generate(1, snapshot)))
     # The export is released only once train 1 is under way; had the train call not waited
     # for it, the backend would have trained before it exported.
     gate.set()
     await train
-    calls = [c for c in t.backend.calls if c in (("export", "a"), ("train", "1"))]
+    calls = [c for c in t.backend.calls[mark:] if c in (("export", "a"), ("train", "1"))]
     assert calls == [("export", "a"), ("train", "1")]
     assert t.backend.weights["a"] != before_train
     await s.train.commit(1)
