@@ -19,7 +19,6 @@ from typing import Any
 from waiting import WaitTimeout, wait_until
 
 from miles.controller.actor import API_URL_LINE
-from miles.rollout.engines.process import free_port  # noqa: F401  (tests that still pick the trainer's port)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -37,7 +37,6 @@ from lifecycle_fakes import (
     SavedAdapter,
 )
 from safetensors.torch import load_file
-from waiting import WaitTimeout, wait_until
 
 from miles.backends.base import TrainRankLostError, TrainResult
 from miles.backends.torch.checkpoint import TRAINER_STATE, Checkpoint, latest_checkpoint, read_checkpoint
@@ -166,14 +165,6 @@ async def test_a_dead_train_rank_stops_the_run_with_every_adapter_saved(tmp_path
 TRAINER = "miles.main.train_multi_lora_async"
 
 
-def _wait(predicate, timeout: float, what: str, driver):
-    """`wait_until` while the trainer runs; a failed wait shows the end of its log."""
-    try:
-        return wait_until(predicate, timeout, what, poll_s=0.25, alive=lambda: driver.proc.poll() is None)
-    except WaitTimeout as exc:
-        raise WaitTimeout(f"{exc}\n{driver.log_tail()}") from None
-
-
 def assert_one_adamw_step_from(before: Checkpoint, after: Checkpoint) -> None:
     """`after` holds what one AdamW step (torch's update, written out here) makes of exactly
     `before`'s weights, moments, step count and LR clock, for some gradient g: the moments
@@ -214,7 +205,7 @@ def _plant_partial_checkpoints(save_dir: Path, latest: Path) -> None:
 @pytest.mark.slow
 def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_registry(
         tiny_model_dir, tmp_path, monkeypatch):
-    from driver_harness import DriverProcess, free_port, tiny_run_flags, write_arithmetic_dataset
+    from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
 
     from miles.controller.client import ControlPlaneClient
 
@@ -223,19 +214,16 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
     datasets = {"add": write_arithmetic_dataset(data / "add.jsonl", 200, op="+", seed=1),
                 "sub": write_arithmetic_dataset(data / "sub.jsonl", 200, op="-", seed=2)}
     save = tmp_path / "save"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=2, port=port) + ["--save-interval", "1"]
+    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=2) + ["--save-interval", "1"]
 
     # First run: the second train call of the rank raises (the test rank); the run goes on.
     monkeypatch.setenv(FAULT_TRAIN_CALLS_ENV, "2")
     first = DriverProcess(TRAINER, [*flags, "--train-actor-path", ACTOR_PATH], tmp_path / "first.log")
     try:
-        first.wait_for_http(url)
-        client = ControlPlaneClient(url)
+        client = ControlPlaneClient(first.wait_for_api_url())
         for name, path in datasets.items():
             client.register(name, config={"data": str(path)})
-        _wait(lambda: all(client.status(n).step >= 2 for n in datasets), 150, "both adapters to step twice", first)
+        first.wait_until(lambda: all(client.status(n).step >= 2 for n in datasets), 150, "both adapters to step twice")
         assert "its batch is dropped and counts for no adapter" in first.log_path.read_text()
         before = {n: client.status(n) for n in datasets}
         first.kill()  # SIGKILL to the driver and every process of its session (its Ray cluster)
@@ -254,8 +242,7 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
     started = time.monotonic()
     second = DriverProcess(TRAINER, flags, tmp_path / "second.log")
     try:
-        second.wait_for_http(url)
-        client = ControlPlaneClient(url)
+        client = ControlPlaneClient(second.wait_for_api_url())
         # The registry is back from {save}/controller/registry.sqlite: nothing is re-POSTed.
         listed = {s.name: s for s in client.list()}
         assert set(listed) == set(datasets)
@@ -264,16 +251,16 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
         for name in datasets:
             ckpt = read_checkpoint(latest[name])
             line = f"Adapter '{name}' resumed from {latest[name]} (step {ckpt.trainer_state.step})"
-            _wait(lambda: line in second.log_path.read_text(), 120, f"{name} to resume", second)
+            second.wait_until(lambda: line in second.log_path.read_text(), 120, f"{name} to resume")
             resumed[name] = ckpt
-        _wait(lambda: all(client.status(n).step > resumed[n].trainer_state.step for n in datasets), 120,
-              "both adapters to step after the resume", second)
+        second.wait_until(lambda: all(client.status(n).step > resumed[n].trainer_state.step for n in datasets), 120,
+                          "both adapters to step after the resume")
         resume_s = time.monotonic() - started
         for name in datasets:
             state = resumed[name].trainer_state
             path = Path(before[name].save) / "checkpoints" / f"step_{state.step + 1}"
-            _wait(lambda: latest_checkpoint(before[name].save) not in (None, latest[name]), 60,
-                  f"{name}'s first checkpoint after the resume", second)
+            second.wait_until(lambda: latest_checkpoint(before[name].save) not in (None, latest[name]), 60,
+                              f"{name}'s first checkpoint after the resume")
             after = read_checkpoint(path)
             # At most the work since the latest checkpoint is lost: the first step after the
             # resume started from that checkpoint's weights, moments, step and LR clock.

@@ -16,25 +16,16 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from waiting import WaitTimeout, wait_until
 
 from miles.controller.client import ControlPlaneClient
 from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
 from miles.rollout.engines.router import Router
 from miles.utils.types import AdapterState, engine_lora_name
-from driver_harness import DriverProcess, descendant_pids, free_port, tiny_run_flags, write_arithmetic_dataset
+from driver_harness import DriverProcess, descendant_pids, tiny_run_flags, write_arithmetic_dataset
 
 pytestmark = pytest.mark.slow
 
 TRAINER = "miles.main.train_multi_lora_async"
-
-
-def wait_for(predicate, timeout: float, what: str, driver: DriverProcess, poll_s: float = 0.5):
-    """`wait_until` while the trainer runs; a failed wait shows the end of its log."""
-    try:
-        return wait_until(predicate, timeout, what, poll_s=poll_s, alive=lambda: driver.proc.poll() is None)
-    except WaitTimeout as exc:
-        raise WaitTimeout(f"{exc}\n{driver.log_tail()}") from None
 
 
 PEFT_ATOL = 1e-5
@@ -81,13 +72,11 @@ def workdir(tmp_path):
 
 
 def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
-    port = free_port()
     save = workdir / "save"
-    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=2, port=port)
+    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=2)
     driver = DriverProcess(TRAINER, flags, workdir / "trainer.log")
-    url = f"http://127.0.0.1:{port}"
     try:
-        driver.wait_for_http(url)
+        url = driver.wait_for_api_url()
         client = ControlPlaneClient(url)
         assert client.list() == []
         add = str(workdir / "data" / "add.jsonl")
@@ -109,11 +98,11 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
 
         # `a` trains; `b` joins while `a` trains, without a restart.
         client.register("a", config={"data": add})
-        wait_for(lambda: client.status("a").step >= 1, 240, "a to step", driver)
+        driver.wait_until(lambda: client.status("a").step >= 1, 240, "a to step")
         client.register("b", config={"data": sub})
         step_a_before_b = client.status("a").step
-        wait_for(lambda: client.status("b").step >= 1, 240, "b to step", driver)
-        wait_for(lambda: client.status("a").step > step_a_before_b, 240, "a to keep stepping", driver)
+        driver.wait_until(lambda: client.status("b").step >= 1, 240, "b to step")
+        driver.wait_until(lambda: client.status("a").step > step_a_before_b, 240, "a to keep stepping")
 
         # DELETE a while b keeps training: a is retired, cleaned up, its slot freed.
         first_registration = client.status("a").registration_id
@@ -122,11 +111,11 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         a_done = client.status("a")
         assert latest_checkpoint(a_done.save) is not None
         step_b = client.status("b").step
-        wait_for(lambda: client.status("b").step > step_b, 240, "b to keep stepping after a left", driver)
+        driver.wait_until(lambda: client.status("b").step > step_b, 240, "b to keep stepping after a left")
 
         # Re-registering a takes the freed slot (2 slots: b + a) and resumes from its checkpoint.
         client.register("a", config={"data": add})
-        wait_for(lambda: client.status("a").state is AdapterState.ACTIVE, 240, "a to be active again", driver)
+        driver.wait_until(lambda: client.status("a").state is AdapterState.ACTIVE, 240, "a to be active again")
         again = client.status("a")
         assert again.registration_id != first_registration
         assert again.step >= a_done.step
@@ -144,7 +133,7 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         client.wait_for_state("c1", AdapterState.COMPLETED, timeout=240)
 
         # SIGTERM mid-training: exit 0 with the still-training adapter saved at its step.
-        wait_for(lambda: client.status("c2").step >= 1, 240, "c2 to step", driver)
+        driver.wait_until(lambda: client.status("c2").step >= 1, 240, "c2 to step")
         assert driver.terminate() == 0, driver.log_tail()
         saved = latest_checkpoint(workdir / "save" / "adapters" / "c2")
         assert saved is not None and int(saved.name.removeprefix("step_")) >= 1
@@ -156,7 +145,7 @@ def test_non_service_mode_exits_when_adapters_finish(tiny_model_dir, workdir):
     save = workdir / "save"
     adapter_yaml = workdir / "add.yaml"
     adapter_yaml.write_text(f"data: {workdir / 'data' / 'add.jsonl'}\nnum_step: 2\n")
-    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=1, port=0)
+    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=1)
     flags += ["--multi-lora-disable-service-mode", "--multi-lora-adapters", str(adapter_yaml),
               "--actor-num-cpus-per-worker", "2"]
     driver = DriverProcess(TRAINER, flags, workdir / "trainer.log")
@@ -204,31 +193,29 @@ def test_update_modes_survive_a_killed_server_mid_rollout(tiny_model_dir, workdi
     Then the other engine's actor process is SIGKILLed: Ray restarts the actor, the fleet
     starts its server with every live slot and puts it back behind the router, and every
     adapter keeps stepping."""
-    port = free_port()
-    flags = tiny_run_flags(tiny_model_dir, workdir / "save", n_adapters=2, port=port)
+    flags = tiny_run_flags(tiny_model_dir, workdir / "save", n_adapters=2)
     flags[flags.index("--rollout-num-engines") + 1] = "2"
     flags += ["--engine-lora-update", mode]
     driver = DriverProcess(TRAINER, flags, workdir / "trainer.log")
-    url = f"http://127.0.0.1:{port}"
     try:
-        driver.wait_for_http(url)
+        url = driver.wait_for_api_url()
         client = ControlPlaneClient(url)
         client.register("a", config={"data": str(workdir / "data" / "add.jsonl")})
         client.register("b", config={"data": str(workdir / "data" / "sub.jsonl")})
-        wait_for(lambda: min(client.status(n).step for n in "ab") >= 1, 240, "both adapters to step", driver)
-        servers = wait_for(lambda: _server_pids(driver.proc.pid), 30, "the engine servers", driver)
+        driver.wait_until(lambda: min(client.status(n).step for n in "ab") >= 1, 240, "both adapters to step")
+        servers = driver.wait_until(lambda: _server_pids(driver.proc.pid), 30, "the engine servers")
         assert len(servers) == 2
         steps = {n: client.status(n).step for n in "ab"}
         os.kill(servers[0], signal.SIGKILL)
-        wait_for(lambda: "is back at" in driver.log_path.read_text(), 240, "the server to be restarted", driver)
-        wait_for(lambda: all(client.status(n).step >= steps[n] + 1 for n in "ab"), 240,
-                   "both adapters to keep stepping after the kill", driver)
+        driver.wait_until(lambda: "is back at" in driver.log_path.read_text(), 240, "the server to be restarted")
+        driver.wait_until(lambda: all(client.status(n).step >= steps[n] + 1 for n in "ab"), 240,
+                   "both adapters to keep stepping after the kill")
 
         # The other engine's actor process dies (its server goes with it): Ray restarts the actor.
         steps = {n: client.status(n).step for n in "ab"}
         os.kill(_parent_pid(servers[1]), signal.SIGKILL)
-        restored = wait_for(lambda: ACTOR_RESTORED.search(driver.log_path.read_text()), 240,
-                              "the fleet to restore the restarted engine actor", driver)
+        restored = driver.wait_until(lambda: ACTOR_RESTORED.search(driver.log_path.read_text()), 240,
+                              "the fleet to restore the restarted engine actor")
         _, engine_url, router_url = restored.groups()
         workers = set(asyncio.run(Router(router_url, None).workers()))
         assert engine_url in workers and len(workers) == 2, workers  # the dead server was taken out
@@ -239,14 +226,14 @@ def test_update_modes_survive_a_killed_server_mid_rollout(tiny_model_dir, workdi
             loaded = _loaded_loras(engine_url)
             return names <= loaded and loaded == _loaded_loras(peer)
 
-        wait_for(serves_current_versions, 30, "the restored engine to serve what its peer serves", driver, 0.1)
-        wait_for(lambda: all(client.status(n).step >= steps[n] + 1 for n in "ab"), 240,
-                   "both adapters to keep stepping after the actor restart", driver)
+        driver.wait_until(serves_current_versions, 30, "the restored engine to serve what its peer serves")
+        driver.wait_until(lambda: all(client.status(n).step >= steps[n] + 1 for n in "ab"), 240,
+                          "both adapters to keep stepping after the actor restart")
         # A retired adapter leaves the engines; the other one keeps training.
         client.deregister("a")
         client.wait_for_state("a", AdapterState.COMPLETED, timeout=240)
         step_b = client.status("b").step
-        wait_for(lambda: client.status("b").step > step_b, 240, "b to keep stepping after a left", driver)
+        driver.wait_until(lambda: client.status("b").step > step_b, 240, "b to keep stepping after a left")
         assert driver.terminate() == 0, driver.log_tail()
 
         log = driver.log_path.read_text()
