@@ -15,7 +15,7 @@ over gloo on CPU or nccl on GPU; `--train-actor-path` names a subclass to run in
     await group.save_adapter(SaveRequest(name, step)); await group.shutdown()
 
 It never calls the controller: which adapters to load, push and save, and under which
-step, is decided by `miles.main.adapter_sync`.
+step, is decided by the loop's stages (`miles.main.stages`).
 """
 
 from __future__ import annotations

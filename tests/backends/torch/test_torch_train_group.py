@@ -1,8 +1,8 @@
-"""The torch backend's DP group over real Ray actors, orchestrated by `AdapterSync`.
+"""The torch backend's DP group over real Ray actors, orchestrated by the loop's stages.
 
 DP=2 equals DP=1; a push sends only stale adapters' LoRA tensors; cleanup saves and
 frees the slot; a new trainer resumes from the latest checkpoint with its step and data
-position. The controller side is the real `AdapterRegistry` in a minimal Ray actor; the
+position. The controller side is the real controller class (registry included) as a Ray actor; the
 weight receiver and the rollout manager are in-memory actors that record what they get.
 """
 
@@ -21,9 +21,10 @@ from miles.backends.torch.actor import TrainActorConfig
 from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
 from miles.backends.torch.loss import LossConfig
 from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig, split_prompt_groups
-from miles.controller.registry import AdapterRegistry
-from miles.main.adapter_sync import AdapterSync
+from miles.controller.actor import ControllerConfig, MultiLoRAController
+from miles.controller.http_server import HTTPServerConfig
 from miles.main.engine_push import EnginePusher
+from miles.main.stages import Stages
 from miles.utils.adapter_config import AdapterDefaults, resolve_adapter_config
 from miles.utils.types import AdapterState, DataPosition, RolloutBatch
 
@@ -31,44 +32,24 @@ pytestmark = pytest.mark.slow
 
 
 @ray.remote(num_cpus=0)
-class RegistryActor:
-    """The controller methods the adapter sync calls, over the real registry."""
+class RegistryActor(MultiLoRAController):
+    """The controller actor's own class (no HTTP), with direct registry access for the tests."""
 
     def __init__(self, n_slots: int) -> None:
-        self.registry = AdapterRegistry(n_slots)
+        super().__init__(ControllerConfig(n_slots=n_slots, defaults=AdapterDefaults(lora_rank=4, dp_size=2),
+                                          server=HTTPServerConfig(port=0)))
 
     def register(self, name, config):
-        return self.registry.register(name, config)
+        return self.backend.registry.register(name, config)
 
     def deregister(self, name):
-        return self.registry.deregister(name)
-
-    def snapshot(self):
-        return self.registry.snapshot()
-
-    def retire_adapters(self):
-        return self.registry.retire_adapters()
-
-    def free_slot(self, name):
-        return self.registry.free_slot(name)
-
-    def set_adapter_step(self, name, step, accumulated_groups=0):
-        self.registry.set_step(name, step, accumulated_groups)
-
-    def record_weight_update(self, names):
-        return self.registry.record_weight_update(names)
-
-    def record_batch_adapters(self, rollout_id, groups, step_names):
-        self.registry.record_batch_adapters(rollout_id, groups, step_names)
-
-    def mark_batch_trained(self, rollout_id):
-        return self.registry.mark_batch_trained(rollout_id)
+        return self.backend.deregister(name)
 
     def state(self, name):
-        return self.registry.state(name)
+        return self.backend.registry.state(name)
 
     def step(self, name):
-        return self.registry.step(name)
+        return self.backend.registry.step(name)
 
 
 @ray.remote(num_cpus=0)
@@ -154,9 +135,9 @@ async def _started(model_dir, tmp_path, n_workers, receivers=(), positions=None)
     rollout = RecordingRollout.remote(positions or {})
     # Versioned pushes: every receiver gets the export through the object store.
     pusher = EnginePusher(group, receivers, rollout, mode="versioned") if receivers else None
-    sync = AdapterSync(group, registry, rollout, save_interval=1, pusher=pusher)
-    snapshot = await sync.reconcile(await registry.snapshot.remote())
-    assert sync.loaded == ["a", "b"] and {r.step for r in snapshot.live.values()} == {0}
+    sync = Stages.build(group, registry, rollout, save_interval=1, pusher=pusher)
+    snapshot = await sync.slots.reconcile(await registry.snapshot.remote())
+    assert sorted(sync.slots.loaded) == ["a", "b"] and {r.step for r in snapshot.live.values()} == {0}
     return registry, group, sync
 
 
@@ -171,8 +152,8 @@ def _batches(slots):
 async def _train_and_commit(registry, sync, batch):
     """What one driver iteration does after generation (the collector records the batch)."""
     await registry.record_batch_adapters.remote(batch.rollout_id, batch.groups_per_adapter, batch.step_names)
-    trained = await sync.train(batch.rollout_id, batch)
-    return trained, await sync.commit(batch.rollout_id)
+    trained = await sync.train.train(batch.rollout_id, batch)
+    return trained, await sync.train.commit(batch.rollout_id)
 
 
 async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, tiny_model_dir, tmp_path):
@@ -183,7 +164,7 @@ async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, ti
     slots = dp2.loaded_adapters
     assert slots == {"a": 0, "b": 1}
 
-    snapshot = await sync2.update_weights(await reg2.snapshot.remote())
+    snapshot = await sync2.push.update_weights(await reg2.snapshot.remote())
     assert set(snapshot.active) == {"a", "b"} and snapshot == await reg2.snapshot.remote()
     pushed = await receiver.take.remote()
     reference = new_actor(tiny_model_dir)  # a fresh adapter is seeded by name: same tensors anywhere
@@ -196,9 +177,9 @@ async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, ti
         assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in tensors)
         assert all(torch.equal(tensors[k], expected[k]) for k in tensors)
         assert peft_config["r"] == reference.core.loaded(name).spec.rank
-    assert await sync2.update_weights(snapshot) == snapshot  # nothing changed since
+    assert await sync2.push.update_weights(snapshot) == snapshot  # nothing changed since
     assert await receiver.take.remote() == []
-    await sync1.update_weights(await reg1.snapshot.remote())
+    await sync1.push.update_weights(await reg1.snapshot.remote())
 
     for batch in _batches(slots):
         t1, _ = await _train_and_commit(reg1, sync1, batch)
@@ -211,7 +192,7 @@ async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, ti
         assert set(t2.steps) == set(batch.step_names)
         if batch.rollout_id == 0:
             assert snapshot.active["a"].step == 1 and snapshot.active["b"].step == 0
-            snapshot = await sync2.update_weights(snapshot)  # only the adapter that stepped
+            snapshot = await sync2.push.update_weights(snapshot)  # only the adapter that stepped
             (slot, version, _, tensors), = await receiver.take.remote()
             assert (slot, version) == (0, 2) and snapshot.active["a"].version == 2
             assert max_abs_diff(tensors, await dp2.actors[1].export_adapter.remote("a")) == 0.0
@@ -227,13 +208,13 @@ async def test_dp2_equals_dp1_and_pushes_only_stale_lora_tensors(ray_session, ti
 async def test_reconcile_saves_cleans_up_and_resumes(ray_session, tiny_model_dir, tmp_path):
     positions = {"a": DataPosition(epoch=0, index=4), "b": DataPosition(epoch=1, index=0)}
     registry, group, sync = await _started(tiny_model_dir, tmp_path, 1, positions=positions)
-    await sync.update_weights(await registry.snapshot.remote())
+    await sync.push.update_weights(await registry.snapshot.remote())
     batches = _batches(group.loaded_adapters)
     _, snapshot = await _train_and_commit(registry, sync, batches[0])
-    assert await sync.save(snapshot) == ["a"]  # a is at step 1
-    assert await sync.save(snapshot) == []     # once per step
+    assert await sync.slots.save(snapshot) == ["a"]  # a is at step 1
+    assert await sync.slots.save(snapshot) == []     # once per step
     _, snapshot = await _train_and_commit(registry, sync, batches[1])
-    assert await sync.save(snapshot) == ["a", "b"]
+    assert await sync.slots.save(snapshot) == ["a", "b"]
     save_a = tmp_path / "dp1" / "a"
     assert latest_checkpoint(save_a).name == "step_2"
     weights_a = await group.actors[0].export_adapter.remote("a")
@@ -241,11 +222,11 @@ async def test_reconcile_saves_cleans_up_and_resumes(ray_session, tiny_model_dir
     # Retire b while it holds retained gradient of a partial batch.
     await _train_and_commit(registry, sync, _batch(2, make_groups("b", 1, 1, 2, seed=9), []))
     await registry.deregister.remote("b")
-    snapshot = await sync.reconcile(await registry.snapshot.remote())
+    snapshot = await sync.slots.reconcile(await registry.snapshot.remote())
     assert set(snapshot.live) == {"a"} and snapshot.completed == {"b"}
     assert snapshot == await registry.snapshot.remote()
     assert await registry.state.remote("b") is AdapterState.COMPLETED
-    assert group.loaded_adapters == {"a": 0} and sync.loaded == ["a"]
+    assert group.loaded_adapters == {"a": 0} and sorted(sync.slots.loaded) == ["a"]
     assert await group.actors[0].loaded_adapters.remote() == {"a": 0}
     await group.shutdown()
 
@@ -255,8 +236,8 @@ async def test_reconcile_saves_cleans_up_and_resumes(ray_session, tiny_model_dir
     group2 = TrainGroup(_group_config(tiny_model_dir, 1))
     await group2.start()
     rollout2 = RecordingRollout.remote({})
-    sync2 = AdapterSync(group2, registry2, rollout2, save_interval=1)
-    snapshot = await sync2.reconcile(await registry2.snapshot.remote())
+    sync2 = Stages.build(group2, registry2, rollout2, save_interval=1)
+    snapshot = await sync2.slots.reconcile(await registry2.snapshot.remote())
     assert snapshot.pending["a"].step == 2 and await registry2.step.remote("a") == 2
     registration = snapshot.pending["a"].registration_id
     assert await rollout2.take_restored.remote() == [("a", registration, DataPosition(epoch=0, index=4))]
@@ -266,7 +247,7 @@ async def test_reconcile_saves_cleans_up_and_resumes(ray_session, tiny_model_dir
     assert state.trainer_state.data_position == DataPosition(epoch=0, index=4)
     assert read_checkpoint(latest_checkpoint(tmp_path / "dp1" / "b")).trainer_state.data_position == \
         DataPosition(epoch=1, index=0)
-    assert await sync2.save_all() == []  # nothing new since the checkpoint it resumed from
+    assert await sync2.slots.save_all() == []  # nothing new since the checkpoint it resumed from
     await group2.shutdown()
 
 
@@ -286,9 +267,9 @@ async def _window_trainer(group, save_root, positions):
     for name, groups in (("a", 3), ("b", 2)):
         await registry.register.remote(name, _window_config(save_root, name, groups))
     rollout = RecordingRollout.remote(positions)
-    sync = AdapterSync(group, registry, rollout, save_interval=1)
-    snapshot = await sync.reconcile(await registry.snapshot.remote())
-    await sync.update_weights(snapshot)  # ACTIVE: only ACTIVE adapters count groups
+    sync = Stages.build(group, registry, rollout, save_interval=1)
+    snapshot = await sync.slots.reconcile(await registry.snapshot.remote())
+    await sync.push.update_weights(snapshot)  # ACTIVE: only ACTIVE adapters count groups
     return registry, rollout, sync, snapshot
 
 
@@ -305,9 +286,9 @@ async def test_a_stop_mid_window_keeps_its_gradient_and_the_resumed_step_equals_
     registry, _, sync, _ = await _window_trainer(group, tmp_path, positions)
     _, snapshot = await _train_and_commit(registry, sync, first)
     assert {n: (r.step, r.accumulated_groups) for n, r in snapshot.live.items()} == {"a": (0, 2), "b": (0, 1)}
-    assert await sync.save(snapshot) == []  # nothing stepped: no save on the cadence
-    assert await sync.save_all() == ["a", "b"]  # what a stop does
-    assert await sync.save_all() == []  # nothing new since
+    assert await sync.slots.save(snapshot) == []  # nothing stepped: no save on the cadence
+    assert await sync.slots.save_all() == ["a", "b"]  # what a stop does
+    assert await sync.slots.save_all() == []  # nothing new since
     for name, groups in (("a", 2), ("b", 1)):
         ckpt = read_checkpoint(latest_checkpoint(tmp_path / name))
         assert ckpt.path.name == "step_0" and ckpt.accumulated_grad is not None
