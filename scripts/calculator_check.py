@@ -47,15 +47,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.lora import export_peft_adapter, init_slot, inject_multi_lora, lora_modules, use_slots
 from miles.backends.torch.batching import make_micro_batches, next_token_logprobs
-from miles.backends.torch.loss import LossConfig, grpo_advantages, policy_loss
+from miles.backends.torch.loss import LossParams, grpo_advantages, policy_loss_terms
 from miles.backends.torch.optimizer import SlotAdamW
+from miles.lora import export_peft_adapter, init_slot, inject_multi_lora, lora_modules, use_slots
 from miles.recipes import calculator_tool as calc
 from miles.recipes.tiny_base import ensure_tiny_base
 from miles.rollout.engines.builtin_engine import BuiltinEngine, EngineOptions
 from miles.rollout.generate import GenerateFnInput, call_generate_function
 from miles.utils.arguments import parse_args
+from miles.utils.loss_settings import LossSettings
 from miles.utils.types import GenerateRequest, GenerateResponse, LoadLoraRequest, Sample, SamplingParams
 
 ADAPTER, SLOT = "calc", 0
@@ -151,7 +152,7 @@ async def success_rate(s: Setup, cfg, temperature: float = 0.0, n: int = 1, show
 
 
 async def rl_step(s: Setup, rows: list[dict[str, str]], n: int, temperature: float, lr: float, cfg,
-                  loss_config: LossConfig) -> float:
+                  loss: LossSettings) -> float:
     """One GRPO step: sample groups, score, train on the masked-in tokens only."""
     samples = await rollout(s, rows, n, temperature, cfg)
     rewards_N = torch.tensor([calc.reward(cfg, x) for x in samples])
@@ -160,8 +161,8 @@ async def rl_step(s: Setup, rows: list[dict[str, str]], n: int, temperature: flo
     with use_slots(s.model, mb.slots):
         logprobs_BT = next_token_logprobs(s.model(input_ids=mb.input_ids_BL, attention_mask=mb.attention_mask_BL).logits,
                                           mb.input_ids_BL)
-        out = policy_loss(logprobs_BT, logprobs_BT.detach(), torch.tensor(adv_N.tolist())[mb.indices],
-                          mb.loss_mask_BT, config=loss_config)
+        out = policy_loss_terms(logprobs_BT, logprobs_BT.detach(), torch.tensor(adv_N.tolist())[mb.indices],
+                                mb.loss_mask_BT, LossParams.uniform(loss, len(mb.indices)))
         out.loss_B.sum().backward()
     s.opt.scale_slot_grad(SLOT, 1.0 / len(samples))
     s.opt.clip_slot_grad(SLOT, 1.0)
@@ -212,10 +213,9 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
             await push(s, version)
             result["warm"], result["warm_steps"] = await success_rate(s, cfg, show=3), steps
             print(f"fresh adapter {result['fresh']:.3f}  after {steps} warm-start steps {result['warm']:.3f}", flush=True)
-            loss_config = LossConfig.from_config(cfg)
             s.opt = new_optimizer(model, args.rl_lr)  # RL starts from the warm adapter with a fresh optimizer, as a run would
             for step in range(args.rl_steps):
-                reward = await rl_step(s, rng.sample(train, args.prompts), args.n, args.temperature, args.rl_lr, cfg, loss_config)
+                reward = await rl_step(s, rng.sample(train, args.prompts), args.n, args.temperature, args.rl_lr, cfg, cfg.loss)
                 version += 1
                 await push(s, version)
                 if step % 5 == 4 or step == args.rl_steps - 1:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.recipes import smollm2, tasks
 from miles.utils.adapter_config import AdapterDefaults, parse_adapter_run_yaml, resolve_adapter_config
 from miles.utils.arguments import parse_args
-from miles.recipes import smollm2, tasks
 
 EVALUATORS = {"tiny": tasks.evaluate_adapter_dir, "smollm2": smollm2.evaluate_adapter_dir}
 

@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.lora import init_slot, inject_multi_lora, lora_modules, use_slots
-from miles.backends.torch.loss import LossConfig, grpo_advantages, policy_loss
+from miles.backends.torch.loss import LossParams, grpo_advantages, policy_loss_terms
 from miles.backends.torch.optimizer import SlotAdamW
+from miles.lora import init_slot, inject_multi_lora, lora_modules, use_slots
+from miles.recipes.tasks import Example, evaluate_accuracy, read_examples
+from miles.recipes.tiny_base import ensure_tiny_base
 from miles.rollout.rewards.registry import RewardSpec
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig, parse_adapter_run_yaml, resolve_adapter_config
 from miles.utils.arguments import MilesConfig, parse_args
-from miles.recipes.tasks import Example, evaluate_accuracy, read_examples
-from miles.recipes.tiny_base import ensure_tiny_base
 from miles.utils.types import Sample
 
 
@@ -113,7 +113,8 @@ def train_step(model, tokenizer, tenant: Tenant, opt: SlotAdamW, cfg: MilesConfi
     with use_slots(model, [tenant.slot] * len(responses)):
         logits = model(input_ids=seq_NT).logits[:, plen - 1 : -1, :].float()
         logprobs_NT = torch.log_softmax(logits, -1).gather(-1, seq_NT[:, plen:, None]).squeeze(-1)
-        out = policy_loss(logprobs_NT, logprobs_NT.detach(), adv_N, mask_NT, config=LossConfig.from_config(cfg))
+        out = policy_loss_terms(logprobs_NT, logprobs_NT.detach(), adv_N, mask_NT,
+                                LossParams.uniform(cfg.loss, len(responses)))
         out.loss_B.sum().backward()
     opt.scale_slot_grad(tenant.slot, 1.0 / tenant.config.adapter_global_batch_size)
     opt.clip_slot_grad(tenant.slot, cfg.clip_grad)

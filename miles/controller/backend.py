@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.controller.registry import AdapterRegistry, AdapterRegistryError, AdapterValidationError
+from miles.controller.router_workers import abort_on_workers
 from miles.controller.store import RegistryStore
 from miles.utils.adapter_config import (
     AdapterConfigError,
@@ -48,7 +49,6 @@ from miles.utils.adapter_config import (
     resolved_field,
     validate_adapter_name,
 )
-from miles.controller.router_workers import abort_on_workers
 from miles.utils.types import AdapterGauges, AdapterState, AdapterStatus, MultiLoRASnapshot, adapter_rid_prefix
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional
+from typing import Annotated, Any, NoReturn
 
 import httpx
 import typer
@@ -54,7 +54,7 @@ OPTIONS = _Options()
 @app.callback()
 def _global(
     url: Annotated[str, typer.Option(envvar="MILES_LORA_URL", help="Control-plane URL.")] = DEFAULT_URL,
-    token: Annotated[Optional[str], typer.Option(envvar="MILES_API_TOKEN", show_envvar=True,
+    token: Annotated[str | None, typer.Option(envvar="MILES_API_TOKEN", show_envvar=True,
                                                  help="Bearer token of the control plane.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
 ) -> None:
@@ -158,8 +158,8 @@ _EXPONENT_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 @app.command("register")
 def register(
     name: Annotated[str, typer.Argument(help="Adapter name (letters, digits, '.', '_', '-').")],
-    yaml_file: Annotated[Optional[Path], typer.Option("--yaml", help="Adapter YAML, read by the control plane.")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="A config field as key=value (repeatable).")] = None,
+    yaml_file: Annotated[Path | None, typer.Option("--yaml", help="Adapter YAML, read by the control plane.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="A config field as key=value (repeatable).")] = None,
 ) -> None:
     """Register an adapter from a YAML file or from --set fields; prints its slot."""
     if (yaml_file is None) == (not set_):
@@ -189,7 +189,7 @@ def retire(name: Annotated[str, typer.Argument(help="Adapter name.")]) -> None:
 @app.command("watch")
 def watch(
     interval: Annotated[float, typer.Option(min=0.05, help="Seconds between refreshes.")] = 2.0,
-    count: Annotated[Optional[int], typer.Option(min=1, help="Stop after this many refreshes.")] = None,
+    count: Annotated[int | None, typer.Option(min=1, help="Stop after this many refreshes.")] = None,
 ) -> None:
     """Refresh the adapter table until Ctrl-C (with --json: one JSON line per refresh)."""
     live = sys.stdout.isatty() and not OPTIONS.json

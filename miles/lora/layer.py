@@ -44,7 +44,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from miles.lora.decode_plan import DecodePlan, jagged_step, rowwise_step, stacked_step, kept
+from miles.lora.decode_plan import DecodePlan, jagged_step, kept, rowwise_step, stacked_step
 from miles.lora.grouped import GroupedLoRALinear
 from miles.lora.rowwise import RowwiseKernel, plan_arguments, rowwise_kernel
 

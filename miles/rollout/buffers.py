@@ -9,7 +9,7 @@ rollout manager's), so no lock is needed.
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Callable
+from collections.abc import Callable
 
 from miles.utils.types import PromptGroup
 

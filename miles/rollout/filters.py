@@ -26,8 +26,9 @@ A filter that drops groups whose rewards are all equal (they carry no GRPO signa
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from miles.utils.plugins import load_callable
 from miles.utils.types import Sample

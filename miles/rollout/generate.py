@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import inspect
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 

@@ -462,15 +462,6 @@ def _base_type(annotation: Any) -> tuple[type, bool]:
     return hint, optional
 
 
-def _str2bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="miles", description="Miles multi-LoRA asynchronous RL trainer",

@@ -29,7 +29,6 @@ import asyncio
 import json
 import multiprocessing
 import random
-import statistics
 import sys
 import tempfile
 import threading

@@ -182,7 +182,7 @@ def main() -> None:
         print(f"wrote {out / 'BENCHMARKS.md'}")
         return
     extra = ["--quick"] if args.quick else []
-    results = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    results = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                "machine": machine(), "shared_machine": args.shared_machine, "figures": []}
     per_script: dict[tuple[str, str], list[str]] = {}
     for item in args.script_args:

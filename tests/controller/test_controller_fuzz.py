@@ -12,10 +12,10 @@ import itertools
 from pathlib import Path
 
 import schemathesis
-from schemathesis import GenerationMode
 from controller_fakes import ROLLOUT_HOOKS
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
 
 from miles.controller.backend import MultiLoRABackend
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer

@@ -15,8 +15,8 @@ import pytest
 from rich.console import Console
 
 from miles.backends.base import AdapterStepStats, AdapterTrainStats, TrainResult
-from miles.main.train_step import TrainedBatch
 from miles.main.progress import LiveTableView, PlainView, RunProgress, make_view
+from miles.main.train_step import TrainedBatch
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.tracking import MetricsLogger, read_metrics
 from miles.utils.types import (

@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from driver_harness import DriverProcess, descendant_pids, tiny_run_flags, write_arithmetic_dataset
 
-from miles.controller.client import ControlPlaneClient
 from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
+from miles.controller.client import ControlPlaneClient
 from miles.rollout.engines.router import Router
 from miles.utils.types import AdapterState, engine_lora_name
-from driver_harness import DriverProcess, descendant_pids, tiny_run_flags, write_arithmetic_dataset
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ from lifecycle_fakes import FakeBackend, FakeRollout, InProcessController, InPro
 from miles.backends.base import TrainingBackend
 from miles.main import train_async, train_multi_lora_async
 from miles.main.launch import Components
-from miles.main.stages import Stages
 from miles.main.progress import RunProgress
+from miles.main.stages import Stages
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger, read_metrics
 from miles.utils.types import AdapterState, DataPosition, next_slot_version

@@ -14,10 +14,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
 from ray.job_submission import JobStatus, JobSubmissionClient
 from waiting import wait_until
 
-from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
 from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.utils.types import DataPosition
 

@@ -4,11 +4,11 @@ models whose outputs are known (a scripted model, a PEFT model and the page tabl
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
-from types import SimpleNamespace
 
 from miles.recipes.tasks import (
     TASKS,

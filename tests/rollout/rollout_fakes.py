@@ -4,7 +4,8 @@ a clock that tests advance, a producer whose death tests decide, and group build
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse

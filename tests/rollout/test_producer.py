@@ -16,10 +16,10 @@ import pytest
 from rollout_fakes import FakeController, FakeEngineServer, active, make_run
 from waiting import wait_until_async
 
+from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
 from miles.rollout.producer import ProducerConfig, ProducerDiedError, RolloutProducer
-from miles.recipes.tiny_model import build_char_tokenizer
 from miles.utils.types import GenerationCounts, SampleStatus, engine_lora_name
 
 

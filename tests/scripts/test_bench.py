@@ -56,8 +56,8 @@ def test_run_all_quick_writes_every_figure(tmp_path):
 def test_lora_bytes_from_the_config_match_the_exported_slot(tiny_model_dir):
     """trainer_service's denominator (LoRA bytes from config.json) is what a slot of the
     model holds once every linear of its decoder is wrapped."""
-    from transformers import AutoModelForCausalLM
     from trainer_service import lora_nbytes
+    from transformers import AutoModelForCausalLM
 
     from miles.lora.layer import inject_multi_lora
     from miles.lora.slots import get_slot_weights, init_slot

@@ -26,7 +26,6 @@ from miles_multi_lora_flags import (
 
 from miles.backends.megatron.actor import MegatronActorConfig
 from miles.backends.torch.actor import TrainActorConfig
-from miles.backends.torch.loss import LossConfig
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.data_source import DatasetCheck
@@ -198,9 +197,9 @@ def test_kl_coef_is_reward_shaping_and_the_kl_loss_is_use_kl_loss():
     shaped = parse_args(["--kl-coef", "0.1"])
     assert shaped.loss.kl_coef == 0.1 and not shaped.loss.use_kl_loss
     assert not shaped.loss.needs_ref_logprobs  # grpo does not shape its reward
-    assert LossConfig.from_config(shaped).kl_coef == 0.0  # no KL term in the loss
+    assert shaped.loss.kl_loss_coef == 0.0  # no KL term in the loss
     kl_loss = parse_args(["--use-kl-loss", "--kl-loss-type", "k3", "--kl-loss-coef", "0.05"])
-    assert LossConfig.from_config(kl_loss).kl_coef == 0.05 and kl_loss.loss.kl_coef == 0.0
+    assert kl_loss.loss.kl_loss_coef == 0.05 and kl_loss.loss.kl_coef == 0.0
     assert kl_loss.loss == LossSettings(use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=0.05)
 
 

@@ -115,9 +115,9 @@ def _rank_main(rank: int, world: int, addresses, args: argparse.Namespace, shape
 
 
 def main(argv: list[str] | None = None) -> int:
-    from miles.lora import set_slot_weights
     from miles.backends.rank.config import TrainActorConfig
     from miles.backends.torch.actor import TorchTrainActor
+    from miles.lora import set_slot_weights
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf-checkpoint", required=True)

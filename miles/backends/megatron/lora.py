@@ -42,9 +42,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from miles.backends.megatron.model import ModelShape
 from miles.lora.layer import SlotBatch, resolve_targets
 from miles.lora.slots import fresh_lora_weights, peft_names
-from miles.backends.megatron.model import ModelShape
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles.backends.torch.loss import LossConfig
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
 
@@ -53,14 +52,11 @@ class TrainActorConfig:
     clip_grad: float = 1.0
     min_lr: float = 0.0
     loss: LossSettings = field(default_factory=LossSettings)
-    """The trainer's loss flags (`cfg.loss`): the settings of adapters whose spec has none.
-    A `LossConfig` is accepted and read as the settings it implements."""
+    """The trainer's loss flags (`cfg.loss`): the settings of adapters whose spec has none."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if isinstance(self.loss, LossConfig):
-            object.__setattr__(self, "loss", self.loss.to_settings())
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,11 +1,4 @@
-"""Advantages and policy losses of the train actors: pure tensor math, no model, no Ray.
-
-Two layers. `grpo_advantages` and `policy_loss(config=LossConfig)` are the GRPO +
-PPO-clip (+ TIS, + k3 KL) loss the train actors call today:
-
-    adv_N = grpo_advantages(rewards_N, group_sizes=[4, 4, 2])
-    out = policy_loss(logprobs_BT, old_logprobs_BT, adv_B, mask_BT, config=LossConfig())
-    out.loss_B.sum().backward()
+"""Advantages and policy losses of the train ranks: pure tensor math, no model, no Ray.
 
 `LossSettings` (Miles' flag names and defaults, one per adapter), `compute_advantages`
 and `policy_loss_terms` implement Miles' estimators (grpo, gspo, reinforce_plus_plus,
@@ -30,7 +23,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import KL_LOSS_TYPES, LossSettings
 from miles.utils.plugins import PluginError, load_object
 
@@ -45,112 +37,6 @@ def grpo_advantages(rewards_N: Tensor, group_sizes: list[int]) -> Tensor:
     group of equal rewards gets 0 too. Group sizes may differ (one per adapter).
     """
     return normalize_group_rewards(rewards_N, group_sizes, divide_by_std=True)
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """The loss flags a train actor needs."""
-
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.2
-    use_tis: bool = False
-    tis_clip: float = 2.0
-    kl_coef: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.eps_clip < 0 or self.eps_clip_high < 0:
-            raise ValueError("--eps-clip and --eps-clip-high must be >= 0")
-        if self.use_tis and self.tis_clip <= 0:
-            raise ValueError("--tis-clip must be > 0 with --use-tis")
-        if self.kl_coef < 0:
-            raise ValueError("--kl-coef must be >= 0")
-
-    @classmethod
-    def from_config(cls, cfg: MilesConfig) -> LossConfig:
-        """The part of `cfg.loss` this loss applies: PPO clip, TIS cap and the k3 KL term
-        (`--use-kl-loss --kl-loss-type k3 --kl-loss-coef X`); the command line warns about
-        the other loss flags (`miles.utils.arguments.inert_flag_warnings`)."""
-        s = cfg.loss
-        use_k3_kl = s.use_kl_loss and s.kl_loss_type == "k3"
-        return cls(eps_clip=s.eps_clip, eps_clip_high=s.clip_high, use_tis=s.use_tis, tis_clip=s.tis_clip,
-                   kl_coef=s.kl_loss_coef if use_k3_kl else 0.0)
-
-    def to_settings(self) -> LossSettings:
-        """The settings that `policy_loss(config=self)` implements (k3 KL term, TIS cap only)."""
-        return LossSettings(eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high, use_tis=self.use_tis,
-                            tis_clip=self.tis_clip, use_kl_loss=self.kl_coef > 0, kl_loss_coef=self.kl_coef,
-                            kl_loss_type="k3")
-
-
-@dataclass
-class PolicyLossOutput:
-    """Per-sample results; the micro-batch loss is `loss_B.sum()` (weight 1 per sample)."""
-
-    loss_B: Tensor
-    """Token mean of the per-token loss over each sample's response tokens."""
-    clipped_tokens_B: Tensor
-    """Response tokens whose clipped term was the active one (detached)."""
-    kl_B: Tensor
-    """Token mean of the k3 KL estimate to the reference (zeros without a reference)."""
-    tis_B: Tensor
-    """Token mean of the TIS weight (ones without TIS)."""
-    tokens_B: Tensor
-    """Response tokens per sample."""
-
-
-def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Low-variance estimate of KL(policy || reference) per token: e^d - d - 1, d = ref - logp."""
-    delta = ref_logprobs - logprobs
-    return torch.exp(delta) - delta - 1
-
-
-def policy_loss(
-    logprobs_BT: Tensor,
-    old_logprobs_BT: Tensor,
-    advantages_B: Tensor,
-    mask_BT: Tensor,
-    *,
-    config: LossConfig,
-    rollout_logprobs_BT: Tensor | None = None,
-    ref_logprobs_BT: Tensor | None = None,
-) -> PolicyLossOutput:
-    """PPO-clip loss per sample, with optional TIS weight and KL-to-reference term.
-
-    Per token: `max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_high))` with
-    `r = exp(logp - old_logp)`; times `min(exp(old_logp - rollout_logp), tis_clip)`
-    (detached) with TIS; plus `kl_coef * k3(logp, ref_logp)` with a reference.
-    `mask_BT` is 1 on response tokens. A sample without response tokens gets loss 0.
-    """
-    mask = mask_BT.to(logprobs_BT.dtype)
-    tokens_B = mask.sum(dim=1)
-    adv_BT = advantages_B.to(logprobs_BT.dtype).unsqueeze(1)
-    ratio = torch.exp(logprobs_BT - old_logprobs_BT)
-    unclipped = -adv_BT * ratio
-    clipped = -adv_BT * torch.clamp(ratio, 1 - config.eps_clip, 1 + config.eps_clip_high)
-    per_token = torch.maximum(unclipped, clipped)
-    clipped_tokens_B = ((clipped > unclipped).to(mask.dtype) * mask).sum(dim=1).detach()
-
-    tis_BT = torch.ones_like(per_token)
-    if config.use_tis:
-        if rollout_logprobs_BT is None:
-            raise ValueError("use_tis needs the engine's rollout logprobs of every response token")
-        tis_BT = torch.clamp(torch.exp(old_logprobs_BT - rollout_logprobs_BT), max=config.tis_clip).detach()
-        per_token = per_token * tis_BT
-
-    kl_BT = torch.zeros_like(per_token)
-    if ref_logprobs_BT is not None:
-        kl_BT = k3_kl(logprobs_BT, ref_logprobs_BT)
-        if config.kl_coef > 0:
-            per_token = per_token + config.kl_coef * kl_BT
-
-    denom = tokens_B.clamp(min=1)
-    return PolicyLossOutput(
-        loss_B=(per_token * mask).sum(dim=1) / denom,
-        clipped_tokens_B=clipped_tokens_B,
-        kl_B=((kl_BT * mask).sum(dim=1) / denom).detach(),
-        tis_B=((tis_BT * mask).sum(dim=1) / denom).detach(),
-        tokens_B=tokens_B.detach(),
-    )
 
 
 # ---------------------------------------------------------------------------

@@ -36,7 +36,6 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
-
 SlotNorm = Callable[[list[Tensor]], Tensor]
 """The L2 norm (a 0-dim float32 tensor) of one slot's gradient given this rank's rows of it."""
 

@@ -36,8 +36,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles.rollout.engines.builtin_engine import (
     BuiltinEngine,
-    EngineOptions,
     EngineInternalError,
+    EngineOptions,
     EngineRequestError,
     WeightsUpdateGroupError,
 )

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import time
 
 import httpx
 import ray

@@ -22,7 +22,8 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from miles.rollout.rewards.answers import (
     extract_boxed,

@@ -8,37 +8,9 @@ plain dataclass (picklable by Ray) or a pydantic model (validated at the HTTP ed
 nothing is a string-keyed dict. Import from this package: `from miles.utils.types import Sample`.
 """
 
-from miles.utils.types.lifecycle import (
-    AdapterRun,
-    AdapterState,
-    ENGINE_LORA_PREFIX,
-    LoraUpdateMode,
-    MultiLoRASnapshot,
-    adapter_rid,
-    adapter_rid_prefix,
-    engine_lora_name,
-    engine_lora_slot,
-    next_slot_version,
-)
 from miles.utils.types.control_plane import (
     AdapterStatus,
     RegisterAdapterRequest,
-)
-from miles.utils.types.rollout import (
-    AdapterGauges,
-    AdapterRolloutStats,
-    DataPosition,
-    DropReason,
-    GenerationCounts,
-    PromptGroup,
-    RolloutBatch,
-    RolloutStats,
-    Sample,
-    SampleStatus,
-)
-from miles.utils.types.pushes import (
-    SlotPush,
-    UpdateGroupLayout,
 )
 from miles.utils.types.engine_api import (
     AbortRequest,
@@ -52,6 +24,34 @@ from miles.utils.types.engine_api import (
     LoadLoraRequest,
     SamplingParams,
     UnloadLoraRequest,
+)
+from miles.utils.types.lifecycle import (
+    ENGINE_LORA_PREFIX,
+    AdapterRun,
+    AdapterState,
+    LoraUpdateMode,
+    MultiLoRASnapshot,
+    adapter_rid,
+    adapter_rid_prefix,
+    engine_lora_name,
+    engine_lora_slot,
+    next_slot_version,
+)
+from miles.utils.types.pushes import (
+    SlotPush,
+    UpdateGroupLayout,
+)
+from miles.utils.types.rollout import (
+    AdapterGauges,
+    AdapterRolloutStats,
+    DataPosition,
+    DropReason,
+    GenerationCounts,
+    PromptGroup,
+    RolloutBatch,
+    RolloutStats,
+    Sample,
+    SampleStatus,
 )
 
 __all__ = [

@@ -171,9 +171,9 @@ def run_megatron(model_dir: Path, tp: int, work: Path) -> dict:
 
 def run_torch(model_dir: Path, work: Path) -> dict:
     """The torch twin; also leaves `work/torch_ckpt` (adapter a at step 1) for the Megatron run."""
-    from miles.lora import set_slot_weights, use_slots
     from miles.backends.rank.config import TrainActorConfig
     from miles.backends.torch.actor import TorchTrainActor
+    from miles.lora import set_slot_weights, use_slots
 
     actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(model_dir), n_slots=N_SLOTS, lora_rank=RANK))
 

@@ -6,8 +6,6 @@ process) and one torch rank play the same script on the same tiny model, in fp32
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -57,9 +55,9 @@ def _megatron_main(rank: int, model_dir: str, out: str) -> None:
 
 
 def test_entropy_and_kl_shaped_reinforce_plus_plus_step_as_in_the_torch_backend(tiny_model_dir, tmp_path):
-    from miles.lora import set_slot_weights
     from miles.backends.rank.config import TrainActorConfig
     from miles.backends.torch.actor import TorchTrainActor
+    from miles.lora import set_slot_weights
 
     actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=4, lora_rank=RANK))
     ref = play(actor, lambda slot, t: set_slot_weights(actor.model.module, slot, t, rank=RANK, alpha=8.0))

@@ -31,7 +31,6 @@ BATCH_SLOTS = [2, -1, 0, 2, 1]
 
 def _lora_model(model_dir: str, shape: ModelShape, recompute: dict):
     """The tiny model with three slots of seeded random LoRA weights, in eval mode."""
-    from miles.lora.slots import peft_names
     from miles.backends.megatron import lora as mlora
     from miles.backends.megatron.model import (
         allow_recompute_in_eval,
@@ -39,6 +38,7 @@ def _lora_model(model_dir: str, shape: ModelShape, recompute: dict):
         load_hf_weights,
         read_hf_state_dict,
     )
+    from miles.lora.slots import peft_names
 
     model = build_gpt_model(shape, recompute=recompute)
     load_hf_weights(model, shape, read_hf_state_dict(model_dir))

@@ -16,10 +16,11 @@ from torch_backend_data import counts, flatten_with_advantages, make_groups, max
 from miles.backends.base import LoadResult
 from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.checkpoint import latest_checkpoint
-from miles.backends.torch.loss import LossConfig
+from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition
 
-LOSS = LossConfig(eps_clip=0.2, eps_clip_high=0.28, use_tis=True, tis_clip=2.0, kl_coef=0.05)
+LOSS = LossSettings(eps_clip=0.2, eps_clip_high=0.28, use_tis=True, tis_clip=2.0, use_kl_loss=True,
+                    kl_loss_coef=0.05, kl_loss_type="k3")
 
 
 def _train_step(actor, groups, step_names):

@@ -3,11 +3,11 @@ log-softmax, in value and in gradient."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-
-from types import SimpleNamespace
 
 from miles.backends.torch.batching import (
     activation_bytes_per_token,

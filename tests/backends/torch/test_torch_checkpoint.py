@@ -12,6 +12,8 @@ import torch
 from safetensors.torch import save_file
 from torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
 
+from miles.backends.base import SaveRequest
+from miles.backends.rank.core import GradShare
 from miles.backends.torch.checkpoint import (
     ACCUMULATED_GRAD,
     COMPLETE_MARKERS,
@@ -22,8 +24,6 @@ from miles.backends.torch.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from miles.backends.base import SaveRequest
-from miles.backends.rank.core import GradShare
 from miles.backends.torch.train_group import TrainGroup
 from miles.utils.types import DataPosition
 

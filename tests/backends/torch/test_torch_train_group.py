@@ -19,13 +19,13 @@ from torch_backend_data import make_groups, max_abs_diff, new_actor
 from miles.backends.base import AdapterSpec, TrainingBackend
 from miles.backends.torch.actor import TrainActorConfig
 from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
-from miles.backends.torch.loss import LossConfig
 from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig, split_prompt_groups
 from miles.controller.actor import ControllerConfig, MultiLoRAController
 from miles.controller.http_server import HTTPServerConfig
 from miles.main.engine_push import EnginePusher
 from miles.main.stages import Stages
 from miles.utils.adapter_config import AdapterDefaults, resolve_adapter_config
+from miles.utils.loss_settings import LossSettings
 from miles.utils.types import AdapterState, DataPosition, RolloutBatch
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,7 @@ def _batch(rollout_id, groups, step_names):
 
 def _group_config(model_dir, n_workers):
     actor = TrainActorConfig(hf_checkpoint=str(model_dir), n_slots=4, lora_rank=4, micro_batch_size=3,
-                             loss=LossConfig(kl_coef=0.05))
+                             loss=LossSettings(use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="k3"))
     return TrainGroupConfig(actor=actor, n_workers=n_workers, num_cpus_per_worker=0)
 
 

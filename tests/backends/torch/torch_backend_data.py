@@ -9,7 +9,8 @@ import torch
 from miles.backends.base import AdapterSpec
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.actor import TorchTrainActor
-from miles.backends.torch.loss import LossConfig, grpo_advantages
+from miles.backends.torch.loss import grpo_advantages
+from miles.utils.loss_settings import LossSettings
 from miles.utils.types import Sample
 
 VOCAB = 100  # the tiny models' vocabulary size
@@ -48,13 +49,13 @@ def counts(samples: list[Sample]) -> dict[str, int]:
 
 def new_actor(model_dir, *, n_slots: int = 4, lora_rank: int = 4, micro_batch_size: int | None = None,
               max_tokens: int | None = None, activation_budget_mb: float | None = None,
-              loss: LossConfig | None = None, clip_grad: float = 1.0, rank: int = 0,
+              loss: LossSettings | None = None, clip_grad: float = 1.0, rank: int = 0,
               world_size: int = 1) -> TorchTrainActor:
     """A torch train rank driven in-process (`rank` of `world_size`: no process group is joined)."""
     return TorchTrainActor(TrainActorConfig(
         hf_checkpoint=str(model_dir), n_slots=n_slots, lora_rank=lora_rank, micro_batch_size=micro_batch_size,
         max_tokens_per_micro_batch=max_tokens, activation_budget_mb=activation_budget_mb,
-        loss=loss or LossConfig(), clip_grad=clip_grad,
+        loss=loss or LossSettings(), clip_grad=clip_grad,
     ), rank, world_size)
 
 
