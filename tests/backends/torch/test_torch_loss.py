@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from miles.backends.torch.loss import (
-    LossConfig,
     LossParams,
     LossSettings,
     approx_kl,
@@ -19,9 +18,7 @@ from miles.backends.torch.loss import (
     compute_advantages,
     entropy_from_logits,
     grpo_advantages,
-    k3_kl,
     masked_whiten,
-    policy_loss,
     policy_loss_terms,
 )
 
@@ -55,12 +52,11 @@ def _clip_case():
 
 def test_ppo_clip_on_both_sides():
     logp, old, adv = _clip_case()
-    cfg = LossConfig(eps_clip=0.2, eps_clip_high=0.28)
-    out = policy_loss(logp, old, adv, torch.ones(4, 1), config=cfg)
+    out = terms(logp, old, adv, torch.ones(4, 1), LossSettings(eps_clip=0.2, eps_clip_high=0.28))
     # (+1, 1.5): max(-1.5, -1.28) = -1.28 clipped; (-1, 0.5): max(0.5, 0.8) = 0.8 clipped;
     # (+1, 0.5): max(-0.5, -0.8) = -0.5; (-1, 1.5): max(1.5, 1.2) = 1.5.
     assert out.loss_B.tolist() == pytest.approx([-1.28, 0.8, -0.5, 1.5], abs=1e-6)
-    assert out.clipped_tokens_B.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert out.pg_clipfrac_B.tolist() == [1.0, 1.0, 0.0, 0.0]  # one token each: clipped or not
     out.loss_B.sum().backward()
     # d(-A r)/d logp = -A r where unclipped; zero where the clipped term is active.
     assert logp.grad.flatten().tolist() == pytest.approx([0.0, 0.0, -0.5, 1.5], abs=1e-6)
@@ -69,7 +65,7 @@ def test_ppo_clip_on_both_sides():
 def test_token_mean_per_sample_ignores_masked_tokens():
     logp = torch.log(torch.tensor([[1.0, 1.1, 7.0], [1.0, 1.0, 1.0]]))
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    out = policy_loss(logp, torch.zeros(2, 3), torch.tensor([2.0, -1.0]), mask, config=LossConfig(eps_clip=0.5))
+    out = terms(logp, torch.zeros(2, 3), torch.tensor([2.0, -1.0]), mask, LossSettings(eps_clip=0.5, eps_clip_high=0.5))
     # sample 0: tokens -2*1.0 and -2*1.1 (inside the clip range), mean -2.1; token 3 is padding.
     assert out.loss_B.tolist() == pytest.approx([-2.1, 1.0], abs=1e-6)
     assert out.tokens_B.tolist() == [2.0, 1.0]
@@ -79,18 +75,20 @@ def test_tis_weight_is_capped_and_detached():
     logp = torch.zeros(1, 2, requires_grad=True)
     old = torch.zeros(1, 2)
     rollout = torch.tensor([[-math.log(3.0), math.log(2.0)]])  # weights exp(0 - rollout): 3 -> cap 2, 0.5
-    cfg = LossConfig(use_tis=True, tis_clip=2.0)
-    out = policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), config=cfg, rollout_logprobs_BT=rollout)
+    out = terms(logp, old, torch.tensor([1.0]), torch.ones(1, 2), LossSettings(use_tis=True, tis_clip=2.0),
+                rollout_logprobs_BT=rollout)
     # per token -A * r * w with r = 1: -2 and -0.5, token mean -1.25
     assert out.loss_B.item() == pytest.approx(-1.25, abs=1e-6)
-    assert out.tis_B.item() == pytest.approx(1.25, abs=1e-6)
+    # the metrics are Miles': the raw weights' mean (3, 0.5) and the share that was clamped
+    assert out.tis_B.item() == pytest.approx(1.75, abs=1e-6)
+    assert out.tis_clipfrac_B.item() == pytest.approx(0.5, abs=1e-6)
     out.loss_B.sum().backward()
     assert logp.grad.flatten().tolist() == pytest.approx([-1.0, -0.25], abs=1e-6)
 
 
 def test_tis_without_rollout_logprobs_is_an_error():
-    with pytest.raises(ValueError, match="rollout logprobs"):
-        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), config=LossConfig(use_tis=True))
+    with pytest.raises(ValueError, match="engine's logprobs of every response token"):
+        terms(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), LossSettings(use_tis=True))
 
 
 def test_k3_kl_value_and_penalty():
@@ -98,12 +96,12 @@ def test_k3_kl_value_and_penalty():
     ref = torch.log(torch.tensor([[0.25]]))
     # d = ln(0.5): e^d - d - 1 = 0.5 + ln 2 - 1
     expected_kl = 0.5 + math.log(2) - 1
-    assert k3_kl(logp, ref).item() == pytest.approx(expected_kl, abs=1e-7)
-    cfg = LossConfig(kl_coef=0.1)
-    out = policy_loss(logp, logp.clone(), torch.tensor([0.0]), torch.ones(1, 1), config=cfg, ref_logprobs_BT=ref)
-    assert out.kl_B.item() == pytest.approx(expected_kl, abs=1e-7)
+    assert approx_kl(logp, ref, "k3").item() == pytest.approx(expected_kl, abs=1e-7)
+    settings = LossSettings(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3")
+    out = terms(logp, logp.clone(), torch.tensor([0.0]), torch.ones(1, 1), settings, ref_logprobs_BT=ref)
+    assert out.kl_loss_B.item() == pytest.approx(expected_kl, abs=1e-7)
     assert out.loss_B.item() == pytest.approx(0.1 * expected_kl, abs=1e-7)
-    assert k3_kl(ref, ref).item() == 0.0
+    assert approx_kl(ref, ref, "k3").item() == 0.0
 
 
 
@@ -331,23 +329,6 @@ def test_kl_loss_term_with_each_estimator(kl_type, unbiased, expected):
     assert out.loss_B.item() == pytest.approx(0.1 * expected, abs=1e-6)
     with pytest.raises(ValueError, match="base model"):
         terms(logp, old, torch.zeros(1), torch.ones(1, 1), settings)
-
-
-def test_new_settings_reproduce_the_loss_config_path():
-    gen = torch.Generator().manual_seed(0)
-    logp = (-torch.rand(3, 4, generator=gen)).requires_grad_(True)
-    old = logp.detach() + 0.3 * torch.randn(3, 4, generator=gen)
-    rollout = old + 0.5 * torch.randn(3, 4, generator=gen)
-    ref = old - torch.rand(3, 4, generator=gen)
-    adv, mask = torch.tensor([1.0, -0.5, 2.0]), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
-    cfg = LossConfig(eps_clip=0.2, eps_clip_high=0.28, use_tis=True, tis_clip=1.5, kl_coef=0.05)
-    a = policy_loss(logp, old, adv, mask, config=cfg, rollout_logprobs_BT=rollout, ref_logprobs_BT=ref)
-    (grad_a,) = torch.autograd.grad(a.loss_B.sum(), logp)
-    b = terms(logp, old, adv, mask, cfg.to_settings(), rollout_logprobs_BT=rollout, ref_logprobs_BT=ref)
-    (grad_b,) = torch.autograd.grad(b.loss_B.sum(), logp)
-    assert b.loss_B.tolist() == pytest.approx(a.loss_B.tolist(), abs=1e-6)
-    assert grad_b.flatten().tolist() == pytest.approx(grad_a.flatten().tolist(), abs=1e-6)
-    assert b.kl_loss_B.tolist() == pytest.approx(a.kl_B.tolist(), abs=1e-6)
 
 
 def test_a_mixed_batch_gives_each_sample_the_loss_of_its_adapter_alone():
