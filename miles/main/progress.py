@@ -45,6 +45,63 @@ RATE_WINDOW = 8
 
 
 @dataclass
+class SampleRate:
+    """Samples trained per second over an adapter's latest `RATE_WINDOW` trained batches."""
+
+    trained: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    """(time, samples) of its latest trained batches."""
+    since: float = 0.0
+    """Start of the window `trained` covers."""
+
+    def add(self, now: float, samples: int) -> None:
+        if len(self.trained) == self.trained.maxlen:
+            self.since = self.trained[0][0]
+        self.trained.append((now, samples))
+
+    def per_s(self, now: float) -> float | None:
+        if not self.trained or now <= self.since:
+            return None
+        return sum(n for _, n in self.trained) / (now - self.since)
+
+
+@dataclass
+class StepWindow:
+    """What an adapter's batches since its last optimizer step add up to (its next step record)."""
+
+    rollout: AdapterRolloutStats | None = None
+    """Rollout numbers of the batches since its last step."""
+    train: list[AdapterTrainStats] = field(default_factory=list)
+    """Train numbers of the batches since its last step."""
+    batches: int = 0
+    """Batches since its last step."""
+    filter_drops_logged: dict[str, int] = field(default_factory=dict)
+    """The producer's cumulative dynamic-filter drops per reason at its last step record."""
+
+    def add(self, stats: AdapterRolloutStats, train: AdapterTrainStats | None) -> None:
+        self.rollout = stats if self.rollout is None else self.rollout.merge(stats)
+        self.batches += 1 if stats.groups else 0
+        if train is not None:
+            self.train.append(train)
+
+    def close(self) -> dict[str, float]:
+        """The step record's numbers; starts the next step's window."""
+        metrics: dict[str, float] = {"perf/step_batches": float(self.batches)}
+        if self.rollout is not None:
+            metrics.update(self.rollout.to_metrics())
+            drops = self.rollout.generation.filtered_by_reason
+            for reason, total in drops.items():
+                metrics[f"dynamic_filter/drop_{reason}"] = float(total - self.filter_drops_logged.get(reason, 0))
+            self.filter_drops_logged = dict(drops)
+        metrics.update(_merge_train(self.train))
+        self.drop()
+        return metrics
+
+    def drop(self) -> None:
+        """Forget the batches since the last step (the drop counts' baseline stays)."""
+        self.rollout, self.train, self.batches = None, [], 0
+
+
+@dataclass
 class AdapterProgress:
     name: str
     registration_id: str
@@ -55,31 +112,8 @@ class AdapterProgress:
     step: int = 0
     rewards: list[float] = field(default_factory=list)
     """`raw_reward_mean` of each optimizer step (all its registrations)."""
-    rollout: AdapterRolloutStats | None = None
-    """Rollout numbers of the batches since its last step."""
-    train: list[AdapterTrainStats] = field(default_factory=list)
-    """Train numbers of the batches since its last step."""
-    batches: int = 0
-    """Batches since its last step."""
-    filter_drops_logged: dict[str, int] = field(default_factory=dict)
-    """The producer's cumulative dynamic-filter drops per reason at its last step record."""
-    trained: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
-    """(time, samples) of its latest trained batches."""
-    rate_since: float = 0.0
-    """Start of the window `trained` covers."""
-
-    def samples_per_s(self, now: float) -> float | None:
-        if not self.trained or now <= self.rate_since:
-            return None
-        return sum(n for _, n in self.trained) / (now - self.rate_since)
-
-    def add_trained(self, now: float, samples: int) -> None:
-        if len(self.trained) == self.trained.maxlen:
-            self.rate_since = self.trained[0][0]
-        self.trained.append((now, samples))
-
-    def reset_step(self) -> None:
-        self.rollout, self.train, self.batches = None, [], 0
+    window: StepWindow = field(default_factory=StepWindow)
+    rate: SampleRate = field(default_factory=SampleRate)
 
 
 @dataclass(frozen=True)
@@ -191,11 +225,11 @@ class RunProgress:
                 save_dir = None if run.config.save is None else str(run.config.save)
                 if entry is None:
                     entry = self.adapters[name] = AdapterProgress(name, run.registration_id, save_dir,
-                                                                  run.final_step, rate_since=self.clock())
+                                                                  run.final_step, rate=SampleRate(since=self.clock()))
                     logger.info("Adapter %r in slot %d (save: %s)", name, run.slot, save_dir)
                 elif entry.registration_id != run.registration_id:
                     logger.info("Adapter %r registered again in slot %d (save: %s)", name, run.slot, save_dir)
-                    entry.reset_step()  # a partial step of the previous registration is never logged
+                    entry.window.drop()  # a partial step of the previous registration is never logged
                 entry.registration_id, entry.save_dir, entry.final_step = run.registration_id, save_dir, run.final_step
                 entry.step, entry.state = run.step, state
         for state, names in ((AdapterState.CLEANUP, snapshot.cleanup), (AdapterState.COMPLETED, snapshot.completed)):
@@ -219,12 +253,10 @@ class RunProgress:
             entry = self.adapters.get(name)
             if entry is None:
                 continue
-            entry.rollout = stats if entry.rollout is None else entry.rollout.merge(stats)
-            entry.batches += 1 if stats.groups else 0
-            if name in trained.result.adapters:
-                train = trained.result.adapters[name]
-                entry.train.append(train)
-                entry.add_trained(now, train.samples)
+            train = trained.result.adapters.get(name)
+            entry.window.add(stats, train)
+            if train is not None:
+                entry.rate.add(now, train.samples)
         for name, step in sorted(trained.steps.items()):
             entry = self.adapters.get(name)
             if entry is not None:
@@ -237,18 +269,10 @@ class RunProgress:
 
     def _step_metrics(self, entry: AdapterProgress) -> dict[str, float]:
         """The adapter record of the step `entry` just took; starts the next step's accumulation."""
-        metrics: dict[str, float] = {"perf/step_batches": float(entry.batches)}
-        if entry.rollout is not None:
-            metrics.update(entry.rollout.to_metrics())
-            if entry.rollout.raw_reward_mean is not None:
-                entry.rewards.append(entry.rollout.raw_reward_mean)
-            drops = entry.rollout.generation.filtered_by_reason
-            for reason, total in drops.items():
-                metrics[f"dynamic_filter/drop_{reason}"] = float(total - entry.filter_drops_logged.get(reason, 0))
-            entry.filter_drops_logged = dict(drops)
-        metrics.update(_merge_train(entry.train))
-        entry.reset_step()
-        return metrics
+        rollout = entry.window.rollout
+        if rollout is not None and rollout.raw_reward_mean is not None:
+            entry.rewards.append(rollout.raw_reward_mean)
+        return entry.window.close()
 
     def gauges(self, rollout: RolloutBatch) -> dict[str, AdapterGauges]:
         """Each adapter's latest step reward and buffered groups (for the controller's `/metrics`)."""
@@ -265,7 +289,7 @@ class RunProgress:
         rows = []
         for entry in sorted(self.adapters.values(), key=lambda e: e.name):
             total = "" if entry.final_step is None else f"/{entry.final_step}"
-            rate = entry.samples_per_s(now)
+            rate = entry.rate.per_s(now)
             rows.append(AdapterRow(
                 name=entry.name,
                 state=entry.state.value.lower(),
