@@ -37,8 +37,9 @@ import functools
 import itertools
 import math
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal
 
 import torch
@@ -183,8 +184,11 @@ def _scale_columns(values: list[int], present: tuple[int, ...], scales: Sequence
 
 # One mapping per context (thread or asyncio task): id of a multi-LoRA layer -> the
 # batch being run. Keyed per layer object so that two models (or a deep copy) never
-# see each other's slots.
-_ACTIVE: contextvars.ContextVar[dict[int, SlotBatch]] = contextvars.ContextVar("miles_lora_slots", default={})
+# see each other's slots. Never mutated: `use_slots` and `restore_routing` set a new one
+# (the default, no routing at all, is read-only).
+_ACTIVE: contextvars.ContextVar[Mapping[int, SlotBatch]] = contextvars.ContextVar(
+    "miles_lora_slots", default=MappingProxyType({})
+)
 
 
 class MultiLoRALinear(nn.Module):
@@ -646,7 +650,7 @@ def use_slots(model: nn.Module, slot_ids: Sequence[int] | torch.Tensor) -> Itera
         _ACTIVE.reset(token)
 
 
-def active_routing() -> dict[int, SlotBatch]:
+def active_routing() -> Mapping[int, SlotBatch]:
     """The slot routing in effect here (what the enclosing `use_slots` blocks set), for
     `restore_routing` to put back later: a layer recomputed in the backward
     (`miles.backends.torch.recompute`) must see the slots of its first forward, whichever
@@ -655,7 +659,7 @@ def active_routing() -> dict[int, SlotBatch]:
 
 
 @contextlib.contextmanager
-def restore_routing(routing: dict[int, SlotBatch]) -> Iterator[None]:
+def restore_routing(routing: Mapping[int, SlotBatch]) -> Iterator[None]:
     """Run the block with `routing` (from `active_routing`) in effect."""
     token = _ACTIVE.set(routing)
     try:

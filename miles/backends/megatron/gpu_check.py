@@ -15,6 +15,7 @@ on the CPU (a rehearsal of the GPU check).
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import sys
 import tempfile
@@ -63,7 +64,7 @@ def _weights(shapes: dict[str, torch.Size], seed: int) -> dict[str, torch.Tensor
 def _play(actor, set_weights, vocab: int, shapes) -> dict:
     for spec in _specs():
         actor.load_adapter(spec)
-    for i, (name, slot) in enumerate(ADAPTERS.items()):
+    for i, slot in enumerate(ADAPTERS.values()):
         set_weights(slot, _weights(shapes, 10 + i))
     samples, advantages = _samples(vocab)
     seen = {"logprobs": actor.logprobs(_probe(samples))}
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {k: v.shape for k, v in ref_actor.export_adapter("a").items()}
     ref_actor.cleanup_adapter("a")
     vocab = ref_actor.model.module.config.vocab_size
-    ref = _play(ref_actor, lambda slot, t: set_slot_weights(ref_actor.model.module, slot, t, rank=RANK, alpha=16.0),
+    # The setter binds the model now (no closure over ref_actor), so the `del` below is the name's last use.
+    ref = _play(ref_actor, functools.partial(set_slot_weights, ref_actor.model.module, rank=RANK, alpha=16.0),
                 vocab, shapes)
     del ref_actor
     with tempfile.TemporaryDirectory() as tmp:

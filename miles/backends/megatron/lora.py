@@ -386,7 +386,7 @@ def set_slot_weights(parts: dict[str, LoRAPart], slot: int, tensors: dict[str, T
     cover get a zero delta. Unknown names raise before anything is written."""
     by_name = {}
     known = set()
-    for name, part in parts.items():
+    for name in parts:
         a_name, b_name = peft_names(name)
         known |= {a_name, b_name}
         if (a_name in tensors) != (b_name in tensors):

@@ -77,7 +77,7 @@ def play(actor, *, set_weights, logits_fn, save_dir: Path, torch_ckpt: Path) -> 
     seen["fresh"] = actor.export_adapter("a")
     shapes = {k: v.shape for k, v in seen["fresh"].items()} if seen["fresh"] else None
     shapes = _broadcast_shapes(shapes)
-    for i, (name, slot) in enumerate(SLOTS.items()):
+    for i, slot in enumerate(SLOTS.values()):
         set_weights(slot, random_adapter(shapes, seed=100 + i))
     seen["logits"] = logits_fn(logit_input_ids(), LOGIT_SLOTS)
     seen["logprobs"] = actor.logprobs(logprob_samples())
@@ -207,7 +207,7 @@ def _dp_rank_main(rank: int, world: int, addresses, model_dir: str, work: str) -
     for name, slot in SLOTS.items():
         actor.load_adapter(spec(name, slot, rank=RANK, global_batch_size=6))
     shapes = _broadcast_shapes({k: v.shape for k, v in actor.export_adapter("a").items()} if rank == 0 else None)
-    for i, (name, slot) in enumerate(SLOTS.items()):
+    for i, slot in enumerate(SLOTS.values()):
         mlora.set_slot_weights(actor.model.parts, slot, random_adapter(shapes, seed=100 + i), rank=RANK, alpha=8.0)
     groups = step1_groups()
     samples, adv = flatten_with_advantages(groups)

@@ -141,9 +141,9 @@ def test_fused_step_of_several_slots_equals_the_per_slot_sequence():
             loop.zero_slot_grad(slot)
         assert norms == pytest.approx(expected, rel=1e-6)
         assert norms[0] > 1.0 > norms[2]  # one slot is clipped, the other is not
-        for f, l in zip(fused_params, loop_params):
-            torch.testing.assert_close(f.detach(), l.detach(), atol=1e-7, rtol=0)
-            torch.testing.assert_close(f.grad, l.grad, atol=0, rtol=0)
+        for fused_p, loop_p in zip(fused_params, loop_params):
+            torch.testing.assert_close(fused_p.detach(), loop_p.detach(), atol=1e-7, rtol=0)
+            torch.testing.assert_close(fused_p.grad, loop_p.grad, atol=0, rtol=0)
         # Slot 1 did not step: its gradient accumulates, its row never moves.
         assert torch.equal(fused_params[0].grad[1], grads[0][1])
     assert fused.steps == loop.steps == [3, 0, 3]
@@ -178,9 +178,9 @@ def test_fused_step_over_a_run_of_slots_equals_the_per_slot_sequence():
             loop.step_slot(slot, 0.01)
             loop.zero_slot_grad(slot)
         assert norms == pytest.approx(expected, rel=1e-6)
-        for f, l in zip(fused_params, loop_params):
-            torch.testing.assert_close(f.detach(), l.detach(), atol=1e-7, rtol=0)
-            torch.testing.assert_close(f.grad, l.grad, atol=1e-7, rtol=0)
+        for fused_p, loop_p in zip(fused_params, loop_params):
+            torch.testing.assert_close(fused_p.detach(), loop_p.detach(), atol=1e-7, rtol=0)
+            torch.testing.assert_close(fused_p.grad, loop_p.grad, atol=1e-7, rtol=0)
     assert fused.steps == loop.steps == [3, 3, 3]
 
 
@@ -215,8 +215,8 @@ def test_a_step_with_a_sharded_norm_is_the_per_slot_sequence_clipped_by_that_nor
         loop.step_slot(slot, lr)
         loop.zero_slot_grad(slot)
     assert norms == expected and list(norms) == [2, 0]
-    for s, l in zip(stepped_params, loop_params):
-        assert torch.equal(s.detach(), l.detach()) and torch.equal(s.grad, l.grad)
+    for stepped_p, loop_p in zip(stepped_params, loop_params):
+        assert torch.equal(stepped_p.detach(), loop_p.detach()) and torch.equal(stepped_p.grad, loop_p.grad)
     assert stepped.steps == loop.steps == [1, 0, 1]
 
 

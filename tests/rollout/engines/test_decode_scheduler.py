@@ -45,7 +45,7 @@ def test_new_requests_join_a_running_batch(scheduler, trainer_reference):
                for i, (p, s) in enumerate([("1+2=", slots["ad1"]), ("hi", -1), ("x", slots["ad2"])])]
     for job, _ in joiners:
         scheduler.submit(job)
-    for job, done in joiners:
+    for _, done in joiners:
         assert done.wait(30)
         # Joined mid-flight: they finished while the long request was still decoding.
         assert not long_done.is_set()
