@@ -68,7 +68,8 @@ class LocalAdapterEngine:
     def __init__(self, engine: BuiltinEngine, lora_name: str) -> None:
         self.engine, self.lora_name = engine, lora_name
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, *, return_logprob: bool = True) -> GenerateResponse:
+    async def generate(self, input_ids: list[int], sampling_params: dict, *,
+                       return_logprob: bool = True) -> GenerateResponse:
         request = GenerateRequest(input_ids=list(input_ids), sampling_params=SamplingParams(**sampling_params),
                                   lora_path=self.lora_name, return_logprob=return_logprob)
         return await self.engine.generate(request)
@@ -159,8 +160,8 @@ async def rl_step(s: Setup, rows: list[dict[str, str]], n: int, temperature: flo
     adv_N = grpo_advantages(rewards_N, [n] * len(rows))
     (mb,) = make_micro_batches(samples, adv_N.tolist(), None, pad_id=s.tokenizer.pad_token_id)
     with use_slots(s.model, mb.slots):
-        logprobs_BT = next_token_logprobs(s.model(input_ids=mb.input_ids_BL, attention_mask=mb.attention_mask_BL).logits,
-                                          mb.input_ids_BL)
+        logprobs_BT = next_token_logprobs(
+            s.model(input_ids=mb.input_ids_BL, attention_mask=mb.attention_mask_BL).logits, mb.input_ids_BL)
         out = policy_loss_terms(logprobs_BT, logprobs_BT.detach(), torch.tensor(adv_N.tolist())[mb.indices],
                                 mb.loss_mask_BT, LossParams.uniform(loss, len(mb.indices)))
         out.loss_B.sum().backward()
@@ -201,7 +202,8 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
             started = time.process_time()
             warm_start(s, args.warm_steps, args.warm_lr, args.batch_size, rng)
             steps = args.warm_steps
-            probe = Setup(model, tokenizer, engine, opt, train, train[: args.probe_rows], s.workdir, random.Random(args.seed))
+            probe = Setup(model, tokenizer, engine, opt, train, train[: args.probe_rows], s.workdir,
+                          random.Random(args.seed))
             while steps < args.warm_max_steps:
                 version += 1
                 await push(s, version)
@@ -212,10 +214,13 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
             version += 1
             await push(s, version)
             result["warm"], result["warm_steps"] = await success_rate(s, cfg, show=3), steps
-            print(f"fresh adapter {result['fresh']:.3f}  after {steps} warm-start steps {result['warm']:.3f}", flush=True)
-            s.opt = new_optimizer(model, args.rl_lr)  # RL starts from the warm adapter with a fresh optimizer, as a run would
+            print(f"fresh adapter {result['fresh']:.3f}  after {steps} warm-start steps {result['warm']:.3f}",
+                  flush=True)
+            # RL starts from the warm adapter with a fresh optimizer, as a run would
+            s.opt = new_optimizer(model, args.rl_lr)
             for step in range(args.rl_steps):
-                reward = await rl_step(s, rng.sample(train, args.prompts), args.n, args.temperature, args.rl_lr, cfg, cfg.loss)
+                reward = await rl_step(s, rng.sample(train, args.prompts), args.n, args.temperature,
+                                       args.rl_lr, cfg, cfg.loss)
                 version += 1
                 await push(s, version)
                 if step % 5 == 4 or step == args.rl_steps - 1:

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the run's YAML config")
     parser.add_argument("--n", type=int, default=None, help="rows of each held-out split (default: all)")
-    parser.add_argument("--recipe", choices=sorted(EVALUATORS), default="tiny", help="how tasks are prompted and scored")
+    parser.add_argument("--recipe", choices=sorted(EVALUATORS), default="tiny",
+                        help="how tasks are prompted and scored")
     parser.add_argument("--own-tasks", action="store_true", help="score each adapter on its own task only (faster)")
     args = parser.parse_args(argv)
     base_dir, targets = eval_targets(args.config)

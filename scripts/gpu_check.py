@@ -274,7 +274,8 @@ async def check_versioned(v: Verdicts, cfg, work: Path, ref: Reference, tokenize
             ok = not failed and after["output_ids"] == ref.peft_greedy("third", prompt_ids)
             v.report("PASS" if ok else "FAIL", "push-in-flight",
                      f"{len(results) - len(failed)}/{len(results)} in-flight requests finished; "
-                     f"{new_name} serves the new weights: {after['output_ids'] == ref.peft_greedy('third', prompt_ids)}")
+                     f"{new_name} serves the new weights: "
+                     f"{after['output_ids'] == ref.peft_greedy('third', prompt_ids)}")
     finally:
         await server.shutdown()
 
@@ -442,7 +443,8 @@ class TrainerRuns:
         deadline = time.monotonic() + min(TRAINER_RUN_CAP_S - STOP_S, self.v.left() - STOP_S - 5)
         started = time.monotonic()
         trainer = TrainerProcess(flags, run_dir / "trainer.log", cluster.address)
-        what = f"--engine-lora-update {mode}, --train-backend {backend}" + (f" TP {tp}" if backend == "megatron" else "")
+        what = (f"--engine-lora-update {mode}, --train-backend {backend}"
+                + (f" TP {tp}" if backend == "megatron" else ""))
         try:
             detail = await asyncio.to_thread(
                 lambda: scenario(trainer, trainer.wait_for_api_url(deadline), self.data_dir, deadline))
@@ -462,7 +464,8 @@ class TrainerRuns:
         if code != 0:
             self.v.report("FAIL", name, f"{what}: {detail}; but the trainer exited {code} at SIGTERM: {trainer.tail()}")
             return
-        self.v.report("PASS", name, f"{what}: {detail}; saved and exited at SIGTERM ({time.monotonic() - started:.0f} s)")
+        self.v.report("PASS", name,
+                      f"{what}: {detail}; saved and exited at SIGTERM ({time.monotonic() - started:.0f} s)")
 
     def shutdown(self) -> None:
         for cluster in self._clusters.values():

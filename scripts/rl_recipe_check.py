@@ -102,7 +102,8 @@ def train_step(model, tokenizer, tenant: Tenant, opt: SlotAdamW, cfg: MilesConfi
     for i, response_ids in enumerate(responses):
         row = rows[i // n]
         text = tokenizer.decode(response_ids, skip_special_tokens=True)
-        sample = Sample(tenant.name, tenant.slot, i // n, i % n, row.text, row.label, {}, prompt_ids[i], response_ids, text)
+        sample = Sample(tenant.name, tenant.slot, i // n, i % n, row.text, row.label, {},
+                        prompt_ids[i], response_ids, text)
         rewards.append(float(spec.resolve(sample)(cfg, sample)))
     rewards_N = torch.tensor(rewards)
     adv_N = grpo_advantages(rewards_N, [n] * len(rows))
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     params = [p for m in lora_modules(model).values() for p in ((m.lora_A, 1), (m.lora_B, 2))]
     opt = SlotAdamW(params, n_slots=len(tenants), betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     for t in tenants:
-        init_slot(model, t.slot, rank=t.config.rank, alpha=t.config.alpha, generator=torch.Generator().manual_seed(cfg.seed + t.slot))
+        init_slot(model, t.slot, rank=t.config.rank, alpha=t.config.alpha,
+                  generator=torch.Generator().manual_seed(cfg.seed + t.slot))
         opt.configure_slot(t.slot, rank=t.config.rank, lr=t.config.lr, weight_decay=t.config.weight_decay)
     rng, gen = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
     model.train()

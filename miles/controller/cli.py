@@ -141,7 +141,8 @@ def parse_set(pairs: list[str]) -> dict[str, Any]:
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as exc:
-            raise ValueError(f"--set {pair!r}: the value is not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+            raise ValueError(f"--set {pair!r}: the value is not valid YAML "
+                             f"({getattr(exc, 'problem', None) or exc})") from None
         if isinstance(value, float) or (isinstance(value, str) and _looks_like_float(raw)):
             value = float(raw)  # YAML 1.1 reads "1e-4" as a string
         config[key.strip()] = value

@@ -138,7 +138,8 @@ class _BackendCollector:
         yield from (step, version, reward, buffered)
         yield CounterMetricFamily("miles_controller_registrations", "Adapters registered",
                                   value=self.backend.registrations_total)
-        yield CounterMetricFamily("miles_controller_deregistrations", "Adapters deregistered (moved to RETIRING by DELETE)",
+        yield CounterMetricFamily("miles_controller_deregistrations",
+                                  "Adapters deregistered (moved to RETIRING by DELETE)",
                                   value=self.backend.deregistrations_total)
 
 
@@ -255,7 +256,9 @@ class MultiLoRAHTTPServer:
         try:
             data = load_yaml(raw) if "yaml" in content_type else json.loads(raw or b"null")
         except (ValueError, yaml.YAMLError) as exc:
-            raise RequestValidationError([{"type": "value_error", "loc": ("body",), "msg": f"Malformed body: {exc}", "input": None}]) from None
+            raise RequestValidationError(
+                [{"type": "value_error", "loc": ("body",), "msg": f"Malformed body: {exc}", "input": None}]
+            ) from None
         try:
             return RegisterAdapterBody.model_validate(data)
         except ValidationError as exc:

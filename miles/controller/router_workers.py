@@ -53,7 +53,8 @@ async def discover_workers(router_url: str, client: httpx.AsyncClient) -> list[s
 
 async def _abort_one(client: httpx.AsyncClient, worker: str, prefix: str) -> bool:
     try:
-        response = await client.post(f"{worker}/abort_request", json=AbortRequest(rid=prefix, prefix=True).model_dump(exclude_unset=True))
+        response = await client.post(f"{worker}/abort_request",
+                                     json=AbortRequest(rid=prefix, prefix=True).model_dump(exclude_unset=True))
     except httpx.HTTPError as exc:
         logger.warning("Abort of %r on worker %s failed: %s", prefix, worker, exc)
         return False

@@ -210,7 +210,8 @@ class MultiLoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.zeros(n_slots, max_rank, base.in_features, **factory))
         self.lora_B = nn.Parameter(torch.zeros(n_slots, base.out_features, max_rank, **factory))
         # fp32 whatever the weights' dtype: alpha / rank must not round to bf16.
-        self.register_buffer("scaling", torch.zeros(n_slots, device=weight.device, dtype=torch.float32), persistent=False)
+        self.register_buffer("scaling", torch.zeros(n_slots, device=weight.device, dtype=torch.float32),
+                             persistent=False)
         self.ranks: list[int] = [0] * n_slots
         self.alphas: list[float] = [0.0] * n_slots
         self.delta_mode: DeltaMode = "auto"
@@ -642,7 +643,8 @@ def use_slots(model: nn.Module, slot_ids: Sequence[int] | torch.Tensor) -> Itera
     batch = _slot_batch(tuple(ids), first.lora_A.device, first.slot_scales, first.max_rank)
     for slot in batch.present:
         if slot >= first.n_slots:
-            raise ValueError(f"slot {slot} does not exist: the page table has {first.n_slots} slots (0..{first.n_slots - 1})")
+            raise ValueError(f"slot {slot} does not exist: "
+                             f"the page table has {first.n_slots} slots (0..{first.n_slots - 1})")
     token = _ACTIVE.set({**_ACTIVE.get(), **dict.fromkeys(map(id, layers), batch)})
     try:
         yield batch

@@ -96,7 +96,8 @@ def _export_targets(model: nn.Module, target_modules: str | Sequence[str] | None
         return wrapped
     missing = targets - wrapped
     if missing:
-        raise ValueError(f"cannot export target_modules {sorted(missing)}: they are not multi-LoRA layers (wrapped: {sorted(wrapped)})")
+        raise ValueError(f"cannot export target_modules {sorted(missing)}: "
+                         f"they are not multi-LoRA layers (wrapped: {sorted(wrapped)})")
     return targets
 
 

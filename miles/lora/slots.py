@@ -123,7 +123,8 @@ def set_slot_weights(
             module.set_slot(slot, zeros_a, zeros_b, alpha=alpha)
 
 
-def _split_by_module(tensors: dict[str, torch.Tensor], wrapped: set[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _split_by_module(tensors: dict[str, torch.Tensor],
+                     wrapped: set[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     halves: dict[str, dict[str, torch.Tensor]] = {}
     unknown: list[str] = []
     for key, value in tensors.items():

@@ -119,8 +119,8 @@ class AdapterSlots:
                 self.push.mark_stale([name])
             self.loaded[name] = LoadedAdapter(
                 registration_id=run.registration_id, slot=run.slot, saves=spec.save_dir is not None,
-                samples_per_group=resolved_field(run.config.n_samples_per_prompt, "n_samples_per_prompt"), step=loaded.step,
-                accumulated_groups=loaded.accumulated_groups, saved=progress)
+                samples_per_group=resolved_field(run.config.n_samples_per_prompt, "n_samples_per_prompt"),
+                step=loaded.step, accumulated_groups=loaded.accumulated_groups, saved=progress)
         return snapshot
 
     # ---- checkpoints ----------------------------------------------------------------------

@@ -124,7 +124,8 @@ def reward(args: Any, sample: Sample, **kwargs: Any) -> float:
     """
     if sample.label is None:
         return 0.0
-    return 1.0 if numbers_equal(extract_final_number(final_answer(sample.response)), parse_number(sample.label)) else 0.0
+    answer = extract_final_number(final_answer(sample.response))
+    return 1.0 if numbers_equal(answer, parse_number(sample.label)) else 0.0
 
 
 def solved(sample: Sample) -> bool:

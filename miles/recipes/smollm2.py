@@ -131,7 +131,8 @@ def split_task(name: str, seed: int = 0) -> tuple[list[ChatExample], list[ChatEx
     return examples[task.test_size:], examples[: task.test_size]
 
 
-def write_datasets(data_dir: str | Path, names: Sequence[str] = tuple(TASKS), seed: int = 0) -> dict[str, tuple[Path, Path]]:
+def write_datasets(data_dir: str | Path, names: Sequence[str] = tuple(TASKS),
+                   seed: int = 0) -> dict[str, tuple[Path, Path]]:
     """Write `{task}_train.jsonl` and `{task}_test.jsonl` per task; return their paths.
 
     A file is replaced atomically and only when its content changes, so a trainer
@@ -328,7 +329,8 @@ def evaluate_adapter_dir(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(".cache/smollm2"), help="Directory of the converted model (cached).")
+    parser.add_argument("--out", type=Path, default=Path(".cache/smollm2"),
+                        help="Directory of the converted model (cached).")
     parser.add_argument("--force", action="store_true", help="Convert again even if a conversion exists.")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

@@ -127,7 +127,8 @@ def read_examples(path: str | Path, *, input_key: str = "text", label_key: str =
                 continue
             record = json.loads(line)
             if input_key not in record or label_key not in record:
-                raise ValueError(f"{path}:{line_no}: a row needs keys {input_key!r} and {label_key!r}, got {sorted(record)}")
+                raise ValueError(f"{path}:{line_no}: a row needs keys {input_key!r} and {label_key!r}, "
+                                 f"got {sorted(record)}")
             rows.append(Example(str(record[input_key]), str(record[label_key])))
     return rows
 
@@ -197,7 +198,8 @@ def _batches_by_length(prompt_ids: list[list[int]], batch_size: int) -> Iterator
 
 
 @torch.no_grad()
-def _greedy_batch(model: Any, input_ids_BT: torch.Tensor, eos_id: int, max_new_tokens: int, slot: int | None) -> torch.Tensor:
+def _greedy_batch(model: Any, input_ids_BT: torch.Tensor, eos_id: int, max_new_tokens: int,
+                  slot: int | None) -> torch.Tensor:
     """Greedy continuation of equal-length prompts; returns only the new tokens [B, <=max_new]."""
     routing = nullcontext()
     if slot is not None:

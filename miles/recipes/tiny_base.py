@@ -265,7 +265,8 @@ def build_tiny_base(out_dir: str | Path, recipe: TinyBaseRecipe = TinyBaseRecipe
     return out_dir
 
 
-def _score_tasks(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, recipe: TinyBaseRecipe) -> dict[str, float]:
+def _score_tasks(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast,
+                 recipe: TinyBaseRecipe) -> dict[str, float]:
     accuracy = {}
     for name in recipe.tasks:
         test = split_task(name, recipe.data_seed).test[: recipe.eval_rows]

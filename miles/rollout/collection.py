@@ -215,7 +215,8 @@ class BatchCollector:
         room = self.config.global_batch_size - batch.n_samples
         for name, run in adapters.items():
             unit = self._unit(run)
-            if remaining_groups(run) - batch.per_adapter[name] >= unit and unit * run.config.n_samples_per_prompt <= room:
+            if (remaining_groups(run) - batch.per_adapter[name] >= unit
+                    and unit * run.config.n_samples_per_prompt <= room):
                 return False
         return True
 

@@ -301,7 +301,8 @@ def keep_short_prompts(rows: list[dict[str, Any]], path: str, input_key: str, to
         logger.info("dataset %s: %d of %d prompts are longer than --rollout-max-prompt-len %d tokens; dropped",
                     path, len(rows) - len(kept), len(rows), max_prompt_len)
     if not kept:
-        raise ValueError(f"dataset {path}: every prompt is longer than --rollout-max-prompt-len {max_prompt_len} tokens")
+        raise ValueError(f"dataset {path}: every prompt is longer than "
+                         f"--rollout-max-prompt-len {max_prompt_len} tokens")
     return kept
 
 
@@ -337,7 +338,8 @@ class DatasetCheck:
         try:
             tokenizer = _cached_tokenizer(self.tokenizer_path)
         except OSError as exc:
-            raise ValueError(f"cannot load the tokenizer of {self.tokenizer_path} to count prompt tokens ({exc})") from exc
+            raise ValueError(f"cannot load the tokenizer of {self.tokenizer_path} "
+                             f"to count prompt tokens ({exc})") from exc
         return len(keep_short_prompts(read_rows(path), path, input_key, tokenizer, self.max_prompt_len,
                                       self.apply_chat_template))
 

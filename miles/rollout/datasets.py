@@ -22,7 +22,8 @@ def read_rows(path: str) -> list[dict[str, Any]]:
     file = Path(path)
     suffix = file.suffix.lower()
     if suffix not in SUPPORTED_EXTENSIONS:
-        raise ValueError(f"dataset {path}: unsupported extension {suffix or '(none)'!r}; use one of jsonl, json, parquet")
+        raise ValueError(f"dataset {path}: unsupported extension {suffix or '(none)'!r}; "
+                         "use one of jsonl, json, parquet")
     if not file.exists():
         raise ValueError(f"dataset {path}: no such file")
     if not file.is_file():  # a FIFO or device would block or never end

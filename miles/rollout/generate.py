@@ -8,9 +8,10 @@ tool-using rollouts. Its signature is Miles' current one:
 
 `input.sample` is the sample to fill (prompt, `prompt_ids`, label, metadata),
 `input.sampling_params` the process's sampling parameters, `input.args` the trainer's
-config, `input.tokenizer` the prompts' tokenizer, and `input.engine` an `AdapterEngine`: it generates through the router as this
-sample's adapter, with the adapter's current engine-side LoRA name and a request id the
-controller's prefix abort reaches. The function returns the sample with:
+config, `input.tokenizer` the prompts' tokenizer, and `input.engine` an `AdapterEngine`: it
+generates through the router as this sample's adapter, with the adapter's current
+engine-side LoRA name and a request id the controller's prefix abort reaches. The function
+returns the sample with:
 
 - `tokens` / `response_length` (or `response_ids`): every response token, the model's
   and the environment's, in order;

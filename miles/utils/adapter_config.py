@@ -118,9 +118,11 @@ class AdapterRunConfig(BaseModel):
         None, description="Built-in reward; unset: the sample's metadata rm_type, then --rm-type.")
     custom_rm_path: NonEmptyStr | None = Field(None, description="Dotted path to fn(args, sample) -> float.")
     custom_generate_function_path: NonEmptyStr | None = Field(
-        None, description="Dotted path to async fn(input: GenerateFnInput) -> Sample; unset: --custom-generate-function-path.")
+        None, description="Dotted path to async fn(input: GenerateFnInput) -> Sample; "
+                          "unset: --custom-generate-function-path.")
     dynamic_sampling_filter_path: NonEmptyStr | None = Field(
-        None, description="Dotted path to fn(args, samples) -> DynamicFilterOutput | bool; unset: --dynamic-sampling-filter-path.")
+        None, description="Dotted path to fn(args, samples) -> DynamicFilterOutput | bool; "
+                          "unset: --dynamic-sampling-filter-path.")
     num_step: PositiveInt | None = Field(
         None, description="Optimizer steps to train, counted from the step the adapter (re)started at; "
                           "unset: num_epoch (default 1) passes over the dataset.")

@@ -54,7 +54,8 @@ class LossSettings:
 
     def __post_init__(self) -> None:
         if self.advantage_estimator == "ppo":
-            raise ValueError("--advantage-estimator ppo is not supported: it needs a critic model, which multi-LoRA training has not; "
+            raise ValueError("--advantage-estimator ppo is not supported: it needs a critic model, "
+                             "which multi-LoRA training has not; "
                              f"choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
@@ -66,7 +67,8 @@ class LossSettings:
         if self.eps_clip < 0 or (self.eps_clip_high is not None and self.eps_clip_high < 0):
             raise ValueError("--eps-clip and --eps-clip-high must be >= 0")
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
-            raise ValueError(f"--eps-clip-c is the lower bound of dual-clip PPO and must be > 1.0, got {self.eps_clip_c}")
+            raise ValueError("--eps-clip-c is the lower bound of dual-clip PPO and must be > 1.0, "
+                             f"got {self.eps_clip_c}")
         if self.kl_coef != 0 and self.kl_loss_coef != 0:
             raise ValueError("only one of --kl-coef (reward shaping) and --kl-loss-coef (loss term) can be set")
         if self.advantage_estimator.startswith("reinforce_plus_plus") and not self.normalize_advantages:
@@ -122,7 +124,8 @@ class LossSettings:
         ValueError when a key is not in `ADAPTER_LOSS_KEYS` or the result is invalid."""
         unknown = sorted(set(flags) - set(ADAPTER_LOSS_KEYS))
         if unknown:
-            raise ValueError(f"{unknown} cannot be set per adapter; per-adapter loss keys are {list(ADAPTER_LOSS_KEYS)}")
+            raise ValueError(f"{unknown} cannot be set per adapter; "
+                             f"per-adapter loss keys are {list(ADAPTER_LOSS_KEYS)}")
         return LossSettings.from_flags(**{**self.flags(), **flags})
 
 

@@ -93,7 +93,8 @@ def random_lora_weights(model: torch.nn.Module, n_slots: int, rank: int, alpha: 
 # ---- samples --------------------------------------------------------------------------
 
 
-def make_samples(n: int, adapters: list[tuple[str, int]], prompt_len: int, response_len: int, vocab: int, seed: int = 0):
+def make_samples(n: int, adapters: list[tuple[str, int]], prompt_len: int, response_len: int, vocab: int,
+                 seed: int = 0):
     """`n` samples spread round-robin over `adapters` ((name, slot) pairs), random tokens."""
     from miles.utils.types import Sample
 

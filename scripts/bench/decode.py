@@ -103,7 +103,8 @@ def main() -> None:
         args.requests, args.new_tokens, args.adapters, args.prompt_len = 4, 4, 2, 4
     path = benchlib.model_dir(args.model)
     vocab = benchlib.vocab_size(path)
-    samples, _ = benchlib.make_samples(args.requests, [(f"s{i}", i) for i in range(args.adapters)], args.prompt_len, 0, vocab)
+    samples, _ = benchlib.make_samples(args.requests, [(f"s{i}", i) for i in range(args.adapters)],
+                                       args.prompt_len, 0, vocab)
     prompts = [s.prompt_ids for s in samples]
     slots = [s.slot for s in samples]
     model = engine_model(path, args.adapters, args.rank)
@@ -144,11 +145,13 @@ def main() -> None:
               "prompt_len": args.prompt_len, "rank": args.rank}
     figures = [Figure(
         figure=f"engine tokens/s, {args.adapters} adapters mixed ÷ base only", model=args.model,
-        ours_label=f"{args.adapters} adapters mixed", baseline_label="base only", ours=rate["mixed"], baseline=rate["base"],
-        unit="tokens/s", ratio_of="ours/baseline", target=">= 0.80", params=params,
+        ours_label=f"{args.adapters} adapters mixed", baseline_label="base only", ours=rate["mixed"],
+        baseline=rate["base"], unit="tokens/s", ratio_of="ours/baseline", target=">= 0.80", params=params,
     )]
-    for name, what, baseline_label in (("torch", "row-wise C kernel ÷ torch paths", "torch paths (stacked or jagged)"),
-                                       ("stacked", "decode path chosen per step ÷ always stacked", "stacked decode steps")):
+    for name, what, baseline_label in (
+        ("torch", "row-wise C kernel ÷ torch paths", "torch paths (stacked or jagged)"),
+        ("stacked", "decode path chosen per step ÷ always stacked", "stacked decode steps"),
+    ):
         if name in rate:
             figures.append(Figure(
                 figure=f"engine tokens/s, {args.adapters} adapters mixed, {what}", model=args.model,

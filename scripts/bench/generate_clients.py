@@ -92,7 +92,8 @@ async def run(model: Path, n_requests: int, rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model directory (default: .cache/tiny_base or a tiny random model)")
+    parser.add_argument("--model", default=None,
+                        help="model directory (default: .cache/tiny_base or a tiny random model)")
     parser.add_argument("--requests", type=int, default=384, help="requests per burst")
     parser.add_argument("--rounds", type=int, default=3, help="bursts per client")
     args = parser.parse_args()

@@ -49,7 +49,8 @@ def worker(kind: str, model: str, adapters: int, rows: int, prompt_len: int, res
                             activation_budget_mb)
         for i, name in enumerate(names):
             actor.load_adapter(AdapterSpec(name=name, slot=i, rank=rank, alpha=2.0 * rank, global_batch_size=rows))
-        samples, adv = benchlib.make_samples(adapters * rows, [(n, i) for i, n in enumerate(names)], prompt_len, response_len, vocab)
+        samples, adv = benchlib.make_samples(adapters * rows, [(n, i) for i, n in enumerate(names)], prompt_len,
+                                             response_len, vocab)
         step_fn(actor, samples, adv, names)()
     else:
         from peft_vs_mixed import peft_batches, peft_model, peft_step_fn
@@ -128,7 +129,8 @@ def main() -> None:
                + (f" (ours {', '.join(settings)})" if settings else ""), model=args.model,
         ours_label=f"ours, 1 process x {args.adapters} slots", baseline_label=f"PEFT, {args.adapters} processes",
         ours=ours, baseline=peft, unit="MiB", ratio_of="ours/baseline", target="<= 0.25",
-        params={"adapters": args.adapters, "peft_processes_run": args.peft_processes or args.adapters, "rows": args.rows, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank,
+        params={"adapters": args.adapters, "peft_processes_run": args.peft_processes or args.adapters,
+                "rows": args.rows, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank,
                 "micro_batch_size": args.micro_batch_size, "recompute_granularity": args.recompute_granularity,
                 "recompute_modules": args.recompute_modules, "activation_budget_mb": args.activation_budget_mb},
     )

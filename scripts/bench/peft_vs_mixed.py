@@ -94,7 +94,8 @@ def main() -> None:
     )
     actor = build_actor(path, args.adapters, args.rank)
     for i, name in enumerate(names):
-        actor.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank, global_batch_size=args.rows, lr=1e-4))
+        actor.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank,
+                                       global_batch_size=args.rows, lr=1e-4))
     model, optimizers = peft_model(path, args.adapters, args.rank)
     cases = {
         "ours": step_fn(actor, samples, adv, names),

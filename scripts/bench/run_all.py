@@ -102,7 +102,8 @@ def markdown(results: dict, before: dict | None) -> str:
         row += [f["target"] if f["target"] != "report" else "–", "–" if met is None else "yes" if met else "no"]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Ratios are taken so that the target direction reads as written: `ours/baseline` for the",
-              "train-step, memory and tokens/s figures, `baseline/ours` (PEFT time ÷ ours) for the PEFT training figure.",
+              "train-step, memory and tokens/s figures, `baseline/ours` (PEFT time ÷ ours) "
+              "for the PEFT training figure.",
               "", "## Commands", ""]
     for command in dict.fromkeys(f["command"] for f in results["figures"]):
         lines.append(f"    {command}")
@@ -157,7 +158,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run of every script (numbers meaningless)")
     parser.add_argument("--before", default=None, help="an earlier benchmarks.json to compare with")
     parser.add_argument("--out-dir", default=str(ROOT / "docs"))
-    parser.add_argument("--shared-machine", action="store_true", help="say in the doc that other jobs shared the machine")
+    parser.add_argument("--shared-machine", action="store_true",
+                        help="say in the doc that other jobs shared the machine")
     parser.add_argument("--notes", default=None, help="a markdown file appended to the doc as notes")
     parser.add_argument("--script-args", action="append", default=[], metavar="MODEL:SCRIPT=ARGS",
                         help="extra arguments for one script on one model (model '*' for all), e.g. "

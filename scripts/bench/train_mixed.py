@@ -85,21 +85,24 @@ def main() -> None:
     names = [f"a{i}" for i in range(n_slots)]
     for i, name in enumerate(names):
         # global_batch_size is only the gradient divisor here: every adapter steps each time.
-        actor.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank, global_batch_size=args.batch, lr=1e-4))
+        actor.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank,
+                                       global_batch_size=args.batch, lr=1e-4))
     vocab = benchlib.vocab_size(path)
     cases = {}
     for k in [1, *ks]:
-        samples, adv = benchlib.make_samples(args.batch, [(names[i], i) for i in range(k)], args.prompt_len, args.response_len, vocab)
+        samples, adv = benchlib.make_samples(args.batch, [(names[i], i) for i in range(k)], args.prompt_len,
+                                             args.response_len, vocab)
         cases[f"K={k}"] = step_fn(actor, samples, adv, names[:k])
     if args.recompute:
         k = max(ks)
         recompute = build_actor(path, n_slots, args.rank, recompute_granularity=args.recompute,
-                                recompute_modules=args.recompute_modules, activation_budget_mb=args.activation_budget_mb,
-                                device=args.device, dtype=args.dtype)
+                                recompute_modules=args.recompute_modules,
+                                activation_budget_mb=args.activation_budget_mb, device=args.device, dtype=args.dtype)
         for i, name in enumerate(names):
             recompute.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank,
                                                global_batch_size=args.batch, lr=1e-4))
-        samples, adv = benchlib.make_samples(args.batch, [(names[i], i) for i in range(k)], args.prompt_len, args.response_len, vocab)
+        samples, adv = benchlib.make_samples(args.batch, [(names[i], i) for i in range(k)], args.prompt_len,
+                                             args.response_len, vocab)
         cases["recompute"] = step_fn(recompute, samples, adv, names[:k])
     if args.whole_batch:
         k = max(ks)
@@ -107,17 +110,20 @@ def main() -> None:
         for i, name in enumerate(names):
             whole.load_adapter(AdapterSpec(name=name, slot=i, rank=args.rank, alpha=2.0 * args.rank,
                                            global_batch_size=args.batch, lr=1e-4))
-        samples, adv = benchlib.make_samples(args.batch, [(names[i], i) for i in range(k)], args.prompt_len, args.response_len, vocab)
+        samples, adv = benchlib.make_samples(args.batch, [(names[i], i) for i in range(k)], args.prompt_len,
+                                             args.response_len, vocab)
         cases["whole"] = step_fn(whole, samples, adv, names[:k])
         budget = actor.core.budget_tokens(samples)
-        default_label = f"micro-batches of up to {budget} tokens" if budget else "one forward (the batch fits the budget)"
+        default_label = (f"micro-batches of up to {budget} tokens" if budget
+                         else "one forward (the batch fits the budget)")
     times = benchlib.alternate(cases, args.reps)
     figures = [
         Figure(
             figure=f"train step, batch mixed over K={k} adapters ÷ K=1", model=args.model,
             ours_label=f"K={k}", baseline_label="K=1", ours=times[f"K={k}"], baseline=times["K=1"], unit="s/step",
             ratio_of="ours/baseline", target="<= 1.10",
-            params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank, "k": k},
+            params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len,
+                    "rank": args.rank, "k": k},
         )
         for k in ks
     ]
@@ -133,7 +139,8 @@ def main() -> None:
                    f"batch mixed over K={k} adapters",
             model=args.model, ours_label=recomputed, baseline_label="keeping every activation",
             ours=times["recompute"], baseline=times[f"K={k}"], unit="s/step", ratio_of="ours/baseline", target="report",
-            params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank, "k": k},
+            params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len,
+                    "rank": args.rank, "k": k},
         ))
     if args.whole_batch:
         k = max(ks)
@@ -142,8 +149,8 @@ def main() -> None:
                    f"batch mixed over K={k} adapters",
             model=args.model, ours_label=default_label, baseline_label="one forward (--activation-budget-mb 0)",
             ours=times[f"K={k}"], baseline=times["whole"], unit="s/step", ratio_of="ours/baseline", target="report",
-            params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len, "rank": args.rank,
-                    "k": k, "micro_batch_tokens": budget},
+            params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len,
+                    "rank": args.rank, "k": k, "micro_batch_tokens": budget},
         ))
     benchlib.report(figures, args.json, sys.argv)
 

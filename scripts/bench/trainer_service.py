@@ -270,7 +270,8 @@ def registration(trainer: Trainer, name: str, config: dict[str, Any], timeout: f
 
 
 def holding(trainer: Trainer, prefix: str | None = None) -> list[dict[str, Any]]:
-    return [a for a in trainer.adapters() if a["state"] != "COMPLETED" and (prefix is None or a["name"].startswith(prefix))]
+    return [a for a in trainer.adapters()
+            if a["state"] != "COMPLETED" and (prefix is None or a["name"].startswith(prefix))]
 
 
 def load_phase(trainer: Trainer, workdir: Path, args: Any, n_slots: int,
@@ -376,8 +377,8 @@ def main() -> int:
             Figure("weight push on the loop's path (update_weights stage + wait for the push behind it) "
                    f"÷ train stage, per iteration ({'overlapped' if args.overlap_weight_push else 'not overlapped'})",
                    args.model, "push", "train",
-                   [r["perf/update_weights_time"] + r.get("perf/export_wait_time", 0.0) + r.get("perf/push_wait_time", 0.0)
-                    for r in m],
+                   [r["perf/update_weights_time"] + r.get("perf/export_wait_time", 0.0)
+                    + r.get("perf/push_wait_time", 0.0) for r in m],
                    [r["perf/train_time"] for r in m], "s", "ours/baseline", "<= 0.05",
                    params={"push_time_median_s": statistics.median(r.get("perf/push_time", 0.0) for r in m),
                            "overlap_weight_push": args.overlap_weight_push}),

@@ -95,7 +95,8 @@ async def test_exactly_one_of_config_or_yaml(data_root: Path, defaults: AdapterD
             await backend.register("x", **kwargs)
 
 
-async def test_allowed_roots_cover_yaml_data_and_save(tmp_path: Path, data_root: Path, defaults: AdapterDefaults) -> None:
+async def test_allowed_roots_cover_yaml_data_and_save(tmp_path: Path, data_root: Path,
+                                                      defaults: AdapterDefaults) -> None:
     backend = make_backend(defaults)
     roots = [data_root / "data", data_root / "save"]
     inside = str(data_root / "data" / "train.jsonl")

@@ -41,7 +41,8 @@ class ExtraRouteServer(MultiLoRAHTTPServer):
 
 
 @pytest.fixture
-def plane(data_root: Path, defaults: AdapterDefaults, loopback_servers: list[LoopbackRouter]) -> Iterator[ThreadedController]:
+def plane(data_root: Path, defaults: AdapterDefaults,
+          loopback_servers: list[LoopbackRouter]) -> Iterator[ThreadedController]:
     router = LoopbackRouter(mode="list_workers")  # plays its own single worker
     loopback_servers.append(router)
     config = controller_config(data_root, defaults, n_slots=2, token=TOKEN,
@@ -116,7 +117,8 @@ def test_register_from_yaml_path_and_yaml_body(client: ControlPlaneClient, raw: 
     assert (client.status("z").rank, client.status("z").lr) == (1, 1e-3)
 
 
-BILLION_LAUGHS = ("name: b\nconfig:\n  data: x.jsonl\n  metadata:\n    a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+BILLION_LAUGHS = ("name: b\nconfig:\n  data: x.jsonl\n  metadata:\n"
+                  "    a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
                   + "".join(f"    {n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
                   ).encode()
 """Nine levels of nine-fold aliases: ~400 bytes that expand to 9**9 strings if aliases are followed."""
@@ -223,7 +225,8 @@ def test_token_required_on_every_route_but_health(plane: ThreadedController, dat
             ("DELETE", "/adapter_runs/a", {}), ("GET", "/metrics", {}), ("GET", "/docs", {}),
             ("GET", "/slots/free", {}),
         ]
-        for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}]:
+        for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
+                        {"Authorization": f"Basic {TOKEN}"}]:
             for method, path, kwargs in attempts:
                 response = anonymous.request(method, path, headers=headers, **kwargs)
                 assert response.status_code == 401, (method, path, headers)
@@ -355,10 +358,12 @@ def test_server_answers_while_a_dataset_is_validated(data_root: Path, defaults: 
         assert release.wait(timeout=30)
         return 4
 
-    plane = ThreadedController(controller_config(data_root, defaults, hooks=ControllerHooks(validate_dataset=slow_validate)))
+    plane = ThreadedController(controller_config(data_root, defaults,
+                                                  hooks=ControllerHooks(validate_dataset=slow_validate)))
     try:
         with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=plane.url, trust_env=False, timeout=10) as http:
-            pending = pool.submit(http.post, "/adapter_runs", json={"name": "a", "config": {"data": data_path(data_root)}})
+            pending = pool.submit(http.post, "/adapter_runs",
+                                  json={"name": "a", "config": {"data": data_path(data_root)}})
             assert started.wait(timeout=30)
             with httpx.Client(base_url=plane.url, trust_env=False, timeout=10) as other:
                 assert other.get("/health").json() == {"status": "healthy"}

@@ -24,7 +24,8 @@ from miles.utils.types import AdapterState
 def walk_to(registry: AdapterRegistry, name: str, state: AdapterState) -> None:
     """Register `name` and drive it to `state` through the real transitions."""
     registry.register(name, make_config(name))
-    order = [AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP, AdapterState.COMPLETED]
+    order = [AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP,
+             AdapterState.COMPLETED]
     for target in order[1:order.index(state) + 1]:
         if target is AdapterState.ACTIVE:
             registry.record_weight_update([name])

@@ -175,7 +175,8 @@ def test_slot_weights_round_trip_and_clear(base_model):
         get_slot_weights(model, 1)
 
 
-@pytest.mark.parametrize("slots", [[3, -1, 1, 3, 3], [0, 1, 0, 1], [2, -1, -1, 0, 1, 1], [1, 1, -1], [0, 0, 2, 2, 3, 3]])
+@pytest.mark.parametrize("slots", [[3, -1, 1, 3, 3], [0, 1, 0, 1], [2, -1, -1, 0, 1, 1], [1, 1, -1],
+                                   [0, 0, 2, 2, 3, 3]])
 @pytest.mark.parametrize("tokens", [None, 5])
 def test_grouped_delta_equals_per_row_reference(slots, tokens):
     """The grouped path (rows gathered per present slot, unequal groups, base-only rows,

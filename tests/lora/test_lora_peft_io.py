@@ -45,12 +45,14 @@ def trained_looking_slot(model, slot: int, *, rank: int, alpha: float, seed: int
 
 def test_exported_slot_loads_in_peft(base_model, tmp_path):
     model = copy.deepcopy(base_model)
-    inject_multi_lora(model, n_slots=3, max_rank=8, target_modules="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    inject_multi_lora(model, n_slots=3, max_rank=8,
+                      target_modules="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     trained_looking_slot(model, 1, rank=6, alpha=12.0, seed=3)
     trained_looking_slot(model, 2, rank=8, alpha=4.0, seed=4)
     out = export_peft_adapter(model, 1, tmp_path / "adapter", rank=6, alpha=12.0, target_modules="all-linear")
     config = json.loads((out / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], config["peft_type"], config["task_type"]) == (6, 12.0, "LORA", "CAUSAL_LM")
+    assert ((config["r"], config["lora_alpha"], config["peft_type"], config["task_type"])
+            == (6, 12.0, "LORA", "CAUSAL_LM"))
     tensors, _ = read_peft_dir(out)
     assert {t.shape[0] for k, t in tensors.items() if "lora_A" in k} == {6}
 
@@ -134,7 +136,8 @@ def test_export_checks_rank_alpha_and_targets(base_model, tmp_path):
     tensors, config = read_peft_dir(out)
     assert config["target_modules"] == ["q_proj", "v_proj"]
     assert len(tensors) == 2 * 2 * base_model.config.num_hidden_layers
-    assert all(k.endswith(("q_proj.lora_A.weight", "q_proj.lora_B.weight", "v_proj.lora_A.weight", "v_proj.lora_B.weight")) for k in tensors)
+    q_v_weights = ("q_proj.lora_A.weight", "q_proj.lora_B.weight", "v_proj.lora_A.weight", "v_proj.lora_B.weight")
+    assert all(k.endswith(q_v_weights) for k in tensors)
     weights = get_slot_weights(model, 0)
     assert all(torch.equal(tensors[k], weights[k]) for k in tensors)
     # The exported subset loads back: the other layers of that slot are zero.

@@ -150,7 +150,8 @@ class FakeBackend:
             raise RuntimeError(f"training rollout {rollout_id} failed")
         counts: dict[str, int] = {}
         for sample in batch.samples:
-            assert self.slots.get(sample.slot) == sample.adapter, f"{sample.adapter} is not loaded in slot {sample.slot}"
+            in_slot = self.slots.get(sample.slot)
+            assert in_slot == sample.adapter, f"{sample.adapter} is not loaded in slot {sample.slot}"
             counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
         for name, n in counts.items():
             self.pending[name] += n

@@ -182,7 +182,8 @@ async def test_live_table_on_a_terminal(metrics):
     stats = AdapterRolloutStats(groups=2, rewards=(1.0, 0.0, 1.0, 1.0), response_lengths=(1,) * 4)
     await progress.record(0, batch(0, {"alpha": stats}, ["alpha"]), trained({"alpha": train_stats(8, 1.0)}, ["alpha"]),
                           snapshot(run("alpha", 0, 1), run("beta", 1, 0, num_step=None)), {"perf/train_time": 0.25})
-    progress.declare(MultiLoRASnapshot(active={"beta": run("beta", 1, 0, num_step=None)}, completed=frozenset({"alpha"})))
+    progress.declare(MultiLoRASnapshot(active={"beta": run("beta", 1, 0, num_step=None)},
+                                       completed=frozenset({"alpha"})))
     progress.close()
     assert sys.stderr is stderr and terminal_log.stream is sys.__stderr__  # redirections undone
     text = out.getvalue()

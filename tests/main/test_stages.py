@@ -85,7 +85,8 @@ async def test_register_train_retire_reregister_resume(tmp_path, caplog):
     assert sorted(disk[save_a]) == [1, 2] and sorted(disk[save_b]) == [1, 2, 3]
     assert disk[save_a][2].weights == 8.0 and disk[save_b][3].weights == 12.0
     # Every save records where the adapter's dataset stood: 2 groups per step.
-    assert [disk[save_b][s].data_position for s in (1, 2, 3)] == [DataPosition(0, 2), DataPosition(0, 4), DataPosition(0, 6)]
+    positions = [disk[save_b][s].data_position for s in (1, 2, 3)]
+    assert positions == [DataPosition(0, 2), DataPosition(0, 4), DataPosition(0, 6)]
     # Pushes: at load and after every step that is not the last; versions from the registry's rule.
     assert t.pushes(0) == [(1, 0.0), (2, 4.0)]
     assert t.pushes(1) == [(1, 0.0), (2, 4.0), (3, 8.0)]
@@ -161,7 +162,8 @@ async def test_adapter_named_like_the_loop_metrics_gets_its_own_records(tmp_path
     assert all(r["adapter"] == "perf" and r["step"] == 1 for r in adapter)
     assert {"raw_reward_mean", "loss", "grad_norm", "lr"} <= set(adapter[0]["metrics"])
     # The loop's records hold the loop's metrics only: none of the adapter's.
-    assert not any(key.startswith(("perf/raw_reward", "perf/loss", "perf/grad_norm")) for r in loop for key in r["metrics"])
+    assert not any(key.startswith(("perf/raw_reward", "perf/loss", "perf/grad_norm"))
+                   for r in loop for key in r["metrics"])
     assert {"perf/train_time", "perf/generate_time", "perf/commit_time"} <= set(loop[0]["metrics"])
 
 
@@ -178,7 +180,8 @@ async def test_loop_records_time_the_whole_iteration_and_push_only_what_stepped(
     assert [m.get("perf/push_adapters") for m in loop] == [2.0, 2.0, 2.0]
     assert len(t.receiver.pushes) == 6
     for m in loop:
-        stages = sum(v for k, v in m.items() if k.endswith("_time") and k not in ("perf/iteration_time", "perf/push_time"))
+        stages = sum(v for k, v in m.items()
+                     if k.endswith("_time") and k not in ("perf/iteration_time", "perf/push_time"))
         assert m["perf/iteration_time"] >= stages > 0
         assert m["perf/push_time"] <= m["perf/update_weights_time"]
 

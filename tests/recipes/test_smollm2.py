@@ -180,7 +180,8 @@ def test_trainer_data_source_applies_the_chat_template(model_dir, tokenizer):
                      slot=0, version=1, step=0, accumulated_groups=0, registration_id="reg-max")
 
     async def first_prompt():
-        source = MultiLoRADataSource(DataSourceConfig(seed=0, apply_chat_template=False, default_rm_type=None), tokenizer)
+        source = MultiLoRADataSource(DataSourceConfig(seed=0, apply_chat_template=False, default_rm_type=None),
+                                     tokenizer)
         source.sync(MultiLoRASnapshot(active={"max": run}))
         await wait_until_async(lambda: source.ready(run), 30, "the data source to load max_test.jsonl")
         item = source.next_prompt(run)

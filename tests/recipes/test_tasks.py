@@ -91,7 +91,8 @@ class ScriptedLM(nn.Module):
     def __init__(self, tokenizer, continuations: dict[str, list[int]]):
         super().__init__()
         self.tokenizer = tokenizer
-        self.by_prompt = {tuple(tokenizer(p, add_special_tokens=False)["input_ids"]): ids for p, ids in continuations.items()}
+        self.by_prompt = {tuple(tokenizer(p, add_special_tokens=False)["input_ids"]): ids
+                          for p, ids in continuations.items()}
         self.anchor = nn.Parameter(torch.zeros(1))
         self.calls = 0
 

@@ -74,7 +74,8 @@ def test_same_recipe_gives_identical_weights(small_build, tmp_path):
 def test_cache_is_reused_and_rebuilt_only_when_the_recipe_changes(small_build, monkeypatch):
     builds = []
     real_build = tiny_base.build_tiny_base
-    monkeypatch.setattr(tiny_base, "build_tiny_base", lambda out, recipe: builds.append(recipe) or real_build(out, recipe))
+    monkeypatch.setattr(tiny_base, "build_tiny_base",
+                        lambda out, recipe: builds.append(recipe) or real_build(out, recipe))
     stamp = (small_build / "recipe.json").stat().st_mtime_ns
 
     assert ensure_tiny_base(small_build, SMALL) == small_build

@@ -23,10 +23,12 @@ def test_char_tokenizer_one_id_per_char_and_round_trip(tmp_path):
     ids = tokenizer.encode("12+3=")
     assert len(ids) == 5 and len(set(ids[:2])) == 2 and min(ids) >= 4
     assert tokenizer.decode(tokenizer.encode(TEXT)) == TEXT
-    assert [tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token, tokenizer.unk_token] == ["<pad>", "<s>", "</s>", "<unk>"]
+    special_tokens = [tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token, tokenizer.unk_token]
+    assert special_tokens == ["<pad>", "<s>", "</s>", "<unk>"]
     assert tokenizer.convert_tokens_to_ids(["<pad>", "<s>", "</s>", "<unk>"]) == [0, 1, 2, 3]
     assert tokenizer.encode("</s>") == [tokenizer.eos_token_id]
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False,
+                                           add_generation_prompt=True)
     assert prompt == "user: 1+1\nassistant: "
     with pytest.raises(ValueError, match="ASCII"):
         build_char_tokenizer("abcé")
@@ -58,5 +60,6 @@ def test_same_seed_same_weights(tmp_path):
 
 def test_cli_writes_a_model(tmp_path):
     out = tmp_path / "cli"
-    subprocess.run([sys.executable, "-m", "miles.recipes.tiny_model", "--out", str(out), "--arch", "qwen2", "--seed", "3"], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "miles.recipes.tiny_model", "--out", str(out), "--arch", "qwen2",
+                    "--seed", "3"], check=True, capture_output=True)
     assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen2"

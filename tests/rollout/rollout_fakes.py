@@ -126,7 +126,8 @@ class FakeEngineServer:
             gate.cancel()
             reason = "abort" if self._is_aborted(body["rid"]) else "stop"
             ids = [5, 6]
-            return {"text": self.response_text if reason == "stop" else "", "output_ids": ids if reason == "stop" else [],
+            return {"text": self.response_text if reason == "stop" else "",
+                    "output_ids": ids if reason == "stop" else [],
                     "meta_info": {"id": body["rid"], "finish_reason": {"type": reason},
                                   "prompt_tokens": len(body["input_ids"]), "completion_tokens": 2,
                                   "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]]}}

@@ -102,7 +102,8 @@ def dataset(tmp_path):
 
 
 def calc_run(dataset, **kwargs):
-    return make_run("calc", 2, data=dataset, input_key="text", label_key="label", custom_rm_path="miles.recipes.calculator_tool.reward",
+    return make_run("calc", 2, data=dataset, input_key="text", label_key="label",
+                    custom_rm_path="miles.recipes.calculator_tool.reward",
                     custom_generate_function_path="miles.recipes.calculator_tool.generate", **kwargs)
 
 

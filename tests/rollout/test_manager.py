@@ -117,11 +117,13 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
             batch = await manager.generate.remote(rollout_id)
             assert batch.groups_per_adapter == {"a": 2, "b": 2}
             committed = await controller.mark_batch_trained.remote(rollout_id)
-            assert {name: run.step for name, run in committed.live.items()} == {"a": 1 + rollout_id, "b": 1 + rollout_id}
+            steps = {name: run.step for name, run in committed.live.items()}
+            assert steps == {"a": 1 + rollout_id, "b": 1 + rollout_id}
         [new_url] = await worker_urls(router)
         # Ray may still be restarting the actor (ActorUnavailableError): ask until it answers.
         who = await call_actor_async(engine.identity, timeout=120, what="the restarted engine actor to answer")
-        assert who.incarnation != old_incarnation and new_url == who.url  # a new actor's server (the port may be the old one)
+        # a new actor's server (the port may be the old one)
+        assert who.incarnation != old_incarnation and new_url == who.url
         async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
             info = (await client.get(f"{new_url}/get_server_info")).json()
         assert set(info["loaded_loras"]) == {engine_lora_name(0), engine_lora_name(1)}

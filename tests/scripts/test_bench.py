@@ -26,7 +26,8 @@ def test_run_all_quick_writes_every_figure(tmp_path):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench" / "run_all.py"), "--quick", "--models", "tiny",
-         "--out-dir", str(tmp_path), "--script-args", "tiny:memory=--peft-processes 1 --recompute-granularity selective",
+         "--out-dir", str(tmp_path),
+         "--script-args", "tiny:memory=--peft-processes 1 --recompute-granularity selective",
          "--script-args", "tiny:train_mixed=--recompute", "--script-args", "tiny:decode=--torch-decode"],
         check=True, cwd=ROOT, env=env, timeout=900,
     )

@@ -47,7 +47,8 @@ def test_run_dir_to_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "a, perf: raw_reward_mean, response_len_mean" in capsys.readouterr().out
     out = tmp_path / "elsewhere" / "r.png"
-    assert module.main([str(tmp_path / "run" / "metrics.jsonl"), "--out", str(out), "--metrics", "raw_reward_mean"]) == 0
+    metrics_file = str(tmp_path / "run" / "metrics.jsonl")
+    assert module.main([metrics_file, "--out", str(out), "--metrics", "raw_reward_mean"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -85,7 +85,8 @@ def test_parse_yaml_then_resolve(tmp_path: Path, data_file: Path, defaults: Adap
     path = tmp_path / "gsm.yaml"
     path.write_text(f"data: {data_file}\nrank: 2\nnum_step: 7\nmetadata:\n  source: gsm8k\n")
     raw = parse_adapter_run_yaml(path)
-    assert (raw.data, raw.rank, raw.num_step, raw.metadata, raw.alpha) == (str(data_file), 2, 7, {"source": "gsm8k"}, None)
+    assert ((raw.data, raw.rank, raw.num_step, raw.metadata, raw.alpha)
+            == (str(data_file), 2, 7, {"source": "gsm8k"}, None))
     assert resolve_adapter_config("gsm", raw, defaults).rank == 2
 
 
@@ -231,7 +232,8 @@ def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path: Path, data_file: Pa
 def test_yaml_anchors_and_aliases_are_refused(tmp_path: Path, text: str) -> None:
     path = tmp_path / "bomb.yaml"
     path.write_text(text)
-    with pytest.raises(AdapterConfigError, match=r"Adapter .bomb.: .*anchors and aliases \(&name / \*name\) are not accepted"):
+    with pytest.raises(AdapterConfigError,
+                       match=r"Adapter .bomb.: .*anchors and aliases \(&name / \*name\) are not accepted"):
         parse_adapter_run_yaml(path)
 
 

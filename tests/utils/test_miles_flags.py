@@ -234,7 +234,8 @@ def test_a_flag_set_without_effect_warns_once(caplog, argv, warned):
 
 def test_flags_with_an_effect_do_not_warn(caplog):
     with caplog.at_level(logging.WARNING, logger="miles.utils.arguments"):
-        parse_args(["--eps-clip", "0.1", "--eps-clip-high", "0.3", "--use-tis", "--tis-clip", "3", "--tis-clip-low", "0.1",
+        parse_args(["--eps-clip", "0.1", "--eps-clip-high", "0.3", "--use-tis", "--tis-clip", "3",
+                    "--tis-clip-low", "0.1",
                     "--use-kl-loss", "--kl-loss-type", "k2", "--kl-loss-coef", "0.05", "--rollout-shuffle",
                     "--advantage-estimator", "gspo", "--entropy-coef", "0.01", "--eps-clip-c", "3", "--use-unbiased-kl",
                     "--disable-grpo-std-normalization", "--normalize-advantages",
@@ -253,12 +254,14 @@ def test_flags_with_an_effect_do_not_warn(caplog):
     (["--kl-coef", "0.1", "--kl-loss-coef", "0.1"], "only one of --kl-coef"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c is the lower bound of dual-clip PPO and must be > 1.0"),
     (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
-    (["--recompute-method", "block"], "--recompute-method and --recompute-num-layers apply to --recompute-granularity full"),
+    (["--recompute-method", "block"],
+     "--recompute-method and --recompute-num-layers apply to --recompute-granularity full"),
     (["--recompute-granularity", "full", "--recompute-num-layers", "0"], "--recompute-num-layers must be > 0"),
     (["--recompute-granularity", "ful"], "invalid choice: 'ful'"),
     (["--multi-lora-n-adapters", "2", "--calculate-per-token-loss"], "drop --calculate-per-token-loss"),
     (["--actor-num-gpus-per-node", "4", "--actor-num-workers", "2"], "--actor-num-workers 2 disagrees"),
-    (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus 3 must be a positive multiple"),
+    (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
+     "--rollout-num-gpus 3 must be a positive multiple"),
 ])
 def test_invalid_loss_and_placement_flags_exit_2_with_a_clear_line(argv, message):
     proc = subprocess.run([sys.executable, "-m", "miles.utils.arguments", *argv],

@@ -80,7 +80,8 @@ def test_two_ranks_on_two_nodes_rendezvous_and_step(tiny_model_dir):
     assert "cannot fit" in refused and "at most 0 fit" in refused and "--actor-num-cpus-per-worker" in refused, refused
     for backend, result in results.items():
         assert result["alive_nodes"] == 2 and result["n_bundles"] == 2, backend
-        assert len(result["nodes"]) == 2, f"one bundle per {backend} rank should have put the two ranks on the two nodes"
+        assert len(result["nodes"]) == 2, (f"one bundle per {backend} rank should have put the two ranks "
+                                           "on the two nodes")
         assert result["address"].startswith("tcp://") and not result["address"].startswith("tcp://127."), backend
         assert result["grad_norm"] > 0, backend
 

@@ -43,7 +43,8 @@ def test_an_adapter_named_like_loop_metrics_cannot_collide_with_them(tmp_path):
     records = read_metrics(tmp_path / "metrics.jsonl")
     loop = [r for r in records if r["kind"] == "loop"]
     assert [r["metrics"] for r in loop] == [{"perf/train_time": 1.0, "perf/rollout/queue_length": 4.0}]
-    assert adapter_series(records, "train_time") == {"perf": [(1, 99.0)], "rollout": [(1, 99.0)], "adapters": [(1, 99.0)]}
+    assert adapter_series(records, "train_time") == {"perf": [(1, 99.0)], "rollout": [(1, 99.0)],
+                                                     "adapters": [(1, 99.0)]}
     # The flat names (TensorBoard, W&B) live under a namespace the loop may not use.
     assert adapter_metric_name("perf", "train_time") == "adapters/perf/train_time"
     with pytest.raises(ValueError, match="adapters/"):

@@ -53,7 +53,8 @@ def _probe(samples: list[Sample]) -> list[Sample]:
 
 
 def _specs() -> list[AdapterSpec]:
-    return [AdapterSpec(name=n, slot=s, rank=RANK, alpha=16.0, global_batch_size=8, lr=1e-4) for n, s in ADAPTERS.items()]
+    return [AdapterSpec(name=n, slot=s, rank=RANK, alpha=16.0, global_batch_size=8, lr=1e-4)
+            for n, s in ADAPTERS.items()]
 
 
 def _weights(shapes: dict[str, torch.Size], seed: int) -> dict[str, torch.Tensor]:
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAIL megatron-tp{args.tp}: Megatron vs torch backend ({args.device}, {args.dtype}): {unlike}")
         return 1
     logprob_diff = max(abs(x - y) for xs, ys in zip(meg["logprobs"], ref["logprobs"]) for x, y in zip(xs, ys))
-    lora_diff = max(float((meg["lora"][n][k] - ref["lora"][n][k]).abs().max()) for n in ADAPTERS for k in ref["lora"][n])
+    lora_diff = max(float((meg["lora"][n][k] - ref["lora"][n][k]).abs().max())
+                    for n in ADAPTERS for k in ref["lora"][n])
     ok = logprob_diff <= tol and lora_diff <= tol
     print(f"{'PASS' if ok else 'FAIL'} megatron-tp{args.tp}: Megatron vs torch backend ({args.device}, {args.dtype}): "
           f"max |d logprob| = {logprob_diff:.2e}, max |d LoRA after one step| = {lora_diff:.2e} (tol {tol:g})")

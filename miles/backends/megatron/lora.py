@@ -324,10 +324,12 @@ def inject_parallel_lora(model: nn.Module, shape: ModelShape, *, n_slots: int, m
     keep_slots_in_recompute()
     router = SlotRouter()
     model.lora_router = router
-    h, q_out, kv_out, f = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_query_groups * shape.head_dim, shape.ffn_hidden_size
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    q_out, kv_out = shape.num_heads * shape.head_dim, shape.num_query_groups * shape.head_dim
     dims = {"q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out), "o_proj": (q_out, h),
             "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
-    fused = [("self_attention.linear_qkv", "self_attn", ("q_proj", "k_proj", "v_proj"), "column", _qkv_composer(shape, tp_size)),
+    fused = [("self_attention.linear_qkv", "self_attn", ("q_proj", "k_proj", "v_proj"), "column",
+              _qkv_composer(shape, tp_size)),
              ("self_attention.linear_proj", "self_attn", ("o_proj",), "row", _single("o_proj")),
              ("mlp.linear_fc1", "mlp", ("gate_proj", "up_proj"), "column", _fc1_composer(shape, tp_size)),
              ("mlp.linear_fc2", "mlp", ("down_proj",), "row", _single("down_proj"))]
@@ -343,7 +345,8 @@ def inject_parallel_lora(model: nn.Module, shape: ModelShape, *, n_slots: int, m
                     continue
                 in_f, out_f = dims[name]
                 part = LoRAPart(f"model.layers.{i}.{hf_block}.{name}", parallel=parallel, in_features=in_f,
-                                out_features=out_f, n_slots=n_slots, max_rank=max_rank, tp_rank=tp_rank, tp_size=tp_size)
+                                out_features=out_f, n_slots=n_slots, max_rank=max_rank,
+                                tp_rank=tp_rank, tp_size=tp_size)
                 parts[name] = out[part.hf_name] = part
             parent_name, _, child = f"decoder.layers.{i}.{megatron_name}".rpartition(".")
             parent = model.get_submodule(parent_name)

@@ -71,7 +71,8 @@ class ModelShape:
         arch = next((HF_ARCHS[a] for a in archs if a in HF_ARCHS), None)
         if arch is None:
             raise ValueError(f"the Megatron backend builds {sorted(HF_ARCHS)} models; this checkpoint is {archs}")
-        if config.get("rope_scaling") not in (None, {}) and (config["rope_scaling"].get("rope_type") or config["rope_scaling"].get("type")) != "default":
+        rope_scaling = config.get("rope_scaling")
+        if rope_scaling not in (None, {}) and (rope_scaling.get("rope_type") or rope_scaling.get("type")) != "default":
             raise ValueError(f"rope_scaling {config['rope_scaling']} is not supported by the Megatron backend")
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
@@ -330,10 +331,12 @@ def load_hf_weights(model, shape: ModelShape, hf_state: dict[str, Tensor]) -> No
     missing = sorted(set(params) - set(local))
     unexpected = sorted(set(local) - set(params))
     if missing or unexpected:
-        raise ValueError(f"HF -> Megatron mapping does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"HF -> Megatron mapping does not fit the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
     for name, target in params.items():
         if target.shape != local[name].shape:
-            raise ValueError(f"{name}: the model has shape {list(target.shape)}, the mapping gives {list(local[name].shape)}")
+            raise ValueError(f"{name}: the model has shape {list(target.shape)}, "
+                             f"the mapping gives {list(local[name].shape)}")
         target.copy_(local[name])
 
 

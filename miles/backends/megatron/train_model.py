@@ -108,7 +108,8 @@ class MegatronTrainModel:
         rank, alpha = check_peft_config(config, Path(path), self.target_modules)
         max_rank = next(iter(self.parts.values())).max_rank
         if rank > max_rank:
-            raise ValueError(f"{path}: adapter rank {rank} exceeds the slot width max_rank={max_rank}; raise --lora-rank")
+            raise ValueError(f"{path}: adapter rank {rank} exceeds the slot width max_rank={max_rank}; "
+                             "raise --lora-rank")
         mlora.set_slot_weights(self.parts, slot, tensors, rank=rank, alpha=alpha)
 
     def clear_slot(self, slot: int) -> None:

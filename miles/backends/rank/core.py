@@ -169,7 +169,8 @@ class TrainCore:
 
     def check_rank(self, spec: AdapterSpec) -> None:
         if not 0 < spec.rank <= self.config.lora_rank:
-            raise ValueError(f"adapter '{spec.name}' has rank {spec.rank}; it must be in 1..{self.config.lora_rank} (--lora-rank)")
+            raise ValueError(f"adapter '{spec.name}' has rank {spec.rank}; "
+                             f"it must be in 1..{self.config.lora_rank} (--lora-rank)")
 
     def _new_schedule(self, spec: AdapterSpec) -> LRSchedule:
         return LRSchedule(
@@ -256,7 +257,8 @@ class TrainCore:
         for sample in samples:
             loaded = self.loaded(sample.adapter)
             if sample.slot != loaded.spec.slot:
-                raise ValueError(f"sample of adapter '{sample.adapter}' names slot {sample.slot}, but the adapter is in slot {loaded.spec.slot}")
+                raise ValueError(f"sample of adapter '{sample.adapter}' names slot {sample.slot}, "
+                                 f"but the adapter is in slot {loaded.spec.slot}")
         for name in samples_per_adapter:
             self.loaded(name)
         stats: dict[str, LossSums] = {}

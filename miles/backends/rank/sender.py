@@ -72,7 +72,8 @@ class UpdateGroupSender:
             if entry is not None:
                 leave_update_group(entry[0])
 
-    def broadcast(self, tensors: dict[str, Tensor], group_names: Sequence[str], bucketed: bool = False) -> dict[str, str]:
+    def broadcast(self, tensors: dict[str, Tensor], group_names: Sequence[str],
+                  bucketed: bool = False) -> dict[str, str]:
         """Send `tensors` over each named group in turn (`bucketed`: one flat tensor per dtype);
         returns the groups whose broadcast failed, with the error (one dead engine does not
         stop the others' pushes)."""

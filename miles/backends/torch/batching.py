@@ -128,7 +128,8 @@ def _pack_by_tokens(samples: Sequence[Sample], max_tokens: int) -> list[list[int
 
 def _check_sample(sample: Sample, need_rollout_logprobs: bool) -> None:
     if not sample.prompt_ids:
-        raise ValueError(f"sample {sample.group_index}/{sample.index} of adapter '{sample.adapter}' has an empty prompt")
+        raise ValueError(f"sample {sample.group_index}/{sample.index} of adapter '{sample.adapter}' "
+                         "has an empty prompt")
     if sample.loss_mask is not None and len(sample.loss_mask) != len(sample.response_ids):
         raise ValueError(
             f"sample {sample.group_index}/{sample.index} of adapter '{sample.adapter}' has a loss mask of "
@@ -210,7 +211,8 @@ def _blocks(batch: int, n_pos: int, block_tokens: int) -> list[tuple[slice, slic
     if n_pos <= block_tokens:
         rows = block_tokens // max(1, n_pos)
         return [(slice(b, b + rows), slice(0, n_pos)) for b in range(0, batch, rows)]
-    return [(slice(b, b + 1), slice(t, min(t + block_tokens, n_pos))) for b in range(batch) for t in range(0, n_pos, block_tokens)]
+    return [(slice(b, b + 1), slice(t, min(t + block_tokens, n_pos)))
+            for b in range(batch) for t in range(0, n_pos, block_tokens)]
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):

@@ -97,7 +97,8 @@ class AccumulatedGrad:
 
     def __post_init__(self) -> None:
         if self.groups <= 0 or self.samples <= 0:
-            raise ValueError(f"an accumulated gradient covers > 0 groups and samples, got {self.groups}, {self.samples}")
+            raise ValueError("an accumulated gradient covers > 0 groups and samples, "
+                             f"got {self.groups}, {self.samples}")
 
 
 @dataclass

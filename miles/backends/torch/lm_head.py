@@ -120,9 +120,11 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                 entropy_R = -plogp.sum(dim=-1)
                 entropy_N[chunk] = entropy_R
                 if dent_NH is not None:  # p (log p + H)
-                    torch.mm(plogp.addcmul_(probs, entropy_R[:, None]).to(weight_VH.dtype), weight_VH, out=dent_NH[chunk])
+                    torch.mm(plogp.addcmul_(probs, entropy_R[:, None]).to(weight_VH.dtype), weight_VH,
+                             out=dent_NH[chunk])
             if dlogp_NH is not None:
-                p_minus_onehot = probs.scatter_add_(-1, targets_R1, torch.full_like(targets_R1, -1.0, dtype=probs.dtype))
+                p_minus_onehot = probs.scatter_add_(-1, targets_R1,
+                                                    torch.full_like(targets_R1, -1.0, dtype=probs.dtype))
                 torch.mm(p_minus_onehot.to(weight_VH.dtype), weight_VH, out=dlogp_NH[chunk])
         ctx.save_for_backward(dlogp_NH, dent_NH)
         ctx.hidden_dtype = hidden_NH.dtype

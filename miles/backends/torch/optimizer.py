@@ -266,7 +266,8 @@ class SlotAdamW:
     @torch.no_grad()
     def load_slot_state(self, slot: int, exp_avg: list[Tensor], exp_avg_sq: list[Tensor], step: int) -> None:
         if len(exp_avg) != len(self.params) or len(exp_avg_sq) != len(self.params):
-            raise ValueError(f"optimizer state holds {len(exp_avg)} moments, the model has {len(self.params)} LoRA parameters")
+            raise ValueError(f"optimizer state holds {len(exp_avg)} moments, "
+                             f"the model has {len(self.params)} LoRA parameters")
         for m_all, v_all, m, v in zip(self.exp_avg, self.exp_avg_sq, exp_avg, exp_avg_sq):
             m_all[slot].copy_(m)
             v_all[slot].copy_(v)

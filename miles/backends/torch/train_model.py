@@ -121,7 +121,8 @@ class TorchTrainModel:
                     input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False,
                 ).last_hidden_state
             start = length - keep  # position t predicts token t + 1; the last one predicts nothing
-            out = lm_head_logprobs(hidden_BLH[:, start:-1], head_VH, batch.input_ids_BL[:, start + 1 :], entropy=entropy)
+            out = lm_head_logprobs(hidden_BLH[:, start:-1], head_VH, batch.input_ids_BL[:, start + 1 :],
+                                   entropy=entropy)
             if not entropy:
                 return torch.nn.functional.pad(out, (start, 0))
             return tuple(torch.nn.functional.pad(x_BK, (start, 0)) for x_BK in out)

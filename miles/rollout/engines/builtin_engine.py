@@ -420,5 +420,6 @@ def _per_prompt(value: Any, n: int, field: str) -> list[Any]:
     if not isinstance(value, list):
         return [value] * n
     if len(value) != n:
-        raise EngineRequestError(f"'{field}' has {len(value)} entries for {n} prompts: give one per prompt or a single value")
+        raise EngineRequestError(f"'{field}' has {len(value)} entries for {n} prompts: "
+                                 "give one per prompt or a single value")
     return value

@@ -164,7 +164,8 @@ def add_routes(app: FastAPI, engine: BuiltinEngine) -> None:
         try:
             mode = PauseRequest.model_validate_json(body).mode if body.strip() else "abort"
         except ValidationError as exc:
-            raise EngineRequestError(f"pause_generation takes {{\"mode\": \"abort\"|\"retract\"|\"in_place\"}}: {exc}") from None
+            raise EngineRequestError(
+                f"pause_generation takes {{\"mode\": \"abort\"|\"retract\"|\"in_place\"}}: {exc}") from None
         engine.pause(mode)
         return {"status": "paused", "mode": mode}
 
@@ -186,11 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer-path", default=None, help="Tokenizer directory (default: --model-path).")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="0: a free port the OS picks (written to stdout).")
-    parser.add_argument("--enable-lora", action="store_true", help="Accepted for SGLang compatibility; LoRA is on when --max-loras-per-batch > 0.")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="Accepted for SGLang compatibility; LoRA is on when --max-loras-per-batch > 0.")
     parser.add_argument("--max-loras-per-batch", type=int, default=8, help="LoRA slots (0: no LoRA).")
     parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("--lora-target-modules", nargs="+", default=["all-linear"])
-    parser.add_argument("--lora-paths", nargs="*", default=[], type=_lora_path, help="NAME=DIR adapters loaded at start.")
+    parser.add_argument("--lora-paths", nargs="*", default=[], type=_lora_path,
+                        help="NAME=DIR adapters loaded at start.")
     parser.add_argument("--max-loaded-loras", type=int, default=None,
                         help="Most adapters loaded at once; a load past it evicts the least recently used (as SGLang).")
     parser.add_argument("--engine-lora-update", choices=["in_place", "versioned"], default="in_place",

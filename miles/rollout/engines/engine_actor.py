@@ -545,7 +545,8 @@ class EngineServer:
         payload = body.model_dump(mode="json", exclude_unset=True)
         response = await self._http.get().post(self.url() + route, json=payload)
         if response.status_code >= 400:
-            raise EngineRequestFailed(f"{route} on {self._url} answered HTTP {response.status_code}: {response.text[:500]}")
+            raise EngineRequestFailed(f"{route} on {self._url} answered HTTP {response.status_code}: "
+                                      f"{response.text[:500]}")
         try:
             answer = response.json()
         except ValueError:

@@ -16,10 +16,11 @@ what each push recorded.
 Ray restarts a dead engine actor (`max_restarts=ENGINE_MAX_RESTARTS`) with nothing in
 memory, so the fleet keeps what it needs: the latest push of every live slot, and in
 versioned mode the one before it, which engines keep loaded for groups still in flight
-(`record_push`, `forget_slot`; the pusher records each push before sending it). It holds their object-store references; their owner is the
-process that exported the tensors (the driver), which outlives any engine. The watcher also
-checks each server's `/health`, so `serving()` turns false as soon as no server answers
-(the producer then neither submits groups nor counts their failures). A watcher asks every engine for its identity each
+(`record_push`, `forget_slot`; the pusher records each push before sending it). It holds
+their object-store references; their owner is the process that exported the tensors (the
+driver), which outlives any engine. The watcher also checks each server's `/health`, so
+`serving()` turns false as soon as no server answers (the producer then neither submits
+groups nor counts their failures). A watcher asks every engine for its identity each
 `watch_interval_s`. An engine that does not answer (dead or restarting) is taken out of the
 router at once; one that answers with a new incarnation is started again, loads every
 live slot at its recorded version (again, until no push was recorded meanwhile), and only

@@ -106,7 +106,8 @@ class Router:
                 else:
                     response = await client.post(self.url + "/remove_worker", params={"url": worker})
                 if response.status_code >= 400:
-                    logger.warning("Router %s did not remove worker %s: HTTP %d", self.url, worker, response.status_code)
+                    logger.warning("Router %s did not remove worker %s: HTTP %d", self.url, worker,
+                                   response.status_code)
                 elif worker in self.added:
                     self.added.remove(worker)
 

@@ -32,7 +32,8 @@ def reward_value(raw: Any, reward_key: str | None) -> float:
             raise ValueError(f"--reward-key {reward_key!r} is not in the reward dict (keys: {sorted(raw)})")
         raw = raw[reward_key]
     elif isinstance(raw, Mapping):
-        raise ValueError(f"the reward is a dict with keys {sorted(raw)}: set --reward-key to the one that is the reward")
+        raise ValueError(f"the reward is a dict with keys {sorted(raw)}: "
+                         "set --reward-key to the one that is the reward")
     if not isinstance(raw, numbers.Real):
         raise ValueError(f"a reward must be a number, got {type(raw).__name__} {raw!r}")
     return float(raw)

@@ -58,7 +58,8 @@ def step3_groups(names: tuple[str, ...], seed: int):
 
 
 def logprob_samples() -> list[Sample]:
-    samples = [s for g in make_groups("a", 0, 1, 2, 4) + make_groups("b", 2, 1, 2, 5) + make_groups("c", 1, 1, 2, 6) for s in g]
+    groups = make_groups("a", 0, 1, 2, 4) + make_groups("b", 2, 1, 2, 5) + make_groups("c", 1, 1, 2, 6)
+    samples = [s for g in groups for s in g]
     base = [Sample(**{**s.__dict__, "slot": -1, "adapter": "a"}) for s in samples[::2]]
     return samples + base
 
@@ -70,7 +71,8 @@ def logit_input_ids() -> torch.Tensor:
 def play(actor, *, set_weights, logits_fn, save_dir: Path, torch_ckpt: Path) -> dict:
     """The script, on one rank of either backend; returns what it saw (rank 0's matters)."""
     seen: dict = {}
-    specs = {name: spec(name, slot, rank=RANK, global_batch_size=6, save_dir=save_dir / name) for name, slot in SLOTS.items()}
+    specs = {name: spec(name, slot, rank=RANK, global_batch_size=6, save_dir=save_dir / name)
+             for name, slot in SLOTS.items()}
     seen["fresh_export"] = actor.fresh_export_for_push(specs["a"])  # before the load, as a registration's push
     for name in SLOTS:
         actor.load_adapter(specs[name])
@@ -96,7 +98,8 @@ def play(actor, *, set_weights, logits_fn, save_dir: Path, torch_ckpt: Path) -> 
     samples, adv = flatten_with_advantages(step3_groups(("a",), seed=8))
     actor.train(samples, adv, counts(samples))
     share = actor.accumulated_grad("a")  # a TP gather in Megatron: rank 0 holds it
-    seen["ckpt_a_mid"] = actor.save_adapter("a", 2, None, AccumulatedGrad(share.tensors, groups=1, samples=share.samples))
+    seen["ckpt_a_mid"] = actor.save_adapter("a", 2, None,
+                                            AccumulatedGrad(share.tensors, groups=1, samples=share.samples))
     _barrier()  # rank 0 writes; every rank reads it back
     actor.cleanup_adapter("c")
     actor.load_adapter(spec("a3", 1, rank=RANK, global_batch_size=6), str(save_dir / "a" / "checkpoints" / "step_2"))
@@ -202,7 +205,8 @@ def _dp_rank_main(rank: int, world: int, addresses, model_dir: str, work: str) -
     from miles.backends.torch.train_group import split_prompt_groups
 
     torch.set_num_threads(1)
-    actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=model_dir, n_slots=N_SLOTS, lora_rank=RANK), rank, world)
+    actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=model_dir, n_slots=N_SLOTS, lora_rank=RANK),
+                               rank, world)
     actor.init_process_group(_rendezvous(actor, rank, world, addresses))
     for name, slot in SLOTS.items():
         actor.load_adapter(spec(name, slot, rank=RANK, global_batch_size=6))

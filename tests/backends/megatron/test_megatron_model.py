@@ -78,7 +78,8 @@ def test_fused_layouts_at_tp2(tiny_qwen2_dir):
         expected = torch.cat([gate[rank * half : (rank + 1) * half], up[rank * half : (rank + 1) * half]])
         assert torch.equal(local["decoder.layers.1.mlp.linear_fc1.weight"], expected)
         o = hf[attn + "o_proj.weight"]
-        assert torch.equal(local["decoder.layers.1.self_attention.linear_proj.weight"], o[:, rank * 32 : (rank + 1) * 32])
+        assert torch.equal(local["decoder.layers.1.self_attention.linear_proj.weight"],
+                           o[:, rank * 32 : (rank + 1) * 32])
 
 
 def _rank_logits(rank: int, world: int, rendezvous: str, dirs: list[str], out: str) -> None:

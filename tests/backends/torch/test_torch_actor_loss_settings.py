@@ -140,7 +140,8 @@ def test_reinforce_plus_plus_with_kl_coef_needs_the_kl():
 
 
 WINDOW_SETTINGS = {
-    "a": LossSettings(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.05, use_tis=True, tis_clip=1.5, tis_clip_low=0.5),
+    "a": LossSettings(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.05, use_tis=True, tis_clip=1.5,
+                      tis_clip_low=0.5),
     "b": LossSettings(use_rollout_logprobs=True, use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=0.2),
     "c": LossSettings(advantage_estimator="gspo", entropy_coef=0.02, eps_clip_c=3.0, use_kl_loss=True,
                       use_unbiased_kl=True, kl_loss_coef=0.1),
@@ -192,7 +193,8 @@ def test_the_response_window_gives_the_numbers_of_the_full_forward(tiny_model_di
             full_BLV = actor.model.module(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
     assert torch.all(logprobs_BT[:, : length - keep] == 0) and torch.all(entropy_BT[:, : length - keep] == 0)
     window = slice(length - keep, None)
-    torch.testing.assert_close(entropy_BT[:, window], entropy_from_logits(full_BLV[:, :-1])[:, window], atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy_BT[:, window], entropy_from_logits(full_BLV[:, :-1])[:, window],
+                               atol=1e-6, rtol=0)
 
     monkeypatch.setattr(model_module, "logits_to_keep", lambda batch: batch.input_ids_BL.shape[1])
     full, full_weights, _, _ = _window_run(tiny_model_dir)

@@ -55,8 +55,10 @@ def test_logits_of_the_response_window_only_give_the_same_logprobs(tiny_model_di
     keep = logits_to_keep(batch)
     assert keep == batch.input_ids_BL.shape[1] - 2  # the 3-token prompt's last position starts the window
     with torch.no_grad():
-        full = full_logprobs(model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits, batch.input_ids_BL)
-        kept_logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, logits_to_keep=keep).logits
+        full = full_logprobs(model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits,
+                             batch.input_ids_BL)
+        kept_logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                            logits_to_keep=keep).logits
     assert kept_logits.shape[1] == keep
     window = next_token_logprobs(kept_logits, batch.input_ids_BL)
     mask = batch.response_mask_BT.bool()

@@ -42,7 +42,8 @@ def _save(save_dir: Path, step: int, write_adapter=_write_peft) -> Path:
         step=step,
         hyper={"lr": 0.1},
     )
-    state = TrainerState(name="a", step=step, registration_id="r1", rank=2, alpha=4.0, data_position=DataPosition(epoch=1, index=7))
+    state = TrainerState(name="a", step=step, registration_id="r1", rank=2, alpha=4.0,
+                         data_position=DataPosition(epoch=1, index=7))
     return write_checkpoint(save_dir, step, write_adapter=write_adapter, optimizer=optimizer,
                             scheduler={"samples_seen": 8 * step}, trainer_state=state)
 
@@ -95,8 +96,8 @@ def test_incomplete_directory_is_rejected_with_what_is_missing(tmp_path):
 
 def _save_mid_window(save_dir: Path, step: int, groups: int = 3, samples: int = 6) -> tuple[Path, dict]:
     grad = {"layer.lora_A": torch.randn(2, 3, generator=torch.Generator().manual_seed(99))}
-    optimizer = OptimizerState(exp_avg={"layer.lora_A": torch.zeros(2, 3)}, exp_avg_sq={"layer.lora_A": torch.zeros(2, 3)},
-                               step=step)
+    optimizer = OptimizerState(exp_avg={"layer.lora_A": torch.zeros(2, 3)},
+                               exp_avg_sq={"layer.lora_A": torch.zeros(2, 3)}, step=step)
     state = TrainerState(name="a", step=step, registration_id="r1", rank=2, alpha=4.0,
                          data_position=DataPosition(epoch=0, index=5), accumulated_groups=groups,
                          accumulated_samples=samples)

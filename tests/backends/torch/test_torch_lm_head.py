@@ -129,7 +129,8 @@ def _actor_run(model_dir, monkeypatch, *, fused: bool):
 def test_the_actor_with_the_fused_head_trains_as_with_the_models_head(tiny_model_dir, monkeypatch):
     """Loss sums, gradients and logprobs of a train rank are those of the model's own head
     (fp32, response window, entropy bonus, KL to the reference)."""
-    fused, plain_run = _actor_run(tiny_model_dir, monkeypatch, fused=True), _actor_run(tiny_model_dir, monkeypatch, fused=False)
+    fused = _actor_run(tiny_model_dir, monkeypatch, fused=True)
+    plain_run = _actor_run(tiny_model_dir, monkeypatch, fused=False)
     for (stats_f, grads_f, logp_f), (stats_p, grads_p, logp_p) in zip(fused, plain_run):
         for name in LOSSES:
             for field in dataclasses.fields(stats_f[name]):

@@ -131,7 +131,8 @@ def test_fused_step_of_several_slots_equals_the_per_slot_sequence():
         grads = [torch.randn(3, 4, 5, generator=g) * (step + 1), torch.randn(3, 6, 4, generator=g)]
         for (a, b) in (fused_params, loop_params):
             a.grad, b.grad = grads[0].clone(), grads[1].clone()
-        norms = fused.step_slots([SlotStep(slot=s, lr=lr, grad_scale=scale) for s, (_, lr, _, scale) in settings.items()], max_norm=1.0)
+        slot_steps = [SlotStep(slot=s, lr=lr, grad_scale=scale) for s, (_, lr, _, scale) in settings.items()]
+        norms = fused.step_slots(slot_steps, max_norm=1.0)
         expected = {}
         for slot, (_, lr, _, scale) in settings.items():
             loop.mask_slot_grad(slot)

@@ -156,7 +156,8 @@ def _saved_bytes_at_forward_end(model, ids, slots) -> tuple[int, torch.Tensor]:
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         with use_slots(model, slots):
             loss = model(input_ids=ids, use_cache=False).logits.square().mean()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved if t.untyped_storage().nbytes()}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in saved if t.untyped_storage().nbytes()}
     return sum(storages.values()), loss
 
 

@@ -1,10 +1,11 @@
 """Train faults in the torch backend: a failed train call counts nowhere, a dead rank is named.
 
 A train call that raises (injected by the test rank of `fault_injection`, a
-`TorchTrainActor` subclass; the group runs it through `--train-actor-path`) takes its batch back: gradients, LR clock and optimizer state are as before the
-call, on every rank, so training the batch again gives exactly the update of a run that
-never failed. A killed rank makes `train` raise `TrainRankLostError`; the adapters are
-still saved from a surviving rank and the group shuts down.
+`TorchTrainActor` subclass; the group runs it through `--train-actor-path`) takes its
+batch back: gradients, LR clock and optimizer state are as before the call, on every rank,
+so training the batch again gives exactly the update of a run that never failed. A killed
+rank makes `train` raise `TrainRankLostError`; the adapters are still saved from a
+surviving rank and the group shuts down.
 """
 
 from __future__ import annotations

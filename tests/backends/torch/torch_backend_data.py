@@ -28,7 +28,8 @@ def make_groups(adapter: str, slot: int, n_groups: int, group_size: int, seed: i
             group.append(Sample(
                 adapter=adapter, slot=slot, group_index=g, index=i, prompt="", label=None, metadata={},
                 prompt_ids=list(prompt), response_ids=response,
-                rollout_logprobs=[-rng.uniform(3.0, 6.0) for _ in response], reward=float(rng.randint(0, 1)) + rng.random(),
+                rollout_logprobs=[-rng.uniform(3.0, 6.0) for _ in response],
+                reward=float(rng.randint(0, 1)) + rng.random(),
             ))
         groups.append(group)
     return groups

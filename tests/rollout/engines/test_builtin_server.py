@@ -90,7 +90,8 @@ async def test_upsert_of_a_new_name_loads_it(builtin_engine_url, client, engine_
     a = (await client.post(builtin_engine_url + "/generate", json={**same, "lora_path": "fresh_upsert"})).json()
     b = (await client.post(builtin_engine_url + "/generate", json={**same, "lora_path": "ad1"})).json()
     assert a["output_ids"] == b["output_ids"]
-    assert (await client.post(builtin_engine_url + "/unload_lora_adapter", json={"lora_name": "fresh_upsert"})).status_code == 200
+    unloaded = await client.post(builtin_engine_url + "/unload_lora_adapter", json={"lora_name": "fresh_upsert"})
+    assert unloaded.status_code == 200
 
 
 def test_slot_table_reuses_slots_only_after_release():

@@ -54,8 +54,9 @@ async def test_versioned_fleet_serves_the_stamped_version_on_every_engine(ray_se
                 assert await serves(client, [*urls, fleet.router_url], name, trainer_reference, adapter)
             # Groups stamped one version back still run; two back is unloaded.
             assert await serves(client, urls, fleet.lora_name(1, 2), trainer_reference, "ad2")
-            gone = await client.post(urls[0] + "/generate", json={"input_ids": [5, 6], "lora_path": fleet.lora_name(1, 1),
-                                                                  "sampling_params": GREEDY})
+            gone = await client.post(urls[0] + "/generate",
+                                     json={"input_ids": [5, 6], "lora_path": fleet.lora_name(1, 1),
+                                           "sampling_params": GREEDY})
             assert gone.status_code == 400
     finally:
         await pusher.close()

@@ -63,7 +63,8 @@ async def test_no_upsert_and_no_broadcast_route(versioned_url, client, engine_ad
     route = await client.post(url + "/load_lora_adapter_from_distributed", json={})
     assert route.status_code == 404
     unknown = await client.post(url + "/unload_lora_adapter", json={"lora_name": "never"})
-    assert unknown.status_code == 400 and unknown.json()["error_message"].startswith("LoRA with name never does not exist")
+    assert unknown.status_code == 400
+    assert unknown.json()["error_message"].startswith("LoRA with name never does not exist")
     await unload_all(client, url)
 
 
