@@ -45,11 +45,13 @@ demo-real: install
 	$(PY) -m miles.main.train_multi_lora_async --config configs/smollm2-multi-lora.yaml
 	$(PY) scripts/eval_adapters.py --config configs/smollm2-multi-lora.yaml --recipe smollm2 --n 100 --own-tasks
 
-# The SGLang path on a CUDA machine (SGLang in .venv-sglang, a tiny local model, <= 8 min):
-# SGLang against PEFT and the trainer, pushes in flight, then the real trainer on its own Ray
-# cluster (the service scenario in both update modes, the Megatron backend with SGLang);
-# one PASS/FAIL/SKIP line per check. Without CUDA it says so and fails.
-# GPU_CHECK_ARGS: e.g. --skip megatron-sglang-tp2, or --cpu-rehearsal on a machine without GPU.
+# The GPU paths on a CUDA machine (SGLang in .venv-sglang, a tiny local model, <= 8 min):
+# the engine against PEFT and the trainer, pushes in flight, then the real trainer on its own
+# Ray cluster (the service scenario in both update modes, the Megatron backend with the engine);
+# one PASS/FAIL/SKIP line per check. Without CUDA it says so and fails. docs/GPU_CHECK.md keeps
+# what GPU machines printed.
+# GPU_CHECK_ARGS: e.g. --skip megatron-engine-tp2, --engine builtin (no SGLang install), or
+# --cpu-rehearsal on a machine without GPU.
 GPU_CHECK_ARGS ?=
 gpu-check: install
 	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)

@@ -133,7 +133,8 @@ def test_resume_equals_uninterrupted_training(tiny_model_dir, tmp_path):
     assert max(abs(x - y) for x, y in zip(base, flat(saved_logprobs))) > 1e-4  # the adapter matters
 
     resumed = new_actor(tiny_model_dir, micro_batch_size=3)
-    loaded = resumed.load_adapter(spec("a", 0, save_dir=tmp_path / "a", lr_decay_style="cosine", num_step=3), str(checkpoint))
+    loaded = resumed.load_adapter(spec("a", 0, save_dir=tmp_path / "a", lr_decay_style="cosine", num_step=3),
+                                  str(checkpoint))
     assert loaded == LoadResult(checkpoint=checkpoint, step=2, data_position=DataPosition(epoch=1, index=5))
     resumed.load_adapter(spec("b", 1, rank=2))
     a_groups = [g for g in batches[2] if g[0].adapter == "a"]
@@ -151,7 +152,8 @@ def test_reused_slot_starts_fresh_and_cotenants_are_untouched(tiny_model_dir):
     actor.load_adapter(spec("old", 0))
     actor.load_adapter(spec("b", 1, rank=2))
     for i in range(2):
-        _train_step(actor, make_groups("old", 0, 1, 2, seed=60 + i) + make_groups("b", 1, 1, 2, seed=70 + i), ["old", "b"])
+        groups = make_groups("old", 0, 1, 2, seed=60 + i) + make_groups("b", 1, 1, 2, seed=70 + i)
+        _train_step(actor, groups, ["old", "b"])
     leftover, adv = flatten_with_advantages(make_groups("old", 0, 1, 2, seed=80))
     actor.train(leftover, adv, counts(leftover))  # retained gradient that must not leak into the next tenant
     b_weights, b_state = actor.export_adapter("b"), actor.optimizer_state("b")
@@ -178,7 +180,8 @@ def test_reused_slot_starts_fresh_and_cotenants_are_untouched(tiny_model_dir):
 def test_bf16_base_keeps_fp32_lora_weights_and_moments(tiny_model_dir):
     from miles.backends.rank.config import TrainActorConfig
 
-    actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=2, lora_rank=4, dtype="bfloat16"))
+    actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=2, lora_rank=4,
+                                             dtype="bfloat16"))
     actor.load_adapter(spec("a", 1, rank=2, lr=1e-5, weight_decay=0.0))
     before = actor.export_adapter("a")
     for seed in (3, 4):  # A gets its first gradient at step 2, once B is nonzero

@@ -203,8 +203,10 @@ def test_settings_are_checked_as_miles_checks_its_flags(kwargs, message):
 
 def test_settings_defaults_are_miles_defaults():
     s = LossSettings()
-    assert (s.advantage_estimator, s.kl_loss_type, s.eps_clip, s.clip_high, s.eps_clip_c) == ("grpo", "k1", 0.2, 0.2, None)
-    assert (s.tis_clip, s.tis_clip_low, s.gamma, s.entropy_coef, s.kl_loss_coef, s.kl_coef) == (2.0, 0.0, 1.0, 0.0, 0.0, 0.0)
+    clip = (s.advantage_estimator, s.kl_loss_type, s.eps_clip, s.clip_high, s.eps_clip_c)
+    assert clip == ("grpo", "k1", 0.2, 0.2, None)
+    rest = (s.tis_clip, s.tis_clip_low, s.gamma, s.entropy_coef, s.kl_loss_coef, s.kl_coef)
+    assert rest == (2.0, 0.0, 1.0, 0.0, 0.0, 0.0)
     assert s.grpo_std_normalization and s.rewards_normalization and not s.normalize_advantages
 
 
@@ -272,7 +274,8 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages():
 def test_gspo_uses_one_sequence_ratio_for_every_token():
     logp = torch.tensor([[math.log(2.0), 0.0, 5.0]], requires_grad=True)
     mask = torch.tensor([[1, 1, 0]])
-    out = terms(logp, torch.zeros(1, 3), torch.tensor([1.0]), mask, LossSettings(advantage_estimator="gspo", eps_clip=0.5))
+    settings = LossSettings(advantage_estimator="gspo", eps_clip=0.5)
+    out = terms(logp, torch.zeros(1, 3), torch.tensor([1.0]), mask, settings)
     # ratio exp(mean(ln 2, 0)) = sqrt(2) inside [0.5, 1.5]: loss -sqrt(2), d/dlogp_t = -sqrt(2) / 2
     assert out.loss_B.item() == pytest.approx(-math.sqrt(2), abs=1e-6)
     out.loss_B.sum().backward()
