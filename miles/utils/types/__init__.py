@@ -3,11 +3,21 @@
 Controller snapshots travel from the controller actor to the driver (`lifecycle`), the
 control plane's bodies over HTTP (`control_plane`), samples and rollout batches from the
 rollout manager to the train actors (`rollout`), pushed LoRA weights to the engines
-(`pushes`), and engine requests and answers over HTTP (`engine_api`). Everything is a
+(`pushes`), engine requests and answers over HTTP (`engine_api`), and a Tinker client's
+datums and optimizer settings from the gateway to the train ranks (`client`). Everything is a
 plain dataclass (picklable by Ray) or a pydantic model (validated at the HTTP edge);
 nothing is a string-keyed dict. Import from this package: `from miles.utils.types import Sample`.
 """
 
+from miles.utils.types.client import (
+    CLIENT_LOSSES,
+    AdamStep,
+    ClientDatum,
+    ClientLoss,
+    ClientLossName,
+    ClientWork,
+    DatumOutput,
+)
 from miles.utils.types.control_plane import (
     AdapterStatus,
     RegisterAdapterRequest,
@@ -55,6 +65,13 @@ from miles.utils.types.rollout import (
 )
 
 __all__ = [
+    "CLIENT_LOSSES",
+    "AdamStep",
+    "ClientDatum",
+    "ClientLoss",
+    "ClientLossName",
+    "ClientWork",
+    "DatumOutput",
     "AbortRequest",
     "AdapterGauges",
     "AdapterRolloutStats",
