@@ -30,7 +30,11 @@ def test_train_async_runs_rollouts_and_saves(tiny_model_dir, tmp_path):
     data = write_arithmetic_dataset(tmp_path / "add.jsonl", 100)
     save = tmp_path / "save"
     flags = tiny_run_flags(tiny_model_dir, save, n_adapters=1)
-    flags += ["--prompt-data", str(data), "--num-rollout", "4", "--save-interval", "2"]
+    flags += ["--prompt-data", str(data), "--num-rollout", "4", "--save-interval", "2",
+              # Every batch waits for its whole rollout_batch_size (one step per rollout): the
+              # harness's short wait ships a part batch when the engine is slow (a loaded machine
+              # gave 3 steps in 4 rollouts once).
+              "--multi-lora-max-coalesce-wait-s", "120"]
     driver = DriverProcess("miles.main.train_async", flags, tmp_path / "train_async.log")
     try:
         assert driver.wait(timeout=400) == 0, driver.log_tail()
