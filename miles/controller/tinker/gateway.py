@@ -1,0 +1,373 @@
+"""The Tinker gateway's logic: sessions, models as client-driven adapters, the command log.
+
+No HTTP here (the routes in `routes.py` parse the wire and call these methods) and no
+trainer: a call is validated, translated into our typed commands and logged; the driver
+takes the commands through the controller actor and reports results back:
+
+    gateway = TinkerGateway(backend, GatewayConfig(base_model="Qwen3-0.6B"), store)
+    session = gateway.create_session(SessionInfo(tags=[], user_metadata={}, sdk_version="0.38.0"))
+    created = gateway.create_model(session, 0, "Qwen3-0.6B", LoraLayout(rank=8), {})  # done at once
+    future = gateway.submit(created.model_id, 1, ClientCommandKind.FORWARD_BACKWARD, command)
+    batch = gateway.take_commands()                              # the driver: RUNNING now
+    gateway.complete(future.future_id, ForwardBackwardResult(outputs, metrics))
+
+A model is an adapter of kind CLIENT in the same registry and slots as the RL adapters,
+named after its model id (`{session}:train:{n}` -> `{session}.train.{n}`, since adapter
+names take no ':'); `unload_model` deregisters it and the normal lifecycle frees its slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles.controller.backend import MultiLoRABackend
+from miles.controller.registry import AdapterValidationError
+from miles.controller.store import RegistryStore
+from miles.controller.tinker.command_log import (
+    CommandLog,
+    CommandLogError,
+    ErrorCategory,
+    Future,
+    FutureKind,
+)
+from miles.utils.types import (
+    AdapterKind,
+    AdapterState,
+    ClientCommandBatch,
+    ClientCommandKind,
+    ClientCommandStatus,
+    ClientModelConfig,
+    ClientRequest,
+    ClientResult,
+    ForwardBackwardResult,
+    LoadStateCommand,
+    SaveForSamplerCommand,
+    SaveStateCommand,
+)
+
+logger = logging.getLogger(__name__)
+
+RETRIEVE_POLL_S = 20.0
+"""How long `retrieve_future` holds a request for an unfinished future (the SDK waits 45 s)."""
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+class GatewayError(Exception):
+    """A request the gateway refuses; `status` is its HTTP status. The SDK retries none of them."""
+
+    status = 400
+
+
+class GatewayNotFoundError(GatewayError):
+    status = 404
+
+
+class GatewayCapacityError(GatewayError):
+    """No free slot for a new model (HTTP 409, marked not to be retried)."""
+
+    status = 409
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    base_model: str | None = None
+    """The base model the trainer serves (its name as clients give it); None accepts any name."""
+    tokenizer_id: str | None = None
+    """What `get_info` names as the tokenizer (the base model's HF id or path)."""
+    target_modules: str = "all-linear"
+    """The slots' LoRA layout (`--target-modules`): which `create_model` layouts are possible."""
+    retrieve_poll_s: float = RETRIEVE_POLL_S
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    tags: list[str] = field(default_factory=list)
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    sdk_version: str = ""
+    display_name: str | None = None
+
+
+@dataclass
+class Session:
+    session_id: str
+    info: SessionInfo
+    created: float
+    last_heartbeat: float
+    finished: bool = False
+    model_ids: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"session_id": self.session_id, "tags": self.info.tags, "user_metadata": self.info.user_metadata,
+                "sdk_version": self.info.sdk_version, "display_name": self.info.display_name,
+                "created": self.created, "last_heartbeat": self.last_heartbeat, "finished": self.finished,
+                "model_ids": self.model_ids}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Session:
+        info = SessionInfo(tags=raw["tags"], user_metadata=raw["user_metadata"], sdk_version=raw["sdk_version"],
+                           display_name=raw["display_name"])
+        return cls(session_id=raw["session_id"], info=info, created=raw["created"],
+                   last_heartbeat=raw["last_heartbeat"], finished=raw["finished"], model_ids=raw["model_ids"])
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """`create_model`'s LoRA config, by the SDK's field names."""
+
+    rank: int
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+def model_name(model_id: str) -> str:
+    """The registry name of a model id (adapter names take no ':')."""
+    return model_id.replace(":", ".")
+
+
+def tinker_path(model_id: str, segment: str, name: str) -> str:
+    return f"tinker://{model_id}/{segment}/{name}"
+
+
+class TinkerGateway:
+    def __init__(self, backend: MultiLoRABackend, config: GatewayConfig | None = None,
+                 store: RegistryStore | None = None) -> None:
+        self.backend = backend
+        self.config = config or GatewayConfig()
+        self.store = store
+        self.log = CommandLog(store)
+        self._sessions: dict[str, Session] = {}
+        if store is not None:
+            for raw in store.load_sessions():
+                session = Session.from_json(raw)
+                self._sessions[session.session_id] = session
+        self._models: dict[str, str] = {}
+        """model id -> registry name, for every client-driven adapter the registry knows."""
+        for status in backend.statuses():
+            if status.kind is AdapterKind.CLIENT and status.model_id is not None:
+                self._models[status.model_id] = status.name
+
+    # ---- sessions -------------------------------------------------------------------------
+
+    def create_session(self, info: SessionInfo) -> str:
+        now = time.time()
+        session = Session(session_id=f"s-{uuid.uuid4().hex[:16]}", info=info, created=now, last_heartbeat=now)
+        self._sessions[session.session_id] = session
+        self._persist_session(session)
+        logger.info("Tinker session %s created (sdk %s)", session.session_id, info.sdk_version or "?")
+        return session.session_id
+
+    def heartbeat(self, session_id: str) -> None:
+        session = self.session(session_id)
+        session.last_heartbeat = time.time()
+
+    def session(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise GatewayNotFoundError(f"Unknown session {session_id!r}; create one with create_session")
+        return session
+
+    def sessions(self) -> list[Session]:
+        """Every session, newest first."""
+        return sorted(self._sessions.values(), key=lambda s: s.created, reverse=True)
+
+    def finish_session(self, session_id: str) -> list[str]:
+        """The client closed its session: its models are unloaded (their slots freed). Returns them."""
+        session = self.session(session_id)
+        session.finished = True
+        self._persist_session(session)
+        unloaded = [m for m in session.model_ids if self._unload(m)]
+        logger.info("Tinker session %s finished; unloaded %s", session_id, unloaded or "no models")
+        return unloaded
+
+    def _persist_session(self, session: Session) -> None:
+        if self.store is not None:
+            self.store.put_session(session.session_id, session.to_json())
+
+    # ---- models -----------------------------------------------------------------------------
+
+    def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: LoraLayout | None,
+                     user_metadata: dict[str, Any]) -> Future:
+        """Register a client-driven adapter (PENDING in the lowest free slot); the future is done at once.
+
+        The same (session, model_seq_id) again returns the first call's future."""
+        key = f"create:{session_id}:{model_seq_id}"
+        found = self.log.existing(key)
+        if found is not None:
+            return found
+        session = self.session(session_id)
+        if session.finished:
+            raise GatewayError(f"Session {session_id} is finished; create a new ServiceClient")
+        if model_seq_id < 0:
+            raise GatewayError(f"model_seq_id must be >= 0, got {model_seq_id}")
+        model_id = f"{session_id}:train:{model_seq_id}"
+        config = self._model_config(model_id, session_id, base_model, lora, user_metadata)
+        name = model_name(model_id)
+        try:
+            self.backend.register_client(name, config)
+        except AdapterValidationError as exc:
+            raise GatewayError(str(exc)) from None
+        self._models[model_id] = name
+        session.model_ids.append(model_id)
+        self._persist_session(session)
+        logger.info("Tinker model %s created: adapter '%s', rank %d", model_id, name, config.rank)
+        return self.log.record_done(key, FutureKind.CREATE_MODEL, name, model_id)
+
+    def _model_config(self, model_id: str, session_id: str, base_model: str, lora: LoraLayout | None,
+                      user_metadata: dict[str, Any]) -> ClientModelConfig:
+        served = self.config.base_model
+        if served is not None and base_model not in (served, Path(served).name):
+            raise GatewayError(f"base_model {base_model!r} is not served here; this trainer serves {served!r}")
+        if lora is None:
+            raise GatewayError("lora_config is required: this trainer trains LoRA adapters only")
+        defaults = self.backend.defaults
+        if lora.rank <= 0 or lora.rank > defaults.lora_rank:
+            raise GatewayError(f"lora_config.rank {lora.rank} must be in 1..{defaults.lora_rank} "
+                               f"(the slot width, --lora-rank); lower rank")
+        if self.config.target_modules.strip() != "all-linear":
+            raise GatewayError(f"this trainer's slots cover only --target-modules {self.config.target_modules!r}, "
+                               "not a Tinker layout (train_mlp/train_attn); restart it with "
+                               "--target-modules all-linear")
+        if not lora.train_mlp or not lora.train_attn:
+            off = [n for n, on in (("train_mlp", lora.train_mlp), ("train_attn", lora.train_attn)) if not on]
+            raise GatewayError(f"lora_config.{off[0]}=False is not supported: the slots hold all-linear LoRA "
+                               "(attention and MLP); pass train_mlp=True and train_attn=True")
+        if lora.train_unembed:
+            raise GatewayError("lora_config.train_unembed=True is not supported: the slots hold all-linear LoRA, "
+                               "which leaves the unembedding (lm_head) frozen; pass train_unembed=False")
+        if defaults.save is None:
+            raise GatewayError("this trainer has no --save directory, so a model could not save its state; "
+                               "restart it with --save")
+        save = (Path(defaults.save).expanduser() / "adapters" / model_name(model_id)).resolve()
+        return ClientModelConfig(model_id=model_id, session_id=session_id, base_model=base_model, rank=lora.rank,
+                                 alpha=defaults.lora_alpha, seed=lora.seed, save=save, user_metadata=user_metadata)
+
+    def model(self, model_id: str) -> tuple[str, ClientModelConfig]:
+        """A known model's registry name and config (live or completed)."""
+        name = self._models.get(model_id)
+        config = None if name is None else self.backend.registry.client_config(name)
+        if name is None or config is None:
+            raise GatewayNotFoundError(f"Unknown model {model_id!r}; create it with create_model")
+        return name, config
+
+    def model_state(self, model_id: str) -> AdapterState | None:
+        name, _ = self.model(model_id)
+        return self.backend.registry.state(name)
+
+    def unload_model(self, model_id: str) -> Future:
+        """Deregister the model (RETIRING; the driver frees its slot); its unrun commands fail."""
+        name, _ = self.model(model_id)
+        self._unload(model_id)
+        return self.log.record_done(f"unload:{model_id}", FutureKind.UNLOAD_MODEL, name, model_id)
+
+    def _unload(self, model_id: str) -> bool:
+        name = self._models.get(model_id)
+        if name is None or self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE):
+            return False
+        self.backend.deregister(name)
+        failed = self.log.fail_model(name, f"model {model_id} was unloaded before this command ran")
+        logger.info("Tinker model %s unloaded (%d queued commands failed)", model_id, len(failed))
+        return True
+
+    # ---- commands --------------------------------------------------------------------------
+
+    def submit(self, model_id: str, seq_id: int | None, kind: ClientCommandKind, request: ClientRequest) -> Future:
+        """Log one call of a live model (a retry of its seq_id returns the logged future)."""
+        name, _ = self.model(model_id)
+        if seq_id is None:
+            raise GatewayError(f"Model {model_id}: seq_id is required (the training client's call number)")
+        found = self.log.existing(f"cmd:{name}:{seq_id}")
+        if found is None and self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE):
+            raise GatewayNotFoundError(f"Model {model_id} was unloaded; create a new training client")
+        try:
+            return self.log.submit_command(name, model_id, seq_id, kind, request)
+        except CommandLogError as exc:
+            raise GatewayError(str(exc)) from None
+
+    def save_state_command(self, model_id: str, name: str | None, overwrite: bool) -> SaveStateCommand:
+        checkpoint = self._checkpoint_name(name)
+        model, config = self.model(model_id)
+        if not overwrite and self._saved(model, checkpoint):
+            raise GatewayError(f"Model {model_id} already has a checkpoint named {checkpoint!r}; "
+                               "pick another name or pass overwrite=True")
+        return SaveStateCommand(name=checkpoint, tinker_path=tinker_path(model_id, "weights", checkpoint),
+                                directory=str(config.save / "weights" / checkpoint))
+
+    def sampler_command(self, model_id: str, name: str | None) -> SaveForSamplerCommand:
+        if name is None:
+            raise GatewayError("save_weights_for_sampler needs a name here (sampling sessions are not served yet)")
+        checkpoint = self._checkpoint_name(name)
+        _, config = self.model(model_id)
+        return SaveForSamplerCommand(name=checkpoint, tinker_path=tinker_path(model_id, "sampler_weights", checkpoint),
+                                     directory=str(config.save / "sampler_weights" / checkpoint))
+
+    def load_state_command(self, path: str, optimizer: bool) -> LoadStateCommand:
+        """A load of a checkpoint saved by a model this trainer knows (`tinker://{model}/weights/{name}`)."""
+        prefix = "tinker://"
+        parts = path[len(prefix):].split("/") if path.startswith(prefix) else []
+        if len(parts) != 3 or parts[1] != "weights":
+            raise GatewayError(f"path {path!r} is not a training checkpoint: use tinker://<model_id>/weights/<name>, "
+                               "as save_state returned it")
+        source, config = self.model(parts[0])
+        checkpoint = self._checkpoint_name(parts[2])
+        directory = config.save / "weights" / checkpoint
+        if not self._saved(source, checkpoint) and not directory.is_dir():
+            raise GatewayNotFoundError(f"No checkpoint {path!r}: model {parts[0]} never saved one by that name")
+        return LoadStateCommand(tinker_path=path, directory=str(directory), optimizer=optimizer)
+
+    def _saved(self, model: str, checkpoint: str) -> bool:
+        """A save_state of that name is logged and not failed."""
+        return any(isinstance(f.request, SaveStateCommand) and f.request.name == checkpoint
+                   and f.status is not ClientCommandStatus.FAILED for f in self.log.commands(model))
+
+    @staticmethod
+    def _checkpoint_name(name: str | None) -> str:
+        if name is None or not CHECKPOINT_NAME.fullmatch(name) or name in (".", ".."):
+            raise GatewayError(f"checkpoint name {name!r}: use 1-128 letters, digits, '.', '_' or '-' "
+                               "(it becomes a directory name)")
+        return name
+
+    # ---- the driver's side (through the controller actor) ----------------------------------------
+
+    def runnable_models(self) -> dict[str, tuple[int, str]]:
+        """Live client-driven adapters that may run commands: name -> (slot, registration id)."""
+        return {name: (run.slot, run.registration_id) for name, run in self.backend.snapshot().clients.items()
+                if run.state in (AdapterState.PENDING, AdapterState.ACTIVE)}
+
+    def take_commands(self) -> ClientCommandBatch:
+        return self.log.take(self.runnable_models())
+
+    async def wait_for_commands(self, timeout_s: float) -> bool:
+        return await self.log.wait_for_commands(self.runnable_models(), timeout_s)
+
+    def complete(self, future_id: str, result: ClientResult) -> Future:
+        """A command the driver ran finished; an `optim_step` steps the model in the registry."""
+        if isinstance(result, ForwardBackwardResult):
+            result = _with_loss_sum(result)
+        future = self.log.complete(future_id, result)
+        if future.kind is FutureKind.OPTIM_STEP and future.model is not None:
+            self.backend.record_client_step(future.model)
+        return future
+
+    def fail(self, future_id: str, error: str, category: ErrorCategory = ErrorCategory.SERVER) -> Future:
+        return self.log.fail(future_id, error, category)
+
+    def fail_running(self, error: str) -> list[str]:
+        return self.log.fail_running(error)
+
+
+def _with_loss_sum(result: ForwardBackwardResult) -> ForwardBackwardResult:
+    """The SDK reduces metrics by the suffix after ':' and reads `loss:sum`; every key needs one."""
+    bad = [key for key in result.metrics if key.count(":") != 1]
+    if bad:
+        raise CommandLogError(f"metric names must be 'name:reduction' (e.g. 'loss:sum'), got {bad}")
+    metrics = dict(result.metrics)
+    metrics.setdefault("loss:sum", float(sum(o.loss for o in result.outputs)))
+    return ForwardBackwardResult(outputs=result.outputs, metrics=metrics)

@@ -1,0 +1,314 @@
+"""The Tinker routes under `/api/v1`, on the control plane's app (same port, same token).
+
+Each route validates the SDK's body (JSON, or protobuf for `forward_backward`), translates
+it into our typed command and hands it to the `TinkerGateway`; none calls the trainer.
+`retrieve_future` long-polls the command log and answers as the SDK expects: a try-again
+while the command is pending, the typed result once done (protobuf for forward passes),
+`{"error", "category"}` once failed. The SDK authenticates with `X-API-Key: <token>`,
+checked by the control plane's token middleware like the bearer token.
+
+    install_tinker_routes(app, gateway)   # MultiLoRAHTTPServer.create_app does this
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from miles.controller.tinker.command_log import CommandLogError, ErrorCategory, Future, FutureKind, UnknownFutureError
+from miles.controller.tinker.gateway import GatewayError, LoraLayout, SessionInfo, TinkerGateway
+from miles.controller.tinker.proto import (
+    DTYPE_INT64,
+    ProtoDecodeError,
+    WireForwardBackward,
+    decode_forward_backward,
+    encode_forward_backward_output,
+)
+from miles.controller.tinker.wire import (
+    CreateModelBody,
+    CreateSessionBody,
+    LoadWeightsBody,
+    ModelIdBody,
+    OptimStepBody,
+    RetrieveFutureBody,
+    SaveWeightsBody,
+    SaveWeightsForSamplerBody,
+    SessionIdBody,
+    WireBody,
+)
+from miles.utils.types import (
+    CLIENT_LOSSES,
+    AdamStep,
+    ClientCommandKind,
+    ClientCommandStatus,
+    ClientDatum,
+    ClientLoss,
+    ForwardBackwardResult,
+    ForwardCommand,
+    OptimStepCommand,
+    OptimStepResult,
+)
+
+logger = logging.getLogger(__name__)
+
+BodyT = TypeVar("BodyT", bound=WireBody)
+
+PROTOBUF = "application/x-protobuf"
+MAX_FORWARD_BACKWARD_BYTES = 64 * 1024 * 1024
+"""The SDK cuts a forward_backward into chunks of at most ~5 MB; larger bodies are refused (413)."""
+MAX_JSON_BYTES = 1024 * 1024
+NO_RETRY = {"x-should-retry": "false"}
+"""The SDK's HTTP client retries 409 unless told not to; our refusals are final."""
+
+
+def install_tinker_routes(app: FastAPI, gateway: TinkerGateway) -> None:
+    """Mount the routes and map the gateway's errors to statuses (by type, never by text)."""
+
+    async def refuse(request: Request, exc: Exception) -> JSONResponse:
+        status = exc.status if isinstance(exc, GatewayError) else 404 if isinstance(exc, UnknownFutureError) else 400
+        return JSONResponse(status_code=status, content={"detail": str(exc)}, headers=NO_RETRY)
+
+    for error in (GatewayError, CommandLogError, ProtoDecodeError, UnknownFutureError):
+        app.add_exception_handler(error, refuse)
+    # Added as plain routes of the app (not a mounted sub-router), like the control plane's own.
+    app.router.routes.extend(tinker_router(gateway).routes)
+
+
+def tinker_router(gateway: TinkerGateway) -> APIRouter:
+    router = APIRouter(prefix="/api/v1", tags=["tinker"])
+    config = gateway.config
+
+    # ---- service ----------------------------------------------------------------------------
+
+    @router.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @router.get("/get_server_capabilities")
+    async def capabilities() -> dict[str, Any]:
+        name = config.base_model or "any"
+        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": False}]}
+
+    @router.post("/client/config")
+    async def client_config() -> dict[str, Any]:
+        # Plain API keys, uncompressed protobuf forward_backward, futures polled one by one.
+        return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "use_pyqwest_transport": False,
+                "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
+                "sample_join_sampling_session": False, "parallel_fwdbwd_chunks": True}
+
+    @router.post("/client/dynamic_config")
+    async def client_dynamic_config() -> dict[str, Any]:
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @router.post("/telemetry")
+    async def telemetry() -> dict[str, str]:
+        return {"status": "accepted"}  # the SDK's own telemetry: not kept
+
+    @router.post("/create_session")
+    async def create_session(request: Request) -> dict[str, Any]:
+        body = await _parse(request, CreateSessionBody)
+        session_id = gateway.create_session(SessionInfo(
+            tags=body.tags, user_metadata=body.user_metadata or {}, sdk_version=body.sdk_version,
+            display_name=body.display_name))
+        return {"type": "create_session", "session_id": session_id}
+
+    @router.post("/session_heartbeat")
+    async def session_heartbeat(request: Request) -> dict[str, str]:
+        body = await _parse(request, SessionIdBody)
+        gateway.heartbeat(body.session_id)
+        return {"type": "session_heartbeat"}
+
+    @router.get("/sessions")
+    async def list_sessions(limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0)) -> dict[str, Any]:
+        return {"sessions": [s.session_id for s in gateway.sessions()[offset:offset + limit]]}
+
+    @router.get("/sessions/{session_id}")
+    async def get_session(session_id: str) -> dict[str, Any]:
+        session = gateway.session(session_id)
+        return {"training_run_ids": session.model_ids, "sampler_ids": [],
+                "user_metadata": session.info.user_metadata or None, "display_name": session.info.display_name}
+
+    @router.post("/sessions/{session_id}/finish")
+    async def finish_session(session_id: str) -> dict[str, Any]:
+        return {"unloaded": gateway.finish_session(session_id)}
+
+    # ---- models -------------------------------------------------------------------------------
+
+    @router.post("/create_model")
+    async def create_model(request: Request) -> dict[str, Any]:
+        body = await _parse(request, CreateModelBody)
+        if body.optimizer_config.type != "adamw":
+            raise GatewayError(f"optimizer_config.type {body.optimizer_config.type!r} is not supported; "
+                               "this trainer steps every model with AdamW")
+        lora = None if body.lora_config is None else LoraLayout(
+            rank=body.lora_config.rank, seed=body.lora_config.seed, train_mlp=body.lora_config.train_mlp,
+            train_attn=body.lora_config.train_attn, train_unembed=body.lora_config.train_unembed)
+        future = gateway.create_model(body.session_id, body.model_seq_id, body.base_model, lora,
+                                      body.user_metadata or {})
+        return _untyped(future)
+
+    @router.post("/get_info")
+    async def get_info(request: Request) -> dict[str, Any]:
+        body = await _parse(request, ModelIdBody)
+        _, model = gateway.model(body.model_id)
+        return {"type": "get_info", "model_id": body.model_id, "is_lora": True, "lora_rank": model.rank,
+                "model_name": model.base_model, "optimizer_config": {"type": "adamw"},
+                "model_data": {"arch": None, "model_name": model.base_model,
+                               "tokenizer_id": config.tokenizer_id or model.base_model}}
+
+    @router.post("/unload_model")
+    async def unload_model(request: Request) -> dict[str, Any]:
+        body = await _parse(request, ModelIdBody)
+        return _untyped(gateway.unload_model(body.model_id))
+
+    # ---- commands ------------------------------------------------------------------------------
+
+    @router.post("/forward_backward")
+    async def forward_backward(request: Request) -> dict[str, Any]:
+        wire = decode_forward_backward(await _protobuf_body(request))
+        kind = ClientCommandKind.FORWARD if wire.forward_only else ClientCommandKind.FORWARD_BACKWARD
+        return _untyped(gateway.submit(wire.model_id, wire.seq_id, kind, forward_command(wire)))
+
+    @router.post("/optim_step")
+    async def optim_step(request: Request) -> dict[str, Any]:
+        body = await _parse(request, OptimStepBody)
+        if body.optimizer_params is not None or body.adam_params is None:
+            raise GatewayError("optim_step needs adam_params (AdamParams): every model here steps with AdamW")
+        adam = AdamStep(**body.adam_params.model_dump())
+        bad = [k for k, v in body.adam_params.model_dump().items() if not math.isfinite(v) or v < 0]
+        if bad:
+            raise GatewayError(f"adam_params {bad} must be finite and >= 0")
+        return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.OPTIM_STEP,
+                                       OptimStepCommand(adam=adam)))
+
+    @router.post("/save_weights")
+    async def save_weights(request: Request) -> dict[str, Any]:
+        body = await _parse(request, SaveWeightsBody)
+        command = gateway.save_state_command(body.model_id, body.path, body.overwrite)
+        return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.SAVE_STATE, command))
+
+    @router.post("/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
+        body = await _parse(request, SaveWeightsForSamplerBody)
+        command = gateway.sampler_command(body.model_id, body.path)
+        return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                                       command))
+
+    @router.post("/load_weights")
+    async def load_weights(request: Request) -> dict[str, Any]:
+        body = await _parse(request, LoadWeightsBody)
+        if body.model_id is None:
+            raise GatewayError("creating a training client from a checkpoint (load_weights with session_id) "
+                               "is not served yet; create_model, then load_state")
+        command = gateway.load_state_command(body.path, body.optimizer)
+        return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.LOAD_STATE, command))
+
+    # ---- futures ---------------------------------------------------------------------------------
+
+    @router.post("/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        body = await _parse(request, RetrieveFutureBody)
+        future = await gateway.log.wait(body.request_id, config.retrieve_poll_s)
+        return future_response(future, PROTOBUF in request.headers.get("accept", ""))
+
+    return router
+
+
+async def _parse(request: Request, model: type[BodyT]) -> BodyT:
+    """A JSON body as `model`; errors name the field and never echo the body back."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_JSON_BYTES:
+        raise GatewayError(f"request body over {MAX_JSON_BYTES} bytes")
+    raw = await request.body()
+    try:
+        data = json.loads(raw or b"null")
+    except ValueError as exc:  # also a body that is not UTF-8
+        raise RequestValidationError(
+            [{"type": "value_error", "loc": ("body",), "msg": f"Malformed body: {exc}", "input": None}]) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_context=False, include_input=False)
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+
+
+def _untyped(future: Future) -> dict[str, Any]:
+    return {"request_id": future.future_id, "model_id": future.model_id}
+
+
+async def _protobuf_body(request: Request) -> bytes:
+    if request.headers.get("content-encoding", "identity") not in ("", "identity"):
+        raise GatewayError(f"Content-Encoding {request.headers['content-encoding']!r} is not accepted "
+                           "(the client config asks for uncompressed bodies)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_FORWARD_BACKWARD_BYTES:
+        raise GatewayError(f"forward_backward body over {MAX_FORWARD_BACKWARD_BYTES} bytes; send fewer datums per call")
+    body = await request.body()
+    if len(body) > MAX_FORWARD_BACKWARD_BYTES:
+        raise GatewayError(f"forward_backward body over {MAX_FORWARD_BACKWARD_BYTES} bytes; send fewer datums per call")
+    return body
+
+
+def forward_command(wire: WireForwardBackward) -> ForwardCommand:
+    """Translate a decoded request; every refusal names the loss or the datum field."""
+    if wire.loss_fn not in CLIENT_LOSSES:
+        raise GatewayError(f"loss_fn {wire.loss_fn!r} is not supported; use one of {list(CLIENT_LOSSES)}")
+    text = sorted(k for k, v in wire.loss_fn_config.items() if isinstance(v, str))
+    if text:
+        raise GatewayError(f"loss_fn_config {text}: only numbers are supported")
+    if not wire.data:
+        raise GatewayError("forward_backward needs at least one datum")
+    datums = []
+    for index, datum in enumerate(wire.data):
+        if not datum.tokens:
+            raise GatewayError(f"data[{index}].model_input is empty")
+        if "target_tokens" not in datum.loss_fn_inputs:
+            raise GatewayError(f"data[{index}].loss_fn_inputs needs target_tokens")
+        inputs: dict[str, list[float] | list[int]] = {}
+        for name, tensor in datum.loss_fn_inputs.items():
+            if tensor.shape != [len(datum.tokens)]:
+                raise GatewayError(f"data[{index}].loss_fn_inputs[{name!r}] has shape {tensor.shape}; "
+                                   f"give one value per input token ({len(datum.tokens)})")
+            inputs[name] = [int(v) for v in tensor.values] if tensor.dtype == DTYPE_INT64 else tensor.values
+        datums.append(ClientDatum(tokens=datum.tokens, inputs=inputs))
+    config = {k: float(v) for k, v in wire.loss_fn_config.items()}
+    return ForwardCommand(datums=datums, loss=ClientLoss(wire.loss_fn, config))  # type: ignore[arg-type]
+
+
+def future_response(future: Future, protobuf: bool) -> Response:
+    """What `retrieve_future` answers for `future` as it stands."""
+    if not future.status.finished:
+        return JSONResponse({"type": "try_again", "request_id": future.future_id, "queue_state": "active"})
+    if future.status is ClientCommandStatus.FAILED:
+        category = future.category or ErrorCategory.SERVER
+        return JSONResponse({"error": future.error or "failed", "category": category.value})
+    kind, result, request = future.kind, future.result, future.request
+    if kind in (FutureKind.FORWARD, FutureKind.FORWARD_BACKWARD):
+        assert isinstance(result, ForwardBackwardResult)
+        if protobuf:
+            return Response(encode_forward_backward_output(result.outputs, result.metrics), media_type=PROTOBUF)
+        return JSONResponse({
+            "loss_fn_output_type": "ArrayRecord", "metrics": result.metrics,
+            "loss_fn_outputs": [{name: {"data": values, "dtype": "float32", "shape": [len(values)]}
+                                 for name, values in out.outputs.items()} for out in result.outputs]})
+    if kind is FutureKind.OPTIM_STEP:
+        assert isinstance(result, OptimStepResult)
+        return JSONResponse({"metrics": result.metrics})
+    if kind is FutureKind.CREATE_MODEL:
+        return JSONResponse({"type": "create_model", "model_id": future.model_id})
+    if kind is FutureKind.UNLOAD_MODEL:
+        return JSONResponse({"type": "unload_model", "model_id": future.model_id})
+    path = getattr(request, "tinker_path", None)
+    wire_type = {FutureKind.SAVE_STATE: "save_weights", FutureKind.LOAD_STATE: "load_weights",
+                 FutureKind.SAVE_WEIGHTS_FOR_SAMPLER: "save_weights_for_sampler"}[kind]
+    answer: dict[str, Any] = {"type": wire_type, "path": path}
+    if kind is FutureKind.LOAD_STATE:
+        answer["model_id"] = future.model_id
+    return JSONResponse(answer)
