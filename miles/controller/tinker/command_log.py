@@ -13,8 +13,8 @@ store, so a restarted controller answers for every future it ever issued:
 Ordering (per model): commands run in `seq_id` order starting at 1, with no gaps (the SDK
 numbers every call of a training client and sends the chunks of one call concurrently,
 so a later one may arrive first and waits for its predecessors). A take hands out the
-forward work from the next `seq_id` on, up to the next barrier; a barrier at the head
-goes alone. A model with a command still RUNNING gets nothing more until it finishes.
+forward work from the next `seq_id` on, then the barrier that ends it (optim_step, save,
+load), which the driver runs after that work. A model with a command still RUNNING gets nothing more until it finishes.
 A retry of the same (model, seq_id) gets the same future and is never logged twice.
 """
 
@@ -217,10 +217,9 @@ class CommandLog:
                     continue
                 kind = future.kind.command
                 assert kind is not None
-                if kind.barrier:
-                    if not work:
-                        barrier = future
-                        model_log.next_seq += 1
+                if kind.barrier:  # runs after the forward work before it, and ends this take
+                    barrier = future
+                    model_log.next_seq += 1
                     break
                 work.append(future)
                 model_log.next_seq += 1
