@@ -37,14 +37,17 @@ from typing import Any, TypeVar
 import httpx
 
 from miles.controller.router_workers import discover_workers
-from miles.utils.types import GenerateRequest, GenerateResponse, SamplingParams, adapter_rid
-from miles.utils.types.sampling import (
+from miles.utils.types import (
+    GenerateRequest,
+    GenerateResponse,
     SampledSequence,
     SampleResult,
     SamplerSnapshot,
+    SamplingParams,
     SamplingRequestParams,
     StopReason,
     TopLogprobs,
+    adapter_rid,
 )
 
 logger = logging.getLogger(__name__)

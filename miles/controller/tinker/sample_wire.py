@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from miles.utils.types.sampling import SampledSequence, SampleResult, StopReason, TopLogprobs
+from miles.utils.types import SampledSequence, SampleResult, StopReason, TopLogprobs
 
 PROTOBUF_CONTENT_TYPE = "application/x-protobuf"
 JSON_CONTENT_TYPE = "application/json"

@@ -5,7 +5,8 @@ control plane's bodies over HTTP (`control_plane`), samples and rollout batches 
 rollout manager to the train actors (`rollout`), pushed LoRA weights to the engines
 (`pushes`), engine requests and answers over HTTP (`engine_api`), and a Tinker client's
 datums and optimizer settings from the gateway to the train ranks (`client`), and its
-models and command log from the controller to the driver (`client_commands`). Everything is a
+models and command log from the controller to the driver (`client_commands`), and its sampler
+snapshots and samples between the gateway and the sampler (`sampling`). Everything is a
 plain dataclass (picklable by Ray) or a pydantic model (validated at the HTTP edge);
 nothing is a string-keyed dict. Import from this package: `from miles.utils.types import Sample`.
 """
@@ -84,8 +85,28 @@ from miles.utils.types.rollout import (
     Sample,
     SampleStatus,
 )
+from miles.utils.types.sampling import (
+    SampledSequence,
+    SampleResult,
+    SamplerSnapshot,
+    SamplingRequestParams,
+    StopReason,
+    TopLogprobs,
+    parse_sampler_weights_path,
+    sampler_weights_path,
+    snapshot_lora_name,
+)
 
 __all__ = [
+    "SampledSequence",
+    "SampleResult",
+    "SamplerSnapshot",
+    "SamplingRequestParams",
+    "StopReason",
+    "TopLogprobs",
+    "parse_sampler_weights_path",
+    "sampler_weights_path",
+    "snapshot_lora_name",
     "CLIENT_LOSSES",
     "AdamStep",
     "ClientDatum",

@@ -16,7 +16,7 @@ from miles.controller.tinker.sample_wire import (
     sample_response_json,
     sample_response_proto,
 )
-from miles.utils.types.sampling import SampledSequence, SampleResult, StopReason
+from miles.utils.types import SampledSequence, SampleResult, StopReason
 
 FULL = SampleResult(
     sequences=[

@@ -11,7 +11,7 @@ import pytest
 
 from miles.rollout.engines.router import Router
 from miles.rollout.sampler import Sampler, SamplingError, SnapshotUnavailableError, is_adapter_not_loaded
-from miles.utils.types.sampling import SamplerSnapshot, SamplingRequestParams, StopReason
+from miles.utils.types import SamplerSnapshot, SamplingRequestParams, StopReason
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 
