@@ -125,7 +125,8 @@ def build_generate_request(snapshot: SamplerSnapshot | None, prompt_tokens: Sequ
     owner = snapshot.lora_name if snapshot is not None else BASE_MODEL_RID
     extra: dict[str, Any] = {}
     if wants_prompt:
-        extra["logprob_start_len"] = 0
+        last_n = params.prompt_logprobs_last_n
+        extra["logprob_start_len"] = 0 if last_n is None else max(0, len(prompt_tokens) - last_n)
     if top > 0:
         extra["top_logprobs_num"] = top
     return GenerateRequest(input_ids=list(prompt_tokens), sampling_params=engine_sampling_params(params, index),
@@ -213,6 +214,10 @@ class Sampler:
         """`params.num_samples` sequences continuing `prompt_tokens` (None: the base model)."""
         if not prompt_tokens:
             raise ValueError("the prompt is empty: give at least one token")
+        last_n = params.prompt_logprobs_last_n
+        if last_n is not None and last_n > len(prompt_tokens) - 1:
+            raise ValueError(f"prompt_logprobs_last_n {last_n} is more than the prompt's {len(prompt_tokens) - 1} "
+                             "scorable tokens (the first has no context)")
         requests = [build_generate_request(snapshot, prompt_tokens, params, i) for i in range(params.num_samples)]
         responses, loads = await self._generate_all(snapshot, requests)
         sequences = [sequence_from_response(r, params.topk_sample_logprobs) for r in responses]

@@ -1,8 +1,16 @@
 """A sample result on the wire: the SDK's SampleResponse as JSON or as protobuf.
 
-Pure functions for the gateway's `retrieve_future` of a sample (no routes here):
+Pure functions for the gateway's `asample` and `retrieve_future` of a sample (no routes here):
 
-    body, content_type = encode_sample_response(result, request.headers.get("accept"))
+    request = sample_request_from_json(await http_request.json())   # -> WireSampleRequest
+    result = await sampler.sample(snapshot_of(request.model_path), request.prompt_tokens, request.params)
+    body, content_type = encode_sample_response(result, http_request.headers.get("accept"))
+
+Every SDK sends the SampleRequest as JSON (`{"num_samples", "prompt": {"chunks":
+[{"type": "encoded_text", "tokens"}]}, "sampling_params", "model_path" | "base_model",
+"prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", ...}`); what we do
+not serve (images, target / alternative prompt tokens, sampling sessions) is refused with
+`UnsupportedSampleRequest` naming the field, never ignored.
 
 SDKs up to 0.26 read a JSON `SampleResponse` (`{"type": "sample", "sequences":
 [{"stop_reason", "tokens", "logprobs"}], "prompt_logprobs", "topk_prompt_logprobs"}`);
@@ -17,11 +25,13 @@ so the server needs neither protobuf nor the SDK.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from miles.utils.types import SampledSequence, SampleResult, StopReason, TopLogprobs
+from miles.utils.types import SampledSequence, SampleResult, SamplingRequestParams, StopReason, TopLogprobs
 
 PROTOBUF_CONTENT_TYPE = "application/x-protobuf"
 JSON_CONTENT_TYPE = "application/json"
@@ -32,6 +42,98 @@ TOPK_EMPTY_LOGPROB = -99999.0
 
 _STOP_REASON_NUMBER = {StopReason.STOP: 0, StopReason.LENGTH: 1}
 _VARINT, _LEN = 0, 2
+
+
+class UnsupportedSampleRequest(ValueError):
+    """A sample request that is malformed or asks for what this server does not serve (HTTP 400)."""
+
+
+class _SdkChunk(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = "encoded_text"
+    tokens: list[int] | None = None
+
+
+class _SdkModelInput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    chunks: list[_SdkChunk]
+
+
+class _SdkSamplingParams(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    max_tokens: int | None = Field(default=None, ge=0)
+    seed: int | None = None
+    stop: str | list[int] | list[str] | None = None
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_k: int = -1
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+
+
+class _SdkSampleRequest(BaseModel):
+    """The SDK's SampleRequest body (fields of 0.24 to 0.38; newer unknown ones are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    num_samples: int = Field(default=1, ge=1)
+    prompt: _SdkModelInput
+    sampling_params: _SdkSamplingParams = Field(default_factory=_SdkSamplingParams)
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = Field(default=0, ge=0)
+    topk_sample_logprobs: int = Field(default=0, ge=0)
+    target_prompt_logprobs: Any = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=1)
+
+
+@dataclass(frozen=True)
+class WireSampleRequest:
+    """A sample request as the sampler takes it."""
+
+    prompt_tokens: list[int]
+    params: SamplingRequestParams
+    model_path: str | None
+    """The `tinker://.../sampler_weights/...` snapshot to sample; None: the base model."""
+    base_model: str | None
+
+
+def sample_request_from_json(body: Any) -> WireSampleRequest:
+    """Read the SDK's SampleRequest; raise UnsupportedSampleRequest with what to change."""
+    try:
+        request = _SdkSampleRequest.model_validate(body)
+    except ValidationError as exc:
+        raise UnsupportedSampleRequest(f"not a valid sample request: {exc}") from None
+    refused = {"sampling_session_id": request.sampling_session_id is not None,
+               "target_prompt_logprobs": request.target_prompt_logprobs is not None,
+               "prompt_alt_tokens_k": request.prompt_alt_tokens_k != 0}
+    for name, asked in refused.items():
+        if asked:
+            raise UnsupportedSampleRequest(f"{name} is not served here; sample with model_path (a "
+                                           "save_weights_for_sampler path) or base_model and leave it unset")
+    tokens: list[int] = []
+    for chunk in request.prompt.chunks:
+        if chunk.type != "encoded_text" or chunk.tokens is None:
+            raise UnsupportedSampleRequest(f"prompt chunks of type {chunk.type!r} are not served: send token ids "
+                                           "(encoded_text chunks)")
+        tokens += chunk.tokens
+    if request.model_path is None and request.base_model is None:
+        raise UnsupportedSampleRequest("give model_path (a tinker:// sampler path) or base_model")
+    sp = request.sampling_params
+    try:
+        params = SamplingRequestParams(
+            num_samples=request.num_samples, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+            top_k=sp.top_k, stop=sp.stop, seed=sp.seed, prompt_logprobs=bool(request.prompt_logprobs),
+            topk_prompt_logprobs=request.topk_prompt_logprobs, topk_sample_logprobs=request.topk_sample_logprobs,
+            prompt_logprobs_last_n=request.prompt_logprobs_last_n)
+    except ValueError as exc:
+        raise UnsupportedSampleRequest(str(exc)) from None
+    return WireSampleRequest(prompt_tokens=tokens, params=params, model_path=request.model_path,
+                             base_model=request.base_model)
 
 
 def wants_protobuf(accept: str | None) -> bool:

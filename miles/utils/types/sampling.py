@@ -101,6 +101,8 @@ class SamplingRequestParams:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    """Score only the last N prompt tokens (earlier entries are None); None scores them all."""
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -111,6 +113,8 @@ class SamplingRequestParams:
             raise ValueError("topk_prompt_logprobs and topk_sample_logprobs must be >= 0")
         if isinstance(self.stop, list) and len({type(s) for s in self.stop}) > 1:
             raise ValueError("stop must be all strings or all token ids, not a mix")
+        if self.prompt_logprobs_last_n is not None and self.prompt_logprobs_last_n < 1:
+            raise ValueError(f"prompt_logprobs_last_n must be >= 1, got {self.prompt_logprobs_last_n}")
 
 
 TopLogprobs = list[tuple[int, float]]

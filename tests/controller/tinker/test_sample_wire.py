@@ -12,11 +12,13 @@ from tinker.proto.response_conv import deserialize_sample_response
 from miles.controller.tinker.sample_wire import (
     JSON_CONTENT_TYPE,
     PROTOBUF_CONTENT_TYPE,
+    UnsupportedSampleRequest,
     encode_sample_response,
+    sample_request_from_json,
     sample_response_json,
     sample_response_proto,
 )
-from miles.utils.types import SampledSequence, SampleResult, StopReason
+from miles.utils.types import SampledSequence, SampleResult, SamplingRequestParams, StopReason
 
 FULL = SampleResult(
     sequences=[
@@ -79,3 +81,52 @@ def test_content_type_follows_the_accept_header():
         body, kind = encode_sample_response(FULL, accept)
         assert kind == JSON_CONTENT_TYPE and json.loads(body)["sequences"][2]["tokens"] == [1]
     assert not math.isnan(json.loads(encode_sample_response(FULL, None)[0])["prompt_logprobs"][1])
+
+
+def sdk_body(**fields) -> dict:
+    """A SampleRequest body exactly as the SDK's `asample` sends it."""
+    from tinker import types
+    from tinker._compat import model_dump
+
+    request = types.SampleRequest(prompt=types.ModelInput.from_ints([1, 2, 3]), **fields)
+    return json.loads(json.dumps(model_dump(request, exclude_unset=False, exclude_none=True, mode="json")))
+
+
+def test_sample_request_from_the_sdk_body():
+    from tinker import types
+
+    body = sdk_body(num_samples=3, model_path="tinker://m/sampler_weights/s1", prompt_logprobs=True,
+                    topk_prompt_logprobs=2, topk_sample_logprobs=1,
+                    sampling_params=types.SamplingParams(max_tokens=5, stop=["\n\n", "END"], seed=11, temperature=0.5,
+                                                         top_k=20, top_p=0.9))
+    request = sample_request_from_json(body)
+    assert request.prompt_tokens == [1, 2, 3] and request.model_path == "tinker://m/sampler_weights/s1"
+    assert request.params == SamplingRequestParams(num_samples=3, max_tokens=5, temperature=0.5, top_p=0.9, top_k=20,
+                                                   stop=["\n\n", "END"], seed=11, prompt_logprobs=True,
+                                                   topk_prompt_logprobs=2, topk_sample_logprobs=1)
+    ids = sample_request_from_json(sdk_body(base_model="tiny", sampling_params=types.SamplingParams(stop=[7, 8])))
+    assert ids.model_path is None and ids.base_model == "tiny" and ids.params.stop == [7, 8]
+    assert ids.params.max_tokens is None and ids.params.prompt_logprobs is False
+    assert sample_request_from_json(sdk_body(base_model="tiny", sampling_params=types.SamplingParams())).params.stop \
+        is None  # None keeps the end-of-sequence stop
+    no_stop = sample_request_from_json(sdk_body(base_model="tiny", sampling_params=types.SamplingParams(stop=[])))
+    assert no_stop.params.stop == []  # [] turns every stop off
+
+
+def test_sample_requests_we_do_not_serve_are_refused_by_name():
+    from tinker import types
+
+    params = types.SamplingParams(max_tokens=2)
+    with pytest.raises(UnsupportedSampleRequest, match="prompt_alt_tokens_k"):
+        sample_request_from_json(sdk_body(base_model="b", sampling_params=params, prompt_alt_tokens_k=2))
+    with pytest.raises(UnsupportedSampleRequest, match="model_path"):
+        sample_request_from_json(sdk_body(sampling_params=params))
+    image = sdk_body(base_model="b", sampling_params=params)
+    image["prompt"]["chunks"].append({"type": "image", "data": "..."})
+    with pytest.raises(UnsupportedSampleRequest, match="'image'"):
+        sample_request_from_json(image)
+    with pytest.raises(UnsupportedSampleRequest, match="num_samples"):
+        sample_request_from_json({**sdk_body(base_model="b", sampling_params=params), "num_samples": 0})
+    with pytest.raises(UnsupportedSampleRequest, match="sampling_params.stop"):
+        sample_request_from_json({**sdk_body(base_model="b", sampling_params=params),
+                                  "sampling_params": {"stop": ["a", 5]}})

@@ -6,6 +6,9 @@ adapters that stand in for sampler snapshots, and the trainer-side reference.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import pytest
 
@@ -150,6 +153,15 @@ async def test_prompt_logprobs_and_top_k_equal_the_model(sampler, engine_adapter
         assert [row[0][1] for row in sequence.topk_logprobs] == pytest.approx(sequence.logprobs, abs=1e-5)
         assert all(len(row) == 2 for row in sequence.topk_logprobs)
 
+    last_two = await sampler.sample(snap, PROMPT, SamplingRequestParams(
+        max_tokens=1, prompt_logprobs=True, topk_prompt_logprobs=3, prompt_logprobs_last_n=2))
+    assert last_two.prompt_logprobs[:-2] == [None] * (len(PROMPT) - 2)
+    assert last_two.prompt_logprobs[-2:] == pytest.approx(result.prompt_logprobs[-2:], abs=1e-6)
+    assert last_two.topk_prompt_logprobs[:-2] == [None] * (len(PROMPT) - 2)
+    assert [t for t, _ in last_two.topk_prompt_logprobs[-1]] == [t for t, _ in top[-1]]
+    with pytest.raises(ValueError, match="prompt_logprobs_last_n"):
+        await sampler.sample(snap, PROMPT, SamplingRequestParams(prompt_logprobs=True, prompt_logprobs_last_n=6))
+
     logprobs = await sampler.compute_logprobs(snap, PROMPT)
     assert logprobs[0] is None and logprobs[1:] == pytest.approx(scored.logprobs, abs=1e-4)
     base = await sampler.compute_logprobs(None, PROMPT)
@@ -163,6 +175,12 @@ async def test_a_snapshot_whose_directory_is_gone_fails_by_type(sampler, tmp_pat
         await sampler.sample(missing, PROMPT, SamplingRequestParams(max_tokens=2))
     with pytest.raises(SamplingError, match="HTTP 400"):
         await sampler.sample(None, [10**9], SamplingRequestParams(max_tokens=2))
+
+
+def test_the_sampler_and_the_wire_import_no_torch():
+    code = ("import sys, miles.rollout.sampler, miles.controller.tinker.sample_wire; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_not_loaded_is_read_from_sglangs_words():
