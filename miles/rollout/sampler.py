@@ -17,9 +17,12 @@ one on its next request by themselves; an engine that never had the snapshot (on
 restarted, or an older SGLang, whose limit is a hard one) answers 400 "... not loaded".
 On that answer the sampler loads the snapshot on every worker the router lists
 (`/load_lora_adapter {lora_name, lora_path}`; the router does not forward loads) and
-retries those samples once. An engine that still cannot take it (an older SGLang at its
-limit: "Maximum number of loaded LoRA adapters ...") fails the request with
-`SnapshotUnavailableError`, whose message says so.
+retries those samples once. An older SGLang at its limit refuses the load ("Maximum
+number of loaded LoRA adapters ..."): the sampler then unloads from that worker the
+snapshots it sampled least recently, one at a time, until the load fits, which is
+client-side LRU eviction for engines without their own. It only ever unloads snapshots
+(names it loaded), never the slots of server-driven RL. When nothing it may unload is
+left, the request fails with `SnapshotUnavailableError`, whose message says so.
 
 Errors by type: `SnapshotUnavailableError` (the snapshot cannot be loaded),
 `SamplingAbortedError` (the engine aborted the request: paused for a weight update, shut
@@ -31,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -56,6 +60,8 @@ SAMPLE_TIMEOUT_S = 600.0
 BASE_MODEL_RID = "tinker-base"
 """Rid prefix of base-model samples (a snapshot's own are its LoRA name)."""
 SEED_MODULUS = 2**63
+RECENT_SNAPSHOTS_KEPT = 1024
+"""Snapshots a sampler remembers in use order (far more than any engine holds at once)."""
 
 T = TypeVar("T")
 
@@ -87,6 +93,11 @@ def is_adapter_not_loaded(status: int, body: str) -> bool:
 
 def _already_loaded(status: int, body: str) -> bool:
     return status == 400 and "already loaded" in body
+
+
+def _at_load_limit(status: int, body: str) -> bool:
+    """SGLang before #11526 refusing a load past its hard `--max-loaded-loras`."""
+    return status >= 400 and "Maximum number of loaded LoRA adapters" in body
 
 
 def seed_of_sample(seed: int | None, index: int) -> int | None:
@@ -198,6 +209,9 @@ class Sampler:
         self._client = client
         self._owns_client = client is None
         self._timeout_s = timeout_s
+        self._recent: OrderedDict[str, SamplerSnapshot] = OrderedDict()
+        """Snapshots sampled through this sampler, least recently used first (what it may
+        unload from an engine whose limit is a hard one)."""
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
@@ -218,6 +232,11 @@ class Sampler:
         if last_n is not None and last_n > len(prompt_tokens) - 1:
             raise ValueError(f"prompt_logprobs_last_n {last_n} is more than the prompt's {len(prompt_tokens) - 1} "
                              "scorable tokens (the first has no context)")
+        if snapshot is not None:
+            self._recent[snapshot.lora_name] = snapshot
+            self._recent.move_to_end(snapshot.lora_name)
+            while len(self._recent) > RECENT_SNAPSHOTS_KEPT:
+                self._recent.popitem(last=False)
         requests = [build_generate_request(snapshot, prompt_tokens, params, i) for i in range(params.num_samples)]
         responses, loads = await self._generate_all(snapshot, requests)
         sequences = [sequence_from_response(r, params.topk_sample_logprobs) for r in responses]
@@ -243,22 +262,40 @@ class Sampler:
         """Load `snapshot` by path on every worker behind the router; returns the worker URLs.
 
         A worker that has it loaded already counts as loaded."""
+        workers = await discover_workers(self.router_url, self._http()) or [self.router_url]
+        await asyncio.gather(*(self._load_on(worker, snapshot) for worker in workers))
+        return workers
+
+    async def _load_on(self, worker: str, snapshot: SamplerSnapshot) -> None:
         client = self._http()
-        workers = await discover_workers(self.router_url, client) or [self.router_url]
         body = {"lora_name": snapshot.lora_name, "lora_path": snapshot.directory}
-        answers = await asyncio.gather(*(client.post(f"{w}/load_lora_adapter", json=body) for w in workers))
-        for worker, answer in zip(workers, answers):
+        # Least recently sampled first; the snapshot being loaded is never a candidate.
+        candidates = [name for name in self._recent if name != snapshot.lora_name]
+        while True:
+            answer = await client.post(f"{worker}/load_lora_adapter", json=body)
             if answer.status_code == 200 or _already_loaded(answer.status_code, answer.text):
-                continue
+                return
             hint = ""
-            if "Maximum number of loaded LoRA adapters" in answer.text:
-                hint = (" (this engine's --max-loaded-loras is a hard limit, as SGLang's before #11526: "
-                        "raise it, or unload snapshots no longer sampled)")
+            if _at_load_limit(answer.status_code, answer.text):
+                if await self._unload_one(worker, candidates):
+                    continue
+                hint = (" (its --max-loaded-loras is a hard limit, as SGLang's before #11526, and no snapshot "
+                        "this sampler may unload is loaded there: raise the limit)")
             raise SnapshotUnavailableError(
                 f"could not load sampler snapshot {snapshot.tinker_path} ({snapshot.lora_name} from "
                 f"{snapshot.directory}) on {worker}: HTTP {answer.status_code}: {answer.text[:500]}{hint}",
                 status=answer.status_code)
-        return workers
+
+    async def _unload_one(self, worker: str, candidates: list[str]) -> bool:
+        """Unload from `worker` the first of `candidates` it has loaded (popping those tried)."""
+        while candidates:
+            name = candidates.pop(0)
+            answer = await self._http().post(f"{worker}/unload_lora_adapter", json={"lora_name": name})
+            if answer.status_code == 200:
+                logger.info("Unloaded sampler snapshot %s from %s to make room (engine at its LoRA limit)",
+                            name, worker)
+                return True
+        return False
 
     async def _generate_all(self, snapshot: SamplerSnapshot | None,
                             requests: list[GenerateRequest]) -> tuple[list[GenerateResponse], int]:
