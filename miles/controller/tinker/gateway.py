@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.controller.backend import MultiLoRABackend
-from miles.controller.registry import AdapterValidationError
+from miles.controller.registry import AdapterValidationError, NoFreeSlotError
 from miles.controller.store import RegistryStore
 from miles.controller.tinker.command_log import (
     CommandLog,
@@ -212,6 +212,8 @@ class TinkerGateway:
         name = model_name(model_id)
         try:
             self.backend.register_client(name, config)
+        except NoFreeSlotError as exc:
+            raise GatewayCapacityError(str(exc)) from None
         except AdapterValidationError as exc:
             raise GatewayError(str(exc)) from None
         self._models[model_id] = name
