@@ -9,6 +9,7 @@ the base model) and `SamplingRequestParams` to `miles.rollout.sampler`, which an
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -19,18 +20,22 @@ _NAME_PART = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 def snapshot_lora_name(model_id: str, name: str) -> str:
-    """The engine-side LoRA name of snapshot `name` of model `model_id`: `tinker-<model_id>-<name>`.
+    """The engine-side LoRA name of snapshot `name` of model `model_id`:
+    `tinker-<model_id>-<name>-<digest>`.
 
     Characters outside `[A-Za-z0-9_.-]` become `_`, so the name is safe in a rid prefix and
-    a directory name; it is a pure function of the `tinker://` path, so every engine, the
-    saver and the sampler agree on it without asking each other.
+    a directory name; the digest (of the `tinker://` path) keeps two paths that read the
+    same after that, or split differently at a `-` ("a-b"/"c" and "a"/"b-c"), apart. It is
+    a pure function of the path, so every engine, the saver and the sampler agree on it
+    without asking each other.
 
     >>> snapshot_lora_name("run-1", "step_0003")
-    'tinker-run-1-step_0003'
+    'tinker-run-1-step_0003-96f160f995'
     """
     if not model_id or not name:
         raise ValueError("a sampler snapshot needs a non-empty model id and name")
-    return f"{SNAPSHOT_LORA_PREFIX}{_NAME_PART.sub('_', model_id)}-{_NAME_PART.sub('_', name)}"
+    digest = hashlib.sha256(sampler_weights_path(model_id, name).encode()).hexdigest()[:10]
+    return f"{SNAPSHOT_LORA_PREFIX}{_NAME_PART.sub('_', model_id)}-{_NAME_PART.sub('_', name)}-{digest}"
 
 
 def sampler_weights_path(model_id: str, name: str) -> str:

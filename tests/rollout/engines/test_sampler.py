@@ -61,7 +61,8 @@ async def engine_state(client, url) -> dict:
 async def test_a_snapshot_never_loaded_is_loaded_by_path_then_served(sampler, engine, client, engine_adapters,
                                                                      trainer_reference):
     snap = snapshot(engine_adapters, "ad0", "step-1")
-    assert snap.lora_name == "tinker-model-a-step-1" and snap.tinker_path == "tinker://model-a/sampler_weights/step-1"
+    assert snap.lora_name.startswith("tinker-model-a-step-1-")
+    assert snap.tinker_path == "tinker://model-a/sampler_weights/step-1"
     greedy = SamplingRequestParams(max_tokens=6, temperature=0.0, stop=[])
     first = await sampler.sample(snap, PROMPT, greedy)
     assert first.lora_loads == 1  # the engine answered "not loaded"; the sampler loaded it and retried
@@ -105,6 +106,15 @@ async def test_base_model_seeded_sampling_is_reproducible_and_samples_differ(sam
     assert [s.tokens for s in other.sequences] != [s.tokens for s in one.sequences]
     assert all(len(s.tokens) == 10 and s.stop_reason is StopReason.LENGTH for s in one.sequences)
     assert one.prompt_logprobs is None and one.sequences[0].topk_logprobs is None
+
+
+@session_loop
+async def test_top_k_and_top_p_reach_the_engine(sampler):
+    greedy = await sampler.sample(None, PROMPT, SamplingRequestParams(max_tokens=8, temperature=0.0, stop=[]))
+    for narrow in (dict(top_k=1), dict(top_p=1e-6)):  # only the most likely token is left to draw
+        drawn = await sampler.sample(None, PROMPT, SamplingRequestParams(
+            num_samples=2, max_tokens=8, temperature=1.5, stop=[], seed=5, **narrow))
+        assert [s.tokens for s in drawn.sequences] == [greedy.sequences[0].tokens] * 2
 
 
 @session_loop
