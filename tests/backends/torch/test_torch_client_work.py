@@ -11,11 +11,11 @@ import random
 
 import pytest
 import torch
-from fault_injection import FaultInjectingTrainActor, InjectedTrainFault
 from torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
 
 from miles.backends.rank.config import TrainActorConfig
 from miles.utils.types.client import AdamStep, ClientDatum, ClientLoss, ClientWork
+from tests.backends.torch.fault_injection import FaultInjectingTrainActor, InjectedTrainFault
 
 VOCAB = 100
 
