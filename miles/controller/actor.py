@@ -267,8 +267,17 @@ class MultiLoRAController:
         return await self.gateway.wait_for_commands(timeout_s)
 
     async def complete_client_command(self, future_id: str, result: ClientResult) -> None:
-        """A command from `take_client_commands` finished; its client's future resolves to `result`."""
+        """A command from `take_client_commands` finished; its client's future resolves to `result`.
+
+        Completing an `optim_step` also steps the model in the registry (there is no separate
+        step call), and a completed `save_state` / `load_state` becomes its resume point
+        (`ClientAdapterRun.resume_from`)."""
         self.gateway.complete(future_id, result)
+
+    async def activate_clients(self, names: list[str]) -> MultiLoRASnapshot:
+        """The trainer loaded these client-driven models: PENDING -> ACTIVE (no engine push needed)."""
+        self.backend.activate_clients(names)
+        return self.backend.snapshot()
 
     async def fail_client_command(self, future_id: str, error: str, user_error: bool = False) -> None:
         """A command failed; its client's `.result()` raises with `error` (`user_error`: the

@@ -180,6 +180,16 @@ class MultiLoRABackend:
         self._registered = asyncio.Event()
         return slot
 
+    def record_client_checkpoint(self, name: str, directory: str) -> None:
+        if self.registry.record_client_checkpoint(name, directory):
+            self._persist()
+
+    def activate_clients(self, names: list[str]) -> list[str]:
+        activated = self.registry.activate_clients(names)
+        if activated:
+            self._persist()
+        return activated
+
     def record_client_step(self, name: str) -> int | None:
         """A client-driven adapter's optim_step ran; its new step (None if it is not live)."""
         step = self.registry.record_client_step(name)

@@ -97,6 +97,9 @@ class _Record:
     pushing_version: int | None = None
     """The version of a push under way (`begin_weight_update`), until it is recorded; not
     persisted: a restarted trainer pushes every adapter again."""
+    resume_from: str | None = None
+    """Client-driven only: the directory of its latest completed save_state (or load_state),
+    which a trainer that restarts over the registry loads it from."""
 
     @property
     def kind(self) -> AdapterKind:
@@ -131,7 +134,7 @@ def _record_to_json(record: _Record) -> dict[str, Any]:
         "slot": record.slot,
         "registration_id": record.registration_id, "state": record.state.value, "step": record.step,
         "start_step": record.start_step, "accumulated_groups": record.accumulated_groups,
-        "pushed": record.pushed,
+        "pushed": record.pushed, "resume_from": record.resume_from,
     }
 
 
@@ -141,7 +144,7 @@ def _record_from_json(raw: dict[str, Any]) -> _Record:
         name=raw["name"], config=config_cls.model_validate_json(json.dumps(raw["config"])),
         slot=raw["slot"], registration_id=raw["registration_id"], state=AdapterState(raw["state"]),
         step=raw["step"], start_step=raw["start_step"], accumulated_groups=raw["accumulated_groups"],
-        pushed=raw.get("pushed", raw["state"] != AdapterState.PENDING.value),
+        pushed=raw.get("pushed", raw["state"] != AdapterState.PENDING.value), resume_from=raw.get("resume_from"),
     )
 
 
@@ -362,6 +365,26 @@ class AdapterRegistry:
         record.step += 1
         return record.step
 
+    def record_client_checkpoint(self, name: str, directory: str) -> bool:
+        """A live client-driven adapter's state is now `directory` (it saved or loaded it): the
+        point a restarted trainer resumes it from. False if it is not a live client-driven one."""
+        record = self._live.get(name)
+        if record is None or record.kind is not AdapterKind.CLIENT:
+            return False
+        record.resume_from = directory
+        return True
+
+    def activate_clients(self, names: list[str]) -> list[str]:
+        """PENDING -> ACTIVE for client-driven adapters the trainer has loaded (no engine push
+        makes them ACTIVE: nothing samples from their slot). Returns the names activated."""
+        activated = []
+        for name in names:
+            record = self._live.get(name)
+            if record is not None and record.kind is AdapterKind.CLIENT and record.state is AdapterState.PENDING:
+                record.state = AdapterState.ACTIVE
+                activated.append(name)
+        return activated
+
     def set_step(self, name: str, step: int, accumulated_groups: int = 0) -> None:
         """Resume: the adapter continues at `step` (its checkpoint's step), with the
         `accumulated_groups` toward the next step whose gradient the checkpoint held.
@@ -431,7 +454,7 @@ class AdapterRegistry:
                     clients[record.name] = ClientAdapterRun(
                         name=record.name, config=record.config, state=record.state, slot=record.slot,
                         version=self._slot_versions[record.slot], step=record.step,
-                        registration_id=record.registration_id)
+                        registration_id=record.registration_id, resume_from=record.resume_from)
                 continue
             views[record.state][record.name] = AdapterRun(
                 name=record.name, config=record.config, slot=record.slot,
@@ -462,7 +485,8 @@ class AdapterRegistry:
     def _json(self, record: _Record) -> dict[str, Any]:
         """A record as JSON values; the same object while the record is unchanged, so the
         store can tell unchanged rows apart cheaply (a registry keeps ~1,000 records)."""
-        key = (record.registration_id, record.state, record.step, record.start_step, record.accumulated_groups)
+        key = (record.registration_id, record.state, record.step, record.start_step, record.accumulated_groups,
+               record.resume_from)
         cached = self._json_cache.get(record.name)
         if cached is None or cached[0] != key:
             cached = (key, _record_to_json(record))

@@ -421,3 +421,16 @@ def test_client_driven_adapters_round_trip_through_the_exported_state() -> None:
     assert restored.step("s-1.train.0") == 5
     with pytest.raises(ValueError, match="accumulated groups must be in 0..0"):
         restored.set_step("s-1.train.0", 5, accumulated_groups=1)
+
+
+def test_client_driven_adapters_are_activated_by_the_trainer_and_resume_from_their_last_save() -> None:
+    registry = AdapterRegistry(n_slots=2)
+    registry.register("rl", make_config("rl"))
+    registry.register("s-1.train.0", client_config())
+    assert registry.activate_clients(["rl", "s-1.train.0", "ghost"]) == ["s-1.train.0"]
+    assert registry.state("rl") is AdapterState.PENDING  # only client-driven ones: RL adapters wait for a push
+    assert registry.record_client_checkpoint("s-1.train.0", "/runs/adapters/s-1.train.0/weights/c1")
+    assert not registry.record_client_checkpoint("rl", "/x")
+    restored = AdapterRegistry.from_state(registry.export_state(), n_slots=2)
+    run = restored.snapshot().clients["s-1.train.0"]
+    assert (run.state, run.resume_from) == (AdapterState.ACTIVE, "/runs/adapters/s-1.train.0/weights/c1")

@@ -157,3 +157,14 @@ async def test_wait_returns_when_the_future_finishes() -> None:
     log.take(MODELS)
     log.complete(future.future_id, WeightsResult())
     assert (await asyncio.wait_for(waiting, 10)).status is ClientCommandStatus.DONE
+
+
+def test_a_refused_call_holds_its_seq_id_as_a_failed_future() -> None:
+    log = CommandLog()
+    refused = log.refuse_command("m", "M", 1, ClientCommandKind.SAVE_STATE, "bad checkpoint name")
+    assert (refused.status, refused.error, refused.category) == (
+        ClientCommandStatus.FAILED, "bad checkpoint name", ErrorCategory.USER)
+    assert log.refuse_command("m", "M", 1, ClientCommandKind.SAVE_STATE, "again") == refused
+    after = log.submit_command("m", "M", 2, FB, forward(1))
+    (model,) = log.take(MODELS).models  # seq 1 does not block seq 2
+    assert [c.future_id for c in model.work] == [after.future_id]

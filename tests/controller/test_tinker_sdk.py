@@ -153,6 +153,8 @@ def test_a_training_client_trains_through_the_command_log(plane: ThreadedControl
         assert forward.loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx([-0.3, -0.1])
         saved = trainer.save_state("first").result(timeout=30)
         assert saved.path == f"tinker://{trainer.model_id}/weights/first"
+        resume = plane.call(plane.controller.snapshot()).clients[name].resume_from
+        assert resume is not None and resume.endswith(f"adapters/{name}/weights/first")
 
         kinds = [(c.seq_id, c.kind) for c in driver.ran]
         assert kinds == [(1, ClientCommandKind.FORWARD_BACKWARD), (2, ClientCommandKind.OPTIM_STEP),
@@ -318,3 +320,42 @@ def test_models_sessions_and_futures_survive_a_restart(data_root: Path, defaults
             assert [c.future_id for c in model.work] == [queued]
     finally:
         second.close()
+
+
+def test_checkpoints_custom_losses_and_service_queries(plane: ThreadedController, driver: FakeDriver) -> None:
+    import warnings
+
+    rest = tinker.RestClient(base_url=plane.url, api_key=TOKEN)
+    (supported,) = rest.get_server_capabilities().result(timeout=30).supported_models
+    assert (supported.model_name, supported.trainable) == (BASE, True)
+    with tinker.ServiceClient(base_url=plane.url, api_key=TOKEN) as service:
+        trainer = service.create_lora_training_client(BASE, rank=4, train_unembed=False).result(timeout=30)
+        assert rest.list_sessions().result(timeout=30).sessions == [service.holder.get_session_id()]
+
+        saved = trainer.save_state("ckpt").result(timeout=30)
+        # Refused after its seq_id is known: a failed future, and the client's later calls still run.
+        with pytest.raises(tinker.RequestFailedError, match="already has a checkpoint named 'ckpt'"):
+            trainer.save_state("ckpt").result(timeout=30)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # load_state is deprecated in the SDK, still served
+            loaded = trainer.load_state_with_optimizer(saved.path).result(timeout=30)
+        assert (loaded.path, loaded.model_id) == (saved.path, trainer.model_id)
+        load = next(c for c in driver.ran if c.kind is ClientCommandKind.LOAD_STATE)
+        assert load.request.optimizer and load.request.directory.endswith("weights/ckpt")  # type: ignore[union-attr]
+
+        def loss(data: list[types.Datum], logprobs: list) -> tuple:
+            total = sum((-lp).sum() for lp in logprobs)
+            return total, {"custom:sum": float(total.detach())}
+
+        custom = trainer.forward_backward_custom([datum([5, 6])], loss).result(timeout=30)
+        assert custom.metrics["custom:sum"] == pytest.approx(0.7 + 0.1)
+        forward, backward = [c for c in driver.ran if isinstance(c.request, ForwardCommand)][-2:]
+        assert (forward.kind, backward.kind) == (ClientCommandKind.FORWARD, ClientCommandKind.FORWARD_BACKWARD)
+        assert backward.request.datums[0].inputs["weights"] == pytest.approx([1.0, 1.0])  # type: ignore[union-attr]
+        assert trainer.forward([datum([1, 2])], "cross_entropy").result(timeout=30).loss_fn_outputs  # not stuck
+
+        for loss_fn, message in (("custom", "loss_fn 'custom' is not supported"),
+                                 ("stable_reinforce", "loss_fn 'stable_reinforce' is not supported")):
+            with pytest.raises(tinker.RequestFailedError, match=message):
+                trainer.forward_backward([datum([1, 2])], loss_fn).result(timeout=30)  # type: ignore[arg-type]
+        assert trainer.forward([datum([3])], "cross_entropy").result(timeout=30).loss_fn_outputs  # still not stuck

@@ -196,6 +196,19 @@ class CommandLog:
                         seq_id=seq_id, status=ClientCommandStatus.PENDING, request=request)
         return self._write(future)
 
+    def refuse_command(self, model: str, model_id: str, seq_id: int, kind: ClientCommandKind, error: str) -> Future:
+        """Log a call that cannot run (bad input) as FAILED at its seq_id: the client's future
+        raises with `error`, and the model's later calls do not wait for this seq_id forever."""
+        key = command_key(model, seq_id)
+        found = self.existing(key)
+        if found is not None:
+            return found
+        if seq_id < FIRST_SEQ_ID:
+            raise CommandLogError(f"Model {model_id}: seq_id must be >= {FIRST_SEQ_ID}, got {seq_id}")
+        return self._write(Future(future_id=_new_id(), key=key, kind=FutureKind(kind.value), model=model,
+                                  model_id=model_id, seq_id=seq_id, status=ClientCommandStatus.FAILED,
+                                  error=error, category=ErrorCategory.USER))
+
     # ---- the driver's side ---------------------------------------------------------------
 
     def take(self, models: dict[str, tuple[int, str]]) -> ClientCommandBatch:

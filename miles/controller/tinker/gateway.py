@@ -22,6 +22,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from miles.controller.tinker.command_log import (
     ErrorCategory,
     Future,
     FutureKind,
+    command_key,
 )
 from miles.utils.types import (
     AdapterKind,
@@ -280,15 +282,27 @@ class TinkerGateway:
 
     # ---- commands --------------------------------------------------------------------------
 
-    def submit(self, model_id: str, seq_id: int | None, kind: ClientCommandKind, request: ClientRequest) -> Future:
-        """Log one call of a live model (a retry of its seq_id returns the logged future)."""
+    def submit(self, model_id: str, seq_id: int | None, kind: ClientCommandKind,
+               build: Callable[[], ClientRequest]) -> Future:
+        """Log one call of a live model; `build` translates its body (raising `GatewayError`).
+
+        A retry of a seq_id returns the logged future (its body is not read again). A body
+        that cannot run is logged as a failed future at its seq_id (the client's `.result()`
+        raises with the reason), so the model's later calls do not wait for that seq_id."""
         name, _ = self.model(model_id)
         if seq_id is None:
             raise GatewayError(f"Model {model_id}: seq_id is required (the training client's call number)")
-        found = self.log.existing(f"cmd:{name}:{seq_id}")
-        if found is None and self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE):
+        found = self.log.existing(command_key(name, seq_id))
+        if found is not None:
+            return found
+        if self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE):
             raise GatewayNotFoundError(f"Model {model_id} was unloaded; create a new training client")
         try:
+            try:
+                request = build()
+            except GatewayError as exc:  # the model itself was found above: this is about the body
+                logger.info("Model %s: %s refused at seq_id %d: %s", model_id, kind.value, seq_id, exc)
+                return self.log.refuse_command(name, model_id, seq_id, kind, str(exc))
             return self.log.submit_command(name, model_id, seq_id, kind, request)
         except CommandLogError as exc:
             raise GatewayError(str(exc)) from None
@@ -350,12 +364,18 @@ class TinkerGateway:
         return await self.log.wait_for_commands(self.runnable_models(), timeout_s)
 
     def complete(self, future_id: str, result: ClientResult) -> Future:
-        """A command the driver ran finished; an `optim_step` steps the model in the registry."""
+        """A command the driver ran finished. Completing an `optim_step` is what steps the model
+        in the registry (one call: the command and the step never disagree); a completed save or
+        load becomes the model's resume point."""
         if isinstance(result, ForwardBackwardResult):
             result = _with_loss_sum(result)
         future = self.log.complete(future_id, result)
-        if future.kind is FutureKind.OPTIM_STEP and future.model is not None:
+        if future.model is None:
+            return future
+        if future.kind is FutureKind.OPTIM_STEP:
             self.backend.record_client_step(future.model)
+        elif isinstance(future.request, SaveStateCommand | LoadStateCommand):
+            self.backend.record_client_checkpoint(future.model, future.request.directory)
         return future
 
     def fail(self, future_id: str, error: str, category: ErrorCategory = ErrorCategory.SERVER) -> Future:

@@ -174,32 +174,25 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
     async def forward_backward(request: Request) -> dict[str, Any]:
         wire = decode_forward_backward(await _protobuf_body(request))
         kind = ClientCommandKind.FORWARD if wire.forward_only else ClientCommandKind.FORWARD_BACKWARD
-        return _untyped(gateway.submit(wire.model_id, wire.seq_id, kind, forward_command(wire)))
+        return _untyped(gateway.submit(wire.model_id, wire.seq_id, kind, lambda: forward_command(wire)))
 
     @router.post("/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
         body = await _parse(request, OptimStepBody)
-        if body.optimizer_params is not None or body.adam_params is None:
-            raise GatewayError("optim_step needs adam_params (AdamParams): every model here steps with AdamW")
-        adam = AdamStep(**body.adam_params.model_dump())
-        bad = [k for k, v in body.adam_params.model_dump().items() if not math.isfinite(v) or v < 0]
-        if bad:
-            raise GatewayError(f"adam_params {bad} must be finite and >= 0")
         return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.OPTIM_STEP,
-                                       OptimStepCommand(adam=adam)))
+                                       lambda: optim_command(body)))
 
     @router.post("/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
         body = await _parse(request, SaveWeightsBody)
-        command = gateway.save_state_command(body.model_id, body.path, body.overwrite)
-        return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.SAVE_STATE, command))
+        return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.SAVE_STATE,
+                                       lambda: gateway.save_state_command(body.model_id, body.path, body.overwrite)))
 
     @router.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         body = await _parse(request, SaveWeightsForSamplerBody)
-        command = gateway.sampler_command(body.model_id, body.path)
         return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.SAVE_WEIGHTS_FOR_SAMPLER,
-                                       command))
+                                       lambda: gateway.sampler_command(body.model_id, body.path)))
 
     @router.post("/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
@@ -207,8 +200,8 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
         if body.model_id is None:
             raise GatewayError("creating a training client from a checkpoint (load_weights with session_id) "
                                "is not served yet; create_model, then load_state")
-        command = gateway.load_state_command(body.path, body.optimizer)
-        return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.LOAD_STATE, command))
+        return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.LOAD_STATE,
+                                       lambda: gateway.load_state_command(body.path, body.optimizer)))
 
     # ---- futures ---------------------------------------------------------------------------------
 
@@ -254,6 +247,16 @@ async def _protobuf_body(request: Request) -> bytes:
     if len(body) > MAX_FORWARD_BACKWARD_BYTES:
         raise GatewayError(f"forward_backward body over {MAX_FORWARD_BACKWARD_BYTES} bytes; send fewer datums per call")
     return body
+
+
+def optim_command(body: OptimStepBody) -> OptimStepCommand:
+    if body.optimizer_params is not None or body.adam_params is None:
+        raise GatewayError("optim_step needs adam_params (AdamParams): every model here steps with AdamW")
+    values = body.adam_params.model_dump()
+    bad = sorted(k for k, v in values.items() if not math.isfinite(v) or v < 0)
+    if bad:
+        raise GatewayError(f"adam_params {bad} must be finite and >= 0")
+    return OptimStepCommand(adam=AdamStep(**values))
 
 
 def forward_command(wire: WireForwardBackward) -> ForwardCommand:

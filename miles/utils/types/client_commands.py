@@ -70,6 +70,9 @@ class ClientAdapterRun:
     step: int
     """Optimizer steps taken (`optim_step` commands completed)."""
     registration_id: str
+    resume_from: str | None = None
+    """The directory of its latest completed `save_state` (or `load_state`): where a trainer
+    that restarts over the registry loads it from; None: fresh (A from `seed`, B zero)."""
 
 
 class ClientCommandKind(str, enum.Enum):
