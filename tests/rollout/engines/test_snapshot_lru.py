@@ -7,6 +7,8 @@ an explicitly unloaded one is gone (400 "not loaded").
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -93,3 +95,32 @@ async def test_pinned_adapters_are_not_evicted(lru_url, client, engine_adapters)
     for name in [*state["loaded_loras"], *state["evicted_loras"]]:
         assert (await client.post(url + "/unload_lora_adapter", json={"lora_name": name})).status_code == 200
     assert (await info(client, url))["evicted_loras"] == {}
+
+
+@session_loop
+async def test_concurrent_requests_for_more_snapshots_than_fit_each_get_their_own_weights(lru_url, client,
+                                                                                       engine_adapters):
+    """Three snapshots through room for two, all at once: evictions wait for the requests in
+    flight, reloads wait for room, and every answer is the one that snapshot gives alone."""
+    url = lru_url
+    names = {"c0": "ad0", "c1": "ad1", "c2": "ad2"}
+    def scored(answer: httpx.Response) -> tuple[list[int], list[float]]:
+        assert answer.status_code == 200, answer.text
+        out = answer.json()
+        return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+    alone = {}
+    for name, adapter in names.items():
+        await load(client, url, name, engine_adapters[adapter])
+        alone[name] = scored(await generate(client, url, name))
+    assert len({round(lps[0], 4) for _, lps in alone.values()}) == 3  # the three adapters really differ
+    order = [name for _ in range(3) for name in names]
+    answers = await asyncio.gather(*(generate(client, url, name) for name in order))
+    for name, answer in zip(order, answers):
+        tokens, logprobs = scored(answer)
+        assert tokens == alone[name][0] and logprobs == pytest.approx(alone[name][1], abs=1e-5)
+    state = await info(client, url)
+    assert len(state["loaded_loras"]) == 2 and set(state["loaded_loras"]) | set(state["evicted_loras"]) == set(names)
+    assert sum(state["lora_loads"][name] for name in names) >= 4  # 3 loads, then c0 reloaded while others ran
+    for name in names:
+        assert (await client.post(url + "/unload_lora_adapter", json={"lora_name": name})).status_code == 200
