@@ -359,3 +359,25 @@ def test_checkpoints_custom_losses_and_service_queries(plane: ThreadedController
             with pytest.raises(tinker.RequestFailedError, match=message):
                 trainer.forward_backward([datum([1, 2])], loss_fn).result(timeout=30)  # type: ignore[arg-type]
         assert trainer.forward([datum([3])], "cross_entropy").result(timeout=30).loss_fn_outputs  # still not stuck
+
+
+def test_bodies_that_cannot_be_read_are_refused(plane: ThreadedController, raw: httpx.Client) -> None:
+    _, model_id = create_model(raw)
+    proto = {"Content-Type": "application/x-protobuf"}
+    garbage = raw.post("/api/v1/forward_backward", content=b"\xff\xff\xff", headers=proto)
+    assert garbage.status_code == 400 and garbage.headers["x-should-retry"] == "false"
+    zstd = raw.post("/api/v1/forward_backward", content=b"(\xb5/\xfd", headers={**proto, "Content-Encoding": "zstd"})
+    assert zstd.status_code == 400 and "Content-Encoding 'zstd'" in zstd.json()["detail"]
+    not_json = raw.post("/api/v1/optim_step", content=b"\x80\x03pickle", headers={"Content-Type": "application/json"})
+    assert not_json.status_code == 422 and "Malformed body" in not_json.text
+    missing = raw.post("/api/v1/optim_step", json={"seq_id": 1})
+    assert missing.status_code == 422 and missing.json()["detail"][0]["loc"] == ["body", "model_id"]
+    assert raw.post("/api/v1/telemetry", json={"events": []}).json() == {"status": "accepted"}
+
+    sampler = raw.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "path": "s1", "seq_id": 1})
+    (model,) = plane.call(plane.controller.take_client_commands()).models
+    assert model.barrier is not None and model.barrier.future_id == sampler.json()["request_id"]
+    assert model.barrier.request.tinker_path == f"tinker://{model_id}/sampler_weights/s1"  # type: ignore[union-attr]
+    run(plane, model.barrier)
+    assert raw.post("/api/v1/retrieve_future", json={"request_id": sampler.json()["request_id"]}).json() == {
+        "type": "save_weights_for_sampler", "path": f"tinker://{model_id}/sampler_weights/s1"}
