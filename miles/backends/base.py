@@ -45,6 +45,7 @@ from miles.utils.types.client import AdamStep, ClientWork, DatumOutput
 if TYPE_CHECKING:
     from miles.lora.weight_sync import UpdateGroupSpec
     from miles.utils.types import AdapterRun
+    from miles.utils.types.client_commands import ClientAdapterRun
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,23 @@ class AdapterSpec:
     """Where its checkpoints live (`{save_dir}/checkpoints/step_N`); None: never saved."""
     loss: LossSettings | None = None
     """Its loss and advantage settings (the trainer's flags with its `loss:` keys); None: the trainer's."""
+    seed: int | None = None
+    """Seed of its fresh init (a client's `create_model` seed); None: drawn from the trainer's
+    `--seed` and its name."""
 
     def final_step(self, loaded_step: int) -> int | None:
         """The step its decaying LR schedule ends at, for weights loaded at `loaded_step`."""
         if self.num_step is None:
             return None
         return (loaded_step if self.start_step is None else self.start_step) + self.num_step
+
+    @classmethod
+    def for_client(cls, run: ClientAdapterRun) -> AdapterSpec:
+        """A client-driven adapter (a Tinker model): its rank, alpha and seed; no schedule,
+        no batch scale (its `AdamStep`s set each step) and no periodic saves (its client's
+        `save_state` writes where it asks)."""
+        return cls(name=run.name, slot=run.slot, rank=run.config.rank, alpha=float(run.config.alpha),
+                   global_batch_size=1, registration_id=run.registration_id, seed=run.config.seed)
 
     @classmethod
     def from_run(cls, run: AdapterRun) -> AdapterSpec:
@@ -248,6 +260,15 @@ class TrainingBackend(Protocol):
         """Optimizer step of exactly these adapters; every other slot is untouched. An adapter
         given an `AdamStep` (a client's `optim_step`) steps with its settings and an unscaled
         gradient; the others with their schedule, batch scale and `--clip-grad`."""
+
+    async def save_client_state(self, name: str, directory: str) -> Path:
+        """A client's `save_state`: the adapter's weights (PEFT) and optimizer state written to
+        `directory` itself, atomically (its pending gradient is not saved)."""
+
+    async def load_client_state(self, name: str, directory: str, *, optimizer: bool = True) -> None:
+        """A client's `load_state`: weights from a `save_client_state` directory into the loaded
+        adapter's slot, with its optimizer state when `optimizer` (else fresh moments); any
+        pending gradient is dropped."""
 
     async def save_adapter(self, request: SaveRequest) -> Path:
         """Write a checkpoint of a loaded adapter, with the gradient of its accumulated groups

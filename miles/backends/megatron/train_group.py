@@ -81,6 +81,10 @@ class MegatronTrainGroup(TrainGroup):
         """Every rank takes part in the TP gather; rank 0's whole tensors stay in the object store."""
         return await self._export_from_rank_0(name, *(actor.export_adapter.remote(name) for actor in self._actors[1:]))
 
+    async def save_client_state(self, name: str, directory: str) -> Path:
+        """Every rank takes part in the TP gathers; rank 0 writes."""
+        return Path((await self._all("save_client_state", name, directory))[0])
+
     async def save_adapter(self, request: SaveRequest) -> Path:
         """Every rank takes part in the gathers (gradient over DP and TP, weights over TP); rank 0 writes."""
         import ray

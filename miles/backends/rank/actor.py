@@ -223,6 +223,12 @@ class TrainRank:
     def accumulated_grad(self, name: str) -> GradShare:
         return self.core.accumulated_grad(name)
 
+    def save_client_state(self, name: str, directory: str) -> str:
+        return self.core.save_client_state(name, directory)
+
+    def load_client_state(self, name: str, directory: str, optimizer: bool = True) -> None:
+        self.core.load_client_state(name, directory, optimizer)
+
     def save_adapter(self, name: str, step: int, data_position: DataPosition | None = None,
                      accumulated: AccumulatedGrad | None = None) -> str:
         return self.core.save_adapter(name, step, data_position, accumulated)

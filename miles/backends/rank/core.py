@@ -55,6 +55,7 @@ from miles.backends.torch.checkpoint import (
     TrainerState,
     read_checkpoint,
     write_checkpoint,
+    write_checkpoint_dir,
 )
 from miles.backends.torch.client_loss import ClientRow, client_loss_terms, client_rows, datum_outputs
 from miles.backends.torch.loss import LossParams, approx_kl_per_sample, policy_loss_terms
@@ -201,6 +202,8 @@ class TrainCore:
         return peft_tensors(self.model.fresh_weights(rank=spec.rank, generator=self._generator(spec)))
 
     def _generator(self, spec: AdapterSpec) -> torch.Generator:
+        if spec.seed is not None:  # a client's seed: the same init whatever the model is called
+            return torch.Generator().manual_seed(spec.seed)
         return torch.Generator().manual_seed(adapter_seed(self.config.seed, spec.name))
 
     def _check_free(self, spec: AdapterSpec) -> None:
@@ -594,6 +597,47 @@ class TrainCore:
             optimizer=optimizer, scheduler=scheduler, trainer_state=state, accumulated_grad=accumulated,
         )
         return str(path)
+
+    def save_client_state(self, name: str, directory: str) -> str:
+        """A client's `save_state`: weights and optimizer state written to `directory` (the
+        trainer state records the adapter's optimizer step count); '' on a rank that does not
+        write. Every rank that `gathers` must call."""
+        a = self.loaded(name)
+        spec = a.spec
+        if not self.model.gathers:
+            return ""
+        tensors = self.model.export_slot(spec.slot)
+        optimizer = self.optimizer_state(name)
+        if not self.model.writes:
+            return ""
+        state = TrainerState(name=name, step=optimizer.step, registration_id=spec.registration_id, rank=spec.rank,
+                             alpha=spec.alpha)
+        path = write_checkpoint_dir(
+            directory, write_adapter=lambda p: write_peft_dir(p, tensors, self.peft_config(spec)),
+            optimizer=optimizer, scheduler=a.schedule.state_dict(), trainer_state=state)
+        return str(path)
+
+    def load_client_state(self, name: str, directory: str, optimizer: bool = True) -> None:
+        """A client's `load_state`: the checkpoint's weights into the adapter's slot, and its
+        moments and step count when `optimizer` (else fresh ones); the pending gradient is
+        dropped. ValueError when it holds another rank or alpha than the adapter's."""
+        spec = self.loaded(name).spec
+        path = Path(directory)
+        ckpt = read_checkpoint(path)
+        if ckpt.trainer_state.rank != spec.rank or abs(ckpt.trainer_state.alpha - spec.alpha) > 1e-6:
+            raise ValueError(f"checkpoint {path} holds a rank-{ckpt.trainer_state.rank} alpha-"
+                             f"{ckpt.trainer_state.alpha} adapter but model '{name}' has rank {spec.rank} alpha "
+                             f"{spec.alpha}: load it into a model created with the same rank")
+        self.model.load_peft_dir(spec.slot, path)
+        self.optimizer.reset_slot(spec.slot)  # moments, step count and pending gradient
+        self.optimizer.configure_slot(spec.slot, rank=spec.rank, lr=spec.lr, weight_decay=spec.weight_decay)
+        if optimizer:
+            exp_avg = self.model.pad_slot_tensors(ckpt.optimizer.exp_avg, spec.slot, spec.rank, path,
+                                                  "optimizer state")
+            exp_avg_sq = self.model.pad_slot_tensors(ckpt.optimizer.exp_avg_sq, spec.slot, spec.rank, path,
+                                                     "optimizer state")
+            self.optimizer.load_slot_state(spec.slot, exp_avg, exp_avg_sq, ckpt.optimizer.step)
+        self._undo = None
 
     def _checkpoint_state(self, name: str, step: int, data_position: DataPosition | None,
                           accumulated: AccumulatedGrad | None) -> tuple[TrainerState, dict[str, Any]]:

@@ -304,6 +304,14 @@ class TrainGroup:
 
     # ---- checkpoints -------------------------------------------------------------------
 
+    async def save_client_state(self, name: str, directory: str) -> Path:
+        """Rank 0 writes it (every rank holds the same weights and moments)."""
+        return Path(await self._actors[0].save_client_state.remote(name, directory))
+
+    async def load_client_state(self, name: str, directory: str, *, optimizer: bool = True) -> None:
+        """Every rank loads it."""
+        await self._all("load_client_state", name, directory, optimizer)
+
     async def save_adapter(self, request: SaveRequest) -> Path:
         """The first live rank writes it (every rank holds the same weights, moments and clock),
         with the accumulated gradient summed over every rank's share."""
