@@ -83,8 +83,10 @@ def test_a_retry_of_a_seq_id_is_the_same_future_and_logged_once() -> None:
     assert [f.future_id for f in log.commands("m")] == [first.future_id]
     with pytest.raises(CommandLogError, match="seq_id 1 was already used by a forward_backward"):
         log.submit_command("m", "M", 1, ClientCommandKind.OPTIM_STEP, optim())
-    with pytest.raises(CommandLogError, match="seq_id must be >= 1"):
+    with pytest.raises(CommandLogError, match=r"seq_id 0 is behind the model's log \(next expected 1\)"):
         log.submit_command("m", "M", 0, FB, forward(1))
+    with pytest.raises(CommandLogError, match="seq_id must be >= 1"):
+        log.submit_command("fresh", "F", 0, FB, forward(1))  # only a model made by a load starts at 0
     log.take(MODELS)
     log.complete(first.future_id, outputs(1))
     assert log.submit_command("m", "M", 1, FB, forward(1)).status is ClientCommandStatus.DONE

@@ -381,3 +381,35 @@ def test_bodies_that_cannot_be_read_are_refused(plane: ThreadedController, raw: 
     run(plane, model.barrier)
     assert raw.post("/api/v1/retrieve_future", json={"request_id": sampler.json()["request_id"]}).json() == {
         "type": "save_weights_for_sampler", "path": f"tinker://{model_id}/sampler_weights/s1"}
+
+
+def test_a_training_client_is_made_from_a_saved_state(plane: ThreadedController, driver: FakeDriver) -> None:
+    with tinker.ServiceClient(base_url=plane.url, api_key=TOKEN) as service:
+        first = service.create_lora_training_client(BASE, rank=3, seed=11, train_unembed=False).result(timeout=30)
+        saved = first.save_state("warm").result(timeout=30)
+        resumed = service.create_training_client_from_state_with_optimizer(saved.path).result(timeout=30)
+        assert resumed.model_id != first.model_id and resumed.get_info().lora_rank == 3
+        load = driver.ran[-1]
+        assert (load.model, load.seq_id, load.kind) == (model_name(resumed.model_id), 0, ClientCommandKind.LOAD_STATE)
+        assert load.request.optimizer and load.request.tinker_path == saved.path  # type: ignore[union-attr]
+        status = plane.call(plane.controller.adapter_status(model_name(resumed.model_id)))
+        assert (status.rank, status.seed, status.slot) == (3, 11, 1)
+        # Its own calls start at seq_id 1, after the load.
+        out = resumed.forward_backward([datum([4, 5])], "cross_entropy").result(timeout=30)
+        assert out.loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx([-0.6, -0.1])
+        assert driver.ran[-1].seq_id == 1
+        started = time.monotonic()
+        with pytest.raises(tinker.RequestFailedError, match="all 2 slots are in use"):
+            service.create_training_client_from_state(saved.path).result(timeout=30)
+        assert time.monotonic() - started < 5  # failed at once, not retried
+
+        # The first model unloaded and cleaned up, its checkpoint still loads into a new model.
+        with httpx.Client(base_url=plane.url, headers={"X-API-Key": TOKEN}, trust_env=False) as raw:
+            assert raw.post("/api/v1/unload_model", json={"model_id": first.model_id}).status_code == 200
+        plane.call(plane.controller.retire_adapters())
+        plane.call(plane.controller.free_slots([model_name(first.model_id)]))
+        weights_only = service.create_training_client_from_state(saved.path).result(timeout=30)
+        assert not driver.ran[-1].request.optimizer  # type: ignore[union-attr]
+        assert weights_only.model_id.endswith(":train:3")
+        with pytest.raises(tinker.NotFoundError, match="never saved one by that name"):
+            service.create_training_client_from_state(saved.path.replace("warm", "cold")).result(timeout=30)

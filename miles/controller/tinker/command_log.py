@@ -141,7 +141,8 @@ class CommandLog:
             for model_log in self._models.values():
                 taken = [seq for seq, fid in model_log.by_seq.items()
                          if self._futures[fid].status is not ClientCommandStatus.PENDING]
-                model_log.next_seq = max(taken, default=FIRST_SEQ_ID - 1) + 1
+                # Nothing taken yet: a model made by a load starts at seq 0 (its load), others at 1.
+                model_log.next_seq = max(taken) + 1 if taken else min([FIRST_SEQ_ID, *model_log.by_seq])
 
     # ---- writing ----------------------------------------------------------------------
 
@@ -175,6 +176,15 @@ class CommandLog:
         return self._write(Future(future_id=_new_id(), key=key, kind=kind, model=model, model_id=model_id,
                                   seq_id=None, status=ClientCommandStatus.DONE))
 
+    def record_failed(self, key: str, kind: FutureKind, model: str, model_id: str, error: str) -> Future:
+        """A future that failed as it was issued (outside any model's seq_id order)."""
+        found = self.existing(key)
+        if found is not None:
+            return found
+        return self._write(Future(future_id=_new_id(), key=key, kind=kind, model=model, model_id=model_id,
+                                  seq_id=None, status=ClientCommandStatus.FAILED, error=error,
+                                  category=ErrorCategory.USER))
+
     def submit_command(self, model: str, model_id: str, seq_id: int, kind: ClientCommandKind,
                        request: ClientRequest) -> Future:
         """Log one call; the same (model, seq_id) again returns the future issued the first time."""
@@ -186,15 +196,22 @@ class CommandLog:
                     f"Model {model_id}: seq_id {seq_id} was already used by a {found.kind.value} request, "
                     f"not {kind.value}; each call of a training client needs its own seq_id")
             return found
-        if seq_id < FIRST_SEQ_ID:
-            raise CommandLogError(f"Model {model_id}: seq_id must be >= {FIRST_SEQ_ID}, got {seq_id}")
         model_log = self._models.get(model)
+        if model_log is None and seq_id < FIRST_SEQ_ID:
+            raise CommandLogError(f"Model {model_id}: seq_id must be >= {FIRST_SEQ_ID}, got {seq_id}")
         if model_log is not None and seq_id < model_log.next_seq:
             raise CommandLogError(f"Model {model_id}: seq_id {seq_id} is behind the model's log "
                                   f"(next expected {model_log.next_seq})")
         future = Future(future_id=_new_id(), key=key, kind=FutureKind(kind.value), model=model, model_id=model_id,
                         seq_id=seq_id, status=ClientCommandStatus.PENDING, request=request)
         return self._write(future)
+
+    def open_at(self, model: str, seq_id: int) -> None:
+        """A model whose log starts at `seq_id` (0: a model made by loading a checkpoint, whose
+        load is its first command); before anything is logged for it."""
+        if model in self._models:
+            raise CommandLogError(f"the log of {model!r} is already open")
+        self._models[model] = _ModelLog(next_seq=seq_id)
 
     def refuse_command(self, model: str, model_id: str, seq_id: int, kind: ClientCommandKind, error: str) -> Future:
         """Log a call that cannot run (bad input) as FAILED at its seq_id: the client's future

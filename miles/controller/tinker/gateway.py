@@ -205,12 +205,48 @@ class TinkerGateway:
         if found is not None:
             return found
         session = self.session(session_id)
+        model_id = self._new_model_id(session, model_seq_id)
+        config = self._model_config(model_id, session_id, base_model, lora, user_metadata)
+        name = self._register(session, config)
+        return self.log.record_done(key, FutureKind.CREATE_MODEL, name, model_id)
+
+    def create_model_from_state(self, session_id: str, model_seq_id: int, path: str, optimizer: bool,
+                                base_model: str | None, user_metadata: dict[str, Any]) -> Future:
+        """A model made by loading a checkpoint (`create_training_client_from_state*`): the
+        checkpoint's model's LoRA layout, registered like `create_model`, with the load as its
+        first command (seq_id 0); the future is that load's. The same call again returns it."""
+        session = self.session(session_id)
+        model_id = f"{session_id}:train:{model_seq_id}"
+        found = self.log.existing(command_key(model_name(model_id), 0))
+        if found is not None:
+            return found
+        model_id = self._new_model_id(session, model_seq_id)
+        load = self.load_state_command(path, optimizer)
+        _, source = self.model(path[len("tinker://"):].split("/")[0])
+        lora = LoraLayout(rank=source.rank, seed=source.seed, train_unembed=False)
+        config = self._model_config(model_id, session_id, base_model or source.base_model, lora, user_metadata)
+        try:
+            name = self._register(session, config)
+        except GatewayCapacityError as exc:
+            # The SDK sends this call with retries on 409 for minutes: fail its future instead.
+            return self.log.record_failed(command_key(model_name(model_id), 0), FutureKind.LOAD_STATE,
+                                          model_name(model_id), model_id, str(exc))
+        self.log.open_at(name, 0)
+        return self.log.submit_command(name, model_id, 0, ClientCommandKind.LOAD_STATE, load)
+
+    def _new_model_id(self, session: Session, model_seq_id: int) -> str:
         if session.finished:
-            raise GatewayError(f"Session {session_id} is finished; create a new ServiceClient")
+            raise GatewayError(f"Session {session.session_id} is finished; create a new ServiceClient")
         if model_seq_id < 0:
             raise GatewayError(f"model_seq_id must be >= 0, got {model_seq_id}")
-        model_id = f"{session_id}:train:{model_seq_id}"
-        config = self._model_config(model_id, session_id, base_model, lora, user_metadata)
+        model_id = f"{session.session_id}:train:{model_seq_id}"
+        if model_id in self._models:
+            raise GatewayError(f"Model {model_id} already exists; use the next model_seq_id")
+        return model_id
+
+    def _register(self, session: Session, config: ClientModelConfig) -> str:
+        """Register the model's adapter; returns its name."""
+        model_id = config.model_id
         name = model_name(model_id)
         try:
             self.backend.register_client(name, config)
@@ -222,7 +258,7 @@ class TinkerGateway:
         session.model_ids.append(model_id)
         self._persist_session(session)
         logger.info("Tinker model %s created: adapter '%s', rank %d", model_id, name, config.rank)
-        return self.log.record_done(key, FutureKind.CREATE_MODEL, name, model_id)
+        return name
 
     def _model_config(self, model_id: str, session_id: str, base_model: str, lora: LoraLayout | None,
                       user_metadata: dict[str, Any]) -> ClientModelConfig:

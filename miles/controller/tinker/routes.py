@@ -197,9 +197,14 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
     @router.post("/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         body = await _parse(request, LoadWeightsBody)
-        if body.model_id is None:
-            raise GatewayError("creating a training client from a checkpoint (load_weights with session_id) "
-                               "is not served yet; create_model, then load_state")
+        if body.model_id is None:  # create_training_client_from_state*: a new model, loaded first
+            if body.session_id is None or body.model_seq_id is None:
+                raise GatewayError("load_weights needs model_id (and seq_id), or session_id and model_seq_id")
+            if body.optimizer_config is not None and body.optimizer_config.get("type", "adamw") != "adamw":
+                raise GatewayError("optimizer_config: only AdamW ('adamw') is served")
+            return _untyped(gateway.create_model_from_state(body.session_id, body.model_seq_id, body.path,
+                                                            body.optimizer, body.base_model,
+                                                            body.user_metadata or {}))
         return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.LOAD_STATE,
                                        lambda: gateway.load_state_command(body.path, body.optimizer)))
 

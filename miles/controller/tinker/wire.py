@@ -100,6 +100,7 @@ class LoadWeightsBody(WireBody):
     user_metadata: dict[str, Any] | None = None
     path: str
     optimizer: bool
+    optimizer_config: dict[str, Any] | None = None
     weights_access_token: str | None = None
 
 
