@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 RETRIEVE_POLL_S = 20.0
 """How long `retrieve_future` holds a request for an unfinished future (the SDK waits 45 s)."""
+SESSION_TIMEOUT_S = 600.0
+"""A session silent this long is finished and its models unloaded (the SDK heartbeats every 10 s)."""
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
@@ -85,6 +87,8 @@ class GatewayConfig:
     target_modules: str = "all-linear"
     """The slots' LoRA layout (`--target-modules`): which `create_model` layouts are possible."""
     retrieve_poll_s: float = RETRIEVE_POLL_S
+    session_timeout_s: float | None = SESSION_TIMEOUT_S
+    """None: sessions never expire (their models stay until unloaded or the session finishes)."""
 
 
 @dataclass(frozen=True)
@@ -140,15 +144,17 @@ def tinker_path(model_id: str, segment: str, name: str) -> str:
 
 class TinkerGateway:
     def __init__(self, backend: MultiLoRABackend, config: GatewayConfig | None = None,
-                 store: RegistryStore | None = None) -> None:
+                 store: RegistryStore | None = None, clock: Callable[[], float] = time.time) -> None:
         self.backend = backend
         self.config = config or GatewayConfig()
         self.store = store
+        self.clock = clock
         self.log = CommandLog(store)
         self._sessions: dict[str, Session] = {}
         if store is not None:
             for raw in store.load_sessions():
                 session = Session.from_json(raw)
+                session.last_heartbeat = clock()  # a restarted controller gives every client time to call again
                 self._sessions[session.session_id] = session
         self._models: dict[str, str] = {}
         """model id -> registry name, for every client-driven adapter the registry knows."""
@@ -159,7 +165,7 @@ class TinkerGateway:
     # ---- sessions -------------------------------------------------------------------------
 
     def create_session(self, info: SessionInfo) -> str:
-        now = time.time()
+        now = self.clock()
         session = Session(session_id=f"s-{uuid.uuid4().hex[:16]}", info=info, created=now, last_heartbeat=now)
         self._sessions[session.session_id] = session
         self._persist_session(session)
@@ -168,7 +174,7 @@ class TinkerGateway:
 
     def heartbeat(self, session_id: str) -> None:
         session = self.session(session_id)
-        session.last_heartbeat = time.time()
+        session.last_heartbeat = self.clock()
 
     def session(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -188,6 +194,20 @@ class TinkerGateway:
         unloaded = [m for m in session.model_ids if self._unload(m)]
         logger.info("Tinker session %s finished; unloaded %s", session_id, unloaded or "no models")
         return unloaded
+
+    def expire_sessions(self) -> list[str]:
+        """Finish every session silent for over `session_timeout_s` (its models unloaded, their
+        slots freed by the lifecycle); returns their ids. Runs whenever the driver takes commands."""
+        timeout = self.config.session_timeout_s
+        if timeout is None:
+            return []
+        now = self.clock()
+        expired = [s.session_id for s in self._sessions.values()
+                   if not s.finished and now - s.last_heartbeat > timeout]
+        for session_id in expired:
+            logger.warning("Tinker session %s sent no heartbeat for %.0f s; finishing it", session_id, timeout)
+            self.finish_session(session_id)
+        return expired
 
     def _persist_session(self, session: Session) -> None:
         if self.store is not None:
@@ -394,9 +414,11 @@ class TinkerGateway:
                 if run.state in (AdapterState.PENDING, AdapterState.ACTIVE)}
 
     def take_commands(self) -> ClientCommandBatch:
+        self.expire_sessions()
         return self.log.take(self.runnable_models())
 
     async def wait_for_commands(self, timeout_s: float) -> bool:
+        self.expire_sessions()
         return await self.log.wait_for_commands(self.runnable_models(), timeout_s)
 
     def complete(self, future_id: str, result: ClientResult) -> Future:
