@@ -170,3 +170,27 @@ def test_a_refused_call_holds_its_seq_id_as_a_failed_future() -> None:
     after = log.submit_command("m", "M", 2, FB, forward(1))
     (model,) = log.take(MODELS).models  # seq 1 does not block seq 2
     assert [c.future_id for c in model.work] == [after.future_id]
+
+
+def test_only_the_latest_forward_payloads_are_kept(tmp_path: Path) -> None:
+    from miles.controller.tinker.routes import future_response
+
+    path = tmp_path / "registry.sqlite"
+    log = CommandLog(RegistryStore(path), keep_forward_payloads=2)
+    futures = [log.submit_command("m", "M", seq, FB, forward(seq)) for seq in (1, 2, 3)]
+    step = log.submit_command("m", "M", 4, ClientCommandKind.OPTIM_STEP, optim())
+    log.take(MODELS)
+    for future in futures:
+        log.complete(future.future_id, outputs(1))
+    log.complete(step.future_id, OptimStepResult())
+    oldest = log.get(futures[0].future_id)
+    assert oldest.expired and oldest.request is None and oldest.result is None
+    assert oldest.status is ClientCommandStatus.DONE and log.get(futures[1].future_id).result == outputs(1)
+    assert not log.get(step.future_id).expired  # only forward payloads are dropped
+    answer = future_response(oldest, protobuf=True)
+    assert b"expired" in answer.body and answer.media_type == "application/json"
+
+    again = CommandLog(RegistryStore(path), keep_forward_payloads=1)  # a smaller bound applies on load
+    assert again.get(futures[0].future_id).expired and again.get(futures[1].future_id).expired
+    assert again.get(futures[2].future_id).result == outputs(1)
+    assert again.submit_command("m", "M", 1, FB, forward(1)).future_id == futures[0].future_id  # still one future

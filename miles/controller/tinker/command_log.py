@@ -26,6 +26,7 @@ import enum
 import json
 import logging
 import uuid
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -56,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 FIRST_SEQ_ID = 1
 """A training client's first call (the SDK sends `request_id + 1`)."""
+KEEP_FORWARD_PAYLOADS = 256
+"""Finished forward / forward_backward futures per model whose datums and outputs are kept
+(each can be megabytes); older ones keep their status and answer that their result expired."""
 
 
 class FutureKind(str, enum.Enum):
@@ -110,6 +114,8 @@ class Future:
     result: ClientResult | None = None
     error: str | None = None
     category: ErrorCategory | None = None
+    expired: bool = False
+    """Its request and result were dropped (see `KEEP_FORWARD_PAYLOADS`)."""
 
     def command(self) -> ClientCommand:
         kind = self.kind.command
@@ -124,11 +130,14 @@ class _ModelLog:
     """The next seq_id to hand out: every lower one was taken (or failed)."""
     by_seq: dict[int, str] = field(default_factory=dict)
     """seq_id -> future id."""
+    finished_forward: deque[str] = field(default_factory=deque)
+    """Finished forward / forward_backward futures still holding their payloads, oldest first."""
 
 
 class CommandLog:
-    def __init__(self, store: RegistryStore | None = None) -> None:
+    def __init__(self, store: RegistryStore | None = None, keep_forward_payloads: int = KEEP_FORWARD_PAYLOADS) -> None:
         self.store = store
+        self.keep_forward_payloads = keep_forward_payloads
         self._futures: dict[str, Future] = {}
         self._by_key: dict[str, str] = {}
         self._models: dict[str, _ModelLog] = {}
@@ -143,6 +152,8 @@ class CommandLog:
                          if self._futures[fid].status is not ClientCommandStatus.PENDING]
                 # Nothing taken yet: a model made by a load starts at seq 0 (its load), others at 1.
                 model_log.next_seq = max(taken) + 1 if taken else min([FIRST_SEQ_ID, *model_log.by_seq])
+                for seq in sorted(model_log.by_seq):
+                    self._keep_payload(self._futures[model_log.by_seq[seq]])
 
     # ---- writing ----------------------------------------------------------------------
 
@@ -156,12 +167,27 @@ class CommandLog:
         self._index(future)
         if self.store is not None:
             self.store.put_future(_future_to_row(future))
+        self._keep_payload(future)
         if future.status.finished:
             waiter = self._waiters.pop(future.future_id, None)
             if waiter is not None:
                 waiter.set()
         self._changed.set()
         return future
+
+    def _keep_payload(self, future: Future) -> None:
+        """Count a finished forward future; beyond `keep_forward_payloads` for its model, the
+        oldest one's payloads are dropped (in memory and in the store)."""
+        if (not future.status.finished or future.expired or future.model is None
+                or future.kind not in (FutureKind.FORWARD, FutureKind.FORWARD_BACKWARD)):
+            return
+        kept = self._models[future.model].finished_forward
+        kept.append(future.future_id)
+        while len(kept) > self.keep_forward_payloads:
+            old = replace(self._futures[kept.popleft()], request=None, result=None, expired=True)
+            self._futures[old.future_id] = old
+            if self.store is not None:
+                self.store.put_future(_future_to_row(old))
 
     def existing(self, key: str) -> Future | None:
         """The future already issued under this idempotency key, if any."""
@@ -410,6 +436,7 @@ def _future_to_row(future: Future) -> FutureRow:
         "request": None if future.request is None else asdict(future.request),
         "result": None if future.result is None else asdict(future.result),
         "error": future.error, "category": None if future.category is None else future.category.value,
+        "expired": future.expired,
     }
     return FutureRow(future_id=future.future_id, key=future.key, model=future.model, seq_id=future.seq_id,
                      kind=future.kind.value, status=future.status.value, record=json.dumps(record))
@@ -424,4 +451,5 @@ def _future_from_row(row: FutureRow) -> Future:
         request=None if record["request"] is None else _request_from_json(kind, record["request"]),
         result=None if record["result"] is None else _result_from_json(kind, record["result"]),
         error=record["error"], category=None if record["category"] is None else ErrorCategory(record["category"]),
+        expired=record.get("expired", False),
     )

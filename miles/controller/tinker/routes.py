@@ -294,6 +294,10 @@ def future_response(future: Future, protobuf: bool) -> Response:
     """What `retrieve_future` answers for `future` as it stands."""
     if not future.status.finished:
         return JSONResponse({"type": "try_again", "request_id": future.future_id, "queue_state": "active"})
+    if future.expired and future.status is ClientCommandStatus.DONE:
+        return JSONResponse({"error": f"the result of {future.kind.value} {future.future_id} expired: only the "
+                                      "latest results of each model are kept; retrieve results as they finish",
+                             "category": ErrorCategory.USER.value})
     if future.status is ClientCommandStatus.FAILED:
         category = future.category or ErrorCategory.SERVER
         return JSONResponse({"error": future.error or "failed", "category": category.value})
