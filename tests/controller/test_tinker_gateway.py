@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from miles.controller.backend import MultiLoRABackend
-from miles.controller.tinker.gateway import GatewayConfig, GatewayError, LoraLayout, SessionInfo, TinkerGateway
+from miles.controller.tinker.gateway import (
+    GatewayConfig,
+    GatewayError,
+    GatewaySessionFinishedError,
+    LoraLayout,
+    SessionInfo,
+    TinkerGateway,
+)
 from miles.controller.tinker.proto import DTYPE_FLOAT32, DTYPE_INT64, WireDatum, WireForwardBackward, WireTensor
 from miles.controller.tinker.routes import forward_command
 from miles.utils.adapter_config import AdapterDefaults
@@ -49,6 +56,8 @@ def test_a_silent_session_is_finished_and_its_models_unloaded(gateway: TinkerGat
     assert gateway.model_state(quiet_model) is AdapterState.RETIRING
     assert gateway.model_state(alive_model) is AdapterState.PENDING
     assert gateway.expire_sessions() == []  # finished once
+    with pytest.raises(GatewaySessionFinishedError, match="is finished"):
+        gateway.heartbeat(quiet)  # 410: the SDK stops its heartbeat loop
     with pytest.raises(GatewayError, match="is finished"):
         gateway.create_model(quiet, 1, "tiny-base", LAYOUT, {})
 

@@ -72,6 +72,12 @@ class GatewayNotFoundError(GatewayError):
     status = 404
 
 
+class GatewaySessionFinishedError(GatewayError):
+    """A heartbeat for a finished session (HTTP 410: the SDK stops its heartbeat loop)."""
+
+    status = 410
+
+
 class GatewayCapacityError(GatewayError):
     """No free slot for a new model (HTTP 409, marked not to be retried)."""
 
@@ -174,6 +180,8 @@ class TinkerGateway:
 
     def heartbeat(self, session_id: str) -> None:
         session = self.session(session_id)
+        if session.finished:
+            raise GatewaySessionFinishedError(f"Session {session_id} is finished (closed, or silent for too long)")
         session.last_heartbeat = self.clock()
 
     def session(self, session_id: str) -> Session:
