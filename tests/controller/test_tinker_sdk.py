@@ -413,3 +413,15 @@ def test_a_training_client_is_made_from_a_saved_state(plane: ThreadedController,
         assert weights_only.model_id.endswith(":train:3")
         with pytest.raises(tinker.NotFoundError, match="never saved one by that name"):
             service.create_training_client_from_state(saved.path.replace("warm", "cold")).result(timeout=30)
+
+
+def test_a_new_trainer_fails_what_the_old_one_was_running(plane: ThreadedController, raw: httpx.Client) -> None:
+    _, model_id = create_model(raw)
+    running = post_forward_backward(raw, model_id, 1, [datum([1, 2])])
+    assert not plane.call(plane.controller.take_client_commands()).empty
+    queued = post_forward_backward(raw, model_id, 2, [datum([3])])
+    plane.call(plane.controller.requeue_for_new_trainer())
+    failed = raw.post("/api/v1/retrieve_future", json={"request_id": running}).json()
+    assert failed["category"] == "server" and "trainer restarted" in failed["error"]
+    (model,) = plane.call(plane.controller.take_client_commands()).models  # the queued one runs next
+    assert [c.future_id for c in model.work] == [queued]
