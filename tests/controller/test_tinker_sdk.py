@@ -425,3 +425,15 @@ def test_a_new_trainer_fails_what_the_old_one_was_running(plane: ThreadedControl
     assert failed["category"] == "server" and "trainer restarted" in failed["error"]
     (model,) = plane.call(plane.controller.take_client_commands()).models  # the queued one runs next
     assert [c.future_id for c in model.work] == [queued]
+
+
+def test_bodies_over_the_limit_are_refused_before_they_are_read(raw: httpx.Client) -> None:
+    from miles.controller.tinker.routes import MAX_JSON_BYTES
+
+    def stream():
+        yield b'{"session_id": "'
+        for _ in range(MAX_JSON_BYTES // 65536 + 1):
+            yield b"x" * 65536
+
+    response = raw.post("/api/v1/session_heartbeat", content=stream())  # chunked: no Content-Length
+    assert response.status_code == 413 and "over 1048576 bytes" in response.json()["detail"]

@@ -72,6 +72,10 @@ class GatewayNotFoundError(GatewayError):
     status = 404
 
 
+class GatewayBodyTooLargeError(GatewayError):
+    status = 413
+
+
 class GatewaySessionFinishedError(GatewayError):
     """A heartbeat for a finished session (HTTP 410: the SDK stops its heartbeat loop)."""
 

@@ -23,7 +23,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from miles.controller.tinker.command_log import CommandLogError, ErrorCategory, Future, FutureKind, UnknownFutureError
-from miles.controller.tinker.gateway import GatewayError, LoraLayout, SessionInfo, TinkerGateway
+from miles.controller.tinker.gateway import (
+    GatewayBodyTooLargeError,
+    GatewayError,
+    LoraLayout,
+    SessionInfo,
+    TinkerGateway,
+)
 from miles.controller.tinker.proto import (
     DTYPE_INT64,
     ProtoDecodeError,
@@ -221,10 +227,7 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
 
 async def _parse(request: Request, model: type[BodyT]) -> BodyT:
     """A JSON body as `model`; errors name the field and never echo the body back."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_JSON_BYTES:
-        raise GatewayError(f"request body over {MAX_JSON_BYTES} bytes")
-    raw = await request.body()
+    raw = await _read_limited(request, MAX_JSON_BYTES, "request body")
     try:
         data = json.loads(raw or b"null")
     except ValueError as exc:  # also a body that is not UTF-8
@@ -245,13 +248,22 @@ async def _protobuf_body(request: Request) -> bytes:
     if request.headers.get("content-encoding", "identity") not in ("", "identity"):
         raise GatewayError(f"Content-Encoding {request.headers['content-encoding']!r} is not accepted "
                            "(the client config asks for uncompressed bodies)")
+    return await _read_limited(request, MAX_FORWARD_BACKWARD_BYTES, "forward_backward body")
+
+
+async def _read_limited(request: Request, limit: int, what: str) -> bytes:
+    """The body, refused (413) as soon as it passes `limit` bytes, declared or streamed."""
+    too_large = GatewayBodyTooLargeError(f"{what} over {limit} bytes; send less per call")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_FORWARD_BACKWARD_BYTES:
-        raise GatewayError(f"forward_backward body over {MAX_FORWARD_BACKWARD_BYTES} bytes; send fewer datums per call")
-    body = await request.body()
-    if len(body) > MAX_FORWARD_BACKWARD_BYTES:
-        raise GatewayError(f"forward_backward body over {MAX_FORWARD_BACKWARD_BYTES} bytes; send fewer datums per call")
-    return body
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def optim_command(body: OptimStepBody) -> OptimStepCommand:
