@@ -115,6 +115,10 @@ class TrainRank:
         """The rank's torch threads, once it is built."""
         return torch.get_num_threads()
 
+    def vocab_size(self) -> int:
+        """Tokens the model scores (once it is built)."""
+        return self.model.vocab_size
+
     def master_address(self, host: str | None = None) -> str:
         """The process group's rendezvous address (called on rank 0): on `host`, by default this
         node's address when the cluster has more than one node, else loopback. The port is

@@ -115,6 +115,8 @@ class LoadedAdapter:
 
     spec: AdapterSpec
     schedule: LRSchedule
+    adam: AdamStep | None = None
+    """The settings of its latest client `optim_step` (a checkpoint records them); None: none yet."""
 
 
 @dataclass
@@ -506,6 +508,8 @@ class TrainCore:
             [_slot_step(a.spec, lrs[a.spec.name], adam.get(a.spec.name)) for a in loaded],
             max_norm=self.config.clip_grad, slot_norm=self.model.slot_grad_norm,
         )
+        for a in loaded:
+            a.adam = adam.get(a.spec.name, a.adam)
         return {a.spec.name: AdapterStepStats(grad_norm=norms[a.spec.slot], lr=lrs[a.spec.name]) for a in loaded}
 
     @torch.no_grad()
@@ -558,8 +562,11 @@ class TrainCore:
         """The adapter's AdamW moments (whole, rank-sliced, by LoRA parameter name) and step count."""
         spec = self.loaded(name).spec
         exp_avg, exp_avg_sq, step = self.optimizer.slot_state(spec.slot)
+        adam = self.loaded(name).adam
         hyper = {"lr": spec.lr, "weight_decay": spec.weight_decay, "betas": list(self.optimizer.betas),
-                 "eps": self.optimizer.eps}
+                 "eps": self.optimizer.eps} if adam is None else \
+            {"lr": adam.learning_rate, "weight_decay": adam.weight_decay, "betas": [adam.beta1, adam.beta2],
+             "eps": adam.eps, "grad_clip_norm": adam.grad_clip_norm}
         return OptimizerState(exp_avg=self.model.whole_tensors(exp_avg, spec.rank),
                               exp_avg_sq=self.model.whole_tensors(exp_avg_sq, spec.rank), step=step, hyper=hyper)
 

@@ -120,6 +120,8 @@ class TrainGroup:
         """The class each rank runs: `actor_class`, or the subclass `config.actor_path` names."""
         self._actors: list[Any] = []
         self._specs: dict[str, AdapterSpec] = {}
+        self._vocab_size: int | None = None
+        """The model's vocabulary (client datums are checked against it before any rank trains)."""
         """Loaded adapters (what every rank holds)."""
         self._placement: Any = None
         """The rank actors' placement group (one bundle per rank)."""
@@ -154,6 +156,7 @@ class TrainGroup:
         threads = sorted(set(await self._all("ready")))
         address = await self._actors[0].master_address.remote(self.config.master_host)
         await self._all("init_process_group", address)  # a one-rank torch group returns at once
+        self._vocab_size = await self._actors[0].vocab_size.remote()
         logger.info("Started %s; torch threads per rank: %s", self._layout(), "/".join(map(str, threads)))
 
     def _layout(self) -> str:
@@ -222,7 +225,7 @@ class TrainGroup:
         if missing:
             raise RuntimeError(f"rollout {rollout_id} has samples or client work of adapters not loaded on the "
                                f"trainer: {missing}; adapters must be loaded before generation")
-        client_rows(client)  # a bad datum fails here, with its field named, before any rank trains
+        client_rows(client, self._vocab_size)  # a bad datum fails here, its field named, before any rank trains
         parts = self._rank_parts(batch)
         try:
             reward_kl = await self._reward_kl(batch, parts)

@@ -185,6 +185,8 @@ def test_save_state_then_load_state_continues_as_if_never_stopped(tiny_model_dir
     assert all(torch.count_nonzero(g) == 0 for g in slot_grads(resumed, 2))
     assert max_abs_diff(resumed.export_adapter("other-name"), straight.export_adapter("c")) == 0.0
     assert resumed.optimizer_state("other-name").step == 1
+    assert straight.optimizer_state("c").hyper == {"lr": 0.02, "weight_decay": 0.1, "betas": [0.8, 0.9], "eps": 1e-6,
+                                                   "grad_clip_norm": 0.5}  # the latest AdamStep's
     straight.core.optimizer.zero_slot_grad(0)
     data = client_datums("cispo", 3, seed=53)
     for actor, name, slot in ((straight, "c", 0), (resumed, "other-name", 2)):

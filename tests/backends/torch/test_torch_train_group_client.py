@@ -86,6 +86,10 @@ async def test_dp2_mixed_calls_equal_dp1_alone_and_a_failed_call_counts_nowhere(
         bad = ClientDatum(tokens=[1, 2], inputs={"target_tokens": [1]})
         with pytest.raises(ValueError, match="'target_tokens' has 1 values for 2 tokens"):
             await dp1.train(2, _rollout(2, []), client=[client_work("c1", 3, probe[:1] + [bad], "dro")])
+        beyond = ClientDatum(tokens=[1, 2], inputs={"target_tokens": [1, 100], "logprobs": [-1.0, -1.0],
+                                                    "advantages": [1.0, 1.0]})
+        with pytest.raises(ValueError, match=r"datum 1: target_tokens holds \[100\], outside the model's vocabulary"):
+            await dp2.train(3, _rollout(3, []), client=[client_work("c1", 1, probe[:1] + [beyond], "dro")])
         await dp1.step_adapters(["c1"], adam={"c1": ADAM})  # nothing accumulated: moments decay, no new gradient
         await dp2.step_adapters(["c1"], adam={"c1": ADAM})
         assert max_abs_diff(await _weights(dp2, "c1"), await _weights(dp1, "c1")) <= 1e-5
