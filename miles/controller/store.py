@@ -47,9 +47,9 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS adapters (name TEXT PRIMARY KEY, position INTEGER NOT NULL, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS batches (rollout_id INTEGER PRIMARY KEY, position INTEGER NOT NULL, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, record TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS futures (
+CREATE TABLE IF NOT EXISTS tinker_futures (
     future_id TEXT PRIMARY KEY, position INTEGER NOT NULL, key TEXT NOT NULL UNIQUE, model TEXT,
-    seq_id INTEGER, kind TEXT NOT NULL, status TEXT NOT NULL, record TEXT NOT NULL
+    seq_id INTEGER, kind TEXT NOT NULL, status TEXT NOT NULL, record TEXT NOT NULL, request BLOB, result BLOB
 );
 """
 
@@ -66,7 +66,10 @@ class FutureRow:
     kind: str
     status: str
     record: str
-    """JSON of the request, the result or error, and whatever else the log keeps."""
+    """JSON of the small parts (model id, error, category, ...)."""
+    request: bytes | None = None
+    """The typed request, encoded by the log (datums can be megabytes: written once)."""
+    result: bytes | None = None
 
 
 
@@ -118,17 +121,28 @@ class RegistryStore:
         return [json.loads(r[0]) for r in self._db.execute("SELECT record FROM sessions ORDER BY rowid")]
 
     def put_future(self, row: FutureRow) -> None:
-        """Insert or update one future (its row keeps the position it was first written at)."""
+        """Write a new future, payloads included."""
         self._db.execute(
-            "INSERT INTO futures (future_id, position, key, model, seq_id, kind, status, record) "
-            "VALUES (?, (SELECT COALESCE(MAX(position), 0) + 1 FROM futures), ?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT(future_id) DO UPDATE SET status = excluded.status, record = excluded.record",
-            (row.future_id, row.key, row.model, row.seq_id, row.kind, row.status, row.record))
+            "INSERT INTO tinker_futures "
+            "(future_id, position, key, model, seq_id, kind, status, record, request, result) "
+            "VALUES (?, (SELECT COALESCE(MAX(position), 0) + 1 FROM tinker_futures), ?, ?, ?, ?, ?, ?, ?, ?)",
+            (row.future_id, row.key, row.model, row.seq_id, row.kind, row.status, row.record, row.request, row.result))
+
+    def update_future(self, future_id: str, status: str, record: str, result: bytes | None = None, *,
+                      drop_payloads: bool = False) -> None:
+        """A future's new status (and its result, once it has one), without rewriting its request;
+        `drop_payloads` forgets its request and result."""
+        if drop_payloads:
+            self._db.execute("UPDATE tinker_futures SET status = ?, record = ?, request = NULL, result = NULL "
+                             "WHERE future_id = ?", (status, record, future_id))
+        else:
+            self._db.execute("UPDATE tinker_futures SET status = ?, record = ?, result = COALESCE(?, result) "
+                             "WHERE future_id = ?", (status, record, result, future_id))
 
     def load_futures(self) -> list[FutureRow]:
         """Every logged future, in the order they were first written."""
-        rows = self._db.execute(
-            "SELECT future_id, key, model, seq_id, kind, status, record FROM futures ORDER BY position")
+        rows = self._db.execute("SELECT future_id, key, model, seq_id, kind, status, record, request, result "
+                                "FROM tinker_futures ORDER BY position")
         return [FutureRow(*row) for row in rows]
 
     # ---- registry -------------------------------------------------------------------------

@@ -25,10 +25,13 @@ import contextlib
 import enum
 import json
 import logging
+import struct
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from miles.controller.store import FutureRow, RegistryStore
 from miles.utils.types import (
@@ -164,9 +167,15 @@ class CommandLog:
             self._models.setdefault(future.model, _ModelLog()).by_seq[future.seq_id] = future.future_id
 
     def _write(self, future: Future) -> Future:
+        previous = self._futures.get(future.future_id)
         self._index(future)
         if self.store is not None:
-            self.store.put_future(_future_to_row(future))
+            if previous is None:
+                self.store.put_future(_future_to_row(future))
+            else:  # a new status: the request stays as written, the result is written once
+                fresh = future.result is not None and previous.result is None
+                self.store.update_future(future.future_id, future.status.value, _record(future),
+                                         _encode_result(future.result) if fresh and future.result else None)
         self._keep_payload(future)
         if future.status.finished:
             waiter = self._waiters.pop(future.future_id, None)
@@ -187,7 +196,7 @@ class CommandLog:
             old = replace(self._futures[kept.popleft()], request=None, result=None, expired=True)
             self._futures[old.future_id] = old
             if self.store is not None:
-                self.store.put_future(_future_to_row(old))
+                self.store.update_future(old.future_id, old.status.value, _record(old), drop_payloads=True)
 
     def existing(self, key: str) -> Future | None:
         """The future already issued under this idempotency key, if any."""
@@ -405,41 +414,107 @@ def _check_result(future: Future, result: ClientResult) -> None:
         raise CommandLogError(f"{kind.value} {future.future_id} needs a WeightsResult, got {type(result).__name__}")
 
 
-# ---- JSON, as the store keeps it ---------------------------------------------------------
+# ---- payloads, as the store keeps them ------------------------------------------------------
+# A forward call's datums and outputs can be megabytes: they are written once, as a small JSON
+# header followed by the raw numeric arrays (what JSON of float lists would cost ~10x in time
+# and size); the small requests and results are JSON alone.
+
+_HEAD = struct.Struct("<I")
+
+
+def _pack(header: dict[str, Any], arrays: list[np.ndarray]) -> bytes:
+    head = json.dumps(header).encode()
+    return _HEAD.pack(len(head)) + head + b"".join(a.tobytes() for a in arrays)
+
+
+class _Unpacker:
+    def __init__(self, blob: bytes) -> None:
+        (size,) = _HEAD.unpack_from(blob)
+        self.header: dict[str, Any] = json.loads(blob[_HEAD.size:_HEAD.size + size])
+        self.blob, self.offset = blob, _HEAD.size + size
+
+    def take(self, dtype: str, count: int) -> list[Any]:
+        array = np.frombuffer(self.blob, dtype=dtype, count=count, offset=self.offset)
+        self.offset += array.nbytes
+        return array.tolist()  # type: ignore[no-any-return]
+
+
+def _numbers(values: list[float] | list[int]) -> tuple[str, np.ndarray]:
+    array = np.asarray(values)
+    return ("i", array.astype("<i8")) if array.dtype.kind in "iub" else ("f", array.astype("<f8"))
+
+
+def _encode_request(request: ClientRequest) -> bytes:
+    if not isinstance(request, ForwardCommand):
+        return _pack({"json": asdict(request)}, [])
+    arrays: list[np.ndarray] = []
+    datums = []
+    for datum in request.datums:
+        arrays.append(np.asarray(datum.tokens, dtype="<i8"))
+        inputs = []
+        for name, values in datum.inputs.items():
+            code, array = _numbers(values)
+            inputs.append([name, code, len(values)])
+            arrays.append(array)
+        datums.append({"n": len(datum.tokens), "inputs": inputs})
+    header = {"loss": {"name": request.loss.name, "config": request.loss.config}, "datums": datums}
+    return _pack(header, arrays)
+
+
+def _decode_request(kind: FutureKind, blob: bytes) -> ClientRequest:
+    unpacker = _Unpacker(blob)
+    header = unpacker.header
+    if kind not in (FutureKind.FORWARD, FutureKind.FORWARD_BACKWARD):
+        raw = header["json"]
+        if kind is FutureKind.OPTIM_STEP:
+            return OptimStepCommand(adam=AdamStep(**raw["adam"]))
+        return _REQUESTS[kind](**raw)  # type: ignore[no-any-return]
+    datums = []
+    for entry in header["datums"]:
+        tokens = unpacker.take("<i8", entry["n"])
+        inputs = {name: unpacker.take("<i8" if code == "i" else "<f8", n) for name, code, n in entry["inputs"]}
+        datums.append(ClientDatum(tokens=tokens, inputs=inputs))
+    return ForwardCommand(datums=datums, loss=ClientLoss(**header["loss"]))
+
+
+def _encode_result(result: ClientResult) -> bytes:
+    if not isinstance(result, ForwardBackwardResult):
+        return _pack({"json": asdict(result)}, [])
+    outputs = [{"loss": o.loss, "fields": [[name, len(values)] for name, values in o.outputs.items()]}
+               for o in result.outputs]
+    arrays = [np.asarray(values, dtype="<f8") for o in result.outputs for values in o.outputs.values()]
+    return _pack({"metrics": result.metrics, "outputs": outputs}, arrays)
+
+
+def _decode_result(kind: FutureKind, blob: bytes) -> ClientResult:
+    unpacker = _Unpacker(blob)
+    header = unpacker.header
+    if kind is FutureKind.OPTIM_STEP:
+        return OptimStepResult(**header["json"])
+    if kind not in (FutureKind.FORWARD, FutureKind.FORWARD_BACKWARD):
+        return WeightsResult()
+    outputs = [DatumOutput({name: unpacker.take("<f8", n) for name, n in o["fields"]}, loss=o["loss"])
+               for o in header["outputs"]]
+    return ForwardBackwardResult(outputs=outputs, metrics=header["metrics"])
+
 
 _REQUESTS: dict[FutureKind, type] = {
-    FutureKind.FORWARD: ForwardCommand, FutureKind.FORWARD_BACKWARD: ForwardCommand,
-    FutureKind.OPTIM_STEP: OptimStepCommand, FutureKind.SAVE_STATE: SaveStateCommand,
-    FutureKind.LOAD_STATE: LoadStateCommand, FutureKind.SAVE_WEIGHTS_FOR_SAMPLER: SaveForSamplerCommand,
+    FutureKind.SAVE_STATE: SaveStateCommand, FutureKind.LOAD_STATE: LoadStateCommand,
+    FutureKind.SAVE_WEIGHTS_FOR_SAMPLER: SaveForSamplerCommand,
 }
 
 
-def _request_from_json(kind: FutureKind, raw: dict[str, Any]) -> ClientRequest:
-    if kind in (FutureKind.FORWARD, FutureKind.FORWARD_BACKWARD):
-        return ForwardCommand(datums=[ClientDatum(**d) for d in raw["datums"]], loss=ClientLoss(**raw["loss"]))
-    if kind is FutureKind.OPTIM_STEP:
-        return OptimStepCommand(adam=AdamStep(**raw["adam"]))
-    return _REQUESTS[kind](**raw)  # type: ignore[no-any-return]
-
-
-def _result_from_json(kind: FutureKind, raw: dict[str, Any]) -> ClientResult:
-    if kind in (FutureKind.FORWARD, FutureKind.FORWARD_BACKWARD):
-        return ForwardBackwardResult(outputs=[DatumOutput(**o) for o in raw["outputs"]], metrics=raw["metrics"])
-    if kind is FutureKind.OPTIM_STEP:
-        return OptimStepResult(**raw)
-    return WeightsResult()
+def _record(future: Future) -> str:
+    return json.dumps({"model_id": future.model_id, "error": future.error,
+                       "category": None if future.category is None else future.category.value,
+                       "expired": future.expired})
 
 
 def _future_to_row(future: Future) -> FutureRow:
-    record = {
-        "model_id": future.model_id,
-        "request": None if future.request is None else asdict(future.request),
-        "result": None if future.result is None else asdict(future.result),
-        "error": future.error, "category": None if future.category is None else future.category.value,
-        "expired": future.expired,
-    }
     return FutureRow(future_id=future.future_id, key=future.key, model=future.model, seq_id=future.seq_id,
-                     kind=future.kind.value, status=future.status.value, record=json.dumps(record))
+                     kind=future.kind.value, status=future.status.value, record=_record(future),
+                     request=None if future.request is None else _encode_request(future.request),
+                     result=None if future.result is None else _encode_result(future.result))
 
 
 def _future_from_row(row: FutureRow) -> Future:
@@ -448,8 +523,8 @@ def _future_from_row(row: FutureRow) -> Future:
     return Future(
         future_id=row.future_id, key=row.key, kind=kind, model=row.model, model_id=record["model_id"],
         seq_id=row.seq_id, status=ClientCommandStatus(row.status),
-        request=None if record["request"] is None else _request_from_json(kind, record["request"]),
-        result=None if record["result"] is None else _result_from_json(kind, record["result"]),
+        request=None if row.request is None else _decode_request(kind, row.request),
+        result=None if row.result is None else _decode_result(kind, row.result),
         error=record["error"], category=None if record["category"] is None else ErrorCategory(record["category"]),
-        expired=record.get("expired", False),
+        expired=record["expired"],
     )
