@@ -9,6 +9,8 @@ same tiny model, in fp32.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -33,7 +35,9 @@ RL_LOSS = LossSettings(entropy_coef=0.05, use_kl_loss=True, kl_loss_coef=0.1, kl
 ADAM = AdamStep(learning_rate=0.02, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1, grad_clip_norm=0.5)
 
 
-def play(actor, set_weights) -> dict:
+def play(actor, set_weights, state_dir: Path, other_state: Path | None = None) -> dict:
+    """The script; saves c's client state to `state_dir` and loads `other_state` (the other
+    backend's) into a fourth slot as "loaded"."""
     for i, (name, slot) in enumerate(SLOTS.items()):
         actor.load_adapter(spec(name, slot, rank=RANK, global_batch_size=4, loss=RL_LOSS if name == "rl" else None))
         shapes = broadcast_shapes({k: v.shape for k, v in actor.export_adapter(name).items()})  # TP rank 0's
@@ -43,11 +47,18 @@ def play(actor, set_weights) -> dict:
     result = actor.train_batch(samples, adv, counts(samples),
                                client=[client_work("c", 2, client_datums("ppo", 4, seed=22), "ppo"), forward])
     stats = actor.step_adapters(["rl", "c"], adam={"c": ADAM})
-    return {"client": result.client, "loss": result.stats["rl"].loss_sum if result.stats else None,
+    seen = {"client": result.client, "loss": result.stats["rl"].loss_sum if result.stats else None,
             "grad_norm": stats["c"].grad_norm, "weights": {n: actor.export_adapter(n) for n in SLOTS}}
+    actor.save_client_state("c", str(state_dir))  # a TP gather in Megatron: rank 0 writes
+    if other_state is not None:
+        actor.load_adapter(spec("loaded", 3, rank=RANK))
+        actor.load_client_state("loaded", str(other_state))
+        seen["loaded"] = actor.export_adapter("loaded")
+        seen["loaded_step"] = actor.optimizer_state("loaded").step
+    return seen
 
 
-def _megatron_main(rank: int, world: int, addresses, model_dir: str, out: str) -> None:
+def _megatron_main(rank: int, world: int, addresses, model_dir: str, out: str, torch_state: str) -> None:
     from miles.backends.megatron import lora as mlora
     from miles.backends.megatron.actor import MegatronActorConfig, MegatronTrainActor
 
@@ -55,7 +66,8 @@ def _megatron_main(rank: int, world: int, addresses, model_dir: str, out: str) -
     actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=model_dir, n_slots=4, lora_rank=RANK,
                                                    tensor_model_parallel_size=world), rank, world)
     actor.init_process_group(rendezvous(actor, rank, world, addresses))
-    seen = play(actor, lambda slot, t: mlora.set_slot_weights(actor.model.parts, slot, t, rank=RANK, alpha=8.0))
+    seen = play(actor, lambda slot, t: mlora.set_slot_weights(actor.model.parts, slot, t, rank=RANK, alpha=8.0),
+                Path(out).parent / "megatron_state", Path(torch_state))
     if rank == 0:
         torch.save(seen, out)
     actor.shutdown()
@@ -68,11 +80,12 @@ def test_client_work_and_adam_step_equal_the_torch_backend(tiny_model_dir, tmp_p
     from miles.lora import set_slot_weights
 
     actor = TorchTrainActor(TrainActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=4, lora_rank=RANK))
-    ref = play(actor, lambda slot, t: set_slot_weights(actor.model.module, slot, t, rank=RANK, alpha=8.0))
+    ref = play(actor, lambda slot, t: set_slot_weights(actor.model.module, slot, t, rank=RANK, alpha=8.0),
+               tmp_path / "torch_state")
     out = tmp_path / "megatron.pt"
     addresses = mp.get_context("spawn").Queue()
-    mp.start_processes(_megatron_main, args=(tp, addresses, str(tiny_model_dir), str(out)), nprocs=tp, join=True,
-                       start_method="spawn")
+    args = (tp, addresses, str(tiny_model_dir), str(out), str(tmp_path / "torch_state"))
+    mp.start_processes(_megatron_main, args=args, nprocs=tp, join=True, start_method="spawn")
     meg = torch.load(out, weights_only=False)
     assert meg["loss"] == pytest.approx(ref["loss"], abs=1e-5)
     assert [len(outputs) for outputs in meg["client"]] == [4, 2]
@@ -88,3 +101,9 @@ def test_client_work_and_adam_step_equal_the_torch_backend(tiny_model_dir, tmp_p
     for name in SLOTS:
         assert max_abs_diff(meg["weights"][name], ref["weights"][name]) <= 2.5e-4
     assert max_abs_diff(meg["weights"]["f"], ref["weights"]["f"]) == pytest.approx(0.0, abs=1e-6)
+    # Client state crosses the backends: torch's save_state loads into the Megatron shards whole,
+    # and Megatron's (gathered over TP) loads into torch.
+    assert max_abs_diff(meg["loaded"], ref["weights"]["c"]) == 0.0 and meg["loaded_step"] == 1
+    actor.load_adapter(spec("from-megatron", 3, rank=RANK))
+    actor.load_client_state("from-megatron", str(tmp_path / "megatron_state"))
+    assert max_abs_diff(actor.export_adapter("from-megatron"), meg["weights"]["c"]) == 0.0
