@@ -133,6 +133,8 @@ class _ModelLog:
     """The next seq_id to hand out: every lower one was taken (or failed)."""
     by_seq: dict[int, str] = field(default_factory=dict)
     """seq_id -> future id."""
+    running: set[str] = field(default_factory=set)
+    """Its RUNNING futures (a take hands out nothing more while there are any)."""
     finished_forward: deque[str] = field(default_factory=deque)
     """Finished forward / forward_backward futures still holding their payloads, oldest first."""
 
@@ -164,7 +166,12 @@ class CommandLog:
         self._futures[future.future_id] = future
         self._by_key[future.key] = future.future_id
         if future.kind.command is not None and future.model is not None and future.seq_id is not None:
-            self._models.setdefault(future.model, _ModelLog()).by_seq[future.seq_id] = future.future_id
+            model_log = self._models.setdefault(future.model, _ModelLog())
+            model_log.by_seq[future.seq_id] = future.future_id
+            if future.status is ClientCommandStatus.RUNNING:
+                model_log.running.add(future.future_id)
+            else:
+                model_log.running.discard(future.future_id)
 
     def _write(self, future: Future) -> Future:
         previous = self._futures.get(future.future_id)
@@ -321,8 +328,7 @@ class CommandLog:
         return self.runnable(models)
 
     def _running(self, model: str) -> bool:
-        model_log = self._models[model]
-        return any(self._futures[f].status is ClientCommandStatus.RUNNING for f in model_log.by_seq.values())
+        return bool(self._models[model].running)
 
     def complete(self, future_id: str, result: ClientResult) -> Future:
         """A RUNNING command finished with `result` (its type must match the command's kind)."""
