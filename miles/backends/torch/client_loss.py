@@ -66,6 +66,7 @@ INPUT_KEYS: dict[str, frozenset[str]] = {
                        "sequence_ratio_mask"}),
 }
 """The per-position inputs each loss reads besides `target_tokens`."""
+KNOWN_INPUTS = frozenset({"target_tokens"}).union(*INPUT_KEYS.values())
 
 REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": (),
@@ -136,10 +137,11 @@ def _row(w: int, d: int, work: ClientWork, datum: ClientDatum, vocab_size: int |
     if "target_tokens" not in datum.inputs:
         raise ValueError(f"{where}: inputs lack 'target_tokens' (the token each position scores)")
     loss: ClientLossName | None = None if work.loss is None else work.loss.name
-    known = {"target_tokens"} | (INPUT_KEYS[loss] if loss is not None else set().union(*INPUT_KEYS.values()))
-    unknown = sorted(set(datum.inputs) - known)
+    # Inputs of another loss are ignored (a client may score its RL datums with
+    # cross_entropy); a name no loss reads is a typo, and an error.
+    unknown = sorted(set(datum.inputs) - KNOWN_INPUTS)
     if unknown:
-        raise ValueError(f"{where}: inputs {unknown} are not read by loss {loss!r}")
+        raise ValueError(f"{where}: inputs {unknown} are read by no loss (known: {sorted(KNOWN_INPUTS)})")
     for key, values in datum.inputs.items():
         if len(values) != n:
             raise ValueError(f"{where}: '{key}' has {len(values)} values for {n} tokens (one per position)")

@@ -121,10 +121,7 @@ def test_clip_thresholds_per_position_and_a_sequence_ratio_mask_win_over_the_def
         "target_tokens": [2, 3, 4, 5], "logprobs": q.tolist(), "advantages": adv.tolist(),
         "clip_low_threshold": lo, "clip_high_threshold": hi, "sequence_ratio_mask": mask})
     for name in ("ppo", "gspo"):
-        given = datum
-        if name == "ppo":  # ppo reads no sequence-ratio mask
-            given = ClientDatum(datum.tokens, {k: v for k, v in datum.inputs.items() if k != "sequence_ratio_mask"})
-        rows = client_rows([ClientWork("a", 0, [given], ClientLoss(name))])
+        rows = client_rows([ClientWork("a", 0, [datum], ClientLoss(name))])  # ppo ignores the ratio mask
         got = client_loss_terms(lp[None], ClientInputs.collate(rows, 4)).elementwise_CL[0]
         ratio = torch.exp(lp - q)
         if name == "gspo":
@@ -150,7 +147,7 @@ def test_a_forward_without_a_loss_gives_logprobs_only():
     (lambda d: ClientDatum(d.tokens, {**d.inputs, "target_tokens": [100] * len(d.tokens)}), "target_tokens holds"),
     (lambda d: ClientDatum([-1] + d.tokens[1:], d.inputs), "tokens holds"),
     (lambda d: ClientDatum([], {}), "tokens is empty"),
-    (lambda d: ClientDatum(d.tokens, {**d.inputs, "weights": [1.0] * len(d.tokens)}), "'weights'"),
+    (lambda d: ClientDatum(d.tokens, {**d.inputs, "advantage": [1.0] * len(d.tokens)}), r"\['advantage'\]"),
 ])
 def test_bad_datums_are_value_errors_that_name_the_field(change, message):
     work = make_work("ppo", 1, seed=5)
@@ -167,3 +164,12 @@ def test_unknown_losses_and_config_keys_are_value_errors():
         client_rows([ClientWork("a", 0, work.datums, ClientLoss("ppo", {"clip_low": 0.5}))])
     with pytest.raises(ValueError, match="backward without a loss"):
         client_rows([ClientWork("a", 0, work.datums, None)])
+
+
+def test_inputs_of_another_loss_are_ignored():
+    """An RL datum scored with cross_entropy (weights default to 1): its logprobs and advantages are not read."""
+    rl = make_work("ppo", 1, seed=7).datums[0]
+    rows = client_rows([ClientWork("a", 0, [rl], ClientLoss("cross_entropy"))], vocab_size=100)
+    lp = torch.randn(1, rows[0].length)
+    out = client_loss_terms(lp, ClientInputs.collate(rows, rows[0].length))
+    assert out.loss_C.item() == pytest.approx(float(-lp.sum()), abs=1e-5)
