@@ -130,3 +130,20 @@ def test_a_trainer_without_save_cannot_host_models(defaults: AdapterDefaults, tm
     session = gateway.create_session(SessionInfo())
     with pytest.raises(GatewayError, match="no --save directory"):
         gateway.create_model(session, 0, "any-base", LAYOUT, {})
+
+
+def test_the_trainer_flags_name_the_served_base_model_and_layout(tmp_path: Path) -> None:
+    from miles.controller.actor import ControllerConfig
+    from miles.utils.arguments import parse_args
+
+    cfg = parse_args(["--multi-lora-n-adapters", "2", "--hf-checkpoint", "/models/Qwen3-0.6B",
+                      "--save", str(tmp_path), "--lora-rank", "8", "--target-modules", "q_proj,v_proj"])
+    config = ControllerConfig.from_config(cfg).gateway
+    assert (config.base_model, config.tokenizer_id, config.target_modules) == (
+        "/models/Qwen3-0.6B", "/models/Qwen3-0.6B", "q_proj,v_proj")
+    gateway = TinkerGateway(MultiLoRABackend(2, AdapterDefaults.from_config(cfg)), config)
+    session = gateway.create_session(SessionInfo())
+    with pytest.raises(GatewayError, match="slots cover only --target-modules 'q_proj,v_proj'"):
+        gateway.create_model(session, 0, "Qwen3-0.6B", LAYOUT, {})  # the name alone is the served model
+    with pytest.raises(GatewayError, match="'Qwen3-8B' is not served here"):
+        gateway.create_model(session, 0, "Qwen3-8B", LAYOUT, {})
