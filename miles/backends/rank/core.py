@@ -329,7 +329,8 @@ class TrainCore:
         need_rollout = any(self.loss_settings(name).needs_rollout_logprobs for name in {s.adapter for s in samples})
         batches = self.micro_batches(samples, advantages, need_rollout_logprobs=need_rollout,
                                      max_tokens=self.budget_tokens(samples, trained), client=trained)
-        forwards = self.micro_batches([], [], client=[r for r in rows if not r.backward])
+        scored = [r for r in rows if not r.backward]
+        forwards = self.micro_batches([], [], max_tokens=self.budget_tokens([], scored), client=scored)
         self._remember_batch({s.adapter for s in samples} | set(samples_per_adapter) | {r.adapter for r in trained})
         try:
             for batch in batches:
@@ -346,9 +347,7 @@ class TrainCore:
             raise
         if not self.model.reports_loss:
             return RankTrainResult(stats={})
-        by_work: list[list[DatumOutput]] = [[] for _ in client]
-        for w, work in enumerate(client):
-            by_work[w] = [outputs[(w, d)] for d in range(len(work.datums))]
+        by_work = [[outputs[(w, d)] for d in range(len(work.datums))] for w, work in enumerate(client)]
         return RankTrainResult(stats=stats, client=by_work)
 
     def _client_rows(self, client: Sequence[ClientWork]) -> list[ClientRow]:
