@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from rollout_fakes import served_url
 
-from miles.rollout.sampler import Sampler, SnapshotUnavailableError
+from miles.controller.tinker.sampler import Sampler, SnapshotUnavailableError
 from miles.utils.types import SamplerSnapshot, SamplingRequestParams
 
 session_loop = pytest.mark.asyncio(loop_scope="session")

@@ -37,7 +37,7 @@ SGLang before #11526 refused a load past `--max-loaded-loras` ("Maximum number o
 LoRA adapters is N ...") and answered a request for an unloaded adapter with 400;
 its `--lora-eviction-policy lru|fifo` only chooses which loaded adapter leaves the GPU
 pool of `--max-loras-per-batch` buffers, which clients never see. The sampler
-(`miles.rollout.sampler`) works with both: on "not loaded" it loads by path and retries.
+(`miles.controller.tinker.sampler`) works with both: on "not loaded" it loads by path and retries.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A *sampler snapshot* is what `save_weights_for_sampler` makes: an immutable PEFT directory
 on the engines' filesystem, served under an engine-side LoRA name tied to its
 `tinker://<model_id>/sampler_weights/<name>` path. The gateway hands a snapshot (or None,
-the base model) and `SamplingRequestParams` to `miles.rollout.sampler`, which answers a
-`SampleResult`; `miles.rollout.sample_wire` turns that into the SDK's SampleResponse.
+the base model) and `SamplingRequestParams` to `miles.controller.tinker.sampler`, which answers a
+`SampleResult`; `miles.controller.tinker.sample_wire` turns that into the SDK's SampleResponse.
 """
 
 from __future__ import annotations

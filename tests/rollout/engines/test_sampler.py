@@ -1,6 +1,6 @@
-"""The Tinker sampler (`miles.rollout.sampler`) through the real sglang-router to a builtin engine.
+"""The Tinker sampler (`miles.controller.tinker.sampler`) through the real sglang-router to a builtin engine.
 
-Here (not under tests/rollout/) for the engine fixtures: the tiny model, the random PEFT
+Here (not under tests/controller/tinker/) for the engine fixtures: the tiny model, the random PEFT
 adapters that stand in for sampler snapshots, and the trainer-side reference.
 """
 
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from miles.rollout.engines.router import Router
-from miles.rollout.sampler import Sampler, SamplingError, SnapshotUnavailableError, is_adapter_not_loaded
+from miles.controller.tinker.sampler import Sampler, SamplingError, SnapshotUnavailableError, is_adapter_not_loaded
 from miles.utils.types import SamplerSnapshot, SamplingRequestParams, StopReason
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
@@ -188,7 +188,7 @@ async def test_a_snapshot_whose_directory_is_gone_fails_by_type(sampler, tmp_pat
 
 
 def test_the_sampler_and_the_wire_import_no_torch():
-    code = ("import sys, miles.rollout.sampler, miles.controller.tinker.sample_wire; "
+    code = ("import sys, miles.controller.tinker.sampler, miles.controller.tinker.sample_wire; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
