@@ -256,15 +256,17 @@ class MultiLoRAController:
 
     # ---- the driver's side of client-driven models (the Tinker command log, DESIGN §11) ----------
 
-    async def take_client_commands(self) -> ClientCommandBatch:
+    async def take_client_commands(self, loaded: list[str] | None = None) -> ClientCommandBatch:
         """Each live client-driven model's runnable commands, in seq_id order up to its next
-        barrier (optim_step, save, load), now RUNNING; empty when there are none."""
-        return self.gateway.take_commands()
+        barrier (optim_step, save, load), now RUNNING; empty when there are none. `loaded`:
+        only those models (the trainer's: a model created since its last reconcile waits)."""
+        return self.gateway.take_commands(loaded)
 
-    async def wait_for_client_commands(self, timeout_s: float) -> bool:
-        """Until a client command is runnable, or `timeout_s`; whether one is. A driver with no
-        sampleable RL adapter waits here instead of on a generate phase."""
-        return await self.gateway.wait_for_commands(timeout_s)
+    async def wait_for_client_commands(self, timeout_s: float, loaded: list[str] | None = None) -> bool:
+        """Until a client command of `loaded` (None: any model) is runnable, or `timeout_s`;
+        whether one is. A driver with no sampleable RL adapter waits here instead of on a
+        generate phase."""
+        return await self.gateway.wait_for_commands(timeout_s, loaded)
 
     async def complete_client_command(self, future_id: str, result: ClientResult) -> None:
         """A command from `take_client_commands` finished; its client's future resolves to `result`.

@@ -67,6 +67,10 @@ class AdapterSlots:
         self.save_interval = save_interval
         self.loaded: dict[str, LoadedAdapter] = {}
 
+    def loaded_clients(self) -> list[str]:
+        """The client-driven models in their slots."""
+        return sorted(name for name, entry in self.loaded.items() if entry.client)
+
     def _observe(self, snapshot: MultiLoRASnapshot) -> None:
         live = snapshot.live
         for name, entry in self.loaded.items():

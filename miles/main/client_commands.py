@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -79,15 +80,19 @@ class ClientTrain(Protocol):
 
 
 class ClientCommands:
-    def __init__(self, backend: TrainingBackend, controller: ControllerHandle, *, wait_s: float = 1.0) -> None:
+    def __init__(self, backend: TrainingBackend, controller: ControllerHandle, loaded: Callable[[], list[str]], *,
+                 wait_s: float = 1.0) -> None:
         self.backend = backend
         self.controller = controller
+        self.loaded = loaded
+        """The client models the backend holds in their slots (`AdapterSlots`): only theirs run;
+        a model created since the last reconcile waits for the next one."""
         self.wait_s = wait_s
         """How long a clients-only iteration waits for a command before the loop looks again."""
 
     async def take(self) -> TakenCommands:
         """Every live model's runnable commands (RUNNING from now on), and their train work."""
-        batch = await self.controller.take_client_commands.remote()
+        batch = await self.controller.take_client_commands.remote(self.loaded())
         work: list[ClientWork] = []
         commands: list[ClientCommand] = []
         for model in batch.models:
@@ -117,7 +122,7 @@ class ClientCommands:
     async def run_alone(self, rollout_id: int, train: ClientTrain) -> bool:
         """With no sampleable RL adapter: wait up to `wait_s` for a client command and run
         what is runnable in a call of its own. Returns whether anything ran."""
-        if not await self.controller.wait_for_client_commands.remote(self.wait_s):
+        if not await self.controller.wait_for_client_commands.remote(self.wait_s, self.loaded()):
             return False
         taken = await self.take()
         if taken.empty:

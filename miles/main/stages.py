@@ -38,4 +38,5 @@ class Stages:
         activation = EarlyActivation(backend, controller, push, loaded=lambda: slots.loaded)
         slots = AdapterSlots(backend, controller, rollout_manager, push, activation, save_interval=save_interval)
         train = TrainStep(backend, controller, push, max_failures=max_train_failures)
-        return cls(slots, push, activation, train, ClientCommands(backend, controller, wait_s=client_wait_s))
+        clients = ClientCommands(backend, controller, loaded=lambda: slots.loaded_clients(), wait_s=client_wait_s)
+        return cls(slots, push, activation, train, clients)

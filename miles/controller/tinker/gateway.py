@@ -22,7 +22,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -420,18 +420,19 @@ class TinkerGateway:
 
     # ---- the driver's side (through the controller actor) ----------------------------------------
 
-    def runnable_models(self) -> dict[str, tuple[int, str]]:
-        """Live client-driven adapters that may run commands: name -> (slot, registration id)."""
+    def runnable_models(self, loaded: Collection[str] | None = None) -> dict[str, tuple[int, str]]:
+        """Live client-driven adapters that may run commands: name -> (slot, registration id);
+        only those of `loaded` (the ones the trainer holds in their slots) when given."""
         return {name: (run.slot, run.registration_id) for name, run in self.backend.snapshot().clients.items()
-                if run.state in (AdapterState.PENDING, AdapterState.ACTIVE)}
+                if run.state in (AdapterState.PENDING, AdapterState.ACTIVE) and (loaded is None or name in loaded)}
 
-    def take_commands(self) -> ClientCommandBatch:
+    def take_commands(self, loaded: Collection[str] | None = None) -> ClientCommandBatch:
         self.expire_sessions()
-        return self.log.take(self.runnable_models())
+        return self.log.take(self.runnable_models(loaded))
 
-    async def wait_for_commands(self, timeout_s: float) -> bool:
+    async def wait_for_commands(self, timeout_s: float, loaded: Collection[str] | None = None) -> bool:
         self.expire_sessions()
-        return await self.log.wait_for_commands(self.runnable_models(), timeout_s)
+        return await self.log.wait_for_commands(self.runnable_models(loaded), timeout_s)
 
     def complete(self, future_id: str, result: ClientResult) -> Future:
         """A command the driver ran finished. Completing an `optim_step` is what steps the model
