@@ -153,6 +153,7 @@ class MultiLoRAController:
 
     async def stop(self) -> None:
         await self.server.stop()
+        await self.gateway.aclose()  # the Tinker samples still running, and the sampler's connections
 
     async def http_host(self) -> str:
         """Address clients should use (the node IP when bound to every interface)."""

@@ -23,7 +23,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from miles.controller.tinker.command_log import (
     FutureKind,
     command_key,
 )
+from miles.controller.tinker.sampling import SampleFutures
 from miles.utils.types import (
     AdapterKind,
     AdapterState,
@@ -49,8 +50,10 @@ from miles.utils.types import (
     ClientResult,
     ForwardBackwardResult,
     LoadStateCommand,
+    SamplerSnapshot,
     SaveForSamplerCommand,
     SaveStateCommand,
+    parse_sampler_weights_path,
 )
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,9 @@ RETRIEVE_POLL_S = 20.0
 SESSION_TIMEOUT_S = 600.0
 """A session silent this long is finished and its models unloaded (the SDK heartbeats every 10 s)."""
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+UNNAMED_SNAPSHOT_PREFIX = "sampler-seq-"
+"""Name of a sampler snapshot saved without one (`save_weights_and_get_sampling_client`): this
+prefix and the call's seq_id."""
 
 
 class GatewayError(Exception):
@@ -109,6 +115,19 @@ class SessionInfo:
     display_name: str | None = None
 
 
+@dataclass(frozen=True)
+class SamplerSession:
+    """A sampling session (`create_sampling_session`, or a `save_weights_and_get_sampling_client`):
+    what a sampling client samples from."""
+
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+    """The `tinker://.../sampler_weights/...` snapshot; None: the base model."""
+    save_future: str | None = None
+    """The save_weights_for_sampler future that writes its snapshot (made by the save itself)."""
+
+
 @dataclass
 class Session:
     session_id: str
@@ -117,19 +136,21 @@ class Session:
     last_heartbeat: float
     finished: bool = False
     model_ids: list[str] = field(default_factory=list)
+    samplers: list[SamplerSession] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"session_id": self.session_id, "tags": self.info.tags, "user_metadata": self.info.user_metadata,
                 "sdk_version": self.info.sdk_version, "display_name": self.info.display_name,
                 "created": self.created, "last_heartbeat": self.last_heartbeat, "finished": self.finished,
-                "model_ids": self.model_ids}
+                "model_ids": self.model_ids, "samplers": [asdict(s) for s in self.samplers]}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Session:
         info = SessionInfo(tags=raw["tags"], user_metadata=raw["user_metadata"], sdk_version=raw["sdk_version"],
                            display_name=raw["display_name"])
         return cls(session_id=raw["session_id"], info=info, created=raw["created"],
-                   last_heartbeat=raw["last_heartbeat"], finished=raw["finished"], model_ids=raw["model_ids"])
+                   last_heartbeat=raw["last_heartbeat"], finished=raw["finished"], model_ids=raw["model_ids"],
+                   samplers=[SamplerSession(**s) for s in raw.get("samplers", [])])
 
 
 @dataclass(frozen=True)
@@ -160,6 +181,8 @@ class TinkerGateway:
         self.store = store
         self.clock = clock
         self.log = CommandLog(store)
+        self.samples = SampleFutures(lambda: backend.router_url)
+        """Samples in flight and finished (`asample`), through the router the controller knows."""
         self._sessions: dict[str, Session] = {}
         if store is not None:
             for raw in store.load_sessions():
@@ -294,9 +317,7 @@ class TinkerGateway:
 
     def _model_config(self, model_id: str, session_id: str, base_model: str, lora: LoraLayout | None,
                       user_metadata: dict[str, Any]) -> ClientModelConfig:
-        served = self.config.base_model
-        if served is not None and base_model not in (served, Path(served).name):
-            raise GatewayError(f"base_model {base_model!r} is not served here; this trainer serves {served!r}")
+        self.served_base_model(base_model)
         if lora is None:
             raise GatewayError("lora_config is required: this trainer trains LoRA adapters only")
         defaults = self.backend.defaults
@@ -384,13 +405,110 @@ class TinkerGateway:
         return SaveStateCommand(name=checkpoint, tinker_path=tinker_path(model_id, "weights", checkpoint),
                                 directory=str(config.save / "weights" / checkpoint))
 
-    def sampler_command(self, model_id: str, name: str | None) -> SaveForSamplerCommand:
+    def sampler_command(self, model_id: str, name: str | None, seq_id: int | None = None) -> SaveForSamplerCommand:
+        """The save of a sampler snapshot; without a name (`save_weights_and_get_sampling_client`)
+        it is named after the call's seq_id."""
         if name is None:
-            raise GatewayError("save_weights_for_sampler needs a name here (sampling sessions are not served yet)")
+            if seq_id is None:
+                raise GatewayError("save_weights_for_sampler needs a name (path) or a seq_id")
+            name = f"{UNNAMED_SNAPSHOT_PREFIX}{seq_id}"
         checkpoint = self._checkpoint_name(name)
         _, config = self.model(model_id)
         return SaveForSamplerCommand(name=checkpoint, tinker_path=tinker_path(model_id, "sampler_weights", checkpoint),
                                      directory=str(config.save / "sampler_weights" / checkpoint))
+
+    # ---- sampling sessions --------------------------------------------------------------------
+
+    def create_sampler(self, session_id: str, sampler_seq_id: int, model_path: str | None,
+                       base_model: str | None) -> SamplerSession:
+        """A sampling session for a snapshot this trainer wrote (`model_path`) or the base model;
+        the same (session, sampler_seq_id) again returns the first one."""
+        session = self.session(session_id)
+        sampler_id = f"{session_id}:sample:{sampler_seq_id}"
+        found = self._find_sampler(sampler_id)
+        if found is not None:
+            return found
+        if session.finished:
+            raise GatewayError(f"Session {session_id} is finished; create a new ServiceClient")
+        if model_path is not None:
+            snapshot = self.snapshot(model_path)
+            _, config = self.model(snapshot.model_id)
+            sampler = SamplerSession(sampler_id=sampler_id, base_model=config.base_model, model_path=model_path)
+        elif base_model is not None:
+            sampler = SamplerSession(sampler_id=sampler_id, base_model=self.served_base_model(base_model))
+        else:
+            raise GatewayError("create_sampling_session needs model_path (a tinker://.../sampler_weights/... path) "
+                               "or base_model")
+        return self._add_sampler(session, sampler)
+
+    def sampler_of_save(self, model_id: str, sampler_seq_id: int, save: Future) -> SamplerSession:
+        """The sampling session a `save_weights_and_get_sampling_client` makes: its snapshot is
+        the one `save` writes (sampling waits for it to be written)."""
+        _, config = self.model(model_id)
+        session = self.session(config.session_id)
+        sampler_id = f"{config.session_id}:sample:{sampler_seq_id}"
+        found = self._find_sampler(sampler_id)
+        if found is not None:
+            return found
+        assert isinstance(save.request, SaveForSamplerCommand)
+        return self._add_sampler(session, SamplerSession(sampler_id=sampler_id, base_model=config.base_model,
+                                                         model_path=save.request.tinker_path,
+                                                         save_future=save.future_id))
+
+    def _add_sampler(self, session: Session, sampler: SamplerSession) -> SamplerSession:
+        session.samplers.append(sampler)
+        self._persist_session(session)
+        logger.info("Tinker sampling session %s: %s", sampler.sampler_id, sampler.model_path or sampler.base_model)
+        return sampler
+
+    def _find_sampler(self, sampler_id: str) -> SamplerSession | None:
+        session = self._sessions.get(sampler_id.split(":", 1)[0])
+        return next((s for s in session.samplers if s.sampler_id == sampler_id), None) if session else None
+
+    def sampler(self, sampler_id: str) -> SamplerSession:
+        found = self._find_sampler(sampler_id)
+        if found is None:
+            raise GatewayNotFoundError(f"Unknown sampling session {sampler_id!r}; create one with "
+                                       "create_sampling_client")
+        return found
+
+    def sampler_for_save(self, future_id: str) -> SamplerSession | None:
+        """The sampling session made with this save_weights_for_sampler future, if any."""
+        return next((s for session in self._sessions.values() for s in session.samplers
+                     if s.save_future == future_id), None)
+
+    def snapshot(self, model_path: str) -> SamplerSnapshot:
+        """The sampler snapshot a finished `save_weights_for_sampler` of a known model wrote.
+
+        Raises `GatewayNotFoundError` naming the path when no such save was logged, or it has
+        not finished (or failed)."""
+        try:
+            model_id, checkpoint = parse_sampler_weights_path(model_path)
+        except ValueError as exc:
+            raise GatewayError(str(exc)) from None
+        name = self._models.get(model_id)
+        if name is None:
+            raise GatewayNotFoundError(f"No sampler weights {model_path!r}: model {model_id!r} is unknown here")
+        saves = [f for f in self.log.commands(name)
+                 if isinstance(f.request, SaveForSamplerCommand) and f.request.tinker_path == model_path]
+        done = [f for f in saves if f.status is ClientCommandStatus.DONE]
+        if done:
+            request = done[-1].request
+            assert isinstance(request, SaveForSamplerCommand)
+            return SamplerSnapshot(model_id=model_id, name=checkpoint, directory=request.directory)
+        if not saves:
+            raise GatewayNotFoundError(f"No sampler weights {model_path!r}: model {model_id} never ran "
+                                       f"save_weights_for_sampler({checkpoint!r})")
+        if any(f.status is ClientCommandStatus.FAILED for f in saves):
+            raise GatewayNotFoundError(f"No sampler weights {model_path!r}: its save_weights_for_sampler failed")
+        raise GatewayNotFoundError(f"Sampler weights {model_path!r} are not written yet: wait for the "
+                                   "save_weights_for_sampler future, then sample")
+
+    def served_base_model(self, base_model: str) -> str:
+        served = self.config.base_model
+        if served is not None and base_model not in (served, Path(served).name):
+            raise GatewayError(f"base_model {base_model!r} is not served here; this trainer serves {served!r}")
+        return base_model
 
     def load_state_command(self, path: str, optimizer: bool) -> LoadStateCommand:
         """A load of a checkpoint saved by a model this trainer knows (`tinker://{model}/weights/{name}`)."""
@@ -454,6 +572,10 @@ class TinkerGateway:
 
     def fail_running(self, error: str) -> list[str]:
         return self.log.fail_running(error)
+
+    async def aclose(self) -> None:
+        """Cancel the samples still running and close the sampler's connections."""
+        await self.samples.aclose()
 
 
 def _with_loss_sum(result: ForwardBackwardResult) -> ForwardBackwardResult:

@@ -37,8 +37,15 @@ from miles.controller.tinker.proto import (
     decode_forward_backward,
     encode_forward_backward_output,
 )
+from miles.controller.tinker.sample_wire import (
+    UnsupportedSampleRequest,
+    encode_sample_response,
+    sample_request_from_json,
+)
+from miles.controller.tinker.sampling import NoRouterError, SampleFuture
 from miles.controller.tinker.wire import (
     CreateModelBody,
+    CreateSamplingSessionBody,
     CreateSessionBody,
     LoadWeightsBody,
     ModelIdBody,
@@ -81,7 +88,10 @@ def install_tinker_routes(app: FastAPI, gateway: TinkerGateway) -> None:
         status = exc.status if isinstance(exc, GatewayError) else 404 if isinstance(exc, UnknownFutureError) else 400
         return JSONResponse(status_code=status, content={"detail": str(exc)}, headers=NO_RETRY)
 
-    for error in (GatewayError, CommandLogError, ProtoDecodeError, UnknownFutureError):
+    # NoRouterError is a 400, not a 503: the SDK retries 5xx for minutes, and a trainer without
+    # engines will not get any.
+    for error in (GatewayError, CommandLogError, ProtoDecodeError, UnknownFutureError, UnsupportedSampleRequest,
+                  NoRouterError):
         app.add_exception_handler(error, refuse)
     # Added as plain routes of the app (not a mounted sub-router), like the control plane's own.
     app.router.routes.extend(tinker_router(gateway).routes)
@@ -100,7 +110,8 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
     @router.get("/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
         name = config.base_model or "any"
-        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": False}]}
+        sampleable = gateway.backend.router_url is not None
+        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": sampleable}]}
 
     @router.post("/client/config")
     async def client_config() -> dict[str, Any]:
@@ -138,7 +149,7 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
     @router.get("/sessions/{session_id}")
     async def get_session(session_id: str) -> dict[str, Any]:
         session = gateway.session(session_id)
-        return {"training_run_ids": session.model_ids, "sampler_ids": [],
+        return {"training_run_ids": session.model_ids, "sampler_ids": [s.sampler_id for s in session.samplers],
                 "user_metadata": session.info.user_metadata or None, "display_name": session.info.display_name}
 
     @router.post("/sessions/{session_id}/finish")
@@ -197,8 +208,16 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
     @router.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         body = await _parse(request, SaveWeightsForSamplerBody)
-        return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.SAVE_WEIGHTS_FOR_SAMPLER,
-                                       lambda: gateway.sampler_command(body.model_id, body.path)))
+        if body.kind != "snapshot":
+            raise GatewayError(f"save_weights_for_sampler kind {body.kind!r} is not served: only immutable "
+                               "'snapshot' sampler weights (save again to sample newer weights)")
+        future = gateway.submit(body.model_id, body.seq_id, ClientCommandKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                                lambda: gateway.sampler_command(body.model_id, body.path, body.seq_id))
+        if body.path is None and body.sampling_session_seq_id is not None \
+                and future.status is not ClientCommandStatus.FAILED:
+            # save_weights_and_get_sampling_client: its future answers with a sampling session.
+            gateway.sampler_of_save(body.model_id, body.sampling_session_seq_id, future)
+        return _untyped(future)
 
     @router.post("/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
@@ -214,25 +233,67 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
         return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.LOAD_STATE,
                                        lambda: gateway.load_state_command(body.path, body.optimizer)))
 
+    # ---- sampling ---------------------------------------------------------------------------------
+
+    @router.post("/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict[str, Any]:
+        body = await _parse(request, CreateSamplingSessionBody)
+        sampler = gateway.create_sampler(body.session_id, body.sampling_session_seq_id, body.model_path,
+                                         body.base_model)
+        return {"type": "create_sampling_session", "sampling_session_id": sampler.sampler_id}
+
+    @router.get("/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str) -> dict[str, Any]:
+        sampler = gateway.sampler(sampler_id)
+        return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
+
+    @router.post("/asample")
+    async def asample(request: Request) -> dict[str, Any]:
+        wire = sample_request_from_json(_json(await _read_limited(request, MAX_JSON_BYTES, "sample body")))
+        if wire.sampling_session_id is not None:
+            sampler_id, model_path = wire.sampling_session_id, gateway.sampler(wire.sampling_session_id).model_path
+        else:  # the SDKs before sampling sessions name the model in each request
+            model_path = wire.model_path
+            if model_path is None:
+                assert wire.base_model is not None
+                gateway.served_base_model(wire.base_model)
+            sampler_id = model_path or f"base:{wire.base_model}"
+        snapshot = None if model_path is None else gateway.snapshot(model_path)
+        future = gateway.samples.submit(
+            sampler_id, wire.seq_id, wire.params.num_samples,
+            lambda sampler: sampler.sample(snapshot, wire.prompt_tokens, wire.params))
+        return {"request_id": future.future_id, "sample_sequence_ids": future.sequence_ids}
+
     # ---- futures ---------------------------------------------------------------------------------
 
     @router.post("/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         body = await _parse(request, RetrieveFutureBody)
+        if body.request_id in gateway.samples:
+            sample = await gateway.samples.wait(body.request_id, config.retrieve_poll_s)
+            if sample is None:
+                raise UnknownFutureError(f"Unknown sample future {body.request_id!r} (a sample's result is kept "
+                                         "until it is read and a while after; sample again)")
+            return sample_response(sample, request.headers.get("accept"))
         future = await gateway.log.wait(body.request_id, config.retrieve_poll_s)
-        return future_response(future, PROTOBUF in request.headers.get("accept", ""))
+        sampler = gateway.sampler_for_save(future.future_id)
+        return future_response(future, PROTOBUF in request.headers.get("accept", ""),
+                               sampler_id=None if sampler is None else sampler.sampler_id)
 
     return router
 
 
-async def _parse(request: Request, model: type[BodyT]) -> BodyT:
-    """A JSON body as `model`; errors name the field and never echo the body back."""
-    raw = await _read_limited(request, MAX_JSON_BYTES, "request body")
+def _json(raw: bytes) -> Any:
     try:
-        data = json.loads(raw or b"null")
+        return json.loads(raw or b"null")
     except ValueError as exc:  # also a body that is not UTF-8
         raise RequestValidationError(
             [{"type": "value_error", "loc": ("body",), "msg": f"Malformed body: {exc}", "input": None}]) from None
+
+
+async def _parse(request: Request, model: type[BodyT]) -> BodyT:
+    """A JSON body as `model`; errors name the field and never echo the body back."""
+    data = _json(await _read_limited(request, MAX_JSON_BYTES, "request body"))
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -302,8 +363,21 @@ def forward_command(wire: WireForwardBackward) -> ForwardCommand:
     return ForwardCommand(datums=datums, loss=ClientLoss(wire.loss_fn, config))  # type: ignore[arg-type]
 
 
-def future_response(future: Future, protobuf: bool) -> Response:
-    """What `retrieve_future` answers for `future` as it stands."""
+def sample_response(sample: SampleFuture, accept: str | None) -> Response:
+    """What `retrieve_future` answers for a sample: protobuf or JSON by `accept`, as the SDK asked."""
+    if not sample.done:
+        return JSONResponse({"type": "try_again", "request_id": sample.future_id, "queue_state": "active"})
+    outcome = sample.outcome()
+    if isinstance(outcome, tuple):
+        error, category = outcome
+        return JSONResponse({"error": error, "category": category.value})
+    body, content_type = encode_sample_response(outcome, accept)
+    return Response(body, media_type=content_type)
+
+
+def future_response(future: Future, protobuf: bool, sampler_id: str | None = None) -> Response:
+    """What `retrieve_future` answers for `future` as it stands (`sampler_id`: the sampling
+    session a save_weights_for_sampler made, answered with it)."""
     if not future.status.finished:
         return JSONResponse({"type": "try_again", "request_id": future.future_id, "queue_state": "active"})
     if future.expired and future.status is ClientCommandStatus.DONE:
@@ -335,4 +409,6 @@ def future_response(future: Future, protobuf: bool) -> Response:
     answer: dict[str, Any] = {"type": wire_type, "path": path}
     if kind is FutureKind.LOAD_STATE:
         answer["model_id"] = future.model_id
+    if sampler_id is not None:
+        answer["sampling_session_id"] = sampler_id
     return JSONResponse(answer)

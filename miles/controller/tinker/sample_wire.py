@@ -7,10 +7,11 @@ Pure functions for the gateway's `asample` and `retrieve_future` of a sample (no
     body, content_type = encode_sample_response(result, http_request.headers.get("accept"))
 
 Every SDK sends the SampleRequest as JSON (`{"num_samples", "prompt": {"chunks":
-[{"type": "encoded_text", "tokens"}]}, "sampling_params", "model_path" | "base_model",
-"prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", ...}`); what we do
-not serve (images, target / alternative prompt tokens, sampling sessions) is refused with
-`UnsupportedSampleRequest` naming the field, never ignored.
+[{"type": "encoded_text", "tokens"}]}, "sampling_params", "sampling_session_id" (0.38)
+or "model_path" | "base_model" (older), "seq_id", "prompt_logprobs", "topk_prompt_logprobs",
+"topk_sample_logprobs", ...}`); what we do not serve (images, target / alternative prompt
+tokens, stability records) is refused with `UnsupportedSampleRequest` naming the field,
+never ignored.
 
 SDKs up to 0.26 read a JSON `SampleResponse` (`{"type": "sample", "sequences":
 [{"stop_reason", "tokens", "logprobs"}], "prompt_logprobs", "topk_prompt_logprobs"}`);
@@ -83,12 +84,14 @@ class _SdkSampleRequest(BaseModel):
     base_model: str | None = None
     model_path: str | None = None
     sampling_session_id: str | None = None
+    seq_id: int | None = None
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = Field(default=0, ge=0)
     topk_sample_logprobs: int = Field(default=0, ge=0)
     target_prompt_logprobs: Any = None
     prompt_alt_tokens_k: int = 0
     prompt_logprobs_last_n: int | None = Field(default=None, ge=1)
+    record_stability_info: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,11 @@ class WireSampleRequest:
     model_path: str | None
     """The `tinker://.../sampler_weights/...` snapshot to sample; None: the base model."""
     base_model: str | None
+    sampling_session_id: str | None = None
+    """The sampling session (`create_sampling_session`) that names the model; SDK 0.38 sends
+    only this, older SDKs `model_path` or `base_model`."""
+    seq_id: int | None = None
+    """The sampling client's request number: a retry with the same one is the same request."""
 
 
 def sample_request_from_json(body: Any) -> WireSampleRequest:
@@ -108,21 +116,20 @@ def sample_request_from_json(body: Any) -> WireSampleRequest:
         request = _SdkSampleRequest.model_validate(body)
     except ValidationError as exc:
         raise UnsupportedSampleRequest(f"not a valid sample request: {exc}") from None
-    refused = {"sampling_session_id": request.sampling_session_id is not None,
-               "target_prompt_logprobs": request.target_prompt_logprobs is not None,
-               "prompt_alt_tokens_k": request.prompt_alt_tokens_k != 0}
+    refused = {"target_prompt_logprobs": request.target_prompt_logprobs is not None,
+               "prompt_alt_tokens_k": request.prompt_alt_tokens_k != 0,
+               "record_stability_info": request.record_stability_info}
     for name, asked in refused.items():
         if asked:
-            raise UnsupportedSampleRequest(f"{name} is not served here; sample with model_path (a "
-                                           "save_weights_for_sampler path) or base_model and leave it unset")
+            raise UnsupportedSampleRequest(f"{name} is not served here; leave it unset")
     tokens: list[int] = []
     for chunk in request.prompt.chunks:
         if chunk.type != "encoded_text" or chunk.tokens is None:
             raise UnsupportedSampleRequest(f"prompt chunks of type {chunk.type!r} are not served: send token ids "
                                            "(encoded_text chunks)")
         tokens += chunk.tokens
-    if request.model_path is None and request.base_model is None:
-        raise UnsupportedSampleRequest("give model_path (a tinker:// sampler path) or base_model")
+    if request.model_path is None and request.base_model is None and request.sampling_session_id is None:
+        raise UnsupportedSampleRequest("give sampling_session_id, model_path (a tinker:// sampler path) or base_model")
     sp = request.sampling_params
     try:
         params = SamplingRequestParams(
@@ -133,7 +140,8 @@ def sample_request_from_json(body: Any) -> WireSampleRequest:
     except ValueError as exc:
         raise UnsupportedSampleRequest(str(exc)) from None
     return WireSampleRequest(prompt_tokens=tokens, params=params, model_path=request.model_path,
-                             base_model=request.base_model)
+                             base_model=request.base_model, sampling_session_id=request.sampling_session_id,
+                             seq_id=request.seq_id)
 
 
 def wants_protobuf(accept: str | None) -> bool:

@@ -25,6 +25,13 @@ class CreateSessionBody(WireBody):
     display_name: str | None = None
 
 
+class CreateSamplingSessionBody(WireBody):
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
+
+
 class SessionIdBody(WireBody):
     session_id: str
 

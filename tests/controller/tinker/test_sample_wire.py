@@ -109,6 +109,9 @@ def test_sample_request_from_the_sdk_body():
     assert ids.params.max_tokens is None and ids.params.prompt_logprobs is False
     assert sample_request_from_json(sdk_body(base_model="tiny", sampling_params=types.SamplingParams())).params.stop \
         is None  # None keeps the end-of-sequence stop
+    session = sample_request_from_json(sdk_body(sampling_session_id="s-1:sample:0", seq_id=4,
+                                                sampling_params=types.SamplingParams(max_tokens=2)))
+    assert (session.sampling_session_id, session.seq_id, session.model_path) == ("s-1:sample:0", 4, None)
     no_stop = sample_request_from_json(sdk_body(base_model="tiny", sampling_params=types.SamplingParams(stop=[])))
     assert no_stop.params.stop == []  # [] turns every stop off
 
@@ -119,7 +122,9 @@ def test_sample_requests_we_do_not_serve_are_refused_by_name():
     params = types.SamplingParams(max_tokens=2)
     with pytest.raises(UnsupportedSampleRequest, match="prompt_alt_tokens_k"):
         sample_request_from_json(sdk_body(base_model="b", sampling_params=params, prompt_alt_tokens_k=2))
-    with pytest.raises(UnsupportedSampleRequest, match="model_path"):
+    with pytest.raises(UnsupportedSampleRequest, match="record_stability_info"):
+        sample_request_from_json(sdk_body(base_model="b", sampling_params=params, record_stability_info=True))
+    with pytest.raises(UnsupportedSampleRequest, match="sampling_session_id, model_path"):
         sample_request_from_json(sdk_body(sampling_params=params))
     image = sdk_body(base_model="b", sampling_params=params)
     image["prompt"]["chunks"].append({"type": "image", "data": "..."})

@@ -12,8 +12,8 @@ import sys
 import httpx
 import pytest
 
-from miles.rollout.engines.router import Router
 from miles.controller.tinker.sampler import Sampler, SamplingError, SnapshotUnavailableError, is_adapter_not_loaded
+from miles.rollout.engines.router import Router
 from miles.utils.types import SamplerSnapshot, SamplingRequestParams, StopReason
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
@@ -187,8 +187,9 @@ async def test_a_snapshot_whose_directory_is_gone_fails_by_type(sampler, tmp_pat
         await sampler.sample(None, [10**9], SamplingRequestParams(max_tokens=2))
 
 
-def test_the_sampler_and_the_wire_import_no_torch():
-    code = ("import sys, miles.controller.tinker.sampler, miles.controller.tinker.sample_wire; "
+def test_the_sampler_and_the_gateway_import_no_torch():
+    code = ("import sys, miles.controller.tinker.sampler, miles.controller.tinker.sample_wire, "
+            "miles.controller.tinker.sampling, miles.controller.tinker.routes; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
