@@ -12,6 +12,9 @@ iteration's snapshot.
     loaded = await backend.load_adapter(AdapterSpec.from_run(run))   # fresh or resumed
     result = await backend.train(rollout_id, batch)                  # forward + backward
     steps = await backend.step_adapters(batch.step_names)            # those slots only
+    # client-driven adapters (Tinker): their datums in the same call, their own Adam settings
+    result = await backend.train(rollout_id, batch, client=[work])   # result.client[0]: one DatumOutput per datum
+    steps = await backend.step_adapters(["sft-1"], adam={"sft-1": AdamStep(learning_rate=1e-4)})
     export = await backend.export_adapter(name)                      # for a weight push
     # in-place pushes: the exporting rank joins a weights-update group with every engine
     host, port = await backend.update_group_endpoint()
@@ -37,10 +40,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from miles.utils.adapter_config import resolved_field
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition, RolloutBatch
+from miles.utils.types.client import AdamStep, ClientWork, DatumOutput
 
 if TYPE_CHECKING:
     from miles.lora.weight_sync import UpdateGroupSpec
     from miles.utils.types import AdapterRun
+    from miles.utils.types.client_commands import ClientAdapterRun
 
 
 @dataclass(frozen=True)
@@ -70,12 +75,23 @@ class AdapterSpec:
     """Where its checkpoints live (`{save_dir}/checkpoints/step_N`); None: never saved."""
     loss: LossSettings | None = None
     """Its loss and advantage settings (the trainer's flags with its `loss:` keys); None: the trainer's."""
+    seed: int | None = None
+    """Seed of its fresh init (a client's `create_model` seed); None: drawn from the trainer's
+    `--seed` and its name."""
 
     def final_step(self, loaded_step: int) -> int | None:
         """The step its decaying LR schedule ends at, for weights loaded at `loaded_step`."""
         if self.num_step is None:
             return None
         return (loaded_step if self.start_step is None else self.start_step) + self.num_step
+
+    @classmethod
+    def for_client(cls, run: ClientAdapterRun) -> AdapterSpec:
+        """A client-driven adapter (a Tinker model): its rank, alpha and seed; no schedule,
+        no batch scale (its `AdamStep`s set each step) and no periodic saves (its client's
+        `save_state` writes where it asks)."""
+        return cls(name=run.name, slot=run.slot, rank=run.config.rank, alpha=float(run.config.alpha),
+                   global_batch_size=1, registration_id=run.registration_id, seed=run.config.seed)
 
     @classmethod
     def from_run(cls, run: AdapterRun) -> AdapterSpec:
@@ -131,6 +147,9 @@ class TrainResult:
 
     samples: int = 0
     adapters: dict[str, AdapterTrainStats] = field(default_factory=dict)
+    """Server-driven adapters' stats."""
+    client: list[list[DatumOutput]] = field(default_factory=list)
+    """One list per `ClientWork` of the call, in order: each datum's outputs, in order."""
 
 
 @dataclass(frozen=True)
@@ -229,13 +248,27 @@ class TrainingBackend(Protocol):
         `weight_sync.broadcast_tensors`), while the engines receive them; returns the groups
         whose broadcast failed (a dead engine), with the error."""
 
-    async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
-        """Forward and backward of a batch (every adapter in it must be loaded); the
-        gradients accumulate per slot until that adapter steps. If it raises, no rank keeps
-        any part of the batch (gradients, LR clocks); a dead rank raises `TrainRankLostError`."""
+    async def train(self, rollout_id: int, batch: RolloutBatch, client: Sequence[ClientWork] = ()) -> TrainResult:
+        """Forward and backward of a batch and of the client datums of `client` (every adapter
+        in them must be loaded; the batch may be empty); the gradients accumulate per slot
+        until that adapter steps. A `ClientWork` with `backward=False` (a `forward`) only
+        scores its datums. If it raises, no rank keeps any part of the call (gradients, LR
+        clocks); a dead rank raises `TrainRankLostError`."""
 
-    async def step_adapters(self, names: list[str]) -> dict[str, AdapterStepStats]:
-        """Optimizer step of exactly these adapters; every other slot is untouched."""
+    async def step_adapters(self, names: list[str],
+                            adam: dict[str, AdamStep] | None = None) -> dict[str, AdapterStepStats]:
+        """Optimizer step of exactly these adapters; every other slot is untouched. An adapter
+        given an `AdamStep` (a client's `optim_step`) steps with its settings and an unscaled
+        gradient; the others with their schedule, batch scale and `--clip-grad`."""
+
+    async def save_client_state(self, name: str, directory: str) -> Path:
+        """A client's `save_state`: the adapter's weights (PEFT) and optimizer state written to
+        `directory` itself, atomically (its pending gradient is not saved)."""
+
+    async def load_client_state(self, name: str, directory: str, *, optimizer: bool = True) -> None:
+        """A client's `load_state`: weights from a `save_client_state` directory into the loaded
+        adapter's slot, with its optimizer state when `optimizer` (else fresh moments); any
+        pending gradient is dropped."""
 
     async def save_adapter(self, request: SaveRequest) -> Path:
         """Write a checkpoint of a loaded adapter, with the gradient of its accumulated groups

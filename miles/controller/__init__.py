@@ -4,5 +4,6 @@
 config resolution, validation, request aborts and the write-through to the store,
 `http_server.py` serves the API, `actor.py` wraps both in the named Ray actor (restarted
 by Ray if it dies), `client.py` is a small HTTP client. `python -m miles.controller`
-serves the control plane without a trainer.
+serves the control plane without a trainer. `tinker/` is the Tinker protocol's gateway on
+the same app: client-driven adapters and their command log.
 """

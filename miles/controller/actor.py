@@ -35,9 +35,18 @@ from miles.controller.backend import ControllerHooks, DatasetLimits, MultiLoRABa
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
 from miles.controller.registry import AdapterAlreadyRegisteredError
 from miles.controller.store import RegistryStore
+from miles.controller.tinker.command_log import ErrorCategory
+from miles.controller.tinker.gateway import GatewayConfig, TinkerGateway
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.plugins import load_subclass
-from miles.utils.types import AdapterGauges, AdapterState, AdapterStatus, MultiLoRASnapshot
+from miles.utils.types import (
+    AdapterGauges,
+    AdapterState,
+    AdapterStatus,
+    ClientCommandBatch,
+    ClientResult,
+    MultiLoRASnapshot,
+)
 
 if TYPE_CHECKING:
     from miles.utils.arguments import MilesConfig
@@ -76,6 +85,8 @@ class ControllerConfig:
     registry_path: Path | None = None
     """SQLite file the registry is written through to; None: memory only."""
     dataset_limits: DatasetLimits = field(default_factory=DatasetLimits)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """The Tinker gateway's settings (the base model it serves, the slots' LoRA layout)."""
 
     @classmethod
     def from_config(cls, cfg: MilesConfig, hooks: ControllerHooks | None = None) -> ControllerConfig:
@@ -88,6 +99,8 @@ class ControllerConfig:
             registry_path=registry_path_from_config(cfg),
             dataset_limits=DatasetLimits(max_bytes=cfg.multi_lora_max_dataset_bytes,
                                          timeout_s=cfg.multi_lora_dataset_timeout_s),
+            gateway=GatewayConfig(base_model=cfg.hf_checkpoint, tokenizer_id=cfg.hf_checkpoint,
+                                  target_modules=cfg.target_modules),
         )
 
 
@@ -99,7 +112,8 @@ class MultiLoRAController:
         self.store = RegistryStore(config.registry_path) if config.registry_path is not None else None
         self.backend = backend_cls(config.n_slots, config.defaults, router_url, config.hooks,
                                    store=self.store, dataset_limits=config.dataset_limits)
-        self.server = server_cls(self.backend, config.server)
+        self.gateway = TinkerGateway(self.backend, config.gateway, self.store)
+        self.server = server_cls(self.backend, config.server, gateway=self.gateway)
         self._restart_under_ray()
 
     def _restart_under_ray(self) -> None:
@@ -139,6 +153,7 @@ class MultiLoRAController:
 
     async def stop(self) -> None:
         await self.server.stop()
+        await self.gateway.aclose()  # the Tinker samples still running, and the sampler's connections
 
     async def http_host(self) -> str:
         """Address clients should use (the node IP when bound to every interface)."""
@@ -212,6 +227,12 @@ class MultiLoRAController:
         return self.backend.snapshot()
 
     async def requeue_for_new_trainer(self) -> list[str]:
+        """A new trainer over a restored registry: live adapters wait for its first push, and
+        client commands the previous trainer was running fail (their gradients died with it)."""
+        failed = self.gateway.fail_running("the trainer restarted while this command ran; "
+                                           "the model resumes from its last saved state, send it again")
+        if failed:
+            logger.warning("%d client commands were running in the previous trainer; failed", len(failed))
         return self.backend.requeue_for_new_trainer()
 
     async def set_adapter_step(self, name: str, step: int, accumulated_groups: int = 0) -> MultiLoRASnapshot:
@@ -233,6 +254,38 @@ class MultiLoRAController:
 
     async def observe_rollout(self, gauges: dict[str, AdapterGauges]) -> None:
         self.backend.observe_rollout(gauges)
+
+    # ---- the driver's side of client-driven models (the Tinker command log, DESIGN §11) ----------
+
+    async def take_client_commands(self, loaded: list[str] | None = None) -> ClientCommandBatch:
+        """Each live client-driven model's runnable commands, in seq_id order up to its next
+        barrier (optim_step, save, load), now RUNNING; empty when there are none. `loaded`:
+        only those models (the trainer's: a model created since its last reconcile waits)."""
+        return self.gateway.take_commands(loaded)
+
+    async def wait_for_client_commands(self, timeout_s: float, loaded: list[str] | None = None) -> bool:
+        """Until a client command of `loaded` (None: any model) is runnable, or `timeout_s`;
+        whether one is. A driver with no sampleable RL adapter waits here instead of on a
+        generate phase."""
+        return await self.gateway.wait_for_commands(timeout_s, loaded)
+
+    async def complete_client_command(self, future_id: str, result: ClientResult) -> None:
+        """A command from `take_client_commands` finished; its client's future resolves to `result`.
+
+        Completing an `optim_step` also steps the model in the registry (there is no separate
+        step call), and a completed `save_state` / `load_state` becomes its resume point
+        (`ClientAdapterRun.resume_from`)."""
+        self.gateway.complete(future_id, result)
+
+    async def activate_clients(self, names: list[str]) -> MultiLoRASnapshot:
+        """The trainer loaded these client-driven models: PENDING -> ACTIVE (no engine push needed)."""
+        self.backend.activate_clients(names)
+        return self.backend.snapshot()
+
+    async def fail_client_command(self, future_id: str, error: str, user_error: bool = False) -> None:
+        """A command failed; its client's `.result()` raises with `error` (`user_error`: the
+        client's input was at fault, e.g. a token out of the vocabulary)."""
+        self.gateway.fail(future_id, error, ErrorCategory.USER if user_error else ErrorCategory.SERVER)
 
 
 _cached_handle: Any = None

@@ -49,7 +49,14 @@ from miles.utils.adapter_config import (
     resolved_field,
     validate_adapter_name,
 )
-from miles.utils.types import AdapterGauges, AdapterState, AdapterStatus, MultiLoRASnapshot, adapter_rid_prefix
+from miles.utils.types import (
+    AdapterGauges,
+    AdapterState,
+    AdapterStatus,
+    ClientModelConfig,
+    MultiLoRASnapshot,
+    adapter_rid_prefix,
+)
 
 if TYPE_CHECKING:
     from miles.utils.arguments import MilesConfig
@@ -163,6 +170,32 @@ class MultiLoRABackend:
         self._registered.set()
         self._registered = asyncio.Event()
         return slot
+
+    def register_client(self, name: str, config: ClientModelConfig) -> int:
+        """Register a client-driven adapter (a Tinker model: no dataset, no reward); returns the slot."""
+        slot = self.registry.register(name, config)
+        self._persist()
+        self.registrations_total += 1
+        self._registered.set()
+        self._registered = asyncio.Event()
+        return slot
+
+    def record_client_checkpoint(self, name: str, directory: str) -> None:
+        if self.registry.record_client_checkpoint(name, directory):
+            self._persist()
+
+    def activate_clients(self, names: list[str]) -> list[str]:
+        activated = self.registry.activate_clients(names)
+        if activated:
+            self._persist()
+        return activated
+
+    def record_client_step(self, name: str) -> int | None:
+        """A client-driven adapter's optim_step ran; its new step (None if it is not live)."""
+        step = self.registry.record_client_step(name)
+        if step is not None:
+            self._persist()
+        return step
 
     async def wait_for_registration(self, after: int, timeout_s: float) -> int:
         """`registrations_total` once it exceeds `after`, or after `timeout_s` (a long poll: the

@@ -93,9 +93,14 @@ def _progress(status: AdapterStatus) -> str:
 COLUMNS = ("NAME", "STATE", "SLOT", "VERSION", "STEP", "RANK", "DATA")
 
 
+def _source(status: AdapterStatus) -> str:
+    """What trains it: its dataset, or the Tinker model id of a client-driven adapter."""
+    return status.data if status.data is not None else f"(client) {status.model_id}"
+
+
 def _rows(statuses: list[AdapterStatus]) -> list[tuple[str, ...]]:
     return [(s.name, s.state.value, str(s.slot), "-" if s.version is None else str(s.version), _progress(s),
-             str(s.rank), s.data) for s in statuses]
+             str(s.rank), _source(s)) for s in statuses]
 
 
 def _table(statuses: list[AdapterStatus]) -> str:

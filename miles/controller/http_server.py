@@ -2,7 +2,8 @@
 
 Routes: `GET /health`, `GET /adapter_runs`, `GET /adapter_runs/state?names=..`,
 `GET /adapter_runs/{name}`, `POST /adapter_runs`, `DELETE /adapter_runs/{name}`,
-`GET /metrics` (Prometheus); OpenAPI at `/docs` (with the adapter config's schema).
+`GET /metrics` (Prometheus); OpenAPI at `/docs` (with the adapter config's schema); and,
+given a `TinkerGateway`, the Tinker protocol under `/api/v1` (`miles/controller/tinker/`).
 Errors map by exception type: validation → 400, unknown adapter → 404, no free slot →
 409, body over `max_body_bytes` → 413, malformed body or a config field of the wrong
 type → 422 (naming the field), missing or wrong bearer token → 401, every dataset-check
@@ -45,6 +46,8 @@ from starlette.routing import Match
 
 from miles.controller.backend import ControlPlaneBusyError, MultiLoRABackend
 from miles.controller.registry import AdapterNotFoundError, AdapterValidationError, NoFreeSlotError
+from miles.controller.tinker.gateway import TinkerGateway
+from miles.controller.tinker.routes import install_tinker_routes
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.safe_yaml import load_yaml
 from miles.utils.types import AdapterState, RegisterAdapterRequest
@@ -54,7 +57,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-UNAUTHENTICATED_PATHS = frozenset({"/health"})
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/api/v1/healthz"})
 MAX_BODY_BYTES = 1024 * 1024
 
 
@@ -144,9 +147,12 @@ class _BackendCollector:
 
 
 class MultiLoRAHTTPServer:
-    def __init__(self, backend: MultiLoRABackend, config: HTTPServerConfig | None = None) -> None:
+    def __init__(self, backend: MultiLoRABackend, config: HTTPServerConfig | None = None,
+                 gateway: TinkerGateway | None = None) -> None:
         self.backend = backend
         self.config = config or HTTPServerConfig(allowed_roots=(Path.cwd().resolve(),))
+        self.gateway = gateway
+        """The Tinker protocol's gateway: its routes are served under `/api/v1` when given."""
         self.metrics = CollectorRegistry(auto_describe=True)
         self.metrics.register(_BackendCollector(backend))
         self.requests_total = Counter("miles_controller_requests", "HTTP requests by route and status",
@@ -162,6 +168,8 @@ class MultiLoRAHTTPServer:
         app = FastAPI(title="Miles Multi-LoRA Controller", version="1.0")
         self._add_error_handlers(app)
         self.add_routes(app)
+        if self.gateway is not None:
+            install_tinker_routes(app, self.gateway)
         # Added last, so outermost: requests refused by the token check are counted too.
         app.middleware("http")(self._check_token)
         app.middleware("http")(self._count_request)
@@ -182,12 +190,14 @@ class MultiLoRAHTTPServer:
     async def _check_token(self, request: Request, call_next: Any) -> Response:
         token = self.config.token
         if token and request.url.path not in UNAUTHENTICATED_PATHS:
-            given = request.headers.get("authorization", "")
-            scheme, _, value = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+            # The Tinker SDK sends its API key as X-API-Key; either header carries the same token.
+            scheme, _, value = request.headers.get("authorization", "").partition(" ")
+            given = value.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(given.encode(), token.encode()):
                 return JSONResponse(
-                    status_code=401, headers={"WWW-Authenticate": "Bearer"},
-                    content={"detail": "Missing or invalid token: send 'Authorization: Bearer <token>'"},
+                    status_code=401, headers={"WWW-Authenticate": "Bearer", "x-should-retry": "false"},
+                    content={"detail": "Missing or invalid token: send 'Authorization: Bearer <token>' "
+                                       "(or 'X-API-Key: <token>' from a Tinker client)"},
                 )
         return await call_next(request)
 

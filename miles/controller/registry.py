@@ -11,6 +11,10 @@ rule here is testable alone:
     registry.record_batch_adapters(0, {"math": 8}, ["math"])
     registry.mark_batch_trained(0)                        # step 1
     registry.deregister("math"); registry.retire_adapters(); registry.free_slot("math")
+
+A client-driven adapter (a Tinker model, DESIGN §11) takes a `ClientModelConfig` instead:
+the same slots, names and lifecycle, but no batches and no `num_step` (it never retires by
+itself); its step advances with `record_client_step` when its client's `optim_step` ran.
 """
 
 from __future__ import annotations
@@ -24,7 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from miles.utils.adapter_config import AdapterConfigError, AdapterRunConfig, resolved_field, validate_adapter_name
-from miles.utils.types import AdapterRun, AdapterState, AdapterStatus, MultiLoRASnapshot, next_slot_version
+from miles.utils.types import (
+    AdapterKind,
+    AdapterRun,
+    AdapterState,
+    AdapterStatus,
+    ClientAdapterRun,
+    ClientModelConfig,
+    MultiLoRASnapshot,
+    next_slot_version,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +73,18 @@ class NoFreeSlotError(AdapterRegistryError):
     """Every slot is held; retry after an adapter completes (HTTP 409)."""
 
 
+AnyAdapterConfig = AdapterRunConfig | ClientModelConfig
+"""A server-driven adapter's run config, or a client-driven one's model config."""
+
+
+def adapter_kind(config: AnyAdapterConfig) -> AdapterKind:
+    return AdapterKind.CLIENT if isinstance(config, ClientModelConfig) else AdapterKind.SERVER
+
+
 @dataclass
 class _Record:
     name: str
-    config: AdapterRunConfig
+    config: AnyAdapterConfig
     slot: int
     registration_id: str
     state: AdapterState = AdapterState.PENDING
@@ -76,6 +97,13 @@ class _Record:
     pushing_version: int | None = None
     """The version of a push under way (`begin_weight_update`), until it is recorded; not
     persisted: a restarted trainer pushes every adapter again."""
+    resume_from: str | None = None
+    """Client-driven only: the directory of its latest completed save_state (or load_state),
+    which a trainer that restarts over the registry loads it from."""
+
+    @property
+    def kind(self) -> AdapterKind:
+        return adapter_kind(self.config)
 
 
 @dataclass(frozen=True)
@@ -102,19 +130,21 @@ class RegistryState:
 
 def _record_to_json(record: _Record) -> dict[str, Any]:
     return {
-        "name": record.name, "config": record.config.model_dump(mode="json"), "slot": record.slot,
+        "name": record.name, "kind": record.kind.value, "config": record.config.model_dump(mode="json"),
+        "slot": record.slot,
         "registration_id": record.registration_id, "state": record.state.value, "step": record.step,
         "start_step": record.start_step, "accumulated_groups": record.accumulated_groups,
-        "pushed": record.pushed,
+        "pushed": record.pushed, "resume_from": record.resume_from,
     }
 
 
 def _record_from_json(raw: dict[str, Any]) -> _Record:
+    config_cls = ClientModelConfig if raw.get("kind") == AdapterKind.CLIENT.value else AdapterRunConfig
     return _Record(
-        name=raw["name"], config=AdapterRunConfig.model_validate_json(json.dumps(raw["config"])),
+        name=raw["name"], config=config_cls.model_validate_json(json.dumps(raw["config"])),
         slot=raw["slot"], registration_id=raw["registration_id"], state=AdapterState(raw["state"]),
         step=raw["step"], start_step=raw["start_step"], accumulated_groups=raw["accumulated_groups"],
-        pushed=raw.get("pushed", raw["state"] != AdapterState.PENDING.value),
+        pushed=raw.get("pushed", raw["state"] != AdapterState.PENDING.value), resume_from=raw.get("resume_from"),
     )
 
 
@@ -146,8 +176,8 @@ class AdapterRegistry:
 
     # ---- registration ------------------------------------------------------------
 
-    def register(self, name: str, config: AdapterRunConfig) -> int:
-        """Give a new adapter the lowest free slot in PENDING; returns the slot."""
+    def register(self, name: str, config: AnyAdapterConfig) -> int:
+        """Give a new adapter (either kind) the lowest free slot in PENDING; returns the slot."""
         self.check_can_register(name, config)
         slot = min(self._free_slots)
         self._free_slots.remove(slot)
@@ -156,7 +186,7 @@ class AdapterRegistry:
         logger.info("Adapter '%s' registered in slot %d", name, slot)
         return slot
 
-    def check_can_register(self, name: str, config: AdapterRunConfig) -> None:
+    def check_can_register(self, name: str, config: AnyAdapterConfig) -> None:
         """Raise what `register` would raise now (bad or taken name, shared save
         directory, no free slot); lets callers fail fast before slow checks."""
         try:
@@ -181,7 +211,7 @@ class AdapterRegistry:
             )
         raise AdapterConflictError(f"Adapter '{name}' is still cleaning up; retry shortly (state {record.state.value})")
 
-    def _check_save_free(self, name: str, config: AdapterRunConfig) -> None:
+    def _check_save_free(self, name: str, config: AnyAdapterConfig) -> None:
         if config.save is None:
             return
         save = Path(config.save).resolve()
@@ -300,6 +330,10 @@ class AdapterRegistry:
             record = self._live.get(name)
             if record is None or record.registration_id != batch.registrations.get(name):
                 continue
+            if record.kind is AdapterKind.CLIENT:
+                logger.warning("Batch %d names client-driven adapter '%s'; its client steps it, not batches",
+                               rollout_id, name)
+                continue
             if record.state not in (AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP):
                 continue
             record.accumulated_groups += n_groups
@@ -309,6 +343,7 @@ class AdapterRegistry:
         return stepped
 
     def _step(self, record: _Record) -> None:
+        assert isinstance(record.config, AdapterRunConfig)  # mark_batch_trained skips client-driven ones
         if record.accumulated_groups != record.config.rollout_batch_size:
             logger.warning("Adapter '%s' stepped with %d accumulated groups, expected rollout_batch_size=%s",
                            record.name, record.accumulated_groups, record.config.rollout_batch_size)
@@ -318,6 +353,37 @@ class AdapterRegistry:
         if record.state is AdapterState.ACTIVE and num_step is not None and record.step - record.start_step >= num_step:
             record.state = AdapterState.RETIRING
             logger.info("Adapter '%s' reached num_step=%d (step %d): RETIRING", record.name, num_step, record.step)
+
+    def record_client_step(self, name: str, registration_id: str | None = None) -> int | None:
+        """A client-driven adapter's `optim_step` ran: step + 1. Returns the new step, or None
+        when the adapter is not that live client-driven registration any more (a stale report)."""
+        record = self._live.get(name)
+        if record is None or record.kind is not AdapterKind.CLIENT:
+            return None
+        if registration_id is not None and record.registration_id != registration_id:
+            return None
+        record.step += 1
+        return record.step
+
+    def record_client_checkpoint(self, name: str, directory: str) -> bool:
+        """A live client-driven adapter's state is now `directory` (it saved or loaded it): the
+        point a restarted trainer resumes it from. False if it is not a live client-driven one."""
+        record = self._live.get(name)
+        if record is None or record.kind is not AdapterKind.CLIENT:
+            return False
+        record.resume_from = directory
+        return True
+
+    def activate_clients(self, names: list[str]) -> list[str]:
+        """PENDING -> ACTIVE for client-driven adapters the trainer has loaded (no engine push
+        makes them ACTIVE: nothing samples from their slot). Returns the names activated."""
+        activated = []
+        for name in names:
+            record = self._live.get(name)
+            if record is not None and record.kind is AdapterKind.CLIENT and record.state is AdapterState.PENDING:
+                record.state = AdapterState.ACTIVE
+                activated.append(name)
+        return activated
 
     def set_step(self, name: str, step: int, accumulated_groups: int = 0) -> None:
         """Resume: the adapter continues at `step` (its checkpoint's step), with the
@@ -330,7 +396,8 @@ class AdapterRegistry:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         record = self._record(name)
-        window = resolved_field(record.config.rollout_batch_size, "rollout_batch_size")
+        window = (resolved_field(record.config.rollout_batch_size, "rollout_batch_size")
+                  if isinstance(record.config, AdapterRunConfig) else 1)  # a client-driven one accumulates nothing
         if not 0 <= accumulated_groups < window:
             raise ValueError(f"adapter '{name}': accumulated groups must be in 0..{window - 1} "
                              f"(rollout_batch_size - 1), got {accumulated_groups}")
@@ -374,12 +441,21 @@ class AdapterRegistry:
             name=record.name, state=record.state, slot=record.slot,
             version=None if completed else self._slot_versions[record.slot],
             step=record.step, accumulated_groups=record.accumulated_groups,
-            registration_id=record.registration_id, **record.config.to_dict(),
+            registration_id=record.registration_id, kind=record.kind, **record.config.to_dict(),
         )
 
     def snapshot(self) -> MultiLoRASnapshot:
         views: dict[AdapterState, dict[str, AdapterRun]] = {s: {} for s in AdapterState}
+        clients: dict[str, ClientAdapterRun] = {}
+        cleanup = {r.name for r in self._live.values() if r.state is AdapterState.CLEANUP}
         for record in self._live.values():
+            if isinstance(record.config, ClientModelConfig):
+                if record.state is not AdapterState.CLEANUP:
+                    clients[record.name] = ClientAdapterRun(
+                        name=record.name, config=record.config, state=record.state, slot=record.slot,
+                        version=self._slot_versions[record.slot], step=record.step,
+                        registration_id=record.registration_id, resume_from=record.resume_from)
+                continue
             views[record.state][record.name] = AdapterRun(
                 name=record.name, config=record.config, slot=record.slot,
                 version=self._slot_versions[record.slot], step=record.step,
@@ -388,8 +464,8 @@ class AdapterRegistry:
             )
         return MultiLoRASnapshot(
             pending=views[AdapterState.PENDING], active=views[AdapterState.ACTIVE],
-            retiring=views[AdapterState.RETIRING], cleanup=frozenset(views[AdapterState.CLEANUP]),
-            completed=frozenset(self._completed),
+            retiring=views[AdapterState.RETIRING], cleanup=frozenset(cleanup),
+            completed=frozenset(self._completed), clients=clients,
         )
 
     # ---- persistence (the store does the I/O; these only convert) ---------------------
@@ -409,7 +485,8 @@ class AdapterRegistry:
     def _json(self, record: _Record) -> dict[str, Any]:
         """A record as JSON values; the same object while the record is unchanged, so the
         store can tell unchanged rows apart cheaply (a registry keeps ~1,000 records)."""
-        key = (record.registration_id, record.state, record.step, record.start_step, record.accumulated_groups)
+        key = (record.registration_id, record.state, record.step, record.start_step, record.accumulated_groups,
+               record.resume_from)
         cached = self._json_cache.get(record.name)
         if cached is None or cached[0] != key:
             cached = (key, _record_to_json(record))
@@ -450,3 +527,18 @@ class AdapterRegistry:
 
     def live_slots(self) -> dict[str, int]:
         return {name: record.slot for name, record in self._live.items()}
+
+    def kind(self, name: str) -> AdapterKind | None:
+        try:
+            return self._record(name).kind
+        except AdapterNotFoundError:
+            return None
+
+    def client_config(self, name: str) -> ClientModelConfig | None:
+        """The model config of a known client-driven adapter (live or completed), else None."""
+        record = self._live.get(name) or self._completed.get(name)
+        return record.config if record is not None and isinstance(record.config, ClientModelConfig) else None
+
+    def registration_id(self, name: str) -> str | None:
+        record = self._live.get(name)
+        return None if record is None else record.registration_id

@@ -17,6 +17,14 @@ but never corrupts the file. One write costs well under a millisecond (no fsync 
 change), so the control plane's loop is never held up by the disk.
 Rows: one per adapter (live and completed), one per recorded batch, and a few `meta`
 keys (slot versions, slot count, the control plane's bound port).
+
+The Tinker gateway (DESIGN §11) keeps its state here too, one row per change: `sessions`
+(a client's session and its last heartbeat) and `futures`, the command log: every call of
+a client-driven model with its future id, idempotency key (model and `seq_id`), status,
+typed request and result, as JSON written by `miles.controller.tinker.command_log`:
+
+    store.put_future(FutureRow(...)); store.load_futures()    # oldest first
+    store.put_session("s-1", {...}); store.load_sessions()
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +46,31 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS adapters (name TEXT PRIMARY KEY, position INTEGER NOT NULL, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS batches (rollout_id INTEGER PRIMARY KEY, position INTEGER NOT NULL, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tinker_futures (
+    future_id TEXT PRIMARY KEY, position INTEGER NOT NULL, key TEXT NOT NULL UNIQUE, model TEXT,
+    seq_id INTEGER, kind TEXT NOT NULL, status TEXT NOT NULL, record TEXT NOT NULL, request BLOB, result BLOB
+);
 """
+
+
+@dataclass(frozen=True)
+class FutureRow:
+    """One future of the command log as stored: plain values, the typed parts as JSON text."""
+
+    future_id: str
+    key: str
+    """Idempotency key: a retried request with the same key is the same future."""
+    model: str | None
+    seq_id: int | None
+    kind: str
+    status: str
+    record: str
+    """JSON of the small parts (model id, error, category, ...)."""
+    request: bytes | None = None
+    """The typed request, encoded by the log (datums can be megabytes: written once)."""
+    result: bytes | None = None
+
 
 
 class RegistryStoreError(RuntimeError):
@@ -77,6 +110,40 @@ class RegistryStore:
 
     def set_meta(self, key: str, value: Any) -> None:
         self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(value)))
+
+    # ---- the Tinker gateway's sessions and command log ---------------------------------------
+
+    def put_session(self, session_id: str, record: dict[str, Any]) -> None:
+        self._db.execute("INSERT OR REPLACE INTO sessions (session_id, record) VALUES (?, ?)",
+                         (session_id, json.dumps(record, sort_keys=True)))
+
+    def load_sessions(self) -> list[dict[str, Any]]:
+        return [json.loads(r[0]) for r in self._db.execute("SELECT record FROM sessions ORDER BY rowid")]
+
+    def put_future(self, row: FutureRow) -> None:
+        """Write a new future, payloads included."""
+        self._db.execute(
+            "INSERT INTO tinker_futures "
+            "(future_id, position, key, model, seq_id, kind, status, record, request, result) "
+            "VALUES (?, (SELECT COALESCE(MAX(position), 0) + 1 FROM tinker_futures), ?, ?, ?, ?, ?, ?, ?, ?)",
+            (row.future_id, row.key, row.model, row.seq_id, row.kind, row.status, row.record, row.request, row.result))
+
+    def update_future(self, future_id: str, status: str, record: str, result: bytes | None = None, *,
+                      drop_payloads: bool = False) -> None:
+        """A future's new status (and its result, once it has one), without rewriting its request;
+        `drop_payloads` forgets its request and result."""
+        if drop_payloads:
+            self._db.execute("UPDATE tinker_futures SET status = ?, record = ?, request = NULL, result = NULL "
+                             "WHERE future_id = ?", (status, record, future_id))
+        else:
+            self._db.execute("UPDATE tinker_futures SET status = ?, record = ?, result = COALESCE(?, result) "
+                             "WHERE future_id = ?", (status, record, result, future_id))
+
+    def load_futures(self) -> list[FutureRow]:
+        """Every logged future, in the order they were first written."""
+        rows = self._db.execute("SELECT future_id, key, model, seq_id, kind, status, record, request, result "
+                                "FROM tinker_futures ORDER BY position")
+        return [FutureRow(*row) for row in rows]
 
     # ---- registry -------------------------------------------------------------------------
 

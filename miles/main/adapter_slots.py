@@ -11,6 +11,10 @@ state; the rollout manager owns each adapter's data position, which a save recor
 `trainer_state.json` and a resume hands back. Loading an adapter makes it stale for the
 weight push (`WeightPush.mark_stale`), unless early activation already pushed its fresh
 weights (`EarlyActivation.claim`).
+
+Client-driven adapters (Tinker models, `snapshot.clients`) are loaded and cleaned up here
+too, but never pushed and never saved on a cadence or at shutdown: their client saves them
+(`save_state`), and a restarted trainer loads each from its latest such save.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class LoadedAdapter:
     """The registry's groups toward the next step (a copy)."""
     saved: tuple[int, int]
     """(step, accumulated groups) of the checkpoint last written or resumed from."""
+    client: bool = False
+    """Client-driven: its client saves it; the loop never does."""
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -61,12 +67,19 @@ class AdapterSlots:
         self.save_interval = save_interval
         self.loaded: dict[str, LoadedAdapter] = {}
 
+    def loaded_clients(self) -> list[str]:
+        """The client-driven models in their slots."""
+        return sorted(name for name, entry in self.loaded.items() if entry.client)
+
     def _observe(self, snapshot: MultiLoRASnapshot) -> None:
         live = snapshot.live
         for name, entry in self.loaded.items():
             run = live.get(name)
             if run is not None and run.registration_id == entry.registration_id:
                 entry.step, entry.accumulated_groups = run.step, run.accumulated_groups
+            client = snapshot.clients.get(name)
+            if client is not None and client.registration_id == entry.registration_id:
+                entry.step = client.step
 
     # ---- reconcile ----------------------------------------------------------------------
 
@@ -78,15 +91,17 @@ class AdapterSlots:
         return await self._load(snapshot)
 
     async def _cleanup(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
-        live = snapshot.live
-        gone = [name for name, entry in sorted(self.loaded.items())
-                if name not in live or live[name].registration_id != entry.registration_id]
+        live = {name: run.registration_id for name, run in snapshot.live.items()}
+        live.update((name, run.registration_id) for name, run in snapshot.clients.items())
+        gone = [name for name, entry in sorted(self.loaded.items()) if live.get(name) != entry.registration_id]
         positions = await self._data_positions() if gone else {}
         for name in gone:
             await self._save(name, positions.get(name))
             await self.backend.cleanup_adapter(name)
-            await self.push.unload(self.loaded.pop(name).slot)
-            self.push.forget(name)
+            entry = self.loaded.pop(name)
+            if not entry.client:
+                await self.push.unload(entry.slot)
+                self.push.forget(name)
             logger.info("Adapter '%s' cleaned up", name)
         for slot in self.activation.left(snapshot):
             await self.push.unload(slot)
@@ -95,6 +110,7 @@ class AdapterSlots:
         return await self.controller.free_slots.remote(sorted(snapshot.cleanup))
 
     async def _load(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
+        snapshot = await self._load_clients(snapshot)
         for name, run in sorted(snapshot.live.items()):
             if name in self.loaded:
                 continue
@@ -122,6 +138,22 @@ class AdapterSlots:
                 samples_per_group=resolved_field(run.config.n_samples_per_prompt, "n_samples_per_prompt"),
                 step=loaded.step, accumulated_groups=loaded.accumulated_groups, saved=progress)
         return snapshot
+
+    async def _load_clients(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
+        """Client-driven models: fresh (A from the model's seed, B zero), or from their latest
+        `save_state` with its optimizer state when a trainer restarts over them; ACTIVE once loaded."""
+        new = [run for name, run in sorted(snapshot.clients.items()) if name not in self.loaded]
+        for run in new:
+            await self.backend.load_adapter(AdapterSpec.for_client(run))
+            if run.resume_from is not None:
+                await self.backend.load_client_state(run.name, run.resume_from, optimizer=True)
+                logger.info("Client model '%s' resumed from %s (step %d)", run.name, run.resume_from, run.step)
+            self.loaded[run.name] = LoadedAdapter(
+                registration_id=run.registration_id, slot=run.slot, saves=False, samples_per_group=1,
+                step=run.step, accumulated_groups=0, saved=(run.step, 0), client=True)
+        if not new:
+            return snapshot
+        return await self.controller.activate_clients.remote([run.name for run in new])
 
     # ---- checkpoints ----------------------------------------------------------------------
 
@@ -158,7 +190,7 @@ class AdapterSlots:
 
     async def _save(self, name: str, data_position: DataPosition | None) -> bool:
         entry = self.loaded[name]
-        if entry.progress in (entry.saved, (0, 0)):
+        if entry.client or entry.progress in (entry.saved, (0, 0)):
             return False
         if not entry.saves:
             logger.warning("Adapter '%s' has no save directory; its step %d is not saved", name, entry.step)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
-from miles.utils.types import DataPosition, MultiLoRASnapshot, RolloutBatch
+from miles.utils.types import ClientCommandBatch, DataPosition, MultiLoRASnapshot, RolloutBatch
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -33,6 +33,12 @@ class ControllerHandle(Protocol):
     mark_batch_trained: Remote[MultiLoRASnapshot]
     set_adapter_step: Remote[MultiLoRASnapshot]
     wait_for_registration: Remote[int]
+    # client-driven models (the Tinker command log)
+    activate_clients: Remote[MultiLoRASnapshot]
+    take_client_commands: Remote[ClientCommandBatch]
+    wait_for_client_commands: Remote[bool]
+    complete_client_command: Remote[None]
+    fail_client_command: Remote[None]
 
 
 class RolloutManagerHandle(Protocol):

@@ -14,6 +14,11 @@ iteration. A registration that arrives during generate or train is pushed to the
 then (ACTIVE at once) and loaded by the trainer at the next reconcile. In service mode
 (the default) it idles while no adapter is registered; SIGINT/SIGTERM save every loaded
 adapter and exit 0.
+
+Tinker clients (`/api/v1`, DESIGN §11) drive adapters of their own on the same slots: their
+pending `forward`/`forward_backward` datums go into the iteration's train call beside the RL
+batch, and their barriers (`optim_step`, saves, loads) run after it (`ClientCommands`). With
+no sampleable RL adapter the loop skips generate and runs the clients' work alone.
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ import logging
 import sys
 import time
 
+from miles.backends.base import TrainResult
+from miles.main.client_commands import TakenCommands
 from miles.main.launch import Components, configure_logging, register_initial_adapters, sleep_unless, trainer_run
 from miles.main.progress import RunProgress
+from miles.main.train_step import TrainedBatch
 from miles.rollout.collection import EmptyBatchTimeoutError
 from miles.utils.arguments import MilesConfig, parse_args
 from miles.utils.tracking import StageTimer
@@ -64,7 +72,10 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             snapshot = await s.slots.reconcile(snapshot)
         with timer("update_weights"):
             snapshot = await s.push.update_weights(snapshot)
-        if not snapshot.sampleable:
+        if not snapshot.sampleable:  # client-driven models alone: no generate phase to wait for
+            if snapshot.clients:
+                with timer("client"):
+                    await s.clients.run_alone(rollout_id, s.train)
             continue
         async with s.activation.activating():  # registrations arriving meanwhile go to the engines at once
             with timer("generate"):
@@ -73,8 +84,12 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
                 continue
             with timer("export_wait"):  # the push behind the loop takes its weights before train changes them
                 await s.push.exports_taken()
-            with timer("train"):
-                trained = await s.train.train(rollout_id, rollout)
+            with timer("train"):  # the clients' pending work goes into the same call
+                taken = await s.clients.take() if snapshot.clients else TakenCommands()
+                trained = await s.train.train(rollout_id, rollout, client=taken.work)
+        if not taken.empty:
+            with timer("client"):
+                await s.clients.finish(taken, *finished_work(trained))
         if trained is None:  # dropped: the registry never counts it, the backend took it back
             rollout_id += 1
             continue
@@ -90,6 +105,15 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
         iteration_start = now
         await progress.record(rollout_id, rollout, trained, snapshot, perf)
         rollout_id += 1
+
+
+def finished_work(trained: TrainedBatch | None) -> tuple[TrainResult | None, str | None]:
+    """The client work's share of a train call: its result, or why it failed."""
+    if trained is None:
+        return None, "the train call failed; see the trainer's log"
+    if trained.client_error is not None:
+        return None, trained.client_error
+    return trained.result, None
 
 
 async def generate_or_none(c: Components, rollout_id: int, snapshot: MultiLoRASnapshot) -> RolloutBatch | None:

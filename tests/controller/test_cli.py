@@ -114,3 +114,26 @@ def test_console_script_is_installed(control_plane):
                           env={**os.environ, "MILES_API_TOKEN": TOKEN}, timeout=60)
     assert done.returncode == 0, done.stderr
     assert isinstance(json.loads(done.stdout), list)
+
+
+def test_a_tinker_model_is_listed_with_its_model_id(tmp_path, monkeypatch):
+    """The standalone control plane serves the Tinker routes too; `list` shows a model as an adapter."""
+    import tinker
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    token = "tml-cli-token"
+    args = ["--multi-lora-n-adapters", "1", "--multi-lora-api-port", "0", "--save", str(tmp_path / "save"),
+            "--lora-rank", "4"]
+    process, url, lines = start(args, env={"MILES_API_TOKEN": token})
+    try:
+        service = tinker.ServiceClient(base_url=url, api_key=token)
+        model_id = service.create_lora_training_client("any-base", rank=2, train_unembed=False).result(
+            timeout=30).model_id
+        code, out, _ = cli(url, "list", token=token)
+        header, row = out.splitlines()
+        assert code == 0 and row.split() == [model_id.replace(":", "."), "PENDING", "0", "0", "0", "2",
+                                             "(client)", model_id]
+        service.close("success").result(timeout=30)
+        assert cli(url, "--json", "get", model_id.replace(":", "."), token=token)[1].count('"RETIRING"') == 1
+    finally:
+        stop(process, signal.SIGTERM, lines)

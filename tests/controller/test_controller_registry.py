@@ -18,7 +18,7 @@ from miles.controller.registry import (
     AdapterValidationError,
     NoFreeSlotError,
 )
-from miles.utils.types import AdapterState
+from miles.utils.types import AdapterKind, AdapterState, ClientModelConfig
 
 
 def walk_to(registry: AdapterRegistry, name: str, state: AdapterState) -> None:
@@ -363,3 +363,74 @@ def test_a_push_under_way_shows_its_version_until_it_is_recorded() -> None:
     assert set(after.active) == {"a", "b"}
     assert [(r.version, r.pushing_version, r.trainer_version) for r in (after.active["a"], after.active["b"])] == [
         (2, None, 2), (1, None, 1)]
+
+
+# ---- client-driven adapters (Tinker models, DESIGN §11) ------------------------------------
+
+def client_config(model_id: str = "s-1:train:0", rank: int = 4, root: Path = Path("/runs")) -> ClientModelConfig:
+    name = model_id.replace(":", ".")
+    return ClientModelConfig(model_id=model_id, session_id=model_id.split(":")[0], base_model="tiny", rank=rank,
+                             alpha=8.0, seed=3, save=root / "adapters" / name)
+
+
+def test_client_driven_adapters_share_the_slots_and_stay_out_of_rl_batches() -> None:
+    registry = AdapterRegistry(n_slots=2)
+    assert registry.register("rl", make_config("rl", num_step=1)) == 0
+    assert registry.register("s-1.train.0", client_config()) == 1
+    with pytest.raises(NoFreeSlotError, match="all 2 slots are in use"):
+        registry.register("s-1.train.1", client_config("s-1:train:1"))
+    assert registry.kind("s-1.train.0") is AdapterKind.CLIENT and registry.kind("rl") is AdapterKind.SERVER
+
+    registry.record_weight_update(["rl", "s-1.train.0"])
+    snapshot = registry.snapshot()
+    assert set(snapshot.active) == {"rl"} and set(snapshot.sampleable) == {"rl"}  # nothing generates for it
+    client = snapshot.clients["s-1.train.0"]
+    assert (client.state, client.slot, client.version, client.step) == (AdapterState.ACTIVE, 1, 1, 0)
+
+    # A batch naming it (a driver bug) never steps it; its optim_step does, and it never auto-retires.
+    registry.record_batch_adapters(0, {"rl": 4, "s-1.train.0": 4}, ["rl", "s-1.train.0"])
+    assert registry.mark_batch_trained(0) == ["rl"]
+    assert registry.state("rl") is AdapterState.RETIRING  # num_step=1 reached
+    assert [registry.record_client_step("s-1.train.0") for _ in range(3)] == [1, 2, 3]
+    assert registry.state("s-1.train.0") is AdapterState.ACTIVE
+    assert registry.record_client_step("rl") is None and registry.record_client_step("ghost") is None
+
+    status = registry.status("s-1.train.0")
+    assert (status.kind, status.model_id, status.seed, status.rank, status.data, status.num_step) == (
+        AdapterKind.CLIENT, "s-1:train:0", 3, 4, None, None)
+
+    registry.deregister("s-1.train.0")
+    assert registry.snapshot().clients["s-1.train.0"].state is AdapterState.RETIRING
+    registry.retire_adapters()
+    snapshot = registry.snapshot()
+    assert "s-1.train.0" in snapshot.cleanup and "s-1.train.0" not in snapshot.clients
+    assert registry.free_slot("s-1.train.0") == 1
+    assert registry.client_config("s-1.train.0") == client_config()  # kept with the completed record
+
+
+def test_client_driven_adapters_round_trip_through_the_exported_state() -> None:
+    registry = AdapterRegistry(n_slots=3)
+    registry.register("rl", make_config("rl"))
+    registry.register("s-1.train.0", client_config())
+    registry.record_client_step("s-1.train.0")
+    restored = AdapterRegistry.from_state(registry.export_state(), n_slots=3)
+    assert restored.snapshot() == registry.snapshot()
+    assert restored.statuses() == registry.statuses()
+    assert restored.kind("s-1.train.0") is AdapterKind.CLIENT
+    restored.set_step("s-1.train.0", 5)  # a resume from a checkpoint
+    assert restored.step("s-1.train.0") == 5
+    with pytest.raises(ValueError, match="accumulated groups must be in 0..0"):
+        restored.set_step("s-1.train.0", 5, accumulated_groups=1)
+
+
+def test_client_driven_adapters_are_activated_by_the_trainer_and_resume_from_their_last_save() -> None:
+    registry = AdapterRegistry(n_slots=2)
+    registry.register("rl", make_config("rl"))
+    registry.register("s-1.train.0", client_config())
+    assert registry.activate_clients(["rl", "s-1.train.0", "ghost"]) == ["s-1.train.0"]
+    assert registry.state("rl") is AdapterState.PENDING  # only client-driven ones: RL adapters wait for a push
+    assert registry.record_client_checkpoint("s-1.train.0", "/runs/adapters/s-1.train.0/weights/c1")
+    assert not registry.record_client_checkpoint("rl", "/x")
+    restored = AdapterRegistry.from_state(registry.export_state(), n_slots=2)
+    run = restored.snapshot().clients["s-1.train.0"]
+    assert (run.state, run.resume_from) == (AdapterState.ACTIVE, "/runs/adapters/s-1.train.0/weights/c1")

@@ -35,8 +35,11 @@ from miles.controller.http_server import HTTPServerConfig
 from miles.main.engine_push import PushStats
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import (
+    AdamStep,
     AdapterRolloutStats,
+    ClientWork,
     DataPosition,
+    DatumOutput,
     MultiLoRASnapshot,
     RolloutBatch,
     RolloutStats,
@@ -88,7 +91,13 @@ class FakeBackend:
     pending: dict[str, int] = field(default_factory=dict)
     """Samples trained on since the adapter's last step (its retained gradient)."""
     calls: list[tuple[str, str]] = field(default_factory=list)
+    client_calls: list[tuple[int, list[str]]] = field(default_factory=list)
+    """(rollout id, the adapters of its client work in order) of every train call with client work."""
+    client_disk: dict[str, float] = field(default_factory=dict)
+    """Client `save_state` directory -> the weights saved there."""
     fail_train: bool = False
+    fail_client: bool = False
+    """When set, a train call that carries client work fails (a client's bad datum)."""
     train_gate: asyncio.Event | None = None
     """When set, `train` waits for it first (lets a test order concurrent work)."""
     training: asyncio.Event = field(default_factory=asyncio.Event)
@@ -141,31 +150,54 @@ class FakeBackend:
                                 bucketed: bool = False) -> dict[str, str]:
         return {}
 
-    async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
+    async def train(self, rollout_id: int, batch: RolloutBatch, client: Sequence[ClientWork] = ()) -> TrainResult:
+        """A client datum's "logprob" of each position is minus its adapter's weights minus one,
+        its loss the number of its tokens; a forward_backward adds its datums to the pending count."""
         self.calls.append(("train", str(rollout_id)))
         self.training.set()
         if self.train_gate is not None:
             await self.train_gate.wait()
-        if self.fail_train:
+        if self.fail_train or (self.fail_client and client):
             raise RuntimeError(f"training rollout {rollout_id} failed")
         counts: dict[str, int] = {}
         for sample in batch.samples:
             in_slot = self.slots.get(sample.slot)
             assert in_slot == sample.adapter, f"{sample.adapter} is not loaded in slot {sample.slot}"
             counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
+        outputs = []
+        for work in client:
+            assert self.slots.get(work.slot) == work.adapter, f"{work.adapter} is not loaded in slot {work.slot}"
+            outputs.append([DatumOutput({"logprobs": [-self.weights[work.adapter] - 1.0] * len(d.tokens)},
+                                        loss=float(len(d.tokens))) for d in work.datums])
+            if work.backward:
+                counts[work.adapter] = counts.get(work.adapter, 0) + len(work.datums)
+        if client:
+            self.client_calls.append((rollout_id, [w.adapter for w in client]))
         for name, n in counts.items():
             self.pending[name] += n
         stats = {name: AdapterTrainStats(samples=n, loss=0.5, clip_fraction=0.0, kl=0.0, tis_weight=1.0)
-                 for name, n in counts.items()}
-        return TrainResult(samples=len(batch.samples), adapters=stats)
+                 for name, n in counts.items() if name in {s.adapter for s in batch.samples}}
+        return TrainResult(samples=len(batch.samples), adapters=stats, client=outputs)
 
-    async def step_adapters(self, names: list[str]) -> dict[str, AdapterStepStats]:
+    async def step_adapters(self, names: list[str], adam: dict[str, AdamStep] | None = None
+                            ) -> dict[str, AdapterStepStats]:
+        """A step adds the pending count to the weights (times a client's learning rate)."""
         out = {}
         for name in names:
-            self.weights[name] += self.pending[name]
-            out[name] = AdapterStepStats(grad_norm=float(self.pending[name]), lr=0.1)
+            lr = adam[name].learning_rate if adam and name in adam else 0.1
+            self.weights[name] += self.pending[name] * (lr if adam and name in adam else 1.0)
+            out[name] = AdapterStepStats(grad_norm=float(self.pending[name]), lr=lr)
             self.pending[name] = 0
         return out
+
+    async def save_client_state(self, name: str, directory: str) -> Path:
+        self.calls.append(("save_client_state", name))
+        self.client_disk[directory] = self.weights[name]
+        return Path(directory)
+
+    async def load_client_state(self, name: str, directory: str, *, optimizer: bool = True) -> None:
+        self.calls.append(("load_client_state", name))
+        self.weights[name], self.pending[name] = self.client_disk[directory], 0
 
     async def save_adapter(self, request: SaveRequest) -> Path:
         spec = self.specs[request.name]

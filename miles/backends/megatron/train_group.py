@@ -73,9 +73,17 @@ class MegatronTrainGroup(TrainGroup):
         replica_parts = split_prompt_groups(batch.prompt_group_sizes, self.config.n_workers)
         return [replica_parts[rank // self.config.tp_size] for rank in range(len(self._actors))]
 
+    def _replicas(self) -> list[int]:
+        """Global rank r is in DP replica r // tp: its TP ranks train the same client datums."""
+        return [rank // self.config.tp_size for rank in range(len(self._actors))]
+
     async def export_adapter(self, name: str) -> LoraExport:
         """Every rank takes part in the TP gather; rank 0's whole tensors stay in the object store."""
         return await self._export_from_rank_0(name, *(actor.export_adapter.remote(name) for actor in self._actors[1:]))
+
+    async def save_client_state(self, name: str, directory: str) -> Path:
+        """Every rank takes part in the TP gathers; rank 0 writes."""
+        return Path((await self._all("save_client_state", name, directory))[0])
 
     async def save_adapter(self, request: SaveRequest) -> Path:
         """Every rank takes part in the gathers (gradient over DP and TP, weights over TP); rank 0 writes."""

@@ -37,7 +37,7 @@ from miles.backends.megatron.model import (
 )
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.rank.model import all_reduce_sum
-from miles.backends.torch.batching import MicroBatch, next_token_logprobs
+from miles.backends.torch.batching import MicroBatch, next_token_logprobs, target_logprobs
 from miles.backends.torch.loss import entropy_from_logits
 from miles.lora.peft_io import UNSUPPORTED_PEFT_FEATURES, read_peft_dir
 
@@ -67,6 +67,7 @@ class MegatronTrainModel:
             self.lora_params += [(part.lora_A, 1), (part.lora_B, 2)]
             self._param_parts += [(part, "A"), (part, "B")]
         self.target_modules = sorted({n.rsplit(".", 1)[-1] for n in self.parts})
+        self.vocab_size = shape.vocab_size
 
     @property
     def dp_rank(self) -> int:
@@ -85,10 +86,14 @@ class MegatronTrainModel:
     def writes(self) -> bool:
         return self.rank == 0
 
-    def forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: bool = False) -> Any:
+    def forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: bool = False,
+                         targets_BL: Tensor | None = None) -> Any:
         """`TorchTrainModel.forward_logprobs` on the Megatron shard (logits gathered over TP)."""
         with mlora.use_slots(self.module, slots):
             logits = forward_logits(self.module, self.shape, batch.input_ids_BL)
+        if targets_BL is not None:  # every position scores its own target
+            logprobs_BL = target_logprobs(logits, targets_BL)
+            return (logprobs_BL, entropy_from_logits(logits)) if entropy else logprobs_BL
         logprobs = next_token_logprobs(logits, batch.input_ids_BL)
         if not entropy:
             return logprobs

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult, LoraExport
 from miles.backends.rank.config import TrainActorConfig
-from miles.backends.rank.core import GradShare, LossSums, TrainCore
+from miles.backends.rank.core import GradShare, LossSums, RankTrainResult, TrainCore
 from miles.backends.rank.model import TrainModel
 from miles.backends.rank.sender import WEIGHT_PUSH, UpdateGroupSender
 from miles.backends.torch.batching import ActivationBudget, Advantage
@@ -35,6 +35,7 @@ from miles.backends.torch.checkpoint import AccumulatedGrad, OptimizerState
 from miles.lora.weight_sync import UpdateGroupSpec, listening_store, tensor_metadata
 from miles.utils.network import cluster_host
 from miles.utils.types import DataPosition, Sample
+from miles.utils.types.client import AdamStep, ClientWork
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,10 @@ class TrainRank:
         """The rank's torch threads, once it is built."""
         return torch.get_num_threads()
 
+    def vocab_size(self) -> int:
+        """Tokens the model scores (once it is built)."""
+        return self.model.vocab_size
+
     def master_address(self, host: str | None = None) -> str:
         """The process group's rendezvous address (called on rank 0): on `host`, by default this
         node's address when the cluster has more than one node, else loopback. The port is
@@ -180,11 +185,16 @@ class TrainRank:
               samples_per_adapter: dict[str, int]) -> dict[str, LossSums]:
         return self.core.train(samples, advantages, samples_per_adapter)
 
+    def train_batch(self, samples: Sequence[Sample], advantages: Sequence[Advantage],
+                    samples_per_adapter: dict[str, int], client: Sequence[ClientWork] = ()) -> RankTrainResult:
+        return self.core.train_batch(samples, advantages, samples_per_adapter, client)
+
     def discard_batch(self) -> None:
         self.core.discard_batch()
 
-    def step_adapters(self, names: Sequence[str]) -> dict[str, AdapterStepStats]:
-        return self.core.step_adapters(names)
+    def step_adapters(self, names: Sequence[str],
+                      adam: dict[str, AdamStep] | None = None) -> dict[str, AdapterStepStats]:
+        return self.core.step_adapters(names, adam)
 
     def reward_kl(self, samples: Sequence[Sample]) -> list[list[float]]:
         return self.core.reward_kl(samples)
@@ -216,6 +226,12 @@ class TrainRank:
 
     def accumulated_grad(self, name: str) -> GradShare:
         return self.core.accumulated_grad(name)
+
+    def save_client_state(self, name: str, directory: str) -> str:
+        return self.core.save_client_state(name, directory)
+
+    def load_client_state(self, name: str, directory: str, optimizer: bool = True) -> None:
+        self.core.load_client_state(name, directory, optimizer)
 
     def save_adapter(self, name: str, step: int, data_position: DataPosition | None = None,
                      accumulated: AccumulatedGrad | None = None) -> str:

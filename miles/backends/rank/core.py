@@ -10,6 +10,9 @@ step; the tensors and state a checkpoint is made of. No Ray, no process group of
     core.load_adapter(AdapterSpec(name="math", slot=0, rank=8, alpha=16.0, global_batch_size=8))
     core.train(samples, advantages, samples_per_adapter={"math": 8})
     core.step_adapters(["math"])
+    # client-driven adapters (Tinker): their datums train in the same micro-batches
+    result = core.train_batch(samples, advantages, {"math": 8}, client=[work])   # result.client[0]: DatumOutputs
+    core.step_adapters(["sft-1"], adam={"sft-1": AdamStep(learning_rate=1e-4)})
 
 Every sample enters the gradient with weight 1 and a slot's gradients persist across
 train calls until that adapter steps; at step time the stepping slots' gradients are
@@ -17,6 +20,10 @@ summed over the data-parallel replicas, scaled by `1 / adapter_global_batch_size
 by the slot's own norm and applied to that slot only. A rank counts no adapter steps (the
 registry owns them; a save is named by the step it is given); only AdamW's bias-correction
 count and the LR schedule's sample clock live here.
+
+A client-driven adapter's datums (`ClientWork`) enter with their own Tinker loss (a token
+sum, `client_loss`) and its step takes the settings of its `AdamStep`: that lr, betas, eps,
+weight decay and clip norm, the gradient unscaled, no LR schedule.
 """
 
 from __future__ import annotations
@@ -48,13 +55,16 @@ from miles.backends.torch.checkpoint import (
     TrainerState,
     read_checkpoint,
     write_checkpoint,
+    write_checkpoint_dir,
 )
+from miles.backends.torch.client_loss import ClientRow, client_loss_terms, client_rows, datum_outputs
 from miles.backends.torch.loss import LossParams, approx_kl_per_sample, policy_loss_terms
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW, SlotStep
 from miles.lora import peft_adapter_config, peft_tensors, write_peft_dir
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition, Sample
+from miles.utils.types.client import AdamStep, ClientWork, DatumOutput
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +88,17 @@ class LossSums:
 
 
 @dataclass(frozen=True)
+class RankTrainResult:
+    """What one rank's train call gave."""
+
+    stats: dict[str, LossSums]
+    """Loss sums of the server-driven adapters (empty on a rank that does not report)."""
+    client: list[list[DatumOutput]] | None = None
+    """One list per `ClientWork` given (this rank's datums of it, in order); None on a rank
+    that does not report (Megatron: TP ranks past 0)."""
+
+
+@dataclass(frozen=True)
 class GradShare:
     """A rank's part of an adapter's gradient toward its next step (`TrainCore.accumulated_grad`)."""
 
@@ -94,6 +115,8 @@ class LoadedAdapter:
 
     spec: AdapterSpec
     schedule: LRSchedule
+    adam: AdamStep | None = None
+    """The settings of its latest client `optim_step` (a checkpoint records them); None: none yet."""
 
 
 @dataclass
@@ -105,6 +128,30 @@ class _BatchUndo:
     (the first call after a step: no copy is held, the undo zeroes them)."""
     samples_seen: dict[str, int]
     """Adapter -> its LR clock before the call."""
+
+
+def _add_stats(stats: dict[str, LossSums], adapters: Sequence[str], out: Any) -> None:
+    """Add each sample's policy-loss terms (`policy_loss_terms`' output, row i of adapter
+    `adapters[i]`) to its adapter's sums."""
+    clipped_B = out.pg_clipfrac_B * out.tokens_B
+    rows = zip(adapters, out.loss_B.tolist(), clipped_B.tolist(), out.tokens_B.tolist(),
+               out.kl_loss_B.tolist(), out.tis_B.tolist())
+    for adapter, loss, clipped, tokens, kl, tis in rows:
+        s = stats.setdefault(adapter, LossSums())
+        s.loss_sum += loss
+        s.samples += 1
+        s.clipped_tokens += clipped
+        s.tokens += tokens
+        s.kl_sum += kl
+        s.tis_sum += tis
+
+
+def _slot_step(spec: AdapterSpec, lr: float, adam: AdamStep | None) -> SlotStep:
+    """An adapter's part of a fused step: its schedule's lr and batch scale, or its `AdamStep`."""
+    if adam is None:
+        return SlotStep(slot=spec.slot, lr=lr, grad_scale=1.0 / spec.global_batch_size)
+    return SlotStep(slot=spec.slot, lr=adam.learning_rate, grad_scale=1.0, betas=(adam.beta1, adam.beta2),
+                    eps=adam.eps, weight_decay=adam.weight_decay, max_norm=adam.grad_clip_norm)
 
 
 def adapter_seed(seed: int, name: str) -> int:
@@ -157,6 +204,8 @@ class TrainCore:
         return peft_tensors(self.model.fresh_weights(rank=spec.rank, generator=self._generator(spec)))
 
     def _generator(self, spec: AdapterSpec) -> torch.Generator:
+        if spec.seed is not None:  # a client's seed: the same init whatever the model is called
+            return torch.Generator().manual_seed(spec.seed)
         return torch.Generator().manual_seed(adapter_seed(self.config.seed, spec.name))
 
     def _check_free(self, spec: AdapterSpec) -> None:
@@ -245,14 +294,26 @@ class TrainCore:
     def train(
         self, samples: Sequence[Sample], advantages: Sequence[Advantage], samples_per_adapter: dict[str, int]
     ) -> dict[str, LossSums]:
-        """Forward and backward this rank's samples (gradients accumulate per slot); the loss
-        sums of the rank that reports for its replica, none from the others.
+        """`train_batch` of server-driven samples alone; its loss sums."""
+        return self.train_batch(samples, advantages, samples_per_adapter).stats
+
+    def train_batch(
+        self, samples: Sequence[Sample], advantages: Sequence[Advantage], samples_per_adapter: dict[str, int],
+        client: Sequence[ClientWork] = (),
+    ) -> RankTrainResult:
+        """Forward and backward this rank's samples and client datums (gradients accumulate
+        per slot); the loss sums and datum outputs of the rank that reports for its replica,
+        none from the others.
 
         `advantages[i]` is sample i's advantage: one value, or one per response token
         (the reinforce++ estimators).
 
         `samples_per_adapter` counts each adapter's samples in the whole (all-rank)
         batch; it advances the adapters' LR clocks identically on every rank.
+
+        `client` datums with a backward train in the samples' micro-batches, with their
+        work's Tinker loss; those of a `forward` (`backward=False`) run without grad and
+        touch no slot. A call that fails takes back every gradient it added, client ones too.
         """
         for sample in samples:
             loaded = self.loaded(sample.adapter)
@@ -261,34 +322,57 @@ class TrainCore:
                                  f"but the adapter is in slot {loaded.spec.slot}")
         for name in samples_per_adapter:
             self.loaded(name)
+        rows = self._client_rows(client)
+        trained = [r for r in rows if r.backward]
         stats: dict[str, LossSums] = {}
+        outputs: dict[tuple[int, int], DatumOutput] = {}
         need_rollout = any(self.loss_settings(name).needs_rollout_logprobs for name in {s.adapter for s in samples})
         batches = self.micro_batches(samples, advantages, need_rollout_logprobs=need_rollout,
-                                     max_tokens=self.budget_tokens(samples))
-        self._remember_batch({s.adapter for s in samples} | set(samples_per_adapter))
+                                     max_tokens=self.budget_tokens(samples, trained), client=trained)
+        scored = [r for r in rows if not r.backward]
+        forwards = self.micro_batches([], [], max_tokens=self.budget_tokens([], scored), client=scored)
+        self._remember_batch({s.adapter for s in samples} | set(samples_per_adapter) | {r.adapter for r in trained})
         try:
             for batch in batches:
-                self.train_micro_batch(batch.to(self.device), stats)
+                if batch.client is None:
+                    self.train_micro_batch(batch.to(self.device), stats)
+                else:
+                    self.train_mixed_micro_batch(batch.to(self.device), stats, outputs)
+            for batch in forwards:
+                self.forward_client(batch.to(self.device), outputs)
             for name, n in samples_per_adapter.items():
                 self.adapters[name].schedule.add_samples(n)
         except BaseException:
             self.discard_batch()
             raise
-        return stats if self.model.reports_loss else {}
+        if not self.model.reports_loss:
+            return RankTrainResult(stats={})
+        by_work = [[outputs[(w, d)] for d in range(len(work.datums))] for w, work in enumerate(client)]
+        return RankTrainResult(stats=stats, client=by_work)
+
+    def _client_rows(self, client: Sequence[ClientWork]) -> list[ClientRow]:
+        """The client datums as validated rows; every work's adapter loaded in its slot."""
+        for work in client:
+            loaded = self.loaded(work.adapter)
+            if work.slot != loaded.spec.slot:
+                raise ValueError(f"client work of adapter '{work.adapter}' names slot {work.slot}, "
+                                 f"but the adapter is in slot {loaded.spec.slot}")
+        return client_rows(client, self.model.vocab_size)
 
     def micro_batches(self, samples: Sequence[Sample], advantages: Sequence[Advantage], *,
-                      need_rollout_logprobs: bool = False, max_tokens: int | None = None) -> list[MicroBatch]:
+                      need_rollout_logprobs: bool = False, max_tokens: int | None = None,
+                      client: Sequence[ClientRow] = ()) -> list[MicroBatch]:
         return make_micro_batches(samples, advantages, self.config.micro_batch_size,
                                   max_tokens=self.config.max_tokens_per_micro_batch or max_tokens,
-                                  need_rollout_logprobs=need_rollout_logprobs)
+                                  need_rollout_logprobs=need_rollout_logprobs, client=client)
 
-    def budget_tokens(self, samples: Sequence[Sample]) -> int | None:
+    def budget_tokens(self, samples: Sequence[Sample], client: Sequence[ClientRow] = ()) -> int | None:
         """Tokens per training micro-batch under the activation budget, where no micro-batch
         size was given; None: the whole batch."""
         budget = self.activation_budget
         if budget is None or self.config.micro_batch_size or self.config.max_tokens_per_micro_batch:
             return None
-        tokens = budget.max_tokens(samples)
+        tokens = budget.max_tokens(samples, [r.length for r in client])
         if tokens is not None and not budget.announced:
             budget.announced = True
             logger.info(
@@ -318,17 +402,52 @@ class TrainCore:
             rollout_logprobs_BT=rollout, ref_logprobs_BT=ref, entropy_BT=entropy, tis_args=self.config,
         )
         out.loss_B.sum().backward()
-        clipped_B = out.pg_clipfrac_B * out.tokens_B
-        rows = zip(batch.adapters, out.loss_B.tolist(), clipped_B.tolist(), out.tokens_B.tolist(),
-                   out.kl_loss_B.tolist(), out.tis_B.tolist())
-        for adapter, loss, clipped, tokens, kl, tis in rows:
-            s = stats.setdefault(adapter, LossSums())
-            s.loss_sum += loss
-            s.samples += 1
-            s.clipped_tokens += clipped
-            s.tokens += tokens
-            s.kl_sum += kl
-            s.tis_sum += tis
+        _add_stats(stats, batch.adapters, out)
+
+    def train_mixed_micro_batch(self, batch: MicroBatch, stats: dict[str, LossSums],
+                                outputs: dict[tuple[int, int], DatumOutput]) -> None:
+        """`train_micro_batch` of a micro-batch with client rows: one forward scoring every
+        row's targets, the samples' policy loss on rows ..n and each datum's Tinker loss after
+        them, one backward; puts each datum's output in `outputs` by (work, datum)."""
+        assert batch.client is not None
+        n, part = batch.n_samples, batch.client
+        targets_BL = batch.target_tokens_BL()
+        settings = [self.loss_settings(name) for name in batch.adapters[:n]]
+        ref = None
+        if any(s.use_kl_loss for s in settings):
+            with torch.no_grad():
+                ref = self.model.forward_logprobs(batch, [-1] * len(batch.slots), targets_BL=targets_BL)[:n, :-1]
+        entropy = None
+        if any(s.entropy_coef != 0 for s in settings):
+            logprobs_BL, entropy_BL = self.model.forward_logprobs(batch, batch.slots, entropy=True,
+                                                                  targets_BL=targets_BL)
+            entropy = entropy_BL[:n, :-1]
+        else:
+            logprobs_BL = self.model.forward_logprobs(batch, batch.slots, targets_BL=targets_BL)
+        terms = client_loss_terms(logprobs_BL[part.start :], part.inputs)
+        total = terms.loss_C.sum()
+        if n:
+            params = LossParams.gather(settings, list(range(n))).to(self.device)
+            logprobs = logprobs_BL[:n, :-1]
+            rollout = batch.rollout_logprobs_BT[:n] if any(s.needs_rollout_logprobs for s in settings) else None
+            out = policy_loss_terms(
+                logprobs, logprobs.detach(), batch.advantages_BT[:n], batch.loss_mask_BT[:n], params,
+                rollout_logprobs_BT=rollout, ref_logprobs_BT=ref, entropy_BT=entropy, tis_args=self.config,
+            )
+            total = total + out.loss_B.sum()
+            _add_stats(stats, batch.adapters[:n], out)
+        total.backward()
+        for row, output in zip(part.rows, datum_outputs(part.rows, logprobs_BL[part.start :], terms)):
+            outputs[(row.work, row.datum)] = output
+
+    @torch.no_grad()
+    def forward_client(self, batch: MicroBatch, outputs: dict[tuple[int, int], DatumOutput]) -> None:
+        """A micro-batch of client rows only, without grad (`forward`): their logprobs and losses."""
+        assert batch.client is not None and batch.n_samples == 0
+        logprobs_CL = self.model.forward_logprobs(batch, batch.slots, targets_BL=batch.target_tokens_BL())
+        terms = client_loss_terms(logprobs_CL, batch.client.inputs)
+        for row, output in zip(batch.client.rows, datum_outputs(batch.client.rows, logprobs_CL, terms)):
+            outputs[(row.work, row.datum)] = output
 
     def _remember_batch(self, names: set[str]) -> None:
         slots = sorted({self.adapters[name].spec.slot for name in names})
@@ -363,19 +482,33 @@ class TrainCore:
             if name in self.adapters:
                 self.adapters[name].schedule.samples_seen = seen
 
-    def step_adapters(self, names: Sequence[str]) -> dict[str, AdapterStepStats]:
-        """Optimizer step of the given adapters only; every rank must call it with the same names."""
+    def step_adapters(self, names: Sequence[str],
+                      adam: dict[str, AdamStep] | None = None) -> dict[str, AdapterStepStats]:
+        """Optimizer step of the given adapters only; every rank must call it with the same names.
+
+        A server-driven adapter steps with its LR schedule, its gradient scaled by
+        `1 / global_batch_size` and clipped by `--clip-grad`; one given an `AdamStep` in
+        `adam` (a client's `optim_step`) with that step's lr, betas, eps, weight decay and
+        clip norm (0: none), its gradient unscaled (Tinker's losses are sums), and no schedule.
+        """
+        adam = adam or {}
+        unknown = sorted(set(adam) - set(names))
+        if unknown:
+            raise ValueError(f"Adam settings given for {unknown}, "
+                             f"which are not among the adapters to step {sorted(names)}")
         loaded = [self.loaded(name) for name in sorted(names)]
         self._undo = None  # a batch that stepped is kept
         slots = [a.spec.slot for a in loaded]
         if slots:
             self.model.reduce_grads([g for slot in slots for g in self.optimizer.slot_grads(slot)])
-        lrs = {a.spec.name: a.schedule.begin_step() for a in loaded}
+        lrs = {a.spec.name: adam[a.spec.name].learning_rate if a.spec.name in adam else a.schedule.begin_step()
+               for a in loaded}
         norms = self.optimizer.step_slots(
-            [SlotStep(slot=a.spec.slot, lr=lrs[a.spec.name], grad_scale=1.0 / a.spec.global_batch_size)
-             for a in loaded],
+            [_slot_step(a.spec, lrs[a.spec.name], adam.get(a.spec.name)) for a in loaded],
             max_norm=self.config.clip_grad, slot_norm=self.model.slot_grad_norm,
         )
+        for a in loaded:
+            a.adam = adam.get(a.spec.name, a.adam)
         return {a.spec.name: AdapterStepStats(grad_norm=norms[a.spec.slot], lr=lrs[a.spec.name]) for a in loaded}
 
     @torch.no_grad()
@@ -428,8 +561,11 @@ class TrainCore:
         """The adapter's AdamW moments (whole, rank-sliced, by LoRA parameter name) and step count."""
         spec = self.loaded(name).spec
         exp_avg, exp_avg_sq, step = self.optimizer.slot_state(spec.slot)
+        adam = self.loaded(name).adam
         hyper = {"lr": spec.lr, "weight_decay": spec.weight_decay, "betas": list(self.optimizer.betas),
-                 "eps": self.optimizer.eps}
+                 "eps": self.optimizer.eps} if adam is None else \
+            {"lr": adam.learning_rate, "weight_decay": adam.weight_decay, "betas": [adam.beta1, adam.beta2],
+             "eps": adam.eps, "grad_clip_norm": adam.grad_clip_norm}
         return OptimizerState(exp_avg=self.model.whole_tensors(exp_avg, spec.rank),
                               exp_avg_sq=self.model.whole_tensors(exp_avg_sq, spec.rank), step=step, hyper=hyper)
 
@@ -467,6 +603,47 @@ class TrainCore:
             optimizer=optimizer, scheduler=scheduler, trainer_state=state, accumulated_grad=accumulated,
         )
         return str(path)
+
+    def save_client_state(self, name: str, directory: str) -> str:
+        """A client's `save_state`: weights and optimizer state written to `directory` (the
+        trainer state records the adapter's optimizer step count); '' on a rank that does not
+        write. Every rank that `gathers` must call."""
+        a = self.loaded(name)
+        spec = a.spec
+        if not self.model.gathers:
+            return ""
+        tensors = self.model.export_slot(spec.slot)
+        optimizer = self.optimizer_state(name)
+        if not self.model.writes:
+            return ""
+        state = TrainerState(name=name, step=optimizer.step, registration_id=spec.registration_id, rank=spec.rank,
+                             alpha=spec.alpha)
+        path = write_checkpoint_dir(
+            directory, write_adapter=lambda p: write_peft_dir(p, tensors, self.peft_config(spec)),
+            optimizer=optimizer, scheduler=a.schedule.state_dict(), trainer_state=state)
+        return str(path)
+
+    def load_client_state(self, name: str, directory: str, optimizer: bool = True) -> None:
+        """A client's `load_state`: the checkpoint's weights into the adapter's slot, and its
+        moments and step count when `optimizer` (else fresh ones); the pending gradient is
+        dropped. ValueError when it holds another rank or alpha than the adapter's."""
+        spec = self.loaded(name).spec
+        path = Path(directory)
+        ckpt = read_checkpoint(path)
+        if ckpt.trainer_state.rank != spec.rank or abs(ckpt.trainer_state.alpha - spec.alpha) > 1e-6:
+            raise ValueError(f"checkpoint {path} holds a rank-{ckpt.trainer_state.rank} alpha-"
+                             f"{ckpt.trainer_state.alpha} adapter but model '{name}' has rank {spec.rank} alpha "
+                             f"{spec.alpha}: load it into a model created with the same rank")
+        self.model.load_peft_dir(spec.slot, path)
+        self.optimizer.reset_slot(spec.slot)  # moments, step count and pending gradient
+        self.optimizer.configure_slot(spec.slot, rank=spec.rank, lr=spec.lr, weight_decay=spec.weight_decay)
+        if optimizer:
+            exp_avg = self.model.pad_slot_tensors(ckpt.optimizer.exp_avg, spec.slot, spec.rank, path,
+                                                  "optimizer state")
+            exp_avg_sq = self.model.pad_slot_tensors(ckpt.optimizer.exp_avg_sq, spec.slot, spec.rank, path,
+                                                     "optimizer state")
+            self.optimizer.load_slot_state(spec.slot, exp_avg, exp_avg_sq, ckpt.optimizer.step)
+        self._undo = None
 
     def _checkpoint_state(self, name: str, step: int, data_position: DataPosition | None,
                           accumulated: AccumulatedGrad | None) -> tuple[TrainerState, dict[str, Any]]:

@@ -44,16 +44,22 @@ class TrainModel(Protocol):
     rank gathers alone; Megatron: the TP group of replica 0)."""
     writes: bool
     """Whether this rank's gathers hold the whole tensors, so it can write a checkpoint."""
+    vocab_size: int
+    """Tokens the model scores (a client datum's tokens and targets must be below it)."""
     slot_grad_norm: SlotNorm | None
     """The norm of one slot's gradient when its tensors are sharded over ranks (Megatron: over
     TP, `SlotAdamW.step_slots(slot_norm=...)`); None: this rank holds whole rows, and the
     optimizer's fused step takes each slot's norm itself."""
 
-    def forward_logprobs(self, batch: MicroBatch, slots: list[int], *,
-                         entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    def forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: bool = False,
+                         targets_BL: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Next-token logprobs [B, L-1] of `batch` with one slot per row (-1: the base alone);
         with `entropy`, also the entropy of each of those next-token distributions [B, L-1].
-        Only response positions are read."""
+        Only response positions are read.
+
+        With `targets_BL` (a mixed batch's `target_tokens_BL`): the logprob of
+        `targets_BL[:, t]` at every position t, [B, L] (and the entropy [B, L]); every
+        position is computed (client rows read them all)."""
 
     def init_slot(self, slot: int, *, rank: int, alpha: float, generator: torch.Generator) -> None:
         """A fresh adapter in `slot`: A drawn from `generator`, B zero."""

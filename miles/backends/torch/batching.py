@@ -10,6 +10,11 @@ are laid out on the `L - 1` next-token positions:
     for mb in make_micro_batches(samples, advantages, micro_batch_size=8):
         logits = model(mb.input_ids_BL, ..., logits_to_keep=logits_to_keep(mb)).logits
         logprobs_BT = next_token_logprobs(logits, mb.input_ids_BL)
+
+Client datums (`client_loss.ClientRow`) join the same micro-batches: a mixed micro-batch
+holds its RL samples in rows 0..R-1 and its client datums after them (`MicroBatch.client`),
+all in one forward; every position of a client row scores its datum's own target token
+(`MicroBatch.target_tokens_BL`, `target_logprobs`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles.backends.torch.client_loss import ClientInputs, ClientRow
 from miles.utils.types import Sample
 
 MIN_ROW_TOKENS = 2
@@ -34,6 +40,19 @@ micro-batches of up to 704 tokens peak at 0.19-0.21 of the memory of 8 PEFT trai
 against 0.32-0.34 for the whole batch (512 MiB: 0.16); their step took 0.98-1.15x the
 whole batch's by wall clock in three runs on a shared VM, the same by process CPU time.
 The 60M and tiny benchmark models' batches fit and stay one forward."""
+
+
+@dataclass
+class ClientPart:
+    """The client datums of a micro-batch: its rows `start`.. (after its RL samples)."""
+
+    start: int
+    rows: list[ClientRow]
+    inputs: ClientInputs
+    """Their loss inputs, padded to the micro-batch's length."""
+
+    def to(self, device: torch.device | str) -> ClientPart:
+        return ClientPart(start=self.start, rows=self.rows, inputs=self.inputs.to(device))
 
 
 @dataclass
@@ -53,7 +72,22 @@ class MicroBatch:
     slots: list[int]
     adapters: list[str]
     indices: list[int]
-    """Position of each row's sample in the list given to `make_micro_batches`."""
+    """Position of each RL row's sample in the list given to `make_micro_batches`."""
+    client: ClientPart | None = None
+    """Client datums after the RL rows (their RL fields are zero); None: RL samples only."""
+
+    @property
+    def n_samples(self) -> int:
+        """Rows 0..n_samples-1 are RL samples."""
+        return len(self.indices)
+
+    def target_tokens_BL(self) -> Tensor:
+        """The token each position scores: an RL row's next token (its last position: the pad
+        id, scored by nothing), a client row's datum target."""
+        next_BL = torch.nn.functional.pad(self.input_ids_BL[:, 1:], (0, 1))
+        if self.client is None:
+            return next_BL
+        return torch.cat([next_BL[: self.client.start], self.client.inputs.targets_CL.to(next_BL.device)])
 
     def to(self, device: torch.device | str) -> MicroBatch:
         return MicroBatch(
@@ -66,6 +100,7 @@ class MicroBatch:
             slots=self.slots,
             adapters=self.adapters,
             indices=self.indices,
+            client=None if self.client is None else self.client.to(device),
         )
 
 
@@ -81,8 +116,12 @@ def make_micro_batches(
     max_tokens: int | None = None,
     pad_id: int = 0,
     need_rollout_logprobs: bool = False,
+    client: Sequence[ClientRow] = (),
 ) -> list[MicroBatch]:
     """Sort by slot (stable), split into micro-batches and pad each on the right.
+
+    `client` rows are cut with the samples by the same rules (their length: their tokens)
+    and put after the samples of their micro-batch.
 
     With `max_tokens` (`--use-dynamic-batch-size --max-tokens-per-gpu`) the samples are
     ordered by slot, then length, and packed greedily so that no micro-batch holds more
@@ -99,21 +138,27 @@ def make_micro_batches(
                 f"sample {sample.group_index}/{sample.index} of adapter '{sample.adapter}' has "
                 f"{len(advantage)} token advantages for {len(sample.response_ids)} response tokens"
             )
+    slots = [s.slot for s in samples] + [r.slot for r in client]
     if max_tokens is not None:
-        chunks = _pack_by_tokens(samples, max_tokens)
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples] + [r.length for r in client]
+        chunks = _pack_by_tokens(slots, lengths, max_tokens)
     else:
-        order = sorted(range(len(samples)), key=lambda i: samples[i].slot)
+        order = sorted(range(len(slots)), key=lambda i: slots[i])
         size = micro_batch_size or max(1, len(order))
         chunks = [order[i : i + size] for i in range(0, len(order), size)]
-    return [_pad([samples[i] for i in chunk], [advantages[i] for i in chunk], chunk, pad_id) for chunk in chunks]
+    if not client:
+        return [_pad([samples[i] for i in chunk], [advantages[i] for i in chunk], chunk, pad_id) for chunk in chunks]
+    n = len(samples)
+    return [_pad_mixed([i for i in chunk if i < n], [client[i - n] for i in chunk if i >= n], samples, advantages,
+                       pad_id) for chunk in chunks]
 
 
-def _pack_by_tokens(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
-    """Sample indices in (slot, length) order, cut where the padded size would pass the budget."""
+def _pack_by_tokens(slots: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices in (slot, length) order, cut where the padded size would pass the budget."""
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
-    lengths = [max(len(s.prompt_ids) + len(s.response_ids), MIN_ROW_TOKENS) for s in samples]
-    order = sorted(range(len(samples)), key=lambda i: (samples[i].slot, lengths[i]))
+    lengths = [max(n, MIN_ROW_TOKENS) for n in lengths]
+    order = sorted(range(len(slots)), key=lambda i: (slots[i], lengths[i]))
     chunks: list[list[int]] = []
     longest = 0
     for i in order:
@@ -143,9 +188,37 @@ def _check_sample(sample: Sample, need_rollout_logprobs: bool) -> None:
         )
 
 
-def _pad(samples: list[Sample], advantages: list[Advantage], indices: list[int], pad_id: int) -> MicroBatch:
+def _pad_mixed(indices: list[int], rows: list[ClientRow], samples: Sequence[Sample],
+               advantages: Sequence[Advantage], pad_id: int) -> MicroBatch:
+    """The samples `indices`, then the client `rows`, padded to one length."""
+    chosen = [samples[i] for i in indices]
+    length = max([len(s.prompt_ids) + len(s.response_ids) for s in chosen] + [r.length for r in rows])
+    mb = _pad(chosen, [advantages[i] for i in indices], indices, pad_id, length=length)
+    ids = torch.full((len(rows), mb.input_ids_BL.shape[1]), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for c, row in enumerate(rows):
+        ids[c, : row.length] = torch.tensor(row.tokens, dtype=torch.long)
+        attention[c, : row.length] = 1
+    zeros_CT = torch.zeros((len(rows), mb.response_mask_BT.shape[1]), dtype=torch.float32)
+    return MicroBatch(
+        input_ids_BL=torch.cat([mb.input_ids_BL, ids]),
+        attention_mask_BL=torch.cat([mb.attention_mask_BL, attention]),
+        response_mask_BT=torch.cat([mb.response_mask_BT, zeros_CT]),
+        loss_mask_BT=torch.cat([mb.loss_mask_BT, zeros_CT]),
+        rollout_logprobs_BT=torch.cat([mb.rollout_logprobs_BT, zeros_CT]),
+        advantages_BT=torch.cat([mb.advantages_BT, zeros_CT]),
+        slots=mb.slots + [r.slot for r in rows],
+        adapters=mb.adapters + [r.adapter for r in rows],
+        indices=mb.indices,
+        client=ClientPart(start=len(chosen), rows=rows, inputs=ClientInputs.collate(rows, ids.shape[1])),
+    )
+
+
+def _pad(samples: list[Sample], advantages: list[Advantage], indices: list[int], pad_id: int,
+         length: int | None = None) -> MicroBatch:
+    """`length`: pad to at least that many tokens (default: the longest sample's)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    batch, length = len(samples), max(max(lengths), MIN_ROW_TOKENS)
+    batch, length = len(samples), max(lengths + ([] if length is None else [length]) + [MIN_ROW_TOKENS])
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
     attention = torch.zeros((batch, length), dtype=torch.long)
     response_mask = torch.zeros((batch, length - 1), dtype=torch.float32)
@@ -196,6 +269,17 @@ def next_token_logprobs(logits_BKV: Tensor, input_ids_BL: Tensor, *, chunk_eleme
     return torch.nn.functional.pad(logprobs_BK, (length - n_keep, 0))
 
 
+def target_logprobs(logits_BLV: Tensor, targets_BL: Tensor, *, chunk_elements: int = 2**20) -> Tensor:
+    """log softmax(logits)[target] at every position, in float32, shape [B, L]: position t
+    scores `targets_BL[:, t]` (any token), a block of about `chunk_elements` logits at a
+    time, as `next_token_logprobs` does."""
+    if logits_BLV.shape[:2] != targets_BL.shape:
+        raise ValueError(f"logits cover {list(logits_BLV.shape[:2])} positions, "
+                         f"the targets {list(targets_BL.shape)}")
+    block_tokens = max(1, chunk_elements // logits_BLV.shape[-1])
+    return _ChunkedTokenLogprobs.apply(logits_BLV, targets_BL, block_tokens)
+
+
 def logits_to_keep(batch: MicroBatch) -> int:
     """How many final positions of `batch` need logits: from the first position that
     predicts a response token (in any row) to the end. Pass it as the forward's
@@ -216,7 +300,8 @@ def _blocks(batch: int, n_pos: int, block_tokens: int) -> list[tuple[slice, slic
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """logit[target] - logsumexp(logits) over positions 0..K-2 of [B, K, V] logits."""
+    """logit[target] - logsumexp(logits) over positions 0..T-1 of [B, K, V] logits, T = K - 1
+    (next tokens: the last position predicts nothing) or K (`target_logprobs`)."""
 
     @staticmethod
     def forward(ctx, logits_BKV: Tensor, targets_BT: Tensor, block_tokens: int) -> Tensor:  # type: ignore[override]
@@ -235,10 +320,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_BT: Tensor):  # type: ignore[override]
         logits_BKV, targets_BT, lse_BT = ctx.saved_tensors
-        # The blocks cover every position but the last (it predicts nothing): only that one
-        # is zeroed, not the whole [B, K, V] gradient.
+        # The blocks cover every position with a target (next tokens: all but the last, which
+        # predicts nothing): only the others are zeroed, not the whole [B, K, V] gradient.
         grad_logits = torch.empty_like(logits_BKV)
-        grad_logits[:, -1] = 0
+        grad_logits[:, targets_BT.shape[1] :] = 0
         grad_BT = grad_BT.float()
         for rows, pos in ctx.blocks:
             g_bt1 = grad_BT[rows, pos, None]
@@ -284,11 +369,13 @@ def activation_bytes_per_token(model_config: Any, dtype_bytes: int, recompute_gr
     return floats * dtype_bytes
 
 
-def activation_token_budget(samples: Sequence[Sample], budget_bytes: int, bytes_per_token: int) -> int | None:
+def activation_token_budget(samples: Sequence[Sample], budget_bytes: int, bytes_per_token: int,
+                            extra_lengths: Sequence[int] = ()) -> int | None:
     """The `max_tokens` of `make_micro_batches` that keeps each micro-batch's activations
     within `budget_bytes`, evened out over the micro-batches needed; None when the whole
-    (padded) batch fits."""
+    (padded) batch fits. `extra_lengths`: the tokens of the client rows trained with them."""
     lengths = [max(len(s.prompt_ids) + len(s.response_ids), MIN_ROW_TOKENS) for s in samples]
+    lengths += [max(n, MIN_ROW_TOKENS) for n in extra_lengths]
     if not lengths:
         return None
     longest = max(lengths)
@@ -309,5 +396,5 @@ class ActivationBudget:
     announced: bool = False
     """Whether a split has been logged (once per rank)."""
 
-    def max_tokens(self, samples: Sequence[Sample]) -> int | None:
-        return activation_token_budget(samples, self.budget_bytes, self.bytes_per_token)
+    def max_tokens(self, samples: Sequence[Sample], extra_lengths: Sequence[int] = ()) -> int | None:
+        return activation_token_budget(samples, self.budget_bytes, self.bytes_per_token, extra_lengths)

@@ -128,14 +128,30 @@ def write_checkpoint(
     """Write `{save_dir}/checkpoints/step_{step}` atomically (replacing one of that step).
 
     With `accumulated_grad`, `trainer_state` must record the same groups and samples."""
+    return write_checkpoint_dir(checkpoints_root(save_dir) / f"step_{step}", write_adapter=write_adapter,
+                                optimizer=optimizer, scheduler=scheduler, trainer_state=trainer_state,
+                                accumulated_grad=accumulated_grad)
+
+
+def write_checkpoint_dir(
+    final: str | Path,
+    *,
+    write_adapter: Callable[[Path], object],
+    optimizer: OptimizerState,
+    scheduler: dict[str, Any],
+    trainer_state: TrainerState,
+    accumulated_grad: AccumulatedGrad | None = None,
+) -> Path:
+    """Write a checkpoint to the directory `final` atomically (replacing one there): what
+    `write_checkpoint` writes under its step's name, and a client's `save_state` where it asks."""
     covered = (0, 0) if accumulated_grad is None else (accumulated_grad.groups, accumulated_grad.samples)
     if covered != (trainer_state.accumulated_groups, trainer_state.accumulated_samples):
         raise ValueError(f"the trainer state records {trainer_state.accumulated_groups} accumulated groups, "
                          f"{trainer_state.accumulated_samples} samples, but the gradient given covers {covered}")
-    root = checkpoints_root(save_dir)
+    final = Path(final)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step}"
-    tmp = root / f".tmp-step_{step}-{uuid.uuid4().hex}"
+    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex}"
     try:
         write_adapter(tmp)  # creates `tmp` (a PEFT writer places its directory itself)
         missing = [name for name in PEFT_FILES if not (tmp / name).is_file()]

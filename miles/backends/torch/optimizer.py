@@ -21,6 +21,12 @@ zero the gradients) in one fused pass over all their rows:
 
     norms = opt.step_slots([SlotStep(slot=0, lr=1e-4, grad_scale=1 / 64), SlotStep(slot=2, lr=3e-4)], max_norm=1.0)
 
+A step may carry its own AdamW settings (a Tinker `optim_step`'s `AdamParams`): betas, eps,
+weight decay and clip norm, each None for the optimizer's betas and eps, the slot's weight
+decay and the call's `max_norm`:
+
+    opt.step_slots([SlotStep(slot=3, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, max_norm=0.0)], 1.0)
+
 Where a slot's gradient is sharded over ranks (Megatron's tensor parallelism), its norm
 is taken over every shard by the `slot_norm` it is given, and the slots step one by one:
 
@@ -48,6 +54,14 @@ class SlotStep:
     lr: float
     grad_scale: float = 1.0
     """The slot's gradient is multiplied by this before clipping (1 / global batch size)."""
+    betas: tuple[float, float] | None = None
+    """None: the optimizer's."""
+    eps: float | None = None
+    """None: the optimizer's."""
+    weight_decay: float | None = None
+    """Decoupled, as AdamW's; None: the slot's (`configure_slot`)."""
+    max_norm: float | None = None
+    """Clip norm of this slot's gradient (<= 0: no clipping); None: the call's `max_norm`."""
 
 
 @dataclass
@@ -175,6 +189,7 @@ class SlotAdamW:
         if slot_norm is not None:
             return {s.slot: self._step_sharded(s, max_norm, slot_norm) for s in steps}
         steps = sorted(steps, key=lambda s: s.slot)
+        own_norms = any(s.max_norm is not None for s in steps)
         self._ensure_grads()
         for s in steps:
             self._mask(s.slot)
@@ -188,22 +203,35 @@ class SlotAdamW:
         for run_grads, scale_R in zip(grads, scale_S.split(lengths)):
             _mul_rows(run_grads, scale_R)
         norm_S = torch.cat([_row_norms(run_grads) for run_grads in grads])
-        if max_norm > 0:
+        coef_S = None
+        if own_norms:  # a slot's own clip norm; <= 0: a factor of exactly 1
+            max_S = torch.tensor([max_norm if s.max_norm is None else s.max_norm for s in steps],
+                                 dtype=torch.float32, device=norm_S.device)
+            coef_S = torch.where(max_S > 0, torch.clamp(max_S / (norm_S + 1e-6), max=1.0), torch.ones_like(norm_S))
+        elif max_norm > 0:
             coef_S = torch.clamp(max_norm / (norm_S + 1e-6), max=1.0)
+        if coef_S is not None:
             for run_grads, coef_R in zip(grads, coef_S.split(lengths)):
                 _mul_rows(run_grads, coef_R)
         for block in self._blocks(steps):
-            self._adamw_rows(block[0].slot, block[-1].slot + 1, block[0].lr)
+            self._adamw_rows(block[0].slot, block[-1].slot + 1, block[0].lr, **self._settings(block[0]))
         torch._foreach_zero_([g for run_grads in grads for g in run_grads])
         return dict(zip([s.slot for s in steps], norm_S.tolist()))
 
     def _step_sharded(self, step: SlotStep, max_norm: float, slot_norm: SlotNorm) -> float:
         self.mask_slot_grad(step.slot)
         self.scale_slot_grad(step.slot, step.grad_scale)
-        norm = self._clip(self.slot_grads(step.slot), max_norm, slot_norm)
-        self.step_slot(step.slot, step.lr)
+        norm = self._clip(self.slot_grads(step.slot), max_norm if step.max_norm is None else step.max_norm, slot_norm)
+        self._adamw_rows(step.slot, step.slot + 1, step.lr, **self._settings(step))
         self.zero_slot_grad(step.slot)
         return norm
+
+    def _settings(self, step: SlotStep) -> dict[str, float]:
+        """The AdamW scalars of `step` besides its lr: its own, else the optimizer's and the slot's."""
+        beta1, beta2 = self.betas if step.betas is None else step.betas
+        return {"beta1": beta1, "beta2": beta2, "eps": self.eps if step.eps is None else step.eps,
+                "weight_decay": self._hparams(step.slot).weight_decay if step.weight_decay is None
+                else step.weight_decay}
 
     @staticmethod
     def _runs(slots: list[int]) -> list[tuple[int, int]]:
@@ -217,23 +245,30 @@ class SlotAdamW:
         return runs
 
     def _blocks(self, steps: list[SlotStep]) -> list[list[SlotStep]]:
-        """Runs of consecutive slots whose AdamW scalars are equal (lr, weight decay, step
-        count): each run is updated as one slice of every parameter."""
+        """Runs of consecutive slots whose AdamW scalars are equal (lr, betas, eps, weight
+        decay, step count): each run is updated as one slice of every parameter."""
         blocks: list[list[SlotStep]] = []
+
+        def key(s: SlotStep) -> tuple:
+            return s.lr, tuple(sorted(self._settings(s).items())), self.steps[s.slot]
+
         for s in steps:
-            key = (s.lr, self._hparams(s.slot).weight_decay, self.steps[s.slot])
             last = blocks[-1][-1] if blocks else None
-            if last is not None and last.slot + 1 == s.slot and \
-                    (last.lr, self._hparams(last.slot).weight_decay, self.steps[last.slot]) == key:
+            if last is not None and last.slot + 1 == s.slot and key(last) == key(s):
                 blocks[-1].append(s)
             else:
                 blocks.append([s])
         return blocks
 
-    def _adamw_rows(self, start: int, stop: int, lr: float) -> None:
-        """AdamW on rows start..stop-1 (gradients already masked), which share lr, weight
-        decay and step count: torch's fused AdamW kernel, one call over every parameter."""
-        beta1, beta2 = self.betas
+    def _adamw_rows(self, start: int, stop: int, lr: float, *, beta1: float | None = None,
+                    beta2: float | None = None, eps: float | None = None, weight_decay: float | None = None) -> None:
+        """AdamW on rows start..stop-1 (gradients already masked), which share lr, betas, eps,
+        weight decay and step count: torch's fused AdamW kernel, one call over every
+        parameter. None: the optimizer's betas and eps, the slot's weight decay."""
+        beta1 = self.betas[0] if beta1 is None else beta1
+        beta2 = self.betas[1] if beta2 is None else beta2
+        eps = self.eps if eps is None else eps
+        weight_decay = self._hparams(start).weight_decay if weight_decay is None else weight_decay
         for slot in range(start, stop):
             self.steps[slot] += 1
         step = torch.tensor(float(self.steps[start]), device=self.params[0][0].device)
@@ -245,7 +280,7 @@ class SlotAdamW:
             [v[start:stop] for v in self.exp_avg_sq],
             [],
             [step] * len(self.params),
-            lr=lr, beta1=beta1, beta2=beta2, weight_decay=self._hparams(start).weight_decay, eps=self.eps,
+            lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
             amsgrad=False, maximize=False,
         )
         # The fused kernel writes without bumping the weights' version counters, which the

@@ -9,6 +9,8 @@ over gloo on CPU or nccl on GPU; `--train-actor-path` names a subclass to run in
     await group.load_adapter(spec)                  # every rank; resumes from a checkpoint
     result = await group.train(rollout_id, batch)   # groups split whole over the ranks
     await group.step_adapters(batch.step_names)
+    result = await group.train(rollout_id, batch, client=works)   # client datums dealt over the replicas
+    await group.step_adapters(["sft-1"], adam={"sft-1": AdamStep(learning_rate=1e-4)})
     export = await group.export_adapter(name)       # rank 0's tensors, for a weight push
     await group.join_update_group(spec)             # rank 0 joins the engines' update group ...
     await group.broadcast_adapter(export)           # ... and broadcasts the export over it
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +43,11 @@ from miles.backends.base import (
 )
 from miles.backends.rank.actor import ExportDescription, TrainRank
 from miles.backends.rank.config import TrainActorConfig
-from miles.backends.rank.core import GradShare, LossSums
+from miles.backends.rank.core import GradShare, LossSums, RankTrainResult
 from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.batching import Advantage
 from miles.backends.torch.checkpoint import AccumulatedGrad, latest_checkpoint
+from miles.backends.torch.client_loss import client_rows
 from miles.backends.torch.loss import adapter_token_advantages, needs_reward_kl
 from miles.lora.weight_sync import UpdateGroupSpec
 from miles.utils import placement
@@ -52,6 +55,7 @@ from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
 from miles.utils.plugins import load_subclass
 from miles.utils.types import RolloutBatch
+from miles.utils.types.client import AdamStep, ClientWork, DatumOutput
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +120,8 @@ class TrainGroup:
         """The class each rank runs: `actor_class`, or the subclass `config.actor_path` names."""
         self._actors: list[Any] = []
         self._specs: dict[str, AdapterSpec] = {}
+        self._vocab_size: int | None = None
+        """The model's vocabulary (client datums are checked against it before any rank trains)."""
         """Loaded adapters (what every rank holds)."""
         self._placement: Any = None
         """The rank actors' placement group (one bundle per rank)."""
@@ -150,6 +156,7 @@ class TrainGroup:
         threads = sorted(set(await self._all("ready")))
         address = await self._actors[0].master_address.remote(self.config.master_host)
         await self._all("init_process_group", address)  # a one-rank torch group returns at once
+        self._vocab_size = await self._actors[0].vocab_size.remote()
         logger.info("Started %s; torch threads per rank: %s", self._layout(), "/".join(map(str, threads)))
 
     def _layout(self) -> str:
@@ -208,27 +215,32 @@ class TrainGroup:
 
     # ---- training --------------------------------------------------------------------
 
-    async def train(self, rollout_id: int, batch: RolloutBatch) -> TrainResult:
-        """Advantages over whole groups, groups split over ranks, forward and backward."""
-        samples = batch.samples
-        if not samples:
+    async def train(self, rollout_id: int, batch: RolloutBatch, client: Sequence[ClientWork] = ()) -> TrainResult:
+        """Advantages over whole groups, groups split over ranks, client datums dealt over the
+        replicas, forward and backward."""
+        samples, client = batch.samples, list(client)
+        if not samples and not client:
             return TrainResult()
-        missing = sorted({s.adapter for s in samples} - set(self._specs))
+        missing = sorted(({s.adapter for s in samples} | {w.adapter for w in client}) - set(self._specs))
         if missing:
-            raise RuntimeError(f"rollout {rollout_id} has samples of adapters not loaded on the trainer: {missing}; "
-                               "adapters must be loaded before generation")
+            raise RuntimeError(f"rollout {rollout_id} has samples or client work of adapters not loaded on the "
+                               f"trainer: {missing}; adapters must be loaded before generation")
+        client_rows(client, self._vocab_size)  # a bad datum fails here, its field named, before any rank trains
         parts = self._rank_parts(batch)
         try:
             reward_kl = await self._reward_kl(batch, parts)
         except Exception as exc:
             raise _rank_error(exc, f"scoring rollout {rollout_id}") from exc
-        advantages = self._advantages(batch, reward_kl)
+        advantages = self._advantages(batch, reward_kl) if samples else []
         counts: dict[str, int] = {}
         for sample in samples:
             counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
+        replicas = self._replicas()
+        picks = deal_datums(client, max(replicas) + 1)
         per_rank = await asyncio.gather(*(
-            actor.train.remote([samples[i] for i in part], [advantages[i] for i in part], counts)
-            for actor, part in zip(self._actors, parts)
+            actor.train_batch.remote([samples[i] for i in part], [advantages[i] for i in part], counts,
+                                     _client_share(client, picks[replica]))
+            for actor, part, replica in zip(self._actors, parts, replicas)
         ), return_exceptions=True)
         failures = [out for out in per_rank if isinstance(out, BaseException)]
         if failures:
@@ -236,11 +248,18 @@ class TrainGroup:
             # the batch counts on no rank and a later batch is not counted twice.
             await asyncio.gather(*(actor.discard_batch.remote() for actor in self._actors), return_exceptions=True)
             raise _rank_error(failures[0], f"training rollout {rollout_id}")
-        return TrainResult(samples=len(samples), adapters=_adapter_stats(per_rank))
+        results: list[RankTrainResult] = per_rank  # type: ignore[assignment]
+        return TrainResult(samples=len(samples), adapters=_adapter_stats([r.stats for r in results]),
+                           client=_client_outputs(client, results, [picks[replica] for replica in replicas]))
 
     def _rank_parts(self, batch: RolloutBatch) -> list[list[int]]:
         """Sample indices of each rank: whole prompt groups, dealt over the ranks."""
         return split_prompt_groups(batch.prompt_group_sizes, len(self._actors))
+
+    def _replicas(self) -> list[int]:
+        """The data-parallel replica of each rank (a torch rank is one); the ranks of a replica
+        train the same client datums."""
+        return list(range(len(self._actors)))
 
     def _settings(self, name: str) -> LossSettings:
         return self._specs[name].loss or self.config.actor.loss
@@ -274,14 +293,27 @@ class TrainGroup:
                 out[i] = kl
         return out
 
-    async def step_adapters(self, names: list[str]) -> dict[str, AdapterStepStats]:
-        """Every rank steps the same adapters (their gradients are summed over ranks first)."""
+    async def step_adapters(self, names: list[str],
+                            adam: dict[str, AdamStep] | None = None) -> dict[str, AdapterStepStats]:
+        """Every rank steps the same adapters (their gradients are summed over ranks first),
+        those in `adam` with their own Adam settings."""
         names = sorted(set(names))
+        unknown = sorted(set(adam or {}) - set(names))
+        if unknown:
+            raise ValueError(f"Adam settings given for {unknown}, which are not among the adapters to step {names}")
         if not names:
             return {}
-        return (await self._all("step_adapters", names))[0]
+        return (await self._all("step_adapters", names, adam))[0]
 
     # ---- checkpoints -------------------------------------------------------------------
+
+    async def save_client_state(self, name: str, directory: str) -> Path:
+        """Rank 0 writes it (every rank holds the same weights and moments)."""
+        return Path(await self._actors[0].save_client_state.remote(name, directory))
+
+    async def load_client_state(self, name: str, directory: str, *, optimizer: bool = True) -> None:
+        """Every rank loads it."""
+        await self._all("load_client_state", name, directory, optimizer)
 
     async def save_adapter(self, request: SaveRequest) -> Path:
         """The first live rank writes it (every rank holds the same weights, moments and clock),
@@ -350,6 +382,43 @@ def _rank_error(exc: BaseException, doing: str) -> BaseException:
     if isinstance(exc, ray.exceptions.RayActorError):
         return TrainRankLostError(f"a train rank died while {doing}: {exc}")
     return exc
+
+
+def deal_datums(client: Sequence[ClientWork], n_replicas: int) -> list[list[list[int]]]:
+    """`picks[replica][work]`: the datum indices of each work that a replica trains. Datums
+    are dealt round robin over the replicas across all works (any split gives the same
+    update: each datum's loss is its own and gradients are summed over replicas).
+
+    Works of 3 and 1 datums over 2 replicas: `[[[0, 2], []], [[1], [0]]]`.
+    """
+    picks: list[list[list[int]]] = [[[] for _ in client] for _ in range(n_replicas)]
+    k = 0
+    for w, work in enumerate(client):
+        for d in range(len(work.datums)):
+            picks[k % n_replicas][w].append(d)
+            k += 1
+    return picks
+
+
+def _client_share(client: Sequence[ClientWork], picks: list[list[int]]) -> list[ClientWork]:
+    """Every work with only the datums `picks` names (possibly none)."""
+    return [replace(work, datums=[work.datums[d] for d in chosen]) for work, chosen in zip(client, picks)]
+
+
+def _client_outputs(client: Sequence[ClientWork], results: Sequence[RankTrainResult],
+                    picks: Sequence[list[list[int]]]) -> list[list[DatumOutput]]:
+    """Each work's datum outputs in order, from the ranks that report (`picks[rank]`: the datums it trained)."""
+    out: list[list[DatumOutput | None]] = [[None] * len(work.datums) for work in client]
+    for result, rank_picks in zip(results, picks):
+        if result.client is None:
+            continue
+        for w, (chosen, outputs) in enumerate(zip(rank_picks, result.client)):
+            for d, output in zip(chosen, outputs):
+                out[w][d] = output
+    missing = [(w, d) for w, outputs in enumerate(out) for d, output in enumerate(outputs) if output is None]
+    if missing:
+        raise RuntimeError(f"no train rank reported the outputs of client datums (work, datum) {missing[:5]}")
+    return [[o for o in outputs if o is not None] for outputs in out]
 
 
 def _adapter_stats(per_rank: list[dict[str, LossSums]]) -> dict[str, AdapterTrainStats]:

@@ -25,6 +25,7 @@ from miles.backends.torch.batching import (
     activation_bytes_per_token,
     logits_to_keep,
     next_token_logprobs,
+    target_logprobs,
 )
 from miles.backends.torch.lm_head import CHUNK_LOGITS, fused_head_weight, lm_head_logprobs
 from miles.backends.torch.loss import entropy_from_logits
@@ -84,6 +85,7 @@ class TorchTrainModel:
         self.target_modules = sorted({n.rsplit(".", 1)[-1] for n in module_names})
         self.dp_rank = rank
         self.world_size = world_size
+        self.vocab_size: int = self.module.config.get_text_config().vocab_size
 
     def activation_budget(self, config: TrainActorConfig) -> ActivationBudget | None:
         """Micro-batches sized by `config.activation_budget_mb` (default: on CPU only) and this
@@ -97,9 +99,10 @@ class TorchTrainModel:
             self.module.config, torch.finfo(config.torch_dtype).bits // 8, config.recompute_granularity,
         ))
 
-    def forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: bool = False) -> Any:
+    def forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: bool = False,
+                         targets_BL: Tensor | None = None) -> Any:
         """Next-token logprobs [B, L-1]; with `entropy`, also the entropy of each of those
-        next-token distributions [B, L-1].
+        next-token distributions [B, L-1]. With `targets_BL`: `_target_logprobs`.
 
         The LM head runs on the response window only (`logits_to_keep`): no logits, log-softmax
         or their gradients for prompt positions that predict no response token in any row.
@@ -109,6 +112,8 @@ class TorchTrainModel:
         large (`FUSED_HEAD_MIN_LOGITS`), it is fused with the logprobs (`lm_head_logprobs`):
         no [B, K, vocab] logits or gradient are ever held.
         """
+        if targets_BL is not None:
+            return self._target_logprobs(batch, slots, targets_BL, entropy)
         model = self.module
         length, keep = batch.input_ids_BL.shape[1], logits_to_keep(batch)
         vocab = model.config.get_text_config().vocab_size
@@ -141,6 +146,25 @@ class TorchTrainModel:
         # kept position k predicts token L - keep + k + 1; the last kept one predicts nothing
         entropy_BT = entropy_from_logits(logits_BKV[:, :-1])
         return logprobs_BT, torch.nn.functional.pad(entropy_BT, (logprobs_BT.shape[1] - entropy_BT.shape[1], 0))
+
+    def _target_logprobs(self, batch: MicroBatch, slots: list[int], targets_BL: Tensor, entropy: bool) -> Any:
+        """The logprob of `targets_BL[:, t]` at every position t, [B, L] (with `entropy`, also
+        each position's entropy): the whole sequence's logits, through the fused head where
+        `forward_logprobs` would fuse it."""
+        model = self.module
+        batch_size, length = batch.input_ids_BL.shape
+        head_VH = fused_head_weight(model)
+        if head_VH is not None and batch_size * length * self.vocab_size > FUSED_HEAD_MIN_LOGITS:
+            with use_slots(model, slots):
+                hidden_BLH = model.get_decoder()(
+                    input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False,
+                ).last_hidden_state
+            return lm_head_logprobs(hidden_BLH, head_VH, targets_BL, entropy=entropy)
+        with use_slots(model, slots):
+            logits_BLV = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                               use_cache=False).logits
+        logprobs_BL = target_logprobs(logits_BLV, targets_BL)
+        return (logprobs_BL, entropy_from_logits(logits_BLV)) if entropy else logprobs_BL
 
     # ---- slots ---------------------------------------------------------------------------
 

@@ -21,9 +21,23 @@ LoRA semantics follow `lora_update`:
 - `versioned`: as SGLang 0.5 does: no upsert (loading a loaded name is HTTP 400
   "... already loaded") and no broadcast load.
 Either way, as SGLang: unloading stops new requests for the name at once, waits for
-the requests already using it to finish, then frees the slot; an unknown name is 400;
-with `max_loaded_loras`, loading past the limit first evicts the least recently used
-unpinned adapter.
+the requests already using it to finish, then frees the slot; an unknown name is 400.
+
+Eviction and reload (`max_loaded_loras`), as SGLang since sgl-project/sglang#11526
+(October 2025): loading past the limit first evicts the least recently used adapter
+that is not pinned, and a `/generate` naming an adapter that was evicted reloads it from
+the directory it was loaded from before serving it (evicting another if need be). A
+name never loaded, or unloaded explicitly, is not reloaded: 400 "... not loaded". This
+is what keeps immutable sampler snapshots (Tinker's `save_weights_for_sampler`) servable
+in a bounded number of slots. Two choices of ours on top: an adapter received by
+broadcast (`in_place` slot pushes of server-driven RL) is never evicted, since there is
+no directory to bring it back from; and among evictable adapters an idle one (no request
+in flight) goes before a busy one, whose eviction would wait for its requests.
+SGLang before #11526 refused a load past `--max-loaded-loras` ("Maximum number of loaded
+LoRA adapters is N ...") and answered a request for an unloaded adapter with 400;
+its `--lora-eviction-policy lru|fifo` only chooses which loaded adapter leaves the GPU
+pool of `--max-loras-per-batch` buffers, which clients never see. The sampler
+(`miles.controller.tinker.sampler`) works with both: on "not loaded" it loads by path and retries.
 """
 
 from __future__ import annotations
@@ -103,6 +117,9 @@ class _Prompt:
     params: SamplingParams
     lora_name: str | None
     rid: str
+    logprob_start_len: int | None = None
+    """First prompt position whose logprob is returned; None: no prompt logprobs."""
+    top_logprobs_num: int = 0
 
 
 class BuiltinEngine:
@@ -125,6 +142,8 @@ class BuiltinEngine:
         self._uses_changed: asyncio.Condition | None = None
         self._groups: dict[str, object] = {}
         """Weights-update groups joined, by name."""
+        self.lora_loads: Counter[str] = Counter()
+        """LoRA name -> times its weights were written into a slot (loads and reloads)."""
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_context = options.context_length or int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.scheduler = DecodeScheduler(
@@ -159,6 +178,8 @@ class BuiltinEngine:
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse | list[GenerateResponse]:
         prompts, batched = self._expand(request)
+        await self._ensure_loaded([p.lora_name for p in prompts if p.lora_name is not None])
+        # No await from here to `_uses.update`: an eviction cannot slip in between.
         loop = asyncio.get_running_loop()
         futures, jobs = [], []
         for prompt in prompts:
@@ -186,22 +207,30 @@ class BuiltinEngine:
 
     def _job(self, prompt: _Prompt, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> Job:
         generator = None
-        if prompt.params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(prompt.params.seed)
+        if prompt.params.request_seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(prompt.params.request_seed)
 
         def on_done(job: Job) -> None:
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(job))
 
         return Job(rid=prompt.rid, prompt_ids=prompt.ids, params=prompt.params,
                    slot=self.table.slot_of(prompt.lora_name), lora_name=prompt.lora_name,
-                   sampling=RowSampling.from_params(prompt.params, generator), on_done=on_done)
+                   sampling=RowSampling.from_params(prompt.params, generator), on_done=on_done,
+                   prompt_logprobs_from=prompt.logprob_start_len, top_logprobs_num=prompt.top_logprobs_num)
 
     def _response(self, job: Job, return_logprob: bool) -> GenerateResponse:
-        logprobs = None
-        if return_logprob:
-            logprobs = [(lp, tok, None) for lp, tok in zip(job.logprobs, job.output_ids)]
         meta = GenerateMetaInfo(id=job.rid, finish_reason=job.finish, prompt_tokens=len(job.prompt_ids),
-                                completion_tokens=len(job.output_ids), output_token_logprobs=logprobs)
+                                completion_tokens=len(job.output_ids))
+        if return_logprob:
+            meta.output_token_logprobs = [(lp, tok, None) for lp, tok in zip(job.logprobs, job.output_ids)]
+            start = job.prompt_logprobs_from
+            if start is not None:
+                meta.input_token_logprobs = [(lp, tok, None) for lp, tok in
+                                             zip(job.prompt_logprobs, job.prompt_ids[start:])]
+            if job.top_logprobs_num > 0:
+                meta.output_top_logprobs = [_top_triples(top) for top in job.output_top]
+                if start is not None:
+                    meta.input_top_logprobs = [_top_triples(top) for top in job.prompt_top]
         return GenerateResponse(text=job.text, output_ids=job.output_ids, meta_info=meta)
 
     def _expand(self, request: GenerateRequest) -> tuple[list[_Prompt], bool]:
@@ -220,14 +249,25 @@ class BuiltinEngine:
             raise EngineRequestError("the batch is empty: give at least one prompt")
         params = _per_prompt(request.sampling_params, n, "sampling_params")
         loras = _per_prompt(request.lora_path, n, "lora_path")
+        starts = _per_prompt(request.logprob_start_len, n, "logprob_start_len")
+        tops = _per_prompt(request.top_logprobs_num, n, "top_logprobs_num")
         rids = self._rids(request.rid, n, batched)
         prompts = []
-        for ids, p, name, rid in zip(all_ids, params, loras, rids):
+        for ids, p, name, rid, start, top in zip(all_ids, params, loras, rids, starts, tops):
             self._check_prompt(ids, p)
             if name is not None and not self.lora_enabled:
                 raise EngineRequestError("this server has no LoRA slots (--max-loras-per-batch 0); send lora_path null")
-            self.table.slot_of(name)
-            prompts.append(_Prompt(list(ids), p, name, rid))
+            if name is not None and not self.table.is_known(name):
+                self.table.slot_of(name)  # raises SGLang's "... not loaded" error
+            if start >= len(ids):
+                raise EngineRequestError(f"logprob_start_len {start} is past the prompt's {len(ids)} tokens: "
+                                         "give -1 (no prompt logprobs) or a prompt position")
+            if top < 0:
+                raise EngineRequestError(f"top_logprobs_num must be >= 0, got {top}")
+            want_logprobs = request.return_logprob
+            prompts.append(_Prompt(list(ids), p, name, rid,
+                                   logprob_start_len=start if want_logprobs and start >= 0 else None,
+                                   top_logprobs_num=top if want_logprobs else 0))
         return prompts, batched
 
     def _rids(self, rid: str | list[str] | None, n: int, batched: bool) -> list[str]:
@@ -315,23 +355,60 @@ class BuiltinEngine:
     async def _load(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], *, source: str,
                     upsert: bool, pinned: bool) -> dict[str, Any]:
         async with self._lora_lock:
-            limit = self.options.max_loaded_loras
-            if limit is not None and not self.table.is_loaded(name):
-                while len(self.table) >= limit:
-                    victim = self.table.least_recently_used()
-                    if victim is None:
-                        raise LoraRequestError(f"all {limit} loaded LoRA adapters are pinned; cannot load {name}")
-                    await self._unload_locked(victim)
-            slot, fresh = self.table.reserve(name, upsert=upsert, pinned=pinned)
-            try:
-                await asyncio.to_thread(self._write_slot, slot, tensors, config, source)
-            except (OSError, ValueError) as exc:
-                if fresh:
-                    await asyncio.to_thread(self._clear_slot, slot)
-                self.table.cancel(name, fresh=fresh)
-                raise LoraRequestError(f"could not load LoRA adapter {name!r} from {source}: {exc}") from None
-            self.table.commit(name, source)
+            await self._load_locked(name, tensors, config, source=source, upsert=upsert, pinned=pinned)
             return self._lora_result()
+
+    async def _load_locked(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], *,
+                           source: str, upsert: bool, pinned: bool) -> None:
+        limit = self.options.max_loaded_loras
+        if limit is not None and not self.table.is_loaded(name):
+            while len(self.table) >= limit:
+                victim = self._eviction_victim()
+                if victim is None:
+                    raise LoraRequestError(
+                        f"cannot load LoRA adapter {name}: all {limit} loaded adapters are pinned or were received "
+                        "by broadcast (which cannot be reloaded); unload one or raise --max-loaded-loras")
+                await self._unload_locked(victim, evict=True)
+        slot, fresh = self.table.reserve(name, upsert=upsert, pinned=pinned)
+        try:
+            await asyncio.to_thread(self._write_slot, slot, tensors, config, source)
+        except (OSError, ValueError) as exc:
+            if fresh:
+                await asyncio.to_thread(self._clear_slot, slot)
+            self.table.cancel(name, fresh=fresh)
+            raise LoraRequestError(f"could not load LoRA adapter {name!r} from {source}: {exc}") from None
+        self.table.commit(name, source)
+        self.lora_loads[name] += 1
+
+    def _eviction_victim(self) -> str | None:
+        """The adapter to evict for room: least recently used, reloadable, idle before busy."""
+        loaded = self.table.loaded()
+        candidates = [n for n in self.table.eviction_order() if loaded[n] != DISTRIBUTED_LORA_PATH]
+        idle = [n for n in candidates if self._uses[n] <= 0]
+        return (idle or candidates or [None])[0]
+
+    async def _ensure_loaded(self, names: list[str]) -> None:
+        """Reload the evicted adapters among `names` (a request's), evicting others for room."""
+        for _ in range(3):
+            missing = [n for n in dict.fromkeys(names) if not self.table.is_loaded(n)]
+            if not missing:
+                return
+            async with self._lora_lock:
+                for name in missing:
+                    if self.table.is_loaded(name):
+                        continue
+                    path = self.table.evicted_path(name)
+                    if path is None:  # unloaded explicitly while this request waited
+                        self.table.slot_of(name)  # raises SGLang's "... not loaded" error
+                        continue
+                    try:
+                        tensors, config = await asyncio.to_thread(lora.read_peft_dir, path)
+                    except (OSError, ValueError) as exc:
+                        raise LoraRequestError(f"could not reload evicted LoRA adapter {name!r} from {path}: "
+                                               f"{exc}") from None
+                    await self._load_locked(name, tensors, config, source=path, upsert=False, pinned=False)
+        raise LoraRequestError(f"the request names {len(set(names))} LoRA adapters, more than fit at once "
+                               f"(--max-loaded-loras {self.options.max_loaded_loras}); send fewer per request")
 
     async def unload_lora(self, name: str) -> dict[str, Any]:
         self._require_lora()
@@ -339,8 +416,11 @@ class BuiltinEngine:
             await self._unload_locked(name)
             return self._lora_result()
 
-    async def _unload_locked(self, name: str) -> None:
-        slot = self.table.remove(name)  # new requests for `name` fail from here on
+    async def _unload_locked(self, name: str, *, evict: bool = False) -> None:
+        # New requests for `name` fail (or, evicted, reload it) from here on.
+        slot = self.table.evict(name) if evict else self.table.remove(name)
+        if slot is None:  # an evicted name, forgotten
+            return
         async with self._uses_changed:
             await self._uses_changed.wait_for(lambda: self._uses[name] <= 0)
         del self._uses[name]
@@ -408,11 +488,17 @@ class BuiltinEngine:
         info = asdict(self.options)
         info.update(version=ENGINE_VERSION, engine="builtin", enable_lora=self.lora_enabled,
                     context_length=self.max_context, loaded_loras=self.table.loaded(),
+                    evicted_loras=self.table.evicted(), lora_loads=dict(self.lora_loads),
                     weights_update_groups=sorted(self._groups),
                     running_requests=running, waiting_requests=waiting, paused=self.scheduler.paused,
                     decode_steps=self.scheduler.steps, max_batch_seen=self.scheduler.max_batch_seen,
                     finished_requests=self.scheduler.finished)
         return info
+
+
+def _top_triples(top: list[tuple[float, int]] | None) -> list[tuple[float, int, None]] | None:
+    """SGLang's shape of one position's top logprobs: (logprob, token_id, token_text or None)."""
+    return None if top is None else [(lp, tok, None) for lp, tok in top]
 
 
 def _per_prompt(value: Any, n: int, field: str) -> list[Any]:

@@ -5,7 +5,9 @@ are being written, *loaded* once they are (only loaded names are served), and it
 is *freed* only after the slot has been cleared, so a concurrent load can never land in
 a slot that an unload is still wiping. Loaded names are kept in least-recently-used
 order (a lookup counts as a use), which is what SGLang evicts by under
-`--max-loaded-loras`. Plain Python; the engine calls it from its event loop only.
+`--max-loaded-loras`. An adapter *evicted* to make room keeps its directory here, so
+a later request naming it can bring it back (`evicted_path`); an explicit unload
+forgets it. Plain Python; the engine calls it from its event loop only.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class LoraSlotTable:
         self._loaded: OrderedDict[str, int] = OrderedDict()
         self._paths: dict[str, str] = {}
         self._pinned: set[str] = set()
+        self._evicted: dict[str, str] = {}
+        """Evicted names -> the directory each is reloaded from on its next request."""
 
     def slot_of(self, name: str | None) -> int:
         """Slot serving `name` (a use, for LRU order); None is the base model (-1)."""
@@ -49,6 +53,14 @@ class LoraSlotTable:
 
     def is_loaded(self, name: str) -> bool:
         return name in self._loaded
+
+    def is_known(self, name: str) -> bool:
+        """Loaded, or evicted with a directory to reload it from."""
+        return name in self._loaded or name in self._evicted
+
+    def evicted_path(self, name: str) -> str | None:
+        """The directory an evicted `name` is reloaded from; None when it is not evicted."""
+        return self._evicted.get(name)
 
     def reserve(self, name: str, *, upsert: bool, pinned: bool = False) -> tuple[int, bool]:
         """(slot to write, whether it is a fresh slot) for loading `name`."""
@@ -76,6 +88,7 @@ class LoraSlotTable:
         self._loaded[name] = self._reserved.pop(name)
         self._loaded.move_to_end(name)
         self._paths[name] = path
+        self._evicted.pop(name, None)
 
     def cancel(self, name: str, *, fresh: bool) -> None:
         """Undo `reserve` after a failed load (a fresh slot goes back to the free list)."""
@@ -84,10 +97,14 @@ class LoraSlotTable:
             self._pinned.discard(name)
             self._free_slot(slot)
 
-    def remove(self, name: str) -> int:
-        """Stop serving `name`; its slot stays taken until `release(slot)`."""
+    def remove(self, name: str) -> int | None:
+        """Stop serving `name`; its slot stays taken until `release(slot)`. An evicted
+        name is forgotten (no slot to release: None)."""
         if name in self._reserved:
             raise LoraRequestError(f"LoRA adapter {name!r} is being loaded right now; unload it after that finishes")
+        if name in self._evicted and name not in self._loaded:
+            del self._evicted[name]
+            return None
         if name not in self._loaded:
             raise UnknownLoraError(f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self._loaded)}")
         slot = self._loaded.pop(name)
@@ -95,9 +112,18 @@ class LoraSlotTable:
         self._pinned.discard(name)
         return slot
 
-    def least_recently_used(self) -> str | None:
-        """The loaded, unpinned name used longest ago (SGLang's eviction choice), or None."""
-        return next((name for name in self._loaded if name not in self._pinned), None)
+    def evict(self, name: str) -> int:
+        """Stop serving `name` but remember its directory for a reload; its slot stays
+        taken until `release(slot)`."""
+        path = self._paths[name]
+        slot = self.remove(name)
+        assert slot is not None
+        self._evicted[name] = path
+        return slot
+
+    def eviction_order(self) -> list[str]:
+        """Loaded, unpinned names, least recently used first (SGLang's eviction order)."""
+        return [name for name in self._loaded if name not in self._pinned]
 
     def __len__(self) -> int:
         """Names loaded or being loaded."""
@@ -109,6 +135,10 @@ class LoraSlotTable:
     def loaded(self) -> dict[str, str]:
         """Loaded names and the directory each was read from."""
         return dict(self._paths)
+
+    def evicted(self) -> dict[str, str]:
+        """Evicted names and the directory each is reloaded from."""
+        return dict(self._evicted)
 
     def _free_slot(self, slot: int) -> None:
         self._free.append(slot)

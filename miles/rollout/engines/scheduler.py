@@ -56,6 +56,14 @@ class Job:
     error: str | None = None
     """Set when the engine itself failed the job (a decode step raised): its caller gets an
     error, not an abort, since regenerating would only fail the same way."""
+    prompt_logprobs_from: int | None = None
+    """First prompt position to score at prefill; None: no prompt logprobs."""
+    top_logprobs_num: int = 0
+    """Most likely tokens to report at each scored prompt position and each output position."""
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    """Raw-logit logprob of each prompt token from `prompt_logprobs_from` on (None at position 0)."""
+    prompt_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -224,6 +232,8 @@ class DecodeScheduler:
         if not new:
             return
         zero = [j for j in new if j.params.max_new_tokens == 0]
+        for group in _by_prompt_length([j for j in zero if j.prompt_logprobs_from is not None]):
+            self._prefill(group)  # for its prompt logprobs only
         for job in zero:
             self._finish(job, FinishReason(type="length"))
         new = [j for j in new if j.params.max_new_tokens > 0]
@@ -244,9 +254,14 @@ class DecodeScheduler:
         ids_BP = torch.tensor([job.prompt_ids for job in jobs], device=self.config.device)
         positions_BP = torch.arange(ids_BP.shape[1], device=ids_BP.device)[None].expand(len(jobs), -1)
         cache = DynamicCache()
+        scored = any(job.prompt_logprobs_from is not None for job in jobs)
         with self._slot_context([job.slot for job in jobs]):
-            out = self.model(input_ids=ids_BP, cache=cache, use_cache=True, logits_to_keep=1,
+            out = self.model(input_ids=ids_BP, cache=cache, use_cache=True, logits_to_keep=0 if scored else 1,
                              position_ids=positions_BP)
+        if scored:
+            for job, logits_PV in zip(jobs, out.logits):
+                if job.prompt_logprobs_from is not None:
+                    _score_prompt(job, logits_PV)
         return out.cache, out.logits[:, -1]
 
     def _decode_step(self) -> None:
@@ -267,6 +282,9 @@ class DecodeScheduler:
     def _accept_tokens(self, jobs: list[Job], logits_BV: torch.Tensor) -> None:
         """Append one sampled token per job (rows of `logits_BV`), then retire finished rows."""
         tokens, logprobs = choose_tokens(logits_BV, [j.sampling for j in jobs], self._generator)
+        for i, job in enumerate(jobs):
+            if job.top_logprobs_num > 0:
+                job.output_top.append(_top(torch.log_softmax(logits_BV[i].float(), dim=-1), job.top_logprobs_num))
         for job, token, logprob in zip(jobs, tokens, logprobs):
             job.output_ids.append(token)
             job.logprobs.append(logprob)
@@ -354,6 +372,27 @@ class DecodeScheduler:
             next_pos_B=torch.tensor(next_pos, device=device),
         )
         self._set_running(list(self._batch.jobs))
+
+
+def _top(logprobs_V: torch.Tensor, n: int) -> list[tuple[float, int]]:
+    """The `n` most likely tokens of one position as (logprob, token id), most likely first."""
+    values, ids = torch.topk(logprobs_V, min(n, logprobs_V.shape[-1]))
+    return list(zip(values.tolist(), ids.tolist()))
+
+
+def _score_prompt(job: Job, logits_PV: torch.Tensor) -> None:
+    """Fill the job's prompt logprobs from its prefill logits (raw logits, as sampled logprobs)."""
+    start = job.prompt_logprobs_from
+    assert start is not None
+    logprobs_PV = torch.log_softmax(logits_PV[:-1].float(), dim=-1)
+    # Row i of logprobs_PV is the distribution over prompt token i + 1.
+    targets_P = torch.tensor(job.prompt_ids[1:], device=logits_PV.device)
+    picked = logprobs_PV.gather(1, targets_P[:, None])[:, 0].tolist()
+    first = max(start, 1)
+    job.prompt_logprobs = [None] * (first - start) + picked[first - 1:]
+    if job.top_logprobs_num > 0:
+        job.prompt_top = [None] * (first - start) + [_top(logprobs_PV[i], job.top_logprobs_num)
+                                                     for i in range(first - 1, len(picked))]
 
 
 def _by_prompt_length(jobs: list[Job]) -> list[list[Job]]:

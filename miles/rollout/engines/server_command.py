@@ -10,7 +10,11 @@ Both speak SGLang's HTTP API and take SGLang's LoRA flags (`--enable-lora
 LoRA capacity (`lora_capacity`): SGLang's `--max-loras-per-batch` counts the base model
 as one adapter of a batch, and `--max-loaded-loras` must be at least that. With `N`
 slots, `in_place` needs N names and `versioned` room for two versions per slot (2N), so
-both flags are names + 1 (the base). SGLang runs with one tokenizer worker, which LoRA
+both flags are names + 1 (the base). Sampler snapshots of Tinker clients
+(`sampler_snapshots`) add to `--max-loaded-loras` only: past it the engines evict the
+least recently used snapshot and reload it on its next request (the builtin engine never
+evicts a slot pushed by broadcast), so the slots of server-driven RL keep their places.
+SGLang runs with one tokenizer worker, which LoRA
 loading and pausing in place assume. Every flag we pass is one SGLang 0.5's
 `ServerArgs` defines (tests/rollout/engines checks it against SGLang's own parser).
 """
@@ -57,6 +61,8 @@ class EngineServerConfig:
     may live in a virtual environment of its own (`scripts/gpu_check.py` makes one)."""
     extra_args: tuple[str, ...] = ()
     """Appended to the server's command line as given (e.g. `--mem-fraction-static 0.5` for SGLang)."""
+    sampler_snapshots: int = 0
+    """Room for this many Tinker sampler snapshots loaded beside the slots (`--max-loaded-loras`)."""
 
     @classmethod
     def from_config(cls, cfg: MilesConfig, *, lora_update: LoraUpdateMode = "in_place") -> EngineServerConfig:
@@ -76,6 +82,10 @@ class EngineServerConfig:
         names = self.n_slots * (2 if self.lora_update == "versioned" else 1)
         return names + 1
 
+    def max_loaded_loras(self) -> int:
+        """`--max-loaded-loras`: the slots' capacity plus room for sampler snapshots."""
+        return self.lora_capacity() + self.sampler_snapshots
+
     def target_module_list(self) -> list[str]:
         if self.target_modules.strip() == "all-linear":
             return ["all-linear"]
@@ -86,7 +96,7 @@ def build_builtin_command(cfg: EngineServerConfig, host: str, port: int) -> list
     return [
         sys.executable, "-m", "miles.rollout.engines.builtin_server",
         "--model-path", cfg.model_path, "--host", host, "--port", str(port),
-        "--max-loras-per-batch", str(cfg.lora_capacity()), "--max-loaded-loras", str(cfg.lora_capacity()),
+        "--max-loras-per-batch", str(cfg.lora_capacity()), "--max-loaded-loras", str(cfg.max_loaded_loras()),
         "--engine-lora-update", cfg.lora_update,
         "--max-lora-rank", str(cfg.max_lora_rank), "--lora-target-modules", *cfg.target_module_list(),
         "--dtype", cfg.dtype, "--device", cfg.device,
@@ -101,7 +111,7 @@ def build_sglang_command(cfg: EngineServerConfig, host: str, port: int) -> list[
         cfg.python, "-m", "sglang.launch_server",
         "--model-path", cfg.model_path, "--host", host, "--port", str(port),
         "--enable-lora", "--max-loras-per-batch", str(cfg.lora_capacity()),
-        "--max-loaded-loras", str(cfg.lora_capacity()), "--max-lora-rank", str(cfg.max_lora_rank),
+        "--max-loaded-loras", str(cfg.max_loaded_loras()), "--max-lora-rank", str(cfg.max_lora_rank),
         "--lora-target-modules", *targets,
         "--dtype", cfg.dtype, "--tp-size", str(cfg.tp_size), "--tokenizer-worker-num", "1",
         "--max-running-requests", str(cfg.max_running_requests), "--random-seed", str(cfg.seed), *cfg.extra_args,

@@ -4,7 +4,9 @@ Controller snapshots travel from the controller actor to the driver (`lifecycle`
 control plane's bodies over HTTP (`control_plane`), samples and rollout batches from the
 rollout manager to the train actors (`rollout`), pushed LoRA weights to the engines
 (`pushes`), engine requests and answers over HTTP (`engine_api`), and a Tinker client's
-datums and optimizer settings from the gateway to the train ranks (`client`). Everything is a
+datums and optimizer settings from the gateway to the train ranks (`client`), and its
+models and command log from the controller to the driver (`client_commands`), and its sampler
+snapshots and samples between the gateway and the sampler (`sampling`). Everything is a
 plain dataclass (picklable by Ray) or a pydantic model (validated at the HTTP edge);
 nothing is a string-keyed dict. Import from this package: `from miles.utils.types import Sample`.
 """
@@ -17,6 +19,26 @@ from miles.utils.types.client import (
     ClientLossName,
     ClientWork,
     DatumOutput,
+)
+from miles.utils.types.client_commands import (
+    AdapterKind,
+    ClientAdapterRun,
+    ClientCommand,
+    ClientCommandBatch,
+    ClientCommandKind,
+    ClientCommandStatus,
+    ClientModelConfig,
+    ClientRequest,
+    ClientResult,
+    ForwardBackwardResult,
+    ForwardCommand,
+    LoadStateCommand,
+    ModelCommands,
+    OptimStepCommand,
+    OptimStepResult,
+    SaveForSamplerCommand,
+    SaveStateCommand,
+    WeightsResult,
 )
 from miles.utils.types.control_plane import (
     AdapterStatus,
@@ -63,8 +85,28 @@ from miles.utils.types.rollout import (
     Sample,
     SampleStatus,
 )
+from miles.utils.types.sampling import (
+    SampledSequence,
+    SampleResult,
+    SamplerSnapshot,
+    SamplingRequestParams,
+    StopReason,
+    TopLogprobs,
+    parse_sampler_weights_path,
+    sampler_weights_path,
+    snapshot_lora_name,
+)
 
 __all__ = [
+    "SampledSequence",
+    "SampleResult",
+    "SamplerSnapshot",
+    "SamplingRequestParams",
+    "StopReason",
+    "TopLogprobs",
+    "parse_sampler_weights_path",
+    "sampler_weights_path",
+    "snapshot_lora_name",
     "CLIENT_LOSSES",
     "AdamStep",
     "ClientDatum",
@@ -72,6 +114,24 @@ __all__ = [
     "ClientLossName",
     "ClientWork",
     "DatumOutput",
+    "AdapterKind",
+    "ClientAdapterRun",
+    "ClientCommand",
+    "ClientCommandBatch",
+    "ClientCommandKind",
+    "ClientCommandStatus",
+    "ClientModelConfig",
+    "ClientRequest",
+    "ClientResult",
+    "ForwardBackwardResult",
+    "ForwardCommand",
+    "LoadStateCommand",
+    "ModelCommands",
+    "OptimStepCommand",
+    "OptimStepResult",
+    "SaveForSamplerCommand",
+    "SaveStateCommand",
+    "WeightsResult",
     "AbortRequest",
     "AdapterGauges",
     "AdapterRolloutStats",

@@ -37,7 +37,9 @@ class ClientDatum:
 
     `inputs` holds, by the SDK's names, one value per input position: `target_tokens`
     (ints: the token whose logprob position i scores), and by loss `weights`,
-    `logprobs` (the sampler's), `advantages`, or the per-position clip thresholds.
+    `logprobs` (the sampler's), `advantages`, the per-position clip thresholds
+    (`clip_low_threshold`, `clip_high_threshold`) or GSPO's `sequence_ratio_mask`
+    (`miles.backends.torch.client_loss` checks them and says which field is wrong).
     """
 
     tokens: list[int]
@@ -59,8 +61,9 @@ class ClientWork:
 
 @dataclass(frozen=True)
 class DatumOutput:
-    """What one datum gave: `loss_fn_outputs` by the SDK's names (`logprobs`, and with a
-    loss `elementwise_loss`), one value per input position."""
+    """What one datum gave: `loss_fn_outputs` by the SDK's names (`logprobs`, and with
+    cross_entropy `elementwise_loss`, the outputs Tinker's docs define), one value per
+    input position."""
 
     outputs: dict[str, list[float]]
     loss: float = 0.0

@@ -23,6 +23,14 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    sampling_seed: int | None = None
+    """SGLang's name for a per-request seed (honoured by SGLang under
+    `--enable-deterministic-inference`); the builtin engine takes either name."""
+
+    @property
+    def request_seed(self) -> int | None:
+        """The request's seed under either name (`seed` first)."""
+        return self.seed if self.seed is not None else self.sampling_seed
 
 
 class GenerateRequest(BaseModel):
@@ -36,6 +44,12 @@ class GenerateRequest(BaseModel):
     lora_path: str | list[str | None] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool = False
+    logprob_start_len: int | list[int] = -1
+    """With `return_logprob`: the first prompt position whose logprob `input_token_logprobs`
+    holds (position 0 has none: its entry is None); -1 returns no prompt logprobs."""
+    top_logprobs_num: int | list[int] = 0
+    """With `return_logprob`: this many most likely tokens at each returned prompt position
+    (`input_top_logprobs`) and each output position (`output_top_logprobs`)."""
 
 
 class FinishReason(BaseModel):
@@ -51,6 +65,12 @@ class GenerateMetaInfo(BaseModel):
     completion_tokens: int
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
     """SGLang's shape: (logprob, token_id, token_text or None) per generated token."""
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    """Prompt positions from `logprob_start_len` on, same shape; position 0's logprob is None."""
+    input_top_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
+    """Per returned prompt position, the `top_logprobs_num` most likely tokens (None at position 0)."""
+    output_top_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
+    """Per generated token, the `top_logprobs_num` most likely tokens at its position."""
 
 
 class GenerateResponse(BaseModel):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from miles.utils.adapter_config import AdapterRunConfig
+    from miles.utils.types.client_commands import ClientAdapterRun
 
 
 class AdapterState(str, enum.Enum):
@@ -124,13 +125,20 @@ class AdapterRun:
 
 @dataclass(frozen=True)
 class MultiLoRASnapshot:
-    """Point-in-time copy of the registry that the driver loop acts on."""
+    """Point-in-time copy of the registry that the driver loop acts on.
+
+    `pending`, `active` and `retiring` hold the server-driven adapters (the RL loop's);
+    client-driven ones (Tinker models) are in `clients` whatever their live state, so
+    nothing generates for them or reads a dataset for them. `cleanup` and `completed`
+    name adapters of both kinds."""
 
     pending: dict[str, AdapterRun] = field(default_factory=dict)
     active: dict[str, AdapterRun] = field(default_factory=dict)
     retiring: dict[str, AdapterRun] = field(default_factory=dict)
     cleanup: frozenset[str] = frozenset()
     completed: frozenset[str] = frozenset()
+    clients: dict[str, ClientAdapterRun] = field(default_factory=dict)
+    """Live client-driven adapters (PENDING, ACTIVE or RETIRING), by name."""
 
     @property
     def sampleable(self) -> dict[str, AdapterRun]:
@@ -144,5 +152,5 @@ class MultiLoRASnapshot:
 
     @property
     def all_adapters_cleaned_up(self) -> bool:
-        """True when no adapter holds a slot any more."""
-        return not (self.pending or self.active or self.retiring or self.cleanup)
+        """True when no adapter of either kind holds a slot any more."""
+        return not (self.pending or self.active or self.retiring or self.cleanup or self.clients)

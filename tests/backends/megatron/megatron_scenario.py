@@ -78,7 +78,7 @@ def play(actor, *, set_weights, logits_fn, save_dir: Path, torch_ckpt: Path) -> 
         actor.load_adapter(specs[name])
     seen["fresh"] = actor.export_adapter("a")
     shapes = {k: v.shape for k, v in seen["fresh"].items()} if seen["fresh"] else None
-    shapes = _broadcast_shapes(shapes)
+    shapes = broadcast_shapes(shapes)
     for i, slot in enumerate(SLOTS.values()):
         set_weights(slot, random_adapter(shapes, seed=100 + i))
     seen["logits"] = logits_fn(logit_input_ids(), LOGIT_SLOTS)
@@ -117,7 +117,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast_shapes(shapes):
+def broadcast_shapes(shapes):
     """Rank 0's export shapes for every rank (the others export nothing)."""
     import torch.distributed as dist
 
@@ -128,7 +128,7 @@ def _broadcast_shapes(shapes):
     return box[0]
 
 
-def _rendezvous(actor, rank: int, world: int, addresses) -> str:
+def rendezvous(actor, rank: int, world: int, addresses) -> str:
     """The process group's address: rank 0 listens on a port the OS picked (`master_address`
     holds it until the group forms) and hands the address to the other ranks."""
     if rank == 0:
@@ -148,7 +148,7 @@ def _rank_main(rank: int, world: int, addresses, model_dir: str, work: str) -> N
     work_dir = Path(work)
     actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=model_dir, n_slots=N_SLOTS, lora_rank=RANK,
                                                    tensor_model_parallel_size=world), rank, world)
-    actor.init_process_group(_rendezvous(actor, rank, world, addresses))
+    actor.init_process_group(rendezvous(actor, rank, world, addresses))
 
     def set_weights(slot, tensors):
         mlora.set_slot_weights(actor.model.parts, slot, tensors, rank=RANK, alpha=8.0)
@@ -207,10 +207,10 @@ def _dp_rank_main(rank: int, world: int, addresses, model_dir: str, work: str) -
     torch.set_num_threads(1)
     actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=model_dir, n_slots=N_SLOTS, lora_rank=RANK),
                                rank, world)
-    actor.init_process_group(_rendezvous(actor, rank, world, addresses))
+    actor.init_process_group(rendezvous(actor, rank, world, addresses))
     for name, slot in SLOTS.items():
         actor.load_adapter(spec(name, slot, rank=RANK, global_batch_size=6))
-    shapes = _broadcast_shapes({k: v.shape for k, v in actor.export_adapter("a").items()} if rank == 0 else None)
+    shapes = broadcast_shapes({k: v.shape for k, v in actor.export_adapter("a").items()} if rank == 0 else None)
     for i, slot in enumerate(SLOTS.values()):
         mlora.set_slot_weights(actor.model.parts, slot, random_adapter(shapes, seed=100 + i), rank=RANK, alpha=8.0)
     groups = step1_groups()

@@ -21,11 +21,12 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from miles.backends.rank.core import LossSums, TrainCore
+from miles.backends.rank.core import LossSums, RankTrainResult, TrainCore
 from miles.backends.rank.model import TrainModel
 from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.batching import ActivationBudget, MicroBatch
 from miles.utils.types import Sample
+from miles.utils.types.client import ClientWork
 
 FAULT_TRAIN_CALLS_ENV = "MILES_TEST_FAULT_TRAIN_CALLS"
 ACTOR_PATH = "tests.backends.torch.fault_injection.FaultInjectingTrainActor"
@@ -60,14 +61,21 @@ class FaultInjectingCore(TrainCore):
         self.calls = 0
         self._fail_after_backward = False
 
-    def train(self, samples: Sequence[Sample], advantages: Sequence[Any],
-              samples_per_adapter: dict[str, int]) -> dict[str, LossSums]:
+    def train_batch(self, samples: Sequence[Sample], advantages: Sequence[Any], samples_per_adapter: dict[str, int],
+                    client: Sequence[ClientWork] = ()) -> RankTrainResult:
         self.calls += 1
         self._fail_after_backward = bool({(self.rank, self.calls), (-1, self.calls)} & self.faults)
-        return super().train(samples, advantages, samples_per_adapter)
+        return super().train_batch(samples, advantages, samples_per_adapter, client)
 
     def train_micro_batch(self, batch: MicroBatch, stats: dict[str, LossSums]) -> None:
         super().train_micro_batch(batch, stats)
+        self._maybe_fail()
+
+    def train_mixed_micro_batch(self, batch: MicroBatch, stats: dict[str, LossSums], outputs: Any) -> None:
+        super().train_mixed_micro_batch(batch, stats, outputs)
+        self._maybe_fail()
+
+    def _maybe_fail(self) -> None:
         if self._fail_after_backward:
             self._fail_after_backward = False
             raise InjectedTrainFault(f"injected fault in train call {self.calls} of rank {self.rank}")

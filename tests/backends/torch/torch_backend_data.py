@@ -12,6 +12,7 @@ from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.loss import grpo_advantages
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import Sample
+from miles.utils.types.client import ClientDatum, ClientLoss, ClientWork
 
 VOCAB = 100  # the tiny models' vocabulary size
 
@@ -69,3 +70,26 @@ def spec(name: str, slot: int, *, rank: int = 4, global_batch_size: int = 4, sav
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def client_datums(loss: str, n: int, seed: int) -> list[ClientDatum]:
+    """Random datums for `loss`: tokens, arbitrary targets and that loss's inputs."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(2, 9)
+        inputs: dict = {"target_tokens": [rng.randrange(4, VOCAB) for _ in range(length)]}
+        if loss == "cross_entropy":
+            inputs["weights"] = [float(rng.random() < 0.7) for _ in range(length)]
+        else:
+            inputs["logprobs"] = [-rng.uniform(3.0, 6.0) for _ in range(length)]
+            inputs["advantages"] = [rng.uniform(-1.0, 1.0) for _ in range(length)]
+        out.append(ClientDatum(tokens=[rng.randrange(4, VOCAB) for _ in range(length)], inputs=inputs))
+    return out
+
+
+def client_work(adapter: str, slot: int, data: list[ClientDatum], loss: str | None, *, backward: bool = True,
+                config: dict | None = None) -> ClientWork:
+    """One client call's datums for `adapter` (loss None: a `forward` for logprobs only)."""
+    return ClientWork(adapter=adapter, slot=slot, datums=data,
+                      loss=None if loss is None else ClientLoss(loss, config or {}), backward=backward)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ trainer's environment, whose torch and transformers it would replace).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -26,6 +27,7 @@ from miles.rollout.engines.fleet import EngineFleetConfig
 from miles.rollout.engines.router import build_router_command
 from miles.rollout.engines.server_command import (
     EngineServerConfig,
+    build_builtin_command,
     build_sglang_command,
     server_command,
 )
@@ -238,6 +240,15 @@ def test_builtin_command_takes_the_same_capacity_and_mode():
     argv = server_command(cfg, "127.0.0.1", 1)
     assert flag_values(argv, "--engine-lora-update") == ["versioned"]
     assert flag_values(argv, "--max-loras-per-batch") == flag_values(argv, "--max-loaded-loras") == ["7"]
+
+
+def test_sampler_snapshots_add_room_to_max_loaded_loras_only():
+    cfg = EngineServerConfig.from_config(parse_args(["--hf-checkpoint", "/m", "--multi-lora-n-adapters", "3"]))
+    with_snapshots = dataclasses.replace(cfg, sampler_snapshots=5)
+    for build in (build_builtin_command, build_sglang_command):
+        argv = build(with_snapshots, "127.0.0.1", 1)
+        assert flag_values(argv, "--max-loras-per-batch") == ["4"]  # 3 slots + the base model
+        assert flag_values(argv, "--max-loaded-loras") == ["9"]
 
 
 def test_sglang_runs_under_the_interpreter_given_by_engine_python():

@@ -104,6 +104,48 @@ async def test_group_errors_are_400_with_sglang_shape(builtin_engine_url, client
     assert missing.status_code == 400
 
 
+@pytest.fixture(scope="module")
+def limited_url(builtin_launcher, tiny_model_dir, tmp_path_factory):
+    """A server with room for two adapters, past which loads evict (`--max-loaded-loras 2`)."""
+    proc, url = builtin_launcher(tiny_model_dir, tmp_path_factory.mktemp("limited_logs"), lora_paths={}, slots=2,
+                                 extra=["--max-loaded-loras", "2"])
+    yield url
+    proc.terminate()
+
+
+@session_loop
+async def test_a_pushed_slot_survives_sampler_snapshots_past_the_limit(limited_url, client, engine_adapters,
+                                                                      trainer_reference):
+    """A slot received by broadcast has no directory to come back from, so snapshots loaded
+    past --max-loaded-loras evict each other, never the trainer's slot."""
+    url = limited_url
+    spec, group = await join(client, url)
+    slot = engine_lora_name(0, 1, "in_place")
+    prompt_ids = trainer_reference.tokenizer.encode("slot and snapshots")
+    try:
+        assert (await push(client, url, spec, group, slot, engine_adapters["ad1"])).status_code == 200
+        for i, adapter in enumerate(("ad0", "ad2", "alt")):
+            answer = await client.post(url + "/load_lora_adapter", json={
+                "lora_name": f"tinker-m-{i}", "lora_path": str(engine_adapters[adapter])})
+            assert answer.status_code == 200, answer.text
+            assert set(answer.json()["loaded_adapters"]) == {slot, f"tinker-m-{i}"}
+        tokens, logprobs = await served(client, url, slot, prompt_ids)
+        reference = trainer_reference.score(prompt_ids, tokens, "ad1")
+        assert tokens == reference.greedy_tokens and logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+        # A request for an evicted snapshot reloads it in the one evictable place.
+        tokens, _ = await served(client, url, "tinker-m-0", prompt_ids)
+        assert tokens == trainer_reference.score(prompt_ids, tokens, "ad0").greedy_tokens
+        info = (await client.get(url + "/get_server_info")).json()
+        assert set(info["loaded_loras"]) == {slot, "tinker-m-0"}
+        assert set(info["evicted_loras"]) == {"tinker-m-1", "tinker-m-2"}
+    finally:
+        info = (await client.get(url + "/get_server_info")).json()
+        for name in [*info["loaded_loras"], *info["evicted_loras"]]:
+            await client.post(url + "/unload_lora_adapter", json={"lora_name": name})
+        await client.post(url + "/destroy_weights_update_group", json={"group_name": spec.group_name})
+        weight_sync.leave_update_group(group)
+
+
 def test_dtype_names_round_trip():
     import torch
 

@@ -1,0 +1,17 @@
+"""The Tinker protocol's gateway: the official `tinker` SDK talks to the trainer (DESIGN §11).
+
+`ServiceClient(base_url=<control plane URL>, api_key=<its token>)` reaches routes under
+`/api/v1` on the control plane's app (same process, port and token). A Tinker model is a
+client-driven adapter in the same registry and slots as the RL adapters; each of its calls
+is a command in a per-model log kept in the registry's SQLite file; the driver takes the
+runnable commands through the controller actor and reports the results, which
+`retrieve_future` hands back. The routes never call the trainer.
+
+    wire.py         the JSON bodies we accept (pydantic, the SDK's field names)
+    proto.py        the protobuf bodies (forward_backward in, its output out), read and written by hand
+    command_log.py  futures, seq_id order, barriers, idempotent retries, durability (plain Python)
+    gateway.py      sessions, models as adapters, translation into typed commands (no HTTP)
+    routes.py       the FastAPI routes and the retrieve_future answers
+
+docs/TINKER_COMPAT.md lists each route and SDK call with its status and its test.
+"""

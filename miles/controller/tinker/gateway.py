@@ -1,0 +1,588 @@
+"""The Tinker gateway's logic: sessions, models as client-driven adapters, the command log.
+
+No HTTP here (the routes in `routes.py` parse the wire and call these methods) and no
+trainer: a call is validated, translated into our typed commands and logged; the driver
+takes the commands through the controller actor and reports results back:
+
+    gateway = TinkerGateway(backend, GatewayConfig(base_model="Qwen3-0.6B"), store)
+    session = gateway.create_session(SessionInfo(tags=[], user_metadata={}, sdk_version="0.38.0"))
+    created = gateway.create_model(session, 0, "Qwen3-0.6B", LoraLayout(rank=8), {})  # done at once
+    future = gateway.submit(created.model_id, 1, ClientCommandKind.FORWARD_BACKWARD, command)
+    batch = gateway.take_commands()                              # the driver: RUNNING now
+    gateway.complete(future.future_id, ForwardBackwardResult(outputs, metrics))
+
+A model is an adapter of kind CLIENT in the same registry and slots as the RL adapters,
+named after its model id (`{session}:train:{n}` -> `{session}.train.{n}`, since adapter
+names take no ':'); `unload_model` deregisters it and the normal lifecycle frees its slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles.controller.backend import MultiLoRABackend
+from miles.controller.registry import AdapterValidationError, NoFreeSlotError
+from miles.controller.store import RegistryStore
+from miles.controller.tinker.command_log import (
+    CommandLog,
+    CommandLogError,
+    ErrorCategory,
+    Future,
+    FutureKind,
+    command_key,
+)
+from miles.controller.tinker.sampling import SampleFutures
+from miles.utils.types import (
+    AdapterKind,
+    AdapterState,
+    ClientCommandBatch,
+    ClientCommandKind,
+    ClientCommandStatus,
+    ClientModelConfig,
+    ClientRequest,
+    ClientResult,
+    ForwardBackwardResult,
+    LoadStateCommand,
+    SamplerSnapshot,
+    SaveForSamplerCommand,
+    SaveStateCommand,
+    parse_sampler_weights_path,
+)
+
+logger = logging.getLogger(__name__)
+
+RETRIEVE_POLL_S = 20.0
+"""How long `retrieve_future` holds a request for an unfinished future (the SDK waits 45 s)."""
+SESSION_TIMEOUT_S = 600.0
+"""A session silent this long is finished and its models unloaded (the SDK heartbeats every 10 s)."""
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+UNNAMED_SNAPSHOT_PREFIX = "sampler-seq-"
+"""Name of a sampler snapshot saved without one (`save_weights_and_get_sampling_client`): this
+prefix and the call's seq_id."""
+
+
+class GatewayError(Exception):
+    """A request the gateway refuses; `status` is its HTTP status. The SDK retries none of them."""
+
+    status = 400
+
+
+class GatewayNotFoundError(GatewayError):
+    status = 404
+
+
+class GatewayBodyTooLargeError(GatewayError):
+    status = 413
+
+
+class GatewaySessionFinishedError(GatewayError):
+    """A heartbeat for a finished session (HTTP 410: the SDK stops its heartbeat loop)."""
+
+    status = 410
+
+
+class GatewayCapacityError(GatewayError):
+    """No free slot for a new model (HTTP 409, marked not to be retried)."""
+
+    status = 409
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    base_model: str | None = None
+    """The base model the trainer serves (its name as clients give it); None accepts any name."""
+    tokenizer_id: str | None = None
+    """What `get_info` names as the tokenizer (the base model's HF id or path)."""
+    target_modules: str = "all-linear"
+    """The slots' LoRA layout (`--target-modules`): which `create_model` layouts are possible."""
+    retrieve_poll_s: float = RETRIEVE_POLL_S
+    session_timeout_s: float | None = SESSION_TIMEOUT_S
+    """None: sessions never expire (their models stay until unloaded or the session finishes)."""
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    tags: list[str] = field(default_factory=list)
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    sdk_version: str = ""
+    display_name: str | None = None
+
+
+@dataclass(frozen=True)
+class SamplerSession:
+    """A sampling session (`create_sampling_session`, or a `save_weights_and_get_sampling_client`):
+    what a sampling client samples from."""
+
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+    """The `tinker://.../sampler_weights/...` snapshot; None: the base model."""
+    save_future: str | None = None
+    """The save_weights_for_sampler future that writes its snapshot (made by the save itself)."""
+
+
+@dataclass
+class Session:
+    session_id: str
+    info: SessionInfo
+    created: float
+    last_heartbeat: float
+    finished: bool = False
+    model_ids: list[str] = field(default_factory=list)
+    samplers: list[SamplerSession] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"session_id": self.session_id, "tags": self.info.tags, "user_metadata": self.info.user_metadata,
+                "sdk_version": self.info.sdk_version, "display_name": self.info.display_name,
+                "created": self.created, "last_heartbeat": self.last_heartbeat, "finished": self.finished,
+                "model_ids": self.model_ids, "samplers": [asdict(s) for s in self.samplers]}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Session:
+        info = SessionInfo(tags=raw["tags"], user_metadata=raw["user_metadata"], sdk_version=raw["sdk_version"],
+                           display_name=raw["display_name"])
+        return cls(session_id=raw["session_id"], info=info, created=raw["created"],
+                   last_heartbeat=raw["last_heartbeat"], finished=raw["finished"], model_ids=raw["model_ids"],
+                   samplers=[SamplerSession(**s) for s in raw.get("samplers", [])])
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """`create_model`'s LoRA config, by the SDK's field names."""
+
+    rank: int
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+def model_name(model_id: str) -> str:
+    """The registry name of a model id (adapter names take no ':')."""
+    return model_id.replace(":", ".")
+
+
+def tinker_path(model_id: str, segment: str, name: str) -> str:
+    return f"tinker://{model_id}/{segment}/{name}"
+
+
+class TinkerGateway:
+    def __init__(self, backend: MultiLoRABackend, config: GatewayConfig | None = None,
+                 store: RegistryStore | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.backend = backend
+        self.config = config or GatewayConfig()
+        self.store = store
+        self.clock = clock
+        self.log = CommandLog(store)
+        self.samples = SampleFutures(lambda: backend.router_url)
+        """Samples in flight and finished (`asample`), through the router the controller knows."""
+        self._sessions: dict[str, Session] = {}
+        if store is not None:
+            for raw in store.load_sessions():
+                session = Session.from_json(raw)
+                session.last_heartbeat = clock()  # a restarted controller gives every client time to call again
+                self._sessions[session.session_id] = session
+        self._models: dict[str, str] = {}
+        """model id -> registry name, for every client-driven adapter the registry knows."""
+        for status in backend.statuses():
+            if status.kind is AdapterKind.CLIENT and status.model_id is not None:
+                self._models[status.model_id] = status.name
+
+    # ---- sessions -------------------------------------------------------------------------
+
+    def create_session(self, info: SessionInfo) -> str:
+        now = self.clock()
+        session = Session(session_id=f"s-{uuid.uuid4().hex[:16]}", info=info, created=now, last_heartbeat=now)
+        self._sessions[session.session_id] = session
+        self._persist_session(session)
+        logger.info("Tinker session %s created (sdk %s)", session.session_id, info.sdk_version or "?")
+        return session.session_id
+
+    def heartbeat(self, session_id: str) -> None:
+        session = self.session(session_id)
+        if session.finished:
+            raise GatewaySessionFinishedError(f"Session {session_id} is finished (closed, or silent for too long)")
+        session.last_heartbeat = self.clock()
+
+    def session(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise GatewayNotFoundError(f"Unknown session {session_id!r}; create one with create_session")
+        return session
+
+    def sessions(self) -> list[Session]:
+        """Every session, newest first."""
+        return sorted(self._sessions.values(), key=lambda s: s.created, reverse=True)
+
+    def finish_session(self, session_id: str) -> list[str]:
+        """The client closed its session: its models are unloaded (their slots freed). Returns them."""
+        session = self.session(session_id)
+        session.finished = True
+        self._persist_session(session)
+        unloaded = [m for m in session.model_ids if self._unload(m)]
+        logger.info("Tinker session %s finished; unloaded %s", session_id, unloaded or "no models")
+        return unloaded
+
+    def expire_sessions(self) -> list[str]:
+        """Finish every session silent for over `session_timeout_s` (its models unloaded, their
+        slots freed by the lifecycle); returns their ids. Runs whenever the driver takes commands."""
+        timeout = self.config.session_timeout_s
+        if timeout is None:
+            return []
+        now = self.clock()
+        expired = [s.session_id for s in self._sessions.values()
+                   if not s.finished and now - s.last_heartbeat > timeout]
+        for session_id in expired:
+            logger.warning("Tinker session %s sent no heartbeat for %.0f s; finishing it", session_id, timeout)
+            self.finish_session(session_id)
+        return expired
+
+    def _persist_session(self, session: Session) -> None:
+        if self.store is not None:
+            self.store.put_session(session.session_id, session.to_json())
+
+    # ---- models -----------------------------------------------------------------------------
+
+    def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: LoraLayout | None,
+                     user_metadata: dict[str, Any]) -> Future:
+        """Register a client-driven adapter (PENDING in the lowest free slot); the future is done at once.
+
+        The same (session, model_seq_id) again returns the first call's future."""
+        key = f"create:{session_id}:{model_seq_id}"
+        found = self.log.existing(key)
+        if found is not None:
+            return found
+        session = self.session(session_id)
+        model_id = self._new_model_id(session, model_seq_id)
+        config = self._model_config(model_id, session_id, base_model, lora, user_metadata)
+        name = self._register(session, config)
+        return self.log.record_done(key, FutureKind.CREATE_MODEL, name, model_id)
+
+    def create_model_from_state(self, session_id: str, model_seq_id: int, path: str, optimizer: bool,
+                                base_model: str | None, user_metadata: dict[str, Any]) -> Future:
+        """A model made by loading a checkpoint (`create_training_client_from_state*`): the
+        checkpoint's model's LoRA layout, registered like `create_model`, with the load as its
+        first command (seq_id 0); the future is that load's. The same call again returns it."""
+        session = self.session(session_id)
+        model_id = f"{session_id}:train:{model_seq_id}"
+        found = self.log.existing(command_key(model_name(model_id), 0))
+        if found is not None:
+            return found
+        model_id = self._new_model_id(session, model_seq_id)
+        load = self.load_state_command(path, optimizer)
+        _, source = self.model(path[len("tinker://"):].split("/")[0])
+        lora = LoraLayout(rank=source.rank, seed=source.seed, train_unembed=False)
+        config = self._model_config(model_id, session_id, base_model or source.base_model, lora, user_metadata)
+        try:
+            name = self._register(session, config)
+        except GatewayCapacityError as exc:
+            # The SDK sends this call with retries on 409 for minutes: fail its future instead.
+            return self.log.record_failed(command_key(model_name(model_id), 0), FutureKind.LOAD_STATE,
+                                          model_name(model_id), model_id, str(exc))
+        self.log.open_at(name, 0)
+        return self.log.submit_command(name, model_id, 0, ClientCommandKind.LOAD_STATE, load)
+
+    def _new_model_id(self, session: Session, model_seq_id: int) -> str:
+        if session.finished:
+            raise GatewayError(f"Session {session.session_id} is finished; create a new ServiceClient")
+        if model_seq_id < 0:
+            raise GatewayError(f"model_seq_id must be >= 0, got {model_seq_id}")
+        model_id = f"{session.session_id}:train:{model_seq_id}"
+        if model_id in self._models:
+            raise GatewayError(f"Model {model_id} already exists; use the next model_seq_id")
+        return model_id
+
+    def _register(self, session: Session, config: ClientModelConfig) -> str:
+        """Register the model's adapter; returns its name."""
+        model_id = config.model_id
+        name = model_name(model_id)
+        try:
+            self.backend.register_client(name, config)
+        except NoFreeSlotError as exc:
+            raise GatewayCapacityError(str(exc)) from None
+        except AdapterValidationError as exc:
+            raise GatewayError(str(exc)) from None
+        self._models[model_id] = name
+        session.model_ids.append(model_id)
+        self._persist_session(session)
+        logger.info("Tinker model %s created: adapter '%s', rank %d", model_id, name, config.rank)
+        return name
+
+    def _model_config(self, model_id: str, session_id: str, base_model: str, lora: LoraLayout | None,
+                      user_metadata: dict[str, Any]) -> ClientModelConfig:
+        self.served_base_model(base_model)
+        if lora is None:
+            raise GatewayError("lora_config is required: this trainer trains LoRA adapters only")
+        defaults = self.backend.defaults
+        if lora.rank <= 0 or lora.rank > defaults.lora_rank:
+            raise GatewayError(f"lora_config.rank {lora.rank} must be in 1..{defaults.lora_rank} "
+                               f"(the slot width, --lora-rank); lower rank")
+        if self.config.target_modules.strip() != "all-linear":
+            raise GatewayError(f"this trainer's slots cover only --target-modules {self.config.target_modules!r}, "
+                               "not a Tinker layout (train_mlp/train_attn); restart it with "
+                               "--target-modules all-linear")
+        if not lora.train_mlp or not lora.train_attn:
+            off = [n for n, on in (("train_mlp", lora.train_mlp), ("train_attn", lora.train_attn)) if not on]
+            raise GatewayError(f"lora_config.{off[0]}=False is not supported: the slots hold all-linear LoRA "
+                               "(attention and MLP); pass train_mlp=True and train_attn=True")
+        if lora.train_unembed:
+            raise GatewayError("lora_config.train_unembed=True is not supported: the slots hold all-linear LoRA, "
+                               "which leaves the unembedding (lm_head) frozen; pass train_unembed=False")
+        if defaults.save is None:
+            raise GatewayError("this trainer has no --save directory, so a model could not save its state; "
+                               "restart it with --save")
+        save = (Path(defaults.save).expanduser() / "adapters" / model_name(model_id)).resolve()
+        return ClientModelConfig(model_id=model_id, session_id=session_id, base_model=base_model, rank=lora.rank,
+                                 alpha=defaults.lora_alpha, seed=lora.seed, save=save, user_metadata=user_metadata)
+
+    def model(self, model_id: str) -> tuple[str, ClientModelConfig]:
+        """A known model's registry name and config (live or completed)."""
+        name = self._models.get(model_id)
+        config = None if name is None else self.backend.registry.client_config(name)
+        if name is None or config is None:
+            raise GatewayNotFoundError(f"Unknown model {model_id!r}; create it with create_model")
+        return name, config
+
+    def model_state(self, model_id: str) -> AdapterState | None:
+        name, _ = self.model(model_id)
+        return self.backend.registry.state(name)
+
+    def unload_model(self, model_id: str) -> Future:
+        """Deregister the model (RETIRING; the driver frees its slot); its unrun commands fail."""
+        name, _ = self.model(model_id)
+        self._unload(model_id)
+        return self.log.record_done(f"unload:{model_id}", FutureKind.UNLOAD_MODEL, name, model_id)
+
+    def _unload(self, model_id: str) -> bool:
+        name = self._models.get(model_id)
+        if name is None or self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE):
+            return False
+        self.backend.deregister(name)
+        failed = self.log.fail_model(name, f"model {model_id} was unloaded before this command ran")
+        logger.info("Tinker model %s unloaded (%d queued commands failed)", model_id, len(failed))
+        return True
+
+    # ---- commands --------------------------------------------------------------------------
+
+    def submit(self, model_id: str, seq_id: int | None, kind: ClientCommandKind,
+               build: Callable[[], ClientRequest]) -> Future:
+        """Log one call of a live model; `build` translates its body (raising `GatewayError`).
+
+        A retry of a seq_id returns the logged future (its body is not read again). A body
+        that cannot run is logged as a failed future at its seq_id (the client's `.result()`
+        raises with the reason), so the model's later calls do not wait for that seq_id."""
+        name, _ = self.model(model_id)
+        if seq_id is None:
+            raise GatewayError(f"Model {model_id}: seq_id is required (the training client's call number)")
+        found = self.log.existing(command_key(name, seq_id))
+        if found is not None:
+            return found
+        if self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE):
+            raise GatewayNotFoundError(f"Model {model_id} was unloaded; create a new training client")
+        try:
+            try:
+                request = build()
+            except GatewayError as exc:  # the model itself was found above: this is about the body
+                logger.info("Model %s: %s refused at seq_id %d: %s", model_id, kind.value, seq_id, exc)
+                return self.log.refuse_command(name, model_id, seq_id, kind, str(exc))
+            return self.log.submit_command(name, model_id, seq_id, kind, request)
+        except CommandLogError as exc:
+            raise GatewayError(str(exc)) from None
+
+    def save_state_command(self, model_id: str, name: str | None, overwrite: bool) -> SaveStateCommand:
+        checkpoint = self._checkpoint_name(name)
+        model, config = self.model(model_id)
+        if not overwrite and self._saved(model, checkpoint):
+            raise GatewayError(f"Model {model_id} already has a checkpoint named {checkpoint!r}; "
+                               "pick another name or pass overwrite=True")
+        return SaveStateCommand(name=checkpoint, tinker_path=tinker_path(model_id, "weights", checkpoint),
+                                directory=str(config.save / "weights" / checkpoint))
+
+    def sampler_command(self, model_id: str, name: str | None, seq_id: int | None = None) -> SaveForSamplerCommand:
+        """The save of a sampler snapshot; without a name (`save_weights_and_get_sampling_client`)
+        it is named after the call's seq_id."""
+        if name is None:
+            if seq_id is None:
+                raise GatewayError("save_weights_for_sampler needs a name (path) or a seq_id")
+            name = f"{UNNAMED_SNAPSHOT_PREFIX}{seq_id}"
+        checkpoint = self._checkpoint_name(name)
+        _, config = self.model(model_id)
+        return SaveForSamplerCommand(name=checkpoint, tinker_path=tinker_path(model_id, "sampler_weights", checkpoint),
+                                     directory=str(config.save / "sampler_weights" / checkpoint))
+
+    # ---- sampling sessions --------------------------------------------------------------------
+
+    def create_sampler(self, session_id: str, sampler_seq_id: int, model_path: str | None,
+                       base_model: str | None) -> SamplerSession:
+        """A sampling session for a snapshot this trainer wrote (`model_path`) or the base model;
+        the same (session, sampler_seq_id) again returns the first one."""
+        session = self.session(session_id)
+        sampler_id = f"{session_id}:sample:{sampler_seq_id}"
+        found = self._find_sampler(sampler_id)
+        if found is not None:
+            return found
+        if session.finished:
+            raise GatewayError(f"Session {session_id} is finished; create a new ServiceClient")
+        if model_path is not None:
+            snapshot = self.snapshot(model_path)
+            _, config = self.model(snapshot.model_id)
+            sampler = SamplerSession(sampler_id=sampler_id, base_model=config.base_model, model_path=model_path)
+        elif base_model is not None:
+            sampler = SamplerSession(sampler_id=sampler_id, base_model=self.served_base_model(base_model))
+        else:
+            raise GatewayError("create_sampling_session needs model_path (a tinker://.../sampler_weights/... path) "
+                               "or base_model")
+        return self._add_sampler(session, sampler)
+
+    def sampler_of_save(self, model_id: str, sampler_seq_id: int, save: Future) -> SamplerSession:
+        """The sampling session a `save_weights_and_get_sampling_client` makes: its snapshot is
+        the one `save` writes (sampling waits for it to be written)."""
+        _, config = self.model(model_id)
+        session = self.session(config.session_id)
+        sampler_id = f"{config.session_id}:sample:{sampler_seq_id}"
+        found = self._find_sampler(sampler_id)
+        if found is not None:
+            return found
+        assert isinstance(save.request, SaveForSamplerCommand)
+        return self._add_sampler(session, SamplerSession(sampler_id=sampler_id, base_model=config.base_model,
+                                                         model_path=save.request.tinker_path,
+                                                         save_future=save.future_id))
+
+    def _add_sampler(self, session: Session, sampler: SamplerSession) -> SamplerSession:
+        session.samplers.append(sampler)
+        self._persist_session(session)
+        logger.info("Tinker sampling session %s: %s", sampler.sampler_id, sampler.model_path or sampler.base_model)
+        return sampler
+
+    def _find_sampler(self, sampler_id: str) -> SamplerSession | None:
+        session = self._sessions.get(sampler_id.split(":", 1)[0])
+        return next((s for s in session.samplers if s.sampler_id == sampler_id), None) if session else None
+
+    def sampler(self, sampler_id: str) -> SamplerSession:
+        found = self._find_sampler(sampler_id)
+        if found is None:
+            raise GatewayNotFoundError(f"Unknown sampling session {sampler_id!r}; create one with "
+                                       "create_sampling_client")
+        return found
+
+    def sampler_for_save(self, future_id: str) -> SamplerSession | None:
+        """The sampling session made with this save_weights_for_sampler future, if any."""
+        return next((s for session in self._sessions.values() for s in session.samplers
+                     if s.save_future == future_id), None)
+
+    def snapshot(self, model_path: str) -> SamplerSnapshot:
+        """The sampler snapshot a finished `save_weights_for_sampler` of a known model wrote.
+
+        Raises `GatewayNotFoundError` naming the path when no such save was logged, or it has
+        not finished (or failed)."""
+        try:
+            model_id, checkpoint = parse_sampler_weights_path(model_path)
+        except ValueError as exc:
+            raise GatewayError(str(exc)) from None
+        name = self._models.get(model_id)
+        if name is None:
+            raise GatewayNotFoundError(f"No sampler weights {model_path!r}: model {model_id!r} is unknown here")
+        saves = [f for f in self.log.commands(name)
+                 if isinstance(f.request, SaveForSamplerCommand) and f.request.tinker_path == model_path]
+        done = [f for f in saves if f.status is ClientCommandStatus.DONE]
+        if done:
+            request = done[-1].request
+            assert isinstance(request, SaveForSamplerCommand)
+            return SamplerSnapshot(model_id=model_id, name=checkpoint, directory=request.directory)
+        if not saves:
+            raise GatewayNotFoundError(f"No sampler weights {model_path!r}: model {model_id} never ran "
+                                       f"save_weights_for_sampler({checkpoint!r})")
+        if any(f.status is ClientCommandStatus.FAILED for f in saves):
+            raise GatewayNotFoundError(f"No sampler weights {model_path!r}: its save_weights_for_sampler failed")
+        raise GatewayNotFoundError(f"Sampler weights {model_path!r} are not written yet: wait for the "
+                                   "save_weights_for_sampler future, then sample")
+
+    def served_base_model(self, base_model: str) -> str:
+        served = self.config.base_model
+        if served is not None and base_model not in (served, Path(served).name):
+            raise GatewayError(f"base_model {base_model!r} is not served here; this trainer serves {served!r}")
+        return base_model
+
+    def load_state_command(self, path: str, optimizer: bool) -> LoadStateCommand:
+        """A load of a checkpoint saved by a model this trainer knows (`tinker://{model}/weights/{name}`)."""
+        prefix = "tinker://"
+        parts = path[len(prefix):].split("/") if path.startswith(prefix) else []
+        if len(parts) != 3 or parts[1] != "weights":
+            raise GatewayError(f"path {path!r} is not a training checkpoint: use tinker://<model_id>/weights/<name>, "
+                               "as save_state returned it")
+        source, config = self.model(parts[0])
+        checkpoint = self._checkpoint_name(parts[2])
+        directory = config.save / "weights" / checkpoint
+        if not self._saved(source, checkpoint) and not directory.is_dir():
+            raise GatewayNotFoundError(f"No checkpoint {path!r}: model {parts[0]} never saved one by that name")
+        return LoadStateCommand(tinker_path=path, directory=str(directory), optimizer=optimizer)
+
+    def _saved(self, model: str, checkpoint: str) -> bool:
+        """A save_state of that name is logged and not failed."""
+        return any(isinstance(f.request, SaveStateCommand) and f.request.name == checkpoint
+                   and f.status is not ClientCommandStatus.FAILED for f in self.log.commands(model))
+
+    @staticmethod
+    def _checkpoint_name(name: str | None) -> str:
+        if name is None or not CHECKPOINT_NAME.fullmatch(name) or name in (".", ".."):
+            raise GatewayError(f"checkpoint name {name!r}: use 1-128 letters, digits, '.', '_' or '-' "
+                               "(it becomes a directory name)")
+        return name
+
+    # ---- the driver's side (through the controller actor) ----------------------------------------
+
+    def runnable_models(self, loaded: Collection[str] | None = None) -> dict[str, tuple[int, str]]:
+        """Live client-driven adapters that may run commands: name -> (slot, registration id);
+        only those of `loaded` (the ones the trainer holds in their slots) when given."""
+        return {name: (run.slot, run.registration_id) for name, run in self.backend.snapshot().clients.items()
+                if run.state in (AdapterState.PENDING, AdapterState.ACTIVE) and (loaded is None or name in loaded)}
+
+    def take_commands(self, loaded: Collection[str] | None = None) -> ClientCommandBatch:
+        self.expire_sessions()
+        return self.log.take(self.runnable_models(loaded))
+
+    async def wait_for_commands(self, timeout_s: float, loaded: Collection[str] | None = None) -> bool:
+        self.expire_sessions()
+        return await self.log.wait_for_commands(self.runnable_models(loaded), timeout_s)
+
+    def complete(self, future_id: str, result: ClientResult) -> Future:
+        """A command the driver ran finished. Completing an `optim_step` is what steps the model
+        in the registry (one call: the command and the step never disagree); a completed save or
+        load becomes the model's resume point."""
+        if isinstance(result, ForwardBackwardResult):
+            result = _with_loss_sum(result)
+        future = self.log.complete(future_id, result)
+        if future.model is None:
+            return future
+        if future.kind is FutureKind.OPTIM_STEP:
+            self.backend.record_client_step(future.model)
+        elif isinstance(future.request, SaveStateCommand | LoadStateCommand):
+            self.backend.record_client_checkpoint(future.model, future.request.directory)
+        return future
+
+    def fail(self, future_id: str, error: str, category: ErrorCategory = ErrorCategory.SERVER) -> Future:
+        return self.log.fail(future_id, error, category)
+
+    def fail_running(self, error: str) -> list[str]:
+        return self.log.fail_running(error)
+
+    async def aclose(self) -> None:
+        """Cancel the samples still running and close the sampler's connections."""
+        await self.samples.aclose()
+
+
+def _with_loss_sum(result: ForwardBackwardResult) -> ForwardBackwardResult:
+    """The SDK reduces metrics by the suffix after ':' and reads `loss:sum`; every key needs one."""
+    bad = [key for key in result.metrics if key.count(":") != 1]
+    if bad:
+        raise CommandLogError(f"metric names must be 'name:reduction' (e.g. 'loss:sum'), got {bad}")
+    metrics = dict(result.metrics)
+    metrics.setdefault("loss:sum", float(sum(o.loss for o in result.outputs)))
+    return ForwardBackwardResult(outputs=result.outputs, metrics=metrics)

@@ -1,0 +1,149 @@
+"""The Tinker gateway without HTTP: sessions and their expiry, models, translation of bodies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from miles.controller.backend import MultiLoRABackend
+from miles.controller.tinker.gateway import (
+    GatewayConfig,
+    GatewayError,
+    GatewaySessionFinishedError,
+    LoraLayout,
+    SessionInfo,
+    TinkerGateway,
+)
+from miles.controller.tinker.proto import DTYPE_FLOAT32, DTYPE_INT64, WireDatum, WireForwardBackward, WireTensor
+from miles.controller.tinker.routes import forward_command
+from miles.utils.adapter_config import AdapterDefaults
+from miles.utils.types import AdapterState, ClientCommandKind, ClientCommandStatus, ClientLoss
+
+LAYOUT = LoraLayout(rank=4, train_unembed=False)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def gateway(defaults: AdapterDefaults, clock: Clock) -> TinkerGateway:
+    backend = MultiLoRABackend(2, defaults)
+    return TinkerGateway(backend, GatewayConfig(base_model="/models/tiny-base", session_timeout_s=60), clock=clock)
+
+
+def test_a_silent_session_is_finished_and_its_models_unloaded(gateway: TinkerGateway, clock: Clock) -> None:
+    quiet = gateway.create_session(SessionInfo())
+    alive = gateway.create_session(SessionInfo())
+    quiet_model = gateway.create_model(quiet, 0, "tiny-base", LAYOUT, {}).model_id
+    alive_model = gateway.create_model(alive, 0, "/models/tiny-base", LAYOUT, {}).model_id
+    assert quiet_model is not None and alive_model is not None
+    clock.now += 50
+    gateway.heartbeat(alive)
+    clock.now += 20  # quiet: 70 s without a heartbeat; alive: 20 s
+    assert gateway.take_commands().empty
+    assert gateway.session(quiet).finished and not gateway.session(alive).finished
+    assert gateway.model_state(quiet_model) is AdapterState.RETIRING
+    assert gateway.model_state(alive_model) is AdapterState.PENDING
+    assert gateway.expire_sessions() == []  # finished once
+    with pytest.raises(GatewaySessionFinishedError, match="is finished"):
+        gateway.heartbeat(quiet)  # 410: the SDK stops its heartbeat loop
+    with pytest.raises(GatewayError, match="is finished"):
+        gateway.create_model(quiet, 1, "tiny-base", LAYOUT, {})
+
+
+def test_create_model_is_idempotent_and_names_the_adapter_after_the_model(gateway: TinkerGateway) -> None:
+    session = gateway.create_session(SessionInfo(tags=["t"], user_metadata={"who": "me"}))
+    first = gateway.create_model(session, 0, "tiny-base", LAYOUT, {"run": "a"})
+    assert gateway.create_model(session, 0, "tiny-base", LAYOUT, {}) == first
+    assert first.model_id == f"{session}:train:0" and first.model == f"{session}.train.0"
+    name, config = gateway.model(first.model_id)
+    assert (name, config.rank, config.alpha, config.user_metadata) == (first.model, 4, 16.0, {"run": "a"})
+    assert str(config.save).endswith(f"save/adapters/{session}.train.0")
+    assert gateway.session(session).model_ids == [first.model_id]
+    with pytest.raises(GatewayError, match="Unknown session"):
+        gateway.create_model("s-nope", 0, "tiny-base", LAYOUT, {})
+    with pytest.raises(GatewayError, match="lora_config is required"):
+        gateway.create_model(session, 1, "tiny-base", None, {})
+
+
+def test_bad_bodies_of_a_known_call_fail_its_future_and_keep_the_order(gateway: TinkerGateway) -> None:
+    session = gateway.create_session(SessionInfo())
+    model_id = gateway.create_model(session, 0, "tiny-base", LAYOUT, {}).model_id
+    assert model_id is not None
+    bad = gateway.submit(model_id, 1, ClientCommandKind.SAVE_STATE,
+                         lambda: gateway.save_state_command(model_id, "../escape", overwrite=False))
+    assert bad.status is ClientCommandStatus.FAILED and "checkpoint name '../escape'" in (bad.error or "")
+    good = gateway.submit(model_id, 2, ClientCommandKind.SAVE_STATE,
+                          lambda: gateway.save_state_command(model_id, "ok", overwrite=False))
+    (model,) = gateway.take_commands().models
+    assert model.barrier is not None and model.barrier.future_id == good.future_id
+    with pytest.raises(GatewayError, match="seq_id is required"):
+        gateway.submit(model_id, None, ClientCommandKind.SAVE_STATE, lambda: pytest.fail("not built"))
+    with pytest.raises(GatewayError, match="Unknown model"):
+        gateway.submit("s-x:train:0", 1, ClientCommandKind.SAVE_STATE, lambda: pytest.fail("not built"))
+
+
+def wire(**inputs: WireTensor) -> WireForwardBackward:
+    return WireForwardBackward(model_id="m", seq_id=1, loss_fn="ppo", loss_fn_config={"clip_low_threshold": 0.8},
+                               data=[WireDatum(tokens=[1, 2, 3], loss_fn_inputs=inputs)])
+
+
+def test_forward_bodies_translate_into_typed_datums_or_are_refused_by_name() -> None:
+    targets = WireTensor(values=[2, 3, 4], shape=[3], dtype=DTYPE_INT64)
+    advantages = WireTensor(values=[0.5, -0.5, 1.0], shape=[3], dtype=DTYPE_FLOAT32)
+    command = forward_command(wire(target_tokens=targets, advantages=advantages))
+    assert command.loss == ClientLoss("ppo", {"clip_low_threshold": 0.8})
+    (datum,) = command.datums
+    assert datum.tokens == [1, 2, 3] and datum.inputs == {"target_tokens": [2, 3, 4], "advantages": [0.5, -0.5, 1.0]}
+    refusals = [
+        (wire(advantages=advantages), r"data\[0\].loss_fn_inputs needs target_tokens"),
+        (wire(target_tokens=WireTensor(values=[2, 3], shape=[2], dtype=DTYPE_INT64)),
+         r"loss_fn_inputs\['target_tokens'\] has shape \[2\]; give one value per input token \(3\)"),
+        (wire(target_tokens=WireTensor(values=[1] * 6, shape=[3, 2], dtype=DTYPE_INT64)), r"has shape \[3, 2\]"),
+        (WireForwardBackward(model_id="m", seq_id=1, loss_fn="cross_entropy"), "at least one datum"),
+    ]
+    for body, message in refusals:
+        with pytest.raises(GatewayError, match=message):
+            forward_command(body)
+    text_config = wire(target_tokens=targets)
+    text_config.loss_fn_config = {"mode": "fast"}
+    with pytest.raises(GatewayError, match=r"loss_fn_config \['mode'\]: only numbers"):
+        forward_command(text_config)
+
+
+def test_a_trainer_without_save_cannot_host_models(defaults: AdapterDefaults, tmp_path: Path) -> None:
+    import dataclasses
+
+    backend = MultiLoRABackend(1, dataclasses.replace(defaults, save=None))
+    gateway = TinkerGateway(backend, GatewayConfig())
+    session = gateway.create_session(SessionInfo())
+    with pytest.raises(GatewayError, match="no --save directory"):
+        gateway.create_model(session, 0, "any-base", LAYOUT, {})
+
+
+def test_the_trainer_flags_name_the_served_base_model_and_layout(tmp_path: Path) -> None:
+    from miles.controller.actor import ControllerConfig
+    from miles.utils.arguments import parse_args
+
+    cfg = parse_args(["--multi-lora-n-adapters", "2", "--hf-checkpoint", "/models/Qwen3-0.6B",
+                      "--save", str(tmp_path), "--lora-rank", "8", "--target-modules", "q_proj,v_proj"])
+    config = ControllerConfig.from_config(cfg).gateway
+    assert (config.base_model, config.tokenizer_id, config.target_modules) == (
+        "/models/Qwen3-0.6B", "/models/Qwen3-0.6B", "q_proj,v_proj")
+    gateway = TinkerGateway(MultiLoRABackend(2, AdapterDefaults.from_config(cfg)), config)
+    session = gateway.create_session(SessionInfo())
+    with pytest.raises(GatewayError, match="slots cover only --target-modules 'q_proj,v_proj'"):
+        gateway.create_model(session, 0, "Qwen3-0.6B", LAYOUT, {})  # the name alone is the served model
+    with pytest.raises(GatewayError, match="'Qwen3-8B' is not served here"):
+        gateway.create_model(session, 0, "Qwen3-8B", LAYOUT, {})

@@ -1,0 +1,256 @@
+"""Sampling through the gateway with the official SDK (`tinker` 0.38.0), end to end.
+
+A controller (port 0) knows a real sglang-router in front of one builtin engine serving a
+tiny model. A small test-side driver runs the clients' commands: its
+`save_weights_for_sampler` writes a PEFT directory (a random adapter made here) where the
+command says, as the trainer's driver does. Every answer the SDK decodes is compared with
+the sampler's own answer (`miles.controller.tinker.sampler`) for the same request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+import torch
+from controller_fakes import ThreadedController, controller_config
+from tinker import types
+from transformers import AutoModelForCausalLM
+
+from miles import lora
+from miles.controller.tinker import sampler as tinker_sampler
+from miles.controller.tinker.gateway import GatewayConfig
+from miles.rollout.engines.process import ServerProcess
+from miles.rollout.engines.router import Router
+from miles.rollout.engines.server_command import BUILTIN_URL_LINE
+from miles.utils.adapter_config import AdapterDefaults
+from miles.utils.types import (
+    ClientCommand,
+    OptimStepCommand,
+    OptimStepResult,
+    SamplerSnapshot,
+    SamplingRequestParams,
+    SaveForSamplerCommand,
+    WeightsResult,
+)
+
+TOKEN = "tml-sampling-test-token"
+BASE = "tiny-base"
+PROMPT = [3, 14, 15, 9, 26, 5]
+MAX_RANK = 4
+
+
+@pytest.fixture(autouse=True)
+def no_sdk_telemetry(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random rank-4 PEFT adapter of the tiny model (B non-zero, so it changes the model)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    lora.inject_multi_lora(model, n_slots=1, max_rank=MAX_RANK, target_modules="all-linear")
+    generator = torch.Generator().manual_seed(3)
+    lora.init_slot(model, 0, rank=MAX_RANK, alpha=2.0 * MAX_RANK, generator=generator)
+    weights = {k: torch.randn(v.shape, generator=generator) * 0.5 if k.endswith("lora_B.weight") else v
+               for k, v in lora.get_slot_weights(model, 0).items()}
+    lora.set_slot_weights(model, 0, weights, rank=MAX_RANK, alpha=2.0 * MAX_RANK)
+    return lora.export_peft_adapter(model, 0, tmp_path_factory.mktemp("snapshot") / "adapter")
+
+
+@pytest.fixture(scope="module")
+def router_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("sampling_logs")
+    command = [sys.executable, "-m", "miles.rollout.engines.builtin_server", "--model-path", str(tiny_model_dir),
+               "--host", "127.0.0.1", "--port", "0", "--max-loras-per-batch", "2", "--max-lora-rank", str(MAX_RANK),
+               "--lora-target-modules", "all-linear", "--dtype", "float32", "--device", "cpu",
+               "--num-threads", "1", "--max-loaded-loras", "2"]
+    engine, engine_url = asyncio.run(ServerProcess.start(
+        command, log_path=logs / "builtin.log", url_line=BUILTIN_URL_LINE, timeout_s=120, what="builtin server",
+        env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}))
+    try:
+        router = asyncio.run(Router.launch([engine_url], log_path=logs / "router.log"))
+        yield router.url
+        asyncio.run(router.shutdown())
+    finally:
+        engine.terminate()
+
+
+class SnapshotDriver:
+    """Plays the trainer's driver for saves and steps: a save_weights_for_sampler writes the
+    test adapter to the command's directory."""
+
+    def __init__(self, plane: ThreadedController, adapter: Path) -> None:
+        self.plane, self.adapter = plane, adapter
+        self.ran: list[ClientCommand] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        controller = self.plane.controller
+        while not self._stop.is_set():
+            for command in self.plane.call(controller.take_client_commands()).commands:
+                request = command.request
+                result: OptimStepResult | WeightsResult = WeightsResult()
+                if isinstance(request, SaveForSamplerCommand):
+                    shutil.copytree(self.adapter, request.directory)
+                elif isinstance(request, OptimStepCommand):
+                    result = OptimStepResult(metrics={})
+                self.plane.call(controller.complete_client_command(command.future_id, result))
+                self.ran.append(command)
+            self.plane.call(controller.wait_for_client_commands(0.2))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture
+def plane(data_root: Path, defaults: AdapterDefaults, router_url: str) -> Iterator[ThreadedController]:
+    config = controller_config(data_root, defaults, n_slots=2, token=TOKEN,
+                               gateway=GatewayConfig(base_model=BASE, retrieve_poll_s=1.0))
+    controller = ThreadedController(config, router_url=router_url)
+    yield controller
+    controller.close()
+
+
+@pytest.fixture
+def driver(plane: ThreadedController, adapter_dir: Path) -> Iterator[SnapshotDriver]:
+    fake = SnapshotDriver(plane, adapter_dir)
+    yield fake
+    fake.close()
+
+
+def reference(router_url: str, snapshot: SamplerSnapshot | None, params: SamplingRequestParams,
+              prompt: list[int] = PROMPT) -> tinker_sampler.SampleResult:
+    """The sampler's own answer for the same request."""
+    return asyncio.run(tinker_sampler.sample(router_url, snapshot, prompt, params))
+
+
+def tokens_of(response: types.SampleResponse) -> list[list[int]]:
+    return [list(s.tokens) for s in response.sequences]
+
+
+def test_the_base_model_is_sampled_as_the_sampler_samples_it(plane: ThreadedController, router_url: str) -> None:
+    rest = tinker.RestClient(base_url=plane.url, api_key=TOKEN)
+    (supported,) = rest.get_server_capabilities().result(timeout=30).supported_models
+    assert supported.sampleable
+    with tinker.ServiceClient(base_url=plane.url, api_key=TOKEN) as service:
+        client = service.create_sampling_client(base_model=BASE).result(timeout=30)
+        assert client.get_base_model() == BASE
+        prompt = types.ModelInput.from_ints(PROMPT)
+
+        seeded = client.sample(prompt, 3, types.SamplingParams(max_tokens=6, seed=7, temperature=1.0, stop=[]))
+        response = seeded.result(timeout=120)
+        expected = reference(router_url, None, SamplingRequestParams(num_samples=3, max_tokens=6, seed=7, stop=[]))
+        assert tokens_of(response) == [s.tokens for s in expected.sequences]
+        assert len({tuple(t) for t in tokens_of(response)}) == 3  # seed + i per sample
+        for got, want in zip(response.sequences, expected.sequences, strict=True):
+            assert got.stop_reason == "length" and len(got.tokens) == 6
+            assert list(got.logprobs or []) == pytest.approx(want.logprobs, abs=1e-5)  # float32 on the wire
+        again = client.sample(prompt, 3, types.SamplingParams(max_tokens=6, seed=7, stop=[])).result(timeout=120)
+        assert tokens_of(again) == tokens_of(response)
+
+        greedy = client.sample(prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0, stop=[]))
+        tokens = tokens_of(greedy.result(timeout=120))[0]
+        stop_token = tokens[3]
+        stopped = client.sample(prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0, stop=[stop_token]))
+        (sequence,) = stopped.result(timeout=120).sequences
+        assert sequence.stop_reason == "stop" and list(sequence.tokens) == tokens[:tokens.index(stop_token) + 1]
+
+        scored = client.sample(prompt, 1, types.SamplingParams(max_tokens=1, temperature=0.0),
+                               include_prompt_logprobs=True, topk_prompt_logprobs=2).result(timeout=120)
+        logprobs = client.compute_logprobs(prompt).result(timeout=120)
+        want_logprobs = asyncio.run(tinker_sampler.compute_logprobs(router_url, None, PROMPT))
+        assert logprobs[0] is None and want_logprobs[0] is None
+        assert logprobs[1:] == pytest.approx(want_logprobs[1:], abs=1e-5)
+        assert scored.prompt_logprobs is not None and scored.prompt_logprobs[1:] == pytest.approx(logprobs[1:],
+                                                                                                   abs=1e-5)
+        assert scored.topk_prompt_logprobs is not None and scored.topk_prompt_logprobs[0] is None
+        assert all(len(row) == 2 for row in scored.topk_prompt_logprobs[1:])
+
+
+def test_a_saved_snapshot_is_sampled_by_its_tinker_path(plane: ThreadedController, driver: SnapshotDriver,
+                                                        router_url: str) -> None:
+    with tinker.ServiceClient(base_url=plane.url, api_key=TOKEN) as service:
+        trainer = service.create_lora_training_client(BASE, rank=MAX_RANK, train_unembed=False).result(timeout=30)
+        saved = trainer.save_weights_for_sampler("s1").result(timeout=30)
+        assert saved.path == f"tinker://{trainer.model_id}/sampler_weights/s1"
+        save = driver.ran[-1].request
+        assert isinstance(save, SaveForSamplerCommand) and Path(save.directory, "adapter_config.json").is_file()
+        snapshot = SamplerSnapshot(model_id=trainer.model_id, name="s1", directory=save.directory)
+
+        client = service.create_sampling_client(model_path=saved.path).result(timeout=30)
+        assert client.get_base_model() == BASE
+        prompt = types.ModelInput.from_ints(PROMPT)
+        params = SamplingRequestParams(num_samples=2, max_tokens=5, seed=11, stop=[])
+        response = client.sample(prompt, 2, types.SamplingParams(max_tokens=5, seed=11, stop=[])).result(timeout=120)
+        expected = reference(router_url, snapshot, params)
+        assert tokens_of(response) == [s.tokens for s in expected.sequences]
+        base = reference(router_url, None, params)
+        assert tokens_of(response) != [s.tokens for s in base.sequences]  # the snapshot, not the base model
+        logprobs = client.compute_logprobs(prompt).result(timeout=120)
+        want = asyncio.run(tinker_sampler.compute_logprobs(router_url, snapshot, PROMPT))
+        assert logprobs[1:] == pytest.approx(want[1:], abs=1e-5)
+
+        # save_weights_and_get_sampling_client: an unnamed snapshot and a sampling session in one call.
+        quick = trainer.save_weights_and_get_sampling_client().result(timeout=60)
+        unnamed = driver.ran[-1].request
+        assert isinstance(unnamed, SaveForSamplerCommand) and unnamed.name.startswith("sampler-seq-")
+        same = quick.sample(prompt, 2, types.SamplingParams(max_tokens=5, seed=11, stop=[])).result(timeout=120)
+        assert tokens_of(same) == tokens_of(response)  # the driver wrote the same adapter again
+
+        session = tinker.RestClient(base_url=plane.url, api_key=TOKEN).get_session(
+            service.holder.get_session_id()).result(timeout=30)
+        assert len(session.sampler_ids) == 2
+
+
+def test_paths_that_name_no_snapshot_fail_at_once_with_the_path(plane: ThreadedController,
+                                                                driver: SnapshotDriver) -> None:
+    with tinker.ServiceClient(base_url=plane.url, api_key=TOKEN) as service:
+        trainer = service.create_lora_training_client(BASE, rank=2, train_unembed=False).result(timeout=30)
+        never = f"tinker://{trainer.model_id}/sampler_weights/never"
+        refusals = [
+            ("tinker://nobody:train:0/sampler_weights/s", tinker.NotFoundError, "model 'nobody:train:0' is unknown"),
+            (never, tinker.NotFoundError, "never ran save_weights_for_sampler"),
+            (f"tinker://{trainer.model_id}/weights/w", tinker.BadRequestError, "not a sampler snapshot path"),
+        ]
+        for path, error, message in refusals:
+            started = time.monotonic()
+            with pytest.raises(error, match=message) as raised:
+                service.create_sampling_client(model_path=path).result(timeout=30)
+            assert path in str(raised.value)
+            assert time.monotonic() - started < 5  # refused, not retried
+        with pytest.raises(tinker.BadRequestError, match="'other-base' is not served here"):
+            service.create_sampling_client(base_model="other-base").result(timeout=30)
+
+
+def test_sampling_without_a_router_is_refused_at_once(data_root: Path, defaults: AdapterDefaults,
+                                                      router_url: str) -> None:
+    config = controller_config(data_root, defaults, token=TOKEN, gateway=GatewayConfig(base_model=BASE))
+    plane = ThreadedController(config)
+    try:
+        with tinker.ServiceClient(base_url=plane.url, api_key=TOKEN) as service:
+            client = service.create_sampling_client(base_model=BASE).result(timeout=30)
+            prompt = types.ModelInput.from_ints(PROMPT)
+            started = time.monotonic()
+            with pytest.raises(tinker.BadRequestError, match="no inference router"):
+                client.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result(timeout=30)
+            assert time.monotonic() - started < 5
+            plane.call(plane.controller.set_router_url(router_url))  # the trainer's engines are up now
+            assert len(client.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result(timeout=120)
+                       .sequences[0].tokens) <= 2
+        with httpx.Client(base_url=plane.url, headers={"X-API-Key": TOKEN}, trust_env=False) as raw:
+            unknown = raw.post("/api/v1/retrieve_future", json={"request_id": "sample-0123"})
+            assert unknown.status_code == 404 and "sample again" in unknown.json()["detail"]
+    finally:
+        plane.close()

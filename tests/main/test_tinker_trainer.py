@@ -1,0 +1,107 @@
+"""End-to-end: Tinker SDK clients against the trainer as users run it.
+
+`python -m miles.main.train_multi_lora_async` runs as a subprocess on a tiny random model;
+the official SDK (`tinker`) drives client-driven models on the trainer's own slots, alone
+and beside a server-driven RL adapter registered over the control plane.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import tinker
+from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
+from tinker import types
+
+from miles.controller.client import ControlPlaneClient
+from miles.utils.types import AdapterKind, AdapterState
+
+pytestmark = pytest.mark.slow
+
+TRAINER = "miles.main.train_multi_lora_async"
+API_KEY = "tml-local"
+TIMEOUT = 240.0
+LR = 2e-2
+
+
+@pytest.fixture(autouse=True)
+def no_sdk_telemetry(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+
+def cycle_datum(offset: int, length: int = 12) -> types.Datum:
+    """Next-token prediction over the cycle 5, 6, 7, 5, ... starting at `offset`."""
+    tokens = [5 + (offset + i) % 3 for i in range(length + 1)]
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length})
+
+
+@dataclass
+class ClientRun:
+    model_id: str
+    losses: list[float]
+    """`loss:sum` of each forward_backward."""
+    held_out_before: float
+    held_out_after: float
+    logprobs_after: list[float]
+
+
+def held_out_loss(trainer: tinker.TrainingClient, datum: types.Datum) -> tuple[float, list[float]]:
+    out = trainer.forward([datum], "cross_entropy").result(timeout=TIMEOUT)
+    logprobs = out.loss_fn_outputs[0]["logprobs"].tolist()
+    return -sum(logprobs), logprobs
+
+
+def sft_run(service: tinker.ServiceClient, base_model: str, steps: int) -> ClientRun:
+    trainer = service.create_lora_training_client(base_model, rank=4, seed=11, train_unembed=False).result(
+        timeout=TIMEOUT)
+    held_out = cycle_datum(1)
+    before, _ = held_out_loss(trainer, held_out)
+    losses = []
+    for _ in range(steps):
+        # Both calls are sent before either result is read: they queue in seq_id order.
+        fwd_bwd = trainer.forward_backward([cycle_datum(0), cycle_datum(2)], "cross_entropy")
+        step = trainer.optim_step(types.AdamParams(learning_rate=LR))
+        losses.append(fwd_bwd.result(timeout=TIMEOUT).metrics["loss:sum"])
+        step.result(timeout=TIMEOUT)
+    after, logprobs = held_out_loss(trainer, held_out)
+    return ClientRun(trainer.model_id, losses, before, after, logprobs)
+
+
+def test_sdk_clients_train_alone_and_beside_a_server_driven_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
+    data = write_arithmetic_dataset(tmp_path / "add.jsonl", 200, op="+", seed=1)
+    driver = DriverProcess(TRAINER, tiny_run_flags(tiny_model_dir, tmp_path / "save", n_adapters=3),
+                           tmp_path / "trainer.log")
+    try:
+        url = driver.wait_for_api_url()
+        control = ControlPlaneClient(url)
+        with tinker.ServiceClient(base_url=url, api_key=API_KEY) as service:
+            # Clients alone: no RL adapter, so no generate phase; the SFT loop lowers held-out loss.
+            alone = sft_run(service, str(tiny_model_dir), steps=4)
+            assert alone.held_out_after < 0.95 * alone.held_out_before, alone
+            assert alone.losses[-1] < alone.losses[0], alone.losses
+
+            # A server-driven adapter trains meanwhile: the client's datums go into its train calls.
+            control.register("rl", config={"data": str(data), "num_step": 10_000})
+            driver.wait_until(lambda: control.status("rl").step >= 1, TIMEOUT, "the RL adapter's first step")
+            mixed = sft_run(service, str(tiny_model_dir), steps=4)
+            rl = control.status("rl")
+            assert rl.state is AdapterState.ACTIVE and rl.step >= 2, rl
+
+            # The same model, seed and data give the same numbers, whatever shares the calls.
+            assert mixed.losses == pytest.approx(alone.losses, abs=1e-4)
+            assert mixed.logprobs_after == pytest.approx(alone.logprobs_after, abs=1e-4)
+
+            listed = {status.name: status for status in control.list()}
+            clients = [s for s in listed.values() if s.kind is AdapterKind.CLIENT]
+            assert sorted(s.model_id for s in clients) == sorted([alone.model_id, mixed.model_id])
+            assert all(s.state is AdapterState.ACTIVE and s.step == 4 for s in clients), clients
+        # The session closed with the service client: its models are unloaded and their slots freed.
+        driver.wait_until(lambda: all(s.state is AdapterState.COMPLETED for s in control.list()
+                                      if s.kind is AdapterKind.CLIENT), TIMEOUT, "the client models to be cleaned up")
+        assert control.status("rl").state is AdapterState.ACTIVE
+        assert driver.terminate() == 0
+    finally:
+        driver.kill()
