@@ -232,13 +232,20 @@ class Sampler:
         if last_n is not None and last_n > len(prompt_tokens) - 1:
             raise ValueError(f"prompt_logprobs_last_n {last_n} is more than the prompt's {len(prompt_tokens) - 1} "
                              "scorable tokens (the first has no context)")
+        loads = 0
         if snapshot is not None:
+            if snapshot.lora_name not in self._recent:
+                # Loaded before its first samples: a burst of "not loaded" answers would count as
+                # failures in the router's circuit breaker (10 open it for a minute).
+                await self.load_snapshot(snapshot)
+                loads = 1
             self._recent[snapshot.lora_name] = snapshot
             self._recent.move_to_end(snapshot.lora_name)
             while len(self._recent) > RECENT_SNAPSHOTS_KEPT:
                 self._recent.popitem(last=False)
         requests = [build_generate_request(snapshot, prompt_tokens, params, i) for i in range(params.num_samples)]
-        responses, loads = await self._generate_all(snapshot, requests)
+        responses, reloads = await self._generate_all(snapshot, requests)
+        loads += reloads
         sequences = [sequence_from_response(r, params.topk_sample_logprobs) for r in responses]
         first, n = responses[0], len(prompt_tokens)
         return SampleResult(

@@ -65,10 +65,15 @@ async def test_a_snapshot_never_loaded_is_loaded_by_path_then_served(sampler, en
     assert snap.tinker_path == "tinker://model-a/sampler_weights/step-1"
     greedy = SamplingRequestParams(max_tokens=6, temperature=0.0, stop=[])
     first = await sampler.sample(snap, PROMPT, greedy)
-    assert first.lora_loads == 1  # the engine answered "not loaded"; the sampler loaded it and retried
+    assert first.lora_loads == 1  # a snapshot new to the sampler is loaded before its first samples
     assert snap.lora_name in (await engine_state(client, engine))["loaded_loras"]
     second = await sampler.sample(snap, PROMPT, greedy)
     assert second.lora_loads == 0 and second.sequences == first.sequences
+    # Unloaded behind the sampler's back (an engine restarted): the engine answers "not loaded",
+    # the sampler loads it again and retries.
+    assert (await client.post(engine + "/unload_lora_adapter", json={"lora_name": snap.lora_name})).status_code == 200
+    third = await sampler.sample(snap, PROMPT, greedy)
+    assert third.lora_loads == 1 and third.sequences == first.sequences
     # What the engine served is the snapshot's adapter: greedy tokens and logprobs as the trainer computes them.
     sequence = first.sequences[0]
     scored = trainer_reference.score(PROMPT, sequence.tokens, "ad0")
