@@ -105,3 +105,59 @@ def test_sdk_clients_train_alone_and_beside_a_server_driven_adapter(tiny_model_d
         assert driver.terminate() == 0
     finally:
         driver.kill()
+
+
+LOW = 50
+"""The RL loop's reward counts sampled tokens below this (half of the tiny model's vocabulary)."""
+
+
+def reward(tokens: list[int]) -> float:
+    """The fraction of sampled tokens below `LOW`."""
+    return sum(t < LOW for t in tokens) / max(1, len(tokens))
+
+
+def test_an_sdk_rl_loop_samples_the_snapshots_it_trains(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """sample -> reward -> importance_sampling -> optim_step -> save_weights_for_sampler -> sample,
+    every call through the SDK against the trainer: each round samples the snapshot the round
+    before wrote, and the engines serve exactly the trainer's weights."""
+    driver = DriverProcess(TRAINER, tiny_run_flags(tiny_model_dir, tmp_path / "save", n_adapters=2),
+                           tmp_path / "trainer.log")
+    try:
+        url = driver.wait_for_api_url()
+        with tinker.ServiceClient(base_url=url, api_key=API_KEY) as service:
+            trainer = service.create_lora_training_client(str(tiny_model_dir), rank=4, seed=5,
+                                                          train_unembed=False).result(timeout=TIMEOUT)
+            prompt = types.ModelInput.from_ints([5, 6, 5, 6])
+            params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=0)
+            first = sampler = trainer.save_weights_and_get_sampling_client()
+            for _ in range(3):
+                samples = sampler.sample(prompt, num_samples=8, sampling_params=params).result(timeout=TIMEOUT)
+                scores = [reward(seq.tokens) for seq in samples.sequences]
+                baseline = sum(scores) / len(scores)
+                data = []
+                n_prompt = prompt.length - 1
+                for seq, score in zip(samples.sequences, scores, strict=True):
+                    assert seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens)
+                    tokens = prompt.to_ints() + seq.tokens
+                    data.append(types.Datum(
+                        model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:],
+                                        "logprobs": [0.0] * n_prompt + list(seq.logprobs),
+                                        "advantages": [0.0] * n_prompt + [score - baseline] * len(seq.tokens)}))
+                trainer.forward_backward(data, "importance_sampling").result(timeout=TIMEOUT)
+                trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=TIMEOUT)
+                sampler = trainer.save_weights_and_get_sampling_client()
+
+            # The latest snapshot scores a sequence as the trainer's slot does, and not as the first one did.
+            tokens = prompt.to_ints() + samples.sequences[0].tokens
+            sequence = types.ModelInput.from_ints(tokens)
+            served = sampler.compute_logprobs(sequence).result(timeout=TIMEOUT)[1:]
+            before = first.compute_logprobs(sequence).result(timeout=TIMEOUT)[1:]
+            ours = trainer.forward([types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                                loss_fn_inputs={"target_tokens": tokens[1:]})],
+                                   "cross_entropy").result(timeout=TIMEOUT).loss_fn_outputs[0]["logprobs"].tolist()
+            assert served == pytest.approx(ours, abs=1e-4)
+            moved = max(abs(a - b) for a, b in zip(served, before, strict=True))
+            assert moved > 1e-2, f"three steps moved the served logprobs by only {moved:.1e}"
+    finally:
+        driver.kill()
