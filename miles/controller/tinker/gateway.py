@@ -181,6 +181,8 @@ class TinkerGateway:
         self.store = store
         self.clock = clock
         self.log = CommandLog(store)
+        self._snapshots: dict[str, SamplerSnapshot] = {}
+        """Sampler snapshots found written, by tinker:// path."""
         self.samples = SampleFutures(lambda: backend.router_url)
         """Samples in flight and finished (`asample`), through the router the controller knows."""
         self._sessions: dict[str, Session] = {}
@@ -413,7 +415,12 @@ class TinkerGateway:
                 raise GatewayError("save_weights_for_sampler needs a name (path) or a seq_id")
             name = f"{UNNAMED_SNAPSHOT_PREFIX}{seq_id}"
         checkpoint = self._checkpoint_name(name)
-        _, config = self.model(model_id)
+        model, config = self.model(model_id)
+        path = tinker_path(model_id, "sampler_weights", checkpoint)
+        if any(isinstance(f.request, SaveForSamplerCommand) and f.request.tinker_path == path
+               and f.status is not ClientCommandStatus.FAILED for f in self.log.commands(model)):
+            raise GatewayError(f"Model {model_id} already has sampler weights named {checkpoint!r} ({path}); "
+                               "sampler snapshots are immutable: pick another name")
         return SaveForSamplerCommand(name=checkpoint, tinker_path=tinker_path(model_id, "sampler_weights", checkpoint),
                                      directory=str(config.save / "sampler_weights" / checkpoint))
 
@@ -482,6 +489,9 @@ class TinkerGateway:
 
         Raises `GatewayNotFoundError` naming the path when no such save was logged, or it has
         not finished (or failed)."""
+        known = self._snapshots.get(model_path)
+        if known is not None:
+            return known
         try:
             model_id, checkpoint = parse_sampler_weights_path(model_path)
         except ValueError as exc:
@@ -495,7 +505,9 @@ class TinkerGateway:
         if done:
             request = done[-1].request
             assert isinstance(request, SaveForSamplerCommand)
-            return SamplerSnapshot(model_id=model_id, name=checkpoint, directory=request.directory)
+            snapshot = SamplerSnapshot(model_id=model_id, name=checkpoint, directory=request.directory)
+            self._snapshots[model_path] = snapshot  # written once, never changes: no need to look again
+            return snapshot
         if not saves:
             raise GatewayNotFoundError(f"No sampler weights {model_path!r}: model {model_id} never ran "
                                        f"save_weights_for_sampler({checkpoint!r})")

@@ -250,17 +250,19 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
     @router.post("/asample")
     async def asample(request: Request) -> dict[str, Any]:
         wire = sample_request_from_json(_json(await _read_limited(request, MAX_JSON_BYTES, "sample body")))
-        if wire.sampling_session_id is not None:
-            sampler_id, model_path = wire.sampling_session_id, gateway.sampler(wire.sampling_session_id).model_path
-        else:  # the SDKs before sampling sessions name the model in each request
-            model_path = wire.model_path
+        # A retry is recognised by (sampling session, seq_id); the SDKs before sampling sessions
+        # name the model in each request, and their seq_ids are not unique to one client.
+        sampler_id, seq_id = wire.sampling_session_id, wire.seq_id
+        if sampler_id is not None:
+            model_path = gateway.sampler(sampler_id).model_path
+        else:
+            model_path, seq_id = wire.model_path, None
             if model_path is None:
                 assert wire.base_model is not None
                 gateway.served_base_model(wire.base_model)
-            sampler_id = model_path or f"base:{wire.base_model}"
         snapshot = None if model_path is None else gateway.snapshot(model_path)
         future = gateway.samples.submit(
-            sampler_id, wire.seq_id, wire.params.num_samples,
+            sampler_id or model_path or "base", seq_id, wire.params.num_samples,
             lambda sampler: sampler.sample(snapshot, wire.prompt_tokens, wire.params))
         return {"request_id": future.future_id, "sample_sequence_ids": future.sequence_ids}
 
