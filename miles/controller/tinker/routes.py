@@ -4,7 +4,9 @@ Each route validates the SDK's body (JSON, or protobuf for `forward_backward`), 
 it into our typed command and hands it to the `TinkerGateway`; none calls the trainer.
 `retrieve_future` long-polls the command log and answers as the SDK expects: a try-again
 while the command is pending, the typed result once done (protobuf for forward passes),
-`{"error", "category"}` once failed. The SDK authenticates with `X-API-Key: <token>`,
+`{"error", "category"}` once failed. `asample` starts a sample through the router
+(`sampling.py`) and `retrieve_future` answers it the same way, its result as protobuf or
+JSON by the client's `Accept` (`sample_wire.py`). The SDK authenticates with `X-API-Key: <token>`,
 checked by the control plane's token middleware like the bearer token.
 
     install_tinker_routes(app, gateway)   # MultiLoRAHTTPServer.create_app does this
@@ -370,6 +372,8 @@ def sample_response(sample: SampleFuture, accept: str | None) -> Response:
     if not sample.done:
         return JSONResponse({"type": "try_again", "request_id": sample.future_id, "queue_state": "active"})
     outcome = sample.outcome()
+    if isinstance(outcome, tuple) and sample.retryable:
+        return JSONResponse(status_code=410, content={"detail": outcome[0]})
     if isinstance(outcome, tuple):
         error, category = outcome
         return JSONResponse({"error": error, "category": category.value})
