@@ -188,6 +188,8 @@ def test_a_saved_snapshot_is_sampled_by_its_tinker_path(plane: ThreadedControlle
         save = driver.ran[-1].request
         assert isinstance(save, SaveForSamplerCommand) and Path(save.directory, "adapter_config.json").is_file()
         snapshot = SamplerSnapshot(model_id=trainer.model_id, name="s1", directory=save.directory)
+        with pytest.raises(tinker.RequestFailedError, match="snapshots are immutable"):
+            trainer.save_weights_for_sampler("s1").result(timeout=30)
 
         client = service.create_sampling_client(model_path=saved.path).result(timeout=30)
         assert client.get_base_model() == BASE
