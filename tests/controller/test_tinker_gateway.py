@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from miles.controller.backend import MultiLoRABackend
+from miles.controller.store import RegistryStore
 from miles.controller.tinker.gateway import (
     GatewayConfig,
     GatewayError,
+    GatewayNotFoundError,
     GatewaySessionFinishedError,
     LoraLayout,
     SessionInfo,
     TinkerGateway,
+    model_name,
 )
 from miles.controller.tinker.proto import DTYPE_FLOAT32, DTYPE_INT64, WireDatum, WireForwardBackward, WireTensor
 from miles.controller.tinker.routes import forward_command
 from miles.utils.adapter_config import AdapterDefaults
-from miles.utils.types import AdapterState, ClientCommandKind, ClientCommandStatus, ClientLoss
+from miles.utils.types import AdapterState, ClientCommandKind, ClientCommandStatus, ClientLoss, WeightsResult
 
 LAYOUT = LoraLayout(rank=4, train_unembed=False)
 
@@ -147,3 +151,64 @@ def test_the_trainer_flags_name_the_served_base_model_and_layout(tmp_path: Path)
         gateway.create_model(session, 0, "Qwen3-0.6B", LAYOUT, {})  # the name alone is the served model
     with pytest.raises(GatewayError, match="'Qwen3-8B' is not served here"):
         gateway.create_model(session, 0, "Qwen3-8B", LAYOUT, {})
+
+
+def test_sampling_sessions_name_written_snapshots_only_and_survive_a_restart(defaults: AdapterDefaults,
+                                                                            tmp_path: Path) -> None:
+    store = RegistryStore(tmp_path / "registry.sqlite")
+    gateway = TinkerGateway(MultiLoRABackend(2, defaults, store=store), GatewayConfig(base_model="/m/tiny-base"),
+                            store)
+    session = gateway.create_session(SessionInfo())
+    model_id = gateway.create_model(session, 0, "tiny-base", LAYOUT, {}).model_id
+    assert model_id is not None
+    path = f"tinker://{model_id}/sampler_weights/s1"
+    save = gateway.submit(model_id, 1, ClientCommandKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                          lambda: gateway.sampler_command(model_id, "s1"))
+    with pytest.raises(GatewayNotFoundError, match=f"{re.escape(path)}.*not written yet"):
+        gateway.create_sampler(session, 0, path, None)
+    (taken,) = gateway.take_commands().commands
+    assert taken.future_id == save.future_id
+    with pytest.raises(GatewayNotFoundError, match="not written yet"):
+        gateway.snapshot(path)  # RUNNING: the driver is writing it
+    gateway.complete(taken.future_id, WeightsResult())
+    snapshot = gateway.snapshot(path)
+    assert (snapshot.model_id, snapshot.name, snapshot.tinker_path) == (model_id, "s1", path)
+    assert snapshot.directory.endswith(f"adapters/{model_name(model_id)}/sampler_weights/s1")
+
+    again = gateway.submit(model_id, 2, ClientCommandKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                           lambda: gateway.sampler_command(model_id, "s1"))
+    assert again.status is ClientCommandStatus.FAILED and "immutable" in (again.error or "")
+    broken = gateway.submit(model_id, 3, ClientCommandKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                            lambda: gateway.sampler_command(model_id, "broken"))
+    (taken,) = gateway.take_commands().commands
+    gateway.fail(taken.future_id, "disk full")
+    with pytest.raises(GatewayNotFoundError, match="save_weights_for_sampler failed"):
+        gateway.snapshot(f"tinker://{model_id}/sampler_weights/broken")
+    with pytest.raises(GatewayNotFoundError, match="never ran save_weights_for_sampler"):
+        gateway.snapshot(f"tinker://{model_id}/sampler_weights/other")
+    with pytest.raises(GatewayError, match="not a sampler snapshot path"):
+        gateway.snapshot(f"tinker://{model_id}/weights/s1")
+
+    sampler = gateway.create_sampler(session, 0, path, None)
+    assert gateway.create_sampler(session, 0, None, "tiny-base") == sampler  # a retry: the same session
+    assert (sampler.sampler_id, sampler.base_model, sampler.model_path) == (f"{session}:sample:0", "tiny-base", path)
+    base = gateway.create_sampler(session, 1, None, "/m/tiny-base")
+    assert base.model_path is None
+    with pytest.raises(GatewayError, match="'other' is not served here"):
+        gateway.create_sampler(session, 2, None, "other")
+    unnamed = gateway.submit(model_id, 4, ClientCommandKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                             lambda: gateway.sampler_command(model_id, None, 4))
+    made = gateway.sampler_of_save(model_id, 2, unnamed)
+    assert made.model_path == f"tinker://{model_id}/sampler_weights/sampler-seq-4"
+    assert gateway.sampler_for_save(unnamed.future_id) == made and gateway.sampler_for_save(broken.future_id) is None
+    store.close()
+
+    store = RegistryStore(tmp_path / "registry.sqlite")
+    restarted = TinkerGateway(MultiLoRABackend(2, defaults, store=store), GatewayConfig(base_model="/m/tiny-base"),
+                              store)
+    assert [s.sampler_id for s in restarted.session(session).samplers] == [f"{session}:sample:{i}" for i in range(3)]
+    assert restarted.sampler(sampler.sampler_id) == sampler and restarted.snapshot(path) == snapshot
+    assert restarted.sampler_for_save(unnamed.future_id) == made
+    with pytest.raises(GatewayNotFoundError, match="Unknown sampling session"):
+        restarted.sampler(f"{session}:sample:9")
+    store.close()

@@ -10,7 +10,11 @@ runnable commands through the controller actor and reports the results, which
     wire.py         the JSON bodies we accept (pydantic, the SDK's field names)
     proto.py        the protobuf bodies (forward_backward in, its output out), read and written by hand
     command_log.py  futures, seq_id order, barriers, idempotent retries, durability (plain Python)
-    gateway.py      sessions, models as adapters, translation into typed commands (no HTTP)
+    gateway.py      sessions, models as adapters, sampling sessions and the snapshots they name,
+                    translation into typed commands (no HTTP)
+    sampler.py      sample / compute_logprobs of a snapshot or the base model through the router (HTTP)
+    sampling.py     sample futures: asyncio tasks on the controller's loop, read by retrieve_future
+    sample_wire.py  the SDK's sample request in, its SampleResponse out (JSON or protobuf)
     routes.py       the FastAPI routes and the retrieve_future answers
 
 docs/TINKER_COMPAT.md lists each route and SDK call with its status and its test.

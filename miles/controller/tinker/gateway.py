@@ -181,14 +181,22 @@ class TinkerGateway:
         self.store = store
         self.clock = clock
         self.log = CommandLog(store)
+        self._snapshots: dict[str, SamplerSnapshot] = {}
+        """Sampler snapshots found written, by tinker:// path."""
         self.samples = SampleFutures(lambda: backend.router_url)
         """Samples in flight and finished (`asample`), through the router the controller knows."""
         self._sessions: dict[str, Session] = {}
+        self._samplers: dict[str, SamplerSession] = {}
+        """Every session's sampling sessions by id (`retrieve_future` and `asample` look them up)."""
+        self._sampler_of_save: dict[str, SamplerSession] = {}
+        """save_weights_for_sampler future id -> the sampling session it made."""
         if store is not None:
             for raw in store.load_sessions():
                 session = Session.from_json(raw)
                 session.last_heartbeat = clock()  # a restarted controller gives every client time to call again
                 self._sessions[session.session_id] = session
+                for sampler in session.samplers:
+                    self._index_sampler(sampler)
         self._models: dict[str, str] = {}
         """model id -> registry name, for every client-driven adapter the registry knows."""
         for status in backend.statuses():
@@ -413,7 +421,12 @@ class TinkerGateway:
                 raise GatewayError("save_weights_for_sampler needs a name (path) or a seq_id")
             name = f"{UNNAMED_SNAPSHOT_PREFIX}{seq_id}"
         checkpoint = self._checkpoint_name(name)
-        _, config = self.model(model_id)
+        model, config = self.model(model_id)
+        path = tinker_path(model_id, "sampler_weights", checkpoint)
+        if any(isinstance(f.request, SaveForSamplerCommand) and f.request.tinker_path == path
+               and f.status is not ClientCommandStatus.FAILED for f in self.log.commands(model)):
+            raise GatewayError(f"Model {model_id} already has sampler weights named {checkpoint!r} ({path}); "
+                               "sampler snapshots are immutable: pick another name")
         return SaveForSamplerCommand(name=checkpoint, tinker_path=tinker_path(model_id, "sampler_weights", checkpoint),
                                      directory=str(config.save / "sampler_weights" / checkpoint))
 
@@ -457,13 +470,18 @@ class TinkerGateway:
 
     def _add_sampler(self, session: Session, sampler: SamplerSession) -> SamplerSession:
         session.samplers.append(sampler)
+        self._index_sampler(sampler)
         self._persist_session(session)
         logger.info("Tinker sampling session %s: %s", sampler.sampler_id, sampler.model_path or sampler.base_model)
         return sampler
 
+    def _index_sampler(self, sampler: SamplerSession) -> None:
+        self._samplers[sampler.sampler_id] = sampler
+        if sampler.save_future is not None:
+            self._sampler_of_save[sampler.save_future] = sampler
+
     def _find_sampler(self, sampler_id: str) -> SamplerSession | None:
-        session = self._sessions.get(sampler_id.split(":", 1)[0])
-        return next((s for s in session.samplers if s.sampler_id == sampler_id), None) if session else None
+        return self._samplers.get(sampler_id)
 
     def sampler(self, sampler_id: str) -> SamplerSession:
         found = self._find_sampler(sampler_id)
@@ -474,14 +492,16 @@ class TinkerGateway:
 
     def sampler_for_save(self, future_id: str) -> SamplerSession | None:
         """The sampling session made with this save_weights_for_sampler future, if any."""
-        return next((s for session in self._sessions.values() for s in session.samplers
-                     if s.save_future == future_id), None)
+        return self._sampler_of_save.get(future_id)
 
     def snapshot(self, model_path: str) -> SamplerSnapshot:
         """The sampler snapshot a finished `save_weights_for_sampler` of a known model wrote.
 
         Raises `GatewayNotFoundError` naming the path when no such save was logged, or it has
         not finished (or failed)."""
+        known = self._snapshots.get(model_path)
+        if known is not None:
+            return known
         try:
             model_id, checkpoint = parse_sampler_weights_path(model_path)
         except ValueError as exc:
@@ -495,7 +515,9 @@ class TinkerGateway:
         if done:
             request = done[-1].request
             assert isinstance(request, SaveForSamplerCommand)
-            return SamplerSnapshot(model_id=model_id, name=checkpoint, directory=request.directory)
+            snapshot = SamplerSnapshot(model_id=model_id, name=checkpoint, directory=request.directory)
+            self._snapshots[model_path] = snapshot  # written once, never changes: no need to look again
+            return snapshot
         if not saves:
             raise GatewayNotFoundError(f"No sampler weights {model_path!r}: model {model_id} never ran "
                                        f"save_weights_for_sampler({checkpoint!r})")

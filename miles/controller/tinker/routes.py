@@ -4,7 +4,9 @@ Each route validates the SDK's body (JSON, or protobuf for `forward_backward`), 
 it into our typed command and hands it to the `TinkerGateway`; none calls the trainer.
 `retrieve_future` long-polls the command log and answers as the SDK expects: a try-again
 while the command is pending, the typed result once done (protobuf for forward passes),
-`{"error", "category"}` once failed. The SDK authenticates with `X-API-Key: <token>`,
+`{"error", "category"}` once failed. `asample` starts a sample through the router
+(`sampling.py`) and `retrieve_future` answers it the same way, its result as protobuf or
+JSON by the client's `Accept` (`sample_wire.py`). The SDK authenticates with `X-API-Key: <token>`,
 checked by the control plane's token middleware like the bearer token.
 
     install_tinker_routes(app, gateway)   # MultiLoRAHTTPServer.create_app does this
@@ -250,17 +252,19 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
     @router.post("/asample")
     async def asample(request: Request) -> dict[str, Any]:
         wire = sample_request_from_json(_json(await _read_limited(request, MAX_JSON_BYTES, "sample body")))
-        if wire.sampling_session_id is not None:
-            sampler_id, model_path = wire.sampling_session_id, gateway.sampler(wire.sampling_session_id).model_path
-        else:  # the SDKs before sampling sessions name the model in each request
-            model_path = wire.model_path
+        # A retry is recognised by (sampling session, seq_id); the SDKs before sampling sessions
+        # name the model in each request, and their seq_ids are not unique to one client.
+        sampler_id, seq_id = wire.sampling_session_id, wire.seq_id
+        if sampler_id is not None:
+            model_path = gateway.sampler(sampler_id).model_path
+        else:
+            model_path, seq_id = wire.model_path, None
             if model_path is None:
                 assert wire.base_model is not None
                 gateway.served_base_model(wire.base_model)
-            sampler_id = model_path or f"base:{wire.base_model}"
         snapshot = None if model_path is None else gateway.snapshot(model_path)
         future = gateway.samples.submit(
-            sampler_id, wire.seq_id, wire.params.num_samples,
+            sampler_id or model_path or "base", seq_id, wire.params.num_samples,
             lambda sampler: sampler.sample(snapshot, wire.prompt_tokens, wire.params))
         return {"request_id": future.future_id, "sample_sequence_ids": future.sequence_ids}
 
@@ -368,6 +372,8 @@ def sample_response(sample: SampleFuture, accept: str | None) -> Response:
     if not sample.done:
         return JSONResponse({"type": "try_again", "request_id": sample.future_id, "queue_state": "active"})
     outcome = sample.outcome()
+    if isinstance(outcome, tuple) and sample.retryable:
+        return JSONResponse(status_code=410, content={"detail": outcome[0]})
     if isinstance(outcome, tuple):
         error, category = outcome
         return JSONResponse({"error": error, "category": category.value})

@@ -114,8 +114,10 @@ def sample_request_from_json(body: Any) -> WireSampleRequest:
     """Read the SDK's SampleRequest; raise UnsupportedSampleRequest with what to change."""
     try:
         request = _SdkSampleRequest.model_validate(body)
-    except ValidationError as exc:
-        raise UnsupportedSampleRequest(f"not a valid sample request: {exc}") from None
+    except ValidationError as exc:  # each field and what is wrong with it; the body is never echoed back
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                             for e in exc.errors(include_url=False, include_input=False, include_context=False))
+        raise UnsupportedSampleRequest(f"not a valid sample request: {problems}") from None
     refused = {"target_prompt_logprobs": request.target_prompt_logprobs is not None,
                "prompt_alt_tokens_k": request.prompt_alt_tokens_k != 0,
                "record_stability_info": request.record_stability_info}

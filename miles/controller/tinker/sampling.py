@@ -55,6 +55,13 @@ class SampleFuture:
     def done(self) -> bool:
         return self.task.done()
 
+    @property
+    def retryable(self) -> bool:
+        """It failed in a way a new request may not (the engine aborted it: paused for a weight
+        update); `retrieve_future` answers 410, on which the SDK sends the sample again."""
+        return self.task.done() and not self.task.cancelled() and isinstance(self.task.exception(),
+                                                                             SamplingAbortedError)
+
     def outcome(self) -> SampleResult | tuple[str, ErrorCategory]:
         """The result, or (error, category) of a failed sample; only once `done`."""
         assert self.task.done()
@@ -86,6 +93,8 @@ class SampleFutures:
         self._router_url = router_url
         self.keep = keep
         self._sampler: Sampler | None = None
+        self._retired: list[Sampler] = []
+        """Samplers of a previous router URL (samples may still run on them): closed by `aclose`."""
         self._futures: OrderedDict[str, SampleFuture] = OrderedDict()
         self._by_key: dict[tuple[str, int], str] = {}
 
@@ -96,9 +105,9 @@ class SampleFutures:
             raise NoRouterError("sampling is not available: this trainer has no inference router yet "
                                 "(its engines have not started, or it runs without rollout)")
         if self._sampler is None or self._sampler.router_url != url.rstrip("/"):
-            old, self._sampler = self._sampler, Sampler(url)
-            if old is not None:
-                asyncio.get_running_loop().create_task(old.aclose())
+            if self._sampler is not None:
+                self._retired.append(self._sampler)
+            self._sampler = Sampler(url)
         return self._sampler
 
     def __contains__(self, future_id: str) -> bool:
@@ -151,9 +160,9 @@ class SampleFutures:
         for task in running:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self._sampler is not None:
-            await self._sampler.aclose()
-            self._sampler = None
+        for sampler in [*self._retired, *([self._sampler] if self._sampler is not None else [])]:
+            await sampler.aclose()
+        self._sampler, self._retired = None, []
 
 
 async def _run(run: Callable[[Sampler], Awaitable[SampleResult]], sampler: Sampler) -> SampleResult:

@@ -132,6 +132,7 @@ def test_sample_requests_we_do_not_serve_are_refused_by_name():
         sample_request_from_json(image)
     with pytest.raises(UnsupportedSampleRequest, match="num_samples"):
         sample_request_from_json({**sdk_body(base_model="b", sampling_params=params), "num_samples": 0})
-    with pytest.raises(UnsupportedSampleRequest, match="sampling_params.stop"):
+    with pytest.raises(UnsupportedSampleRequest, match="sampling_params.stop") as raised:
         sample_request_from_json({**sdk_body(base_model="b", sampling_params=params),
-                                  "sampling_params": {"stop": ["a", 5]}})
+                                  "sampling_params": {"stop": ["a", 5, "secret-in-the-body"]}})
+    assert "secret-in-the-body" not in str(raised.value)  # the body is never echoed back

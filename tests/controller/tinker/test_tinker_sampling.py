@@ -188,6 +188,8 @@ def test_a_saved_snapshot_is_sampled_by_its_tinker_path(plane: ThreadedControlle
         save = driver.ran[-1].request
         assert isinstance(save, SaveForSamplerCommand) and Path(save.directory, "adapter_config.json").is_file()
         snapshot = SamplerSnapshot(model_id=trainer.model_id, name="s1", directory=save.directory)
+        with pytest.raises(tinker.RequestFailedError, match="snapshots are immutable"):
+            trainer.save_weights_for_sampler("s1").result(timeout=30)
 
         client = service.create_sampling_client(model_path=saved.path).result(timeout=30)
         assert client.get_base_model() == BASE
@@ -254,3 +256,50 @@ def test_sampling_without_a_router_is_refused_at_once(data_root: Path, defaults:
             assert unknown.status_code == 404 and "sample again" in unknown.json()["detail"]
     finally:
         plane.close()
+
+
+def retrieve(raw: httpx.Client, request_id: str) -> httpx.Response:
+    """retrieve_future until the future is finished (each call long-polls up to a second here)."""
+    for _ in range(120):
+        answer = raw.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        if answer.status_code != 200 or answer.json().get("type") != "try_again":
+            return answer
+    raise AssertionError(f"sample {request_id} never finished")
+
+
+def test_older_sdks_get_json_and_a_retried_sample_runs_once(plane: ThreadedController, router_url: str) -> None:
+    with httpx.Client(base_url=plane.url, headers={"X-API-Key": TOKEN}, trust_env=False, timeout=60) as raw:
+        session_id = raw.post("/api/v1/create_session", json={"sdk_version": "0.26.0"}).json()["session_id"]
+        created = raw.post("/api/v1/create_sampling_session", json={
+            "session_id": session_id, "sampling_session_seq_id": 0, "base_model": BASE}).json()
+        sampler_id = created["sampling_session_id"]
+        assert raw.get(f"/api/v1/samplers/{sampler_id}").json() == {
+            "sampler_id": sampler_id, "base_model": BASE, "model_path": None}
+        body = {"sampling_session_id": sampler_id, "seq_id": 5, "num_samples": 2,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+                "sampling_params": {"max_tokens": 4, "seed": 3, "stop": []}}
+        first = raw.post("/api/v1/asample", json=body).json()
+        assert raw.post("/api/v1/asample", json=body).json() == first  # a retry: the same future, run once
+        assert len(first["sample_sequence_ids"]) == 2
+        answer = retrieve(raw, first["request_id"])
+        assert answer.headers["content-type"] == "application/json"  # no Accept: protobuf, as before 0.38
+        expected = reference(router_url, None, SamplingRequestParams(num_samples=2, max_tokens=4, seed=3, stop=[]))
+        assert answer.json()["type"] == "sample"
+        assert [s["tokens"] for s in answer.json()["sequences"]] == [s.tokens for s in expected.sequences]
+
+        # The SDKs before sampling sessions name the model in each request (no retry key then).
+        by_name = {k: v for k, v in body.items() if k != "sampling_session_id"} | {"base_model": BASE}
+        again = retrieve(raw, raw.post("/api/v1/asample", json=by_name).json()["request_id"]).json()
+        for got, want in zip(again["sequences"], answer.json()["sequences"], strict=True):
+            assert got["tokens"] == want["tokens"] and got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+
+        image = {**body, "seq_id": 6, "prompt": {"chunks": [{"type": "image", "data": "x"}]}}
+        refused = raw.post("/api/v1/asample", json=image)
+        assert refused.status_code == 400 and "'image'" in refused.json()["detail"]
+        assert refused.headers["x-should-retry"] == "false"
+        unknown = raw.post("/api/v1/asample", json={**body, "sampling_session_id": f"{session_id}:sample:9"})
+        assert unknown.status_code == 404 and "Unknown sampling session" in unknown.json()["detail"]
+        outside = retrieve(raw, raw.post("/api/v1/asample", json={
+            **body, "seq_id": 7, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [10**9]}]}}).json()[
+            "request_id"]).json()
+        assert outside["category"] == "user" and "HTTP 400" in outside["error"]
