@@ -234,7 +234,8 @@ def decode_forward_backward(body: bytes) -> WireForwardBackward:
 
 # ---- writing ------------------------------------------------------------------------------
 
-def _put_varint(out: bytearray, value: int) -> None:
+def put_varint(out: bytearray, value: int) -> None:
+    """A varint; a negative value as protobuf writes an int32/int64 (two's complement, 64 bits)."""
     value &= (1 << 64) - 1
     while True:
         byte = value & 0x7F
@@ -246,19 +247,21 @@ def _put_varint(out: bytearray, value: int) -> None:
             return
 
 
-def _put_len(out: bytearray, number: int, payload: bytes) -> None:
-    _put_varint(out, number << 3 | _LEN)
-    _put_varint(out, len(payload))
+def put_len(out: bytearray, number: int, payload: bytes) -> None:
+    """Field `number`, length-delimited (bytes, a packed array or a nested message)."""
+    put_varint(out, number << 3 | _LEN)
+    put_varint(out, len(payload))
     out += payload
 
 
-def _put_varint_field(out: bytearray, number: int, value: int) -> None:
-    _put_varint(out, number << 3 | _VARINT)
-    _put_varint(out, value)
+def put_varint_field(out: bytearray, number: int, value: int) -> None:
+    """Field `number`, an integer or enum."""
+    put_varint(out, number << 3 | _VARINT)
+    put_varint(out, value)
 
 
 def _put_double_field(out: bytearray, number: int, value: float) -> None:
-    _put_varint(out, number << 3 | _FIXED64)
+    put_varint(out, number << 3 | _FIXED64)
     out += struct.pack("<d", value)
 
 
@@ -268,32 +271,32 @@ def _batched_tensor(arrays: list[np.ndarray]) -> bytes:
     offsets[1:] = np.cumsum([a.size * 4 for a in arrays])
     data = b"".join(np.asarray(a, dtype="<f4").tobytes() for a in arrays)
     out = bytearray()
-    _put_len(out, 1, data)
-    _put_len(out, 2, offsets.tobytes())
-    _put_varint_field(out, 3, DTYPE_FLOAT32)
+    put_len(out, 1, data)
+    put_len(out, 2, offsets.tobytes())
+    put_varint_field(out, 3, DTYPE_FLOAT32)
     return bytes(out)  # no trailing shape: every field is one value per position
 
 
 def encode_forward_backward_output(outputs: list[DatumOutput], metrics: dict[str, float]) -> bytes:
     """A `ForwardBackwardOutput`: one `ArrayRecord` holding each output field of every datum."""
     out = bytearray()
-    _put_len(out, 1, b"ArrayRecord")
+    put_len(out, 1, b"ArrayRecord")
     names = sorted({name for o in outputs for name in o.outputs})
     missing = [(i, n) for i, o in enumerate(outputs) for n in names if n not in o.outputs]
     if missing:
         raise ValueError(f"every datum needs the same output fields; datum {missing[0][0]} lacks {missing[0][1]!r}")
     record = bytearray()
-    _put_len(record, 1, b"ArrayRecord")
+    put_len(record, 1, b"ArrayRecord")
     for name in names:
         entry = bytearray()
-        _put_len(entry, 1, name.encode())
-        _put_len(entry, 2, _batched_tensor([np.asarray(o.outputs[name], dtype=np.float32) for o in outputs]))
-        _put_len(record, 2, bytes(entry))
-    _put_varint_field(record, 3, len(outputs))
-    _put_len(out, 2, bytes(record))
+        put_len(entry, 1, name.encode())
+        put_len(entry, 2, _batched_tensor([np.asarray(o.outputs[name], dtype=np.float32) for o in outputs]))
+        put_len(record, 2, bytes(entry))
+    put_varint_field(record, 3, len(outputs))
+    put_len(out, 2, bytes(record))
     for key, value in sorted(metrics.items()):
         entry = bytearray()
-        _put_len(entry, 1, key.encode())
+        put_len(entry, 1, key.encode())
         _put_double_field(entry, 2, float(value))
-        _put_len(out, 3, bytes(entry))
+        put_len(out, 3, bytes(entry))
     return bytes(out)

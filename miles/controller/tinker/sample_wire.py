@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from miles.controller.tinker.proto import put_len, put_varint_field
 from miles.utils.types import SampledSequence, SampleResult, SamplingRequestParams, StopReason, TopLogprobs
 
 PROTOBUF_CONTENT_TYPE = "application/x-protobuf"
@@ -42,7 +43,6 @@ TOPK_EMPTY_LOGPROB = -99999.0
 """What an empty top-k cell holds (the SDK reads a row that starts with it as None)."""
 
 _STOP_REASON_NUMBER = {StopReason.STOP: 0, StopReason.LENGTH: 1}
-_VARINT, _LEN = 0, 2
 
 
 class UnsupportedSampleRequest(ValueError):
@@ -181,30 +181,6 @@ def sample_response_json(result: SampleResult) -> dict[str, Any]:
 
 # ---- protobuf (SDK 0.38) ----
 
-def _put_varint(out: bytearray, value: int) -> None:
-    if value < 0:
-        value += 1 << 64  # two's complement, as protobuf writes negative int32/int64
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return
-
-
-def _put_int(out: bytearray, number: int, value: int) -> None:
-    _put_varint(out, number << 3 | _VARINT)
-    _put_varint(out, value)
-
-
-def _put_bytes(out: bytearray, number: int, payload: bytes) -> None:
-    _put_varint(out, number << 3 | _LEN)
-    _put_varint(out, len(payload))
-    out += payload
-
-
 def _topk_message(rows: list[TopLogprobs | None]) -> bytes:
     """`TopkLogprobs`: 1 token_ids (int32 N x K), 2 logprobs (float32 N x K), 3 k, 4 length."""
     k = max((len(row) for row in rows if row), default=0)
@@ -214,21 +190,21 @@ def _topk_message(rows: list[TopLogprobs | None]) -> bytes:
         for j, (tok, lp) in enumerate(row or []):
             token_ids[i, j], logprobs[i, j] = tok, lp
     out = bytearray()
-    _put_bytes(out, 1, token_ids.tobytes())
-    _put_bytes(out, 2, logprobs.tobytes())
-    _put_int(out, 3, k)
-    _put_int(out, 4, len(rows))
+    put_len(out, 1, token_ids.tobytes())
+    put_len(out, 2, logprobs.tobytes())
+    put_varint_field(out, 3, k)
+    put_varint_field(out, 4, len(rows))
     return bytes(out)
 
 
 def _sequence_message(sequence: SampledSequence) -> bytes:
     """`SampledSequence`: 1 stop_reason, 2 tokens (int32), 3 logprobs (float32), 4 topk_sampled_logprobs."""
     out = bytearray()
-    _put_int(out, 1, _STOP_REASON_NUMBER[sequence.stop_reason])
-    _put_bytes(out, 2, np.asarray(sequence.tokens, dtype="<i4").tobytes())
-    _put_bytes(out, 3, np.asarray(sequence.logprobs, dtype="<f4").tobytes())
+    put_varint_field(out, 1, _STOP_REASON_NUMBER[sequence.stop_reason])
+    put_len(out, 2, np.asarray(sequence.tokens, dtype="<i4").tobytes())
+    put_len(out, 3, np.asarray(sequence.logprobs, dtype="<f4").tobytes())
     if sequence.topk_logprobs is not None:
-        _put_bytes(out, 4, _topk_message(sequence.topk_logprobs))
+        put_len(out, 4, _topk_message(sequence.topk_logprobs))
     return bytes(out)
 
 
@@ -237,10 +213,10 @@ def sample_response_proto(result: SampleResult) -> bytes:
     3 topk_prompt_logprobs."""
     out = bytearray()
     for sequence in result.sequences:
-        _put_bytes(out, 1, _sequence_message(sequence))
+        put_len(out, 1, _sequence_message(sequence))
     if result.prompt_logprobs is not None:
         values = [np.nan if lp is None else lp for lp in result.prompt_logprobs]
-        _put_bytes(out, 2, np.asarray(values, dtype="<f4").tobytes())
+        put_len(out, 2, np.asarray(values, dtype="<f4").tobytes())
     if result.topk_prompt_logprobs is not None:
-        _put_bytes(out, 3, _topk_message(result.topk_prompt_logprobs))
+        put_len(out, 3, _topk_message(result.topk_prompt_logprobs))
     return bytes(out)
