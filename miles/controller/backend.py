@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.controller.registry import AdapterRegistry, AdapterRegistryError, AdapterValidationError
-from miles.controller.router_workers import abort_on_workers
 from miles.controller.store import RegistryStore
+from miles.rollout.engines.router_workers import abort_on_workers
 from miles.utils.adapter_config import (
     AdapterConfigError,
     AdapterDefaults,

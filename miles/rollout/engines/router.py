@@ -21,13 +21,13 @@ from pathlib import Path
 
 import httpx
 
-from miles.controller.router_workers import discover_workers
 from miles.rollout.engines.process import (
     ServerProcess,
     ServerStartError,
     free_port,
     on_probed_ports,
 )
+from miles.rollout.engines.router_workers import discover_workers
 
 logger = logging.getLogger(__name__)
 

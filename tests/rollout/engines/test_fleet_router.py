@@ -14,11 +14,11 @@ from waiting import wait_until_async
 
 from miles import lora
 from miles.backends.base import LoraExport
-from miles.controller.router_workers import abort_on_workers, discover_workers
 from miles.rollout.engines import router as router_module
 from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
 from miles.rollout.engines.process import free_port
 from miles.rollout.engines.router import Router
+from miles.rollout.engines.router_workers import abort_on_workers, discover_workers
 from miles.rollout.engines.server_command import EngineServerConfig
 from miles.utils.types import engine_lora_name
 
