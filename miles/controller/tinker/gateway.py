@@ -389,12 +389,12 @@ class TinkerGateway:
         name, _ = self.model(model_id)
         if seq_id is None:
             raise GatewayError(f"Model {model_id}: seq_id is required (the training client's call number)")
-        found = self.log.existing(command_key(name, seq_id))
-        if found is not None:
-            return found
-        if self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE):
-            raise GatewayNotFoundError(f"Model {model_id} was unloaded; create a new training client")
         try:
+            found = self.log.retry_of(name, model_id, seq_id, kind)
+            if found is not None:
+                return found
+            if self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE):
+                raise GatewayNotFoundError(f"Model {model_id} was unloaded; create a new training client")
             try:
                 request = build()
             except GatewayError as exc:  # the model itself was found above: this is about the body

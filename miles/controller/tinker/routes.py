@@ -338,6 +338,11 @@ def optim_command(body: OptimStepBody) -> OptimStepCommand:
     bad = sorted(k for k, v in values.items() if not math.isfinite(v) or v < 0)
     if bad:
         raise GatewayError(f"adam_params {bad} must be finite and >= 0")
+    for beta in ("beta1", "beta2"):
+        if values[beta] >= 1:  # the moments would never decay (and grow without bound above 1)
+            raise GatewayError(f"adam_params.{beta} {values[beta]} must be in [0, 1)")
+    if values["eps"] <= 0:
+        raise GatewayError("adam_params.eps must be > 0 (it keeps the update finite where a gradient is 0)")
     return OptimStepCommand(adam=AdamStep(**values))
 
 
