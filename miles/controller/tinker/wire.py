@@ -126,3 +126,19 @@ class RetrieveFutureBody(WireBody):
     request_id: Id
     allow_metadata_only: bool = False
 
+
+class SaveWeightsExternalBody(WireBody):
+    model_id: str
+    path: str
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+    """Encrypt the export to these age recipients: refused, exports are plain PEFT files."""
+
+
+class WeightsInfoBody(WireBody):
+    tinker_path: str
+
+
+class CheckpointTtlBody(WireBody):
+    ttl_seconds: int | None = None
