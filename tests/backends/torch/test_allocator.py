@@ -61,11 +61,13 @@ def test_freed_blocks_take_the_next_tensors_of_their_size(tmp_path):
                     f"the allocator it installs: {exc}; `make test` on a machine with g++ runs it")
     heap, _ = _probe(tmp_path)
     assert heap["installed"] and heap["aligned"]
-    assert heap["grown_mib"] < 1  # the 20 new tensors fill the 20 holes
+    # The 20 new tensors fill the 20 holes. At most one hole may be lost: a small allocation
+    # between the frees and the new tensors can be carved from a freed block (seen once in
+    # about twenty runs, 4 MiB); torch's own allocator grew the heap by 8-76 MiB here in six
+    # runs (glibc serves its 64-byte-aligned requests of a size from a freed block of that
+    # size only when the block's neighbours happen to be free too), and no reuse is 80 MiB.
+    assert heap["grown_mib"] <= 4
     assert heap["sums"] == [float(1 << 20)] * 20 + [float(2 << 20)] * 20
-    # (torch's own allocator grew the heap by 8-76 MiB here in six runs: glibc serves its
-    # 64-byte-aligned requests of a size from a freed block of that size only when the
-    # block's neighbours happen to be free too)
     default, _ = _probe(tmp_path, MILES_CPU_ALLOCATOR="0")
     assert not default["installed"] and default["aligned"]
 
