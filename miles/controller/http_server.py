@@ -46,6 +46,7 @@ from starlette.routing import Match
 
 from miles.controller.backend import ControlPlaneBusyError, MultiLoRABackend
 from miles.controller.registry import AdapterNotFoundError, AdapterValidationError, NoFreeSlotError
+from miles.controller.tinker.checkpoints import FILES_ROUTE
 from miles.controller.tinker.gateway import TinkerGateway
 from miles.controller.tinker.routes import install_tinker_routes
 from miles.utils.adapter_config import AdapterRunConfig
@@ -58,6 +59,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 UNAUTHENTICATED_PATHS = frozenset({"/health", "/api/v1/healthz"})
+SIGNED_PATH_PREFIX = FILES_ROUTE + "/"
+"""Checkpoint downloads: each URL carries its own signature (checked by its route), not the token."""
 MAX_BODY_BYTES = 1024 * 1024
 
 
@@ -189,7 +192,8 @@ class MultiLoRAHTTPServer:
 
     async def _check_token(self, request: Request, call_next: Any) -> Response:
         token = self.config.token
-        if token and request.url.path not in UNAUTHENTICATED_PATHS:
+        path = request.url.path
+        if token and path not in UNAUTHENTICATED_PATHS and not path.startswith(SIGNED_PATH_PREFIX):
             # The Tinker SDK sends its API key as X-API-Key; either header carries the same token.
             scheme, _, value = request.headers.get("authorization", "").partition(" ")
             given = value.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")

@@ -25,6 +25,8 @@ typed request and result, as JSON written by `miles.controller.tinker.command_lo
 
     store.put_future(FutureRow(...)); store.load_futures()    # oldest first
     store.put_session("s-1", {...}); store.load_sessions()
+
+and `tinker_checkpoints`, one row per checkpoint a client's model wrote (`checkpoints.py`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ CREATE TABLE IF NOT EXISTS tinker_futures (
     future_id TEXT PRIMARY KEY, position INTEGER NOT NULL, key TEXT NOT NULL UNIQUE, model TEXT,
     seq_id INTEGER, kind TEXT NOT NULL, status TEXT NOT NULL, record TEXT NOT NULL, request BLOB, result BLOB
 );
+CREATE TABLE IF NOT EXISTS tinker_checkpoints (tinker_path TEXT PRIMARY KEY, record TEXT NOT NULL);
 """
 
 
@@ -144,6 +147,16 @@ class RegistryStore:
         rows = self._db.execute("SELECT future_id, key, model, seq_id, kind, status, record, request, result "
                                 "FROM tinker_futures ORDER BY position")
         return [FutureRow(*row) for row in rows]
+
+    def put_checkpoint(self, tinker_path: str, record: dict[str, Any]) -> None:
+        self._db.execute("INSERT OR REPLACE INTO tinker_checkpoints (tinker_path, record) VALUES (?, ?)",
+                         (tinker_path, json.dumps(record, sort_keys=True)))
+
+    def delete_checkpoint(self, tinker_path: str) -> None:
+        self._db.execute("DELETE FROM tinker_checkpoints WHERE tinker_path = ?", (tinker_path,))
+
+    def load_checkpoints(self) -> list[dict[str, Any]]:
+        return [json.loads(r[0]) for r in self._db.execute("SELECT record FROM tinker_checkpoints ORDER BY rowid")]
 
     # ---- registry -------------------------------------------------------------------------
 

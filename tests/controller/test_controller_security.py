@@ -16,7 +16,12 @@ from controller_fakes import ThreadedController, controller_config
 from starlette.routing import Route
 
 from miles.controller.backend import MultiLoRABackend
-from miles.controller.http_server import UNAUTHENTICATED_PATHS, HTTPServerConfig, MultiLoRAHTTPServer
+from miles.controller.http_server import (
+    SIGNED_PATH_PREFIX,
+    UNAUTHENTICATED_PATHS,
+    HTTPServerConfig,
+    MultiLoRAHTTPServer,
+)
 from miles.utils.adapter_config import AdapterDefaults
 
 TOKEN = "security-test-token"
@@ -54,16 +59,20 @@ def test_every_route_but_health_needs_the_token(plane: ThreadedController) -> No
                 response = anonymous.request(method, path, headers=headers)
                 if path in UNAUTHENTICATED_PATHS:
                     assert response.status_code == 200
+                elif path.startswith(SIGNED_PATH_PREFIX):  # a checkpoint download: its URL's signature
+                    assert response.status_code == 401, (method, path, headers, response.status_code)
                 else:
                     assert response.status_code == 401, (method, path, headers, response.status_code)
                     assert response.headers["www-authenticate"] == "Bearer"
     with httpx.Client(base_url=plane.url, trust_env=False, headers={"Authorization": f"Bearer {TOKEN}"}) as user:
         for method, path in routes:
-            assert user.request(method, path).status_code != 401, (method, path)
+            signed = path.startswith(SIGNED_PATH_PREFIX)  # the token does not replace a download's signature
+            assert (user.request(method, path).status_code == 401) == signed, (method, path)
         assert user.get("/openapi.json").json()["info"]["title"] == "Miles Multi-LoRA Controller"
     with httpx.Client(base_url=plane.url, trust_env=False, headers={"X-API-Key": TOKEN}) as tinker_client:
         for method, path in routes:
-            assert tinker_client.request(method, path).status_code != 401, (method, path)
+            signed = path.startswith(SIGNED_PATH_PREFIX)
+            assert (tinker_client.request(method, path).status_code == 401) == signed, (method, path)
 
 
 class _RunsAShellCommand:

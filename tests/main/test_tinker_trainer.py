@@ -129,7 +129,7 @@ def test_an_sdk_rl_loop_samples_the_snapshots_it_trains(tiny_model_dir: Path, tm
                                                           train_unembed=False).result(timeout=TIMEOUT)
             prompt = types.ModelInput.from_ints([5, 6, 5, 6])
             params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=0)
-            first = sampler = trainer.save_weights_and_get_sampling_client()
+            first = sampler = trainer.save_weights_and_get_sampling_client().result(timeout=TIMEOUT)
             for _ in range(3):
                 samples = sampler.sample(prompt, num_samples=8, sampling_params=params).result(timeout=TIMEOUT)
                 scores = [reward(seq.tokens) for seq in samples.sequences]
@@ -146,7 +146,7 @@ def test_an_sdk_rl_loop_samples_the_snapshots_it_trains(tiny_model_dir: Path, tm
                                         "advantages": [0.0] * n_prompt + [score - baseline] * len(seq.tokens)}))
                 trainer.forward_backward(data, "importance_sampling").result(timeout=TIMEOUT)
                 trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=TIMEOUT)
-                sampler = trainer.save_weights_and_get_sampling_client()
+                sampler = trainer.save_weights_and_get_sampling_client().result(timeout=TIMEOUT)
 
             # The latest snapshot scores a sequence as the trainer's slot does, and not as the first one did.
             tokens = prompt.to_ints() + samples.sequences[0].tokens

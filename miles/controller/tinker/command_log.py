@@ -231,12 +231,8 @@ class CommandLog:
                        request: ClientRequest) -> Future:
         """Log one call; the same (model, seq_id) again returns the future issued the first time."""
         key = command_key(model, seq_id)
-        found = self.existing(key)
+        found = self.retry_of(model, model_id, seq_id, kind)
         if found is not None:
-            if found.kind.value != kind.value:
-                raise CommandLogError(
-                    f"Model {model_id}: seq_id {seq_id} was already used by a {found.kind.value} request, "
-                    f"not {kind.value}; each call of a training client needs its own seq_id")
             return found
         model_log = self._models.get(model)
         if model_log is None and seq_id < FIRST_SEQ_ID:
@@ -247,6 +243,17 @@ class CommandLog:
         future = Future(future_id=_new_id(), key=key, kind=FutureKind(kind.value), model=model, model_id=model_id,
                         seq_id=seq_id, status=ClientCommandStatus.PENDING, request=request)
         return self._write(future)
+
+    def retry_of(self, model: str, model_id: str, seq_id: int, kind: ClientCommandKind) -> Future | None:
+        """The future issued for (model, seq_id) if any: a retried call gets it again. A call
+        of another kind at a used seq_id is refused (`CommandLogError`), never answered with
+        the other call's future."""
+        found = self.existing(command_key(model, seq_id))
+        if found is not None and found.kind.value != kind.value:
+            raise CommandLogError(
+                f"Model {model_id}: seq_id {seq_id} was already used by a {found.kind.value} request, "
+                f"not {kind.value}; each call of a training client needs its own seq_id")
+        return found
 
     def open_at(self, model: str, seq_id: int) -> None:
         """A model whose log starts at `seq_id` (0: a model made by loading a checkpoint, whose
@@ -259,7 +266,7 @@ class CommandLog:
         """Log a call that cannot run (bad input) as FAILED at its seq_id: the client's future
         raises with `error`, and the model's later calls do not wait for this seq_id forever."""
         key = command_key(model, seq_id)
-        found = self.existing(key)
+        found = self.retry_of(model, model_id, seq_id, kind)
         if found is not None:
             return found
         if seq_id < FIRST_SEQ_ID:

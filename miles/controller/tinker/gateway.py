@@ -19,7 +19,6 @@ names take no ':'); `unload_model` deregisters it and the normal lifecycle frees
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from collections.abc import Callable, Collection
@@ -30,6 +29,15 @@ from typing import Any
 from miles.controller.backend import MultiLoRABackend
 from miles.controller.registry import AdapterValidationError, NoFreeSlotError
 from miles.controller.store import RegistryStore
+from miles.controller.tinker.checkpoints import (
+    CHECKPOINT_NAME,
+    CheckpointPath,
+    CheckpointPathError,
+    CheckpointRecord,
+    Checkpoints,
+    CheckpointType,
+    check_ttl,
+)
 from miles.controller.tinker.command_log import (
     CommandLog,
     CommandLogError,
@@ -62,7 +70,6 @@ RETRIEVE_POLL_S = 20.0
 """How long `retrieve_future` holds a request for an unfinished future (the SDK waits 45 s)."""
 SESSION_TIMEOUT_S = 600.0
 """A session silent this long is finished and its models unloaded (the SDK heartbeats every 10 s)."""
-CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 UNNAMED_SNAPSHOT_PREFIX = "sampler-seq-"
 """Name of a sampler snapshot saved without one (`save_weights_and_get_sampling_client`): this
 prefix and the call's seq_id."""
@@ -80,6 +87,13 @@ class GatewayNotFoundError(GatewayError):
 
 class GatewayBodyTooLargeError(GatewayError):
     status = 413
+
+
+class GatewayInUseError(GatewayError):
+    """A deletion refused because something still uses the object; the message names what.
+
+    HTTP 400, not 409: the SDK's RestClient retries a 409 for five minutes whatever
+    `x-should-retry` says, and waiting does not free a model's resume point."""
 
 
 class GatewaySessionFinishedError(GatewayError):
@@ -181,6 +195,8 @@ class TinkerGateway:
         self.store = store
         self.clock = clock
         self.log = CommandLog(store)
+        self.checkpoints = Checkpoints(store, clock)
+        """Every checkpoint the models wrote (saves the driver reported done), kept in the store."""
         self._snapshots: dict[str, SamplerSnapshot] = {}
         """Sampler snapshots found written, by tinker:// path."""
         self.samples = SampleFutures(lambda: backend.router_url)
@@ -389,12 +405,12 @@ class TinkerGateway:
         name, _ = self.model(model_id)
         if seq_id is None:
             raise GatewayError(f"Model {model_id}: seq_id is required (the training client's call number)")
-        found = self.log.existing(command_key(name, seq_id))
-        if found is not None:
-            return found
-        if self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE):
-            raise GatewayNotFoundError(f"Model {model_id} was unloaded; create a new training client")
         try:
+            found = self.log.retry_of(name, model_id, seq_id, kind)
+            if found is not None:
+                return found
+            if self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE):
+                raise GatewayNotFoundError(f"Model {model_id} was unloaded; create a new training client")
             try:
                 request = build()
             except GatewayError as exc:  # the model itself was found above: this is about the body
@@ -407,7 +423,7 @@ class TinkerGateway:
     def save_state_command(self, model_id: str, name: str | None, overwrite: bool) -> SaveStateCommand:
         checkpoint = self._checkpoint_name(name)
         model, config = self.model(model_id)
-        if not overwrite and self._saved(model, checkpoint):
+        if not overwrite and self._saved(model_id, model, checkpoint):
             raise GatewayError(f"Model {model_id} already has a checkpoint named {checkpoint!r}; "
                                "pick another name or pass overwrite=True")
         return SaveStateCommand(name=checkpoint, tinker_path=tinker_path(model_id, "weights", checkpoint),
@@ -429,6 +445,106 @@ class TinkerGateway:
                                "sampler snapshots are immutable: pick another name")
         return SaveForSamplerCommand(name=checkpoint, tinker_path=tinker_path(model_id, "sampler_weights", checkpoint),
                                      directory=str(config.save / "sampler_weights" / checkpoint))
+
+    def external_command(self, model_id: str, name: str, ttl_seconds: int | None) -> SaveForSamplerCommand:
+        """`save_weights_external`: the slot's LoRA exported as a PEFT directory to download
+        (`get_external_weights_urls`), deleted `ttl_seconds` after it is written if given."""
+        checkpoint = self._checkpoint_name(name)
+        model, config = self.model(model_id)
+        path = tinker_path(model_id, "external_weights", checkpoint)
+        writing = any(isinstance(f.request, SaveForSamplerCommand) and f.request.tinker_path == path
+                      and not f.status.finished for f in self.log.commands(model))
+        if path in self.checkpoints or writing:
+            raise GatewayError(f"Model {model_id} already has external weights named {checkpoint!r}; pick "
+                               "another name or delete them first")
+        try:
+            ttl = check_ttl(ttl_seconds)
+        except CheckpointPathError as exc:
+            raise GatewayError(str(exc)) from None
+        return SaveForSamplerCommand(name=checkpoint, tinker_path=path, ttl_seconds=ttl,
+                                     directory=str(config.save / "external_weights" / checkpoint))
+
+    # ---- training runs and their checkpoints ---------------------------------------------------
+
+    def training_runs(self) -> list[str]:
+        """Every model id this trainer knows (live or unloaded), newest first."""
+        return list(reversed(self._models))
+
+    def last_request_time(self, model_id: str) -> float:
+        """When the model's session was last heard from (a restart counts as now)."""
+        _, config = self.model(model_id)
+        return self.session(config.session_id).last_heartbeat
+
+    def checkpoints_of(self, model_id: str | None = None) -> list[CheckpointRecord]:
+        """The model's written checkpoints (every model's when None), newest first; expired
+        exports are removed first."""
+        if model_id is not None:
+            self.model(model_id)
+        self.expire_checkpoints()
+        return self.checkpoints.all() if model_id is None else self.checkpoints.of_model(model_id)
+
+    def checkpoint(self, path: CheckpointPath) -> CheckpointRecord:
+        """A written checkpoint; 404 naming the path (and why) when there is none."""
+        model, _ = self.model(path.model_id)
+        self.expire_checkpoints()
+        record = self.checkpoints.get(path.tinker_path)
+        if record is not None:
+            return record
+        writing = any(isinstance(f.request, SaveStateCommand | SaveForSamplerCommand)
+                      and f.request.tinker_path == path.tinker_path and not f.status.finished
+                      for f in self.log.commands(model))
+        why = "its save has not finished" if writing else f"model {path.model_id} has no such checkpoint"
+        raise GatewayNotFoundError(f"No checkpoint {path.tinker_path!r}: {why}")
+
+    def delete_checkpoint(self, path: CheckpointPath) -> CheckpointRecord:
+        """Remove a checkpoint's directory and record, unless something still needs it (400 naming what)."""
+        record = self.checkpoint(path)
+        reason = self._checkpoint_in_use(record)
+        if reason is not None:
+            raise GatewayInUseError(f"Checkpoint {path.tinker_path} is not deleted: {reason}")
+        self.checkpoints.remove(record)
+        self._snapshots.pop(path.tinker_path, None)
+        logger.info("Tinker checkpoint %s deleted (%s)", path.tinker_path, record.directory)
+        return record
+
+    def set_checkpoint_ttl(self, path: CheckpointPath, ttl_seconds: int | None) -> CheckpointRecord:
+        """An export's expiry, from now (None: kept until deleted). Checkpoints and snapshots
+        never expire: a model resumes from them, samplers load them."""
+        record = self.checkpoint(path)
+        if path.kind is not CheckpointType.EXTERNAL:
+            raise GatewayError(f"TTL is served for external_weights exports only, not for {path.tinker_path}: "
+                               "delete it when it is no longer needed")
+        try:
+            return self.checkpoints.set_ttl(record, check_ttl(ttl_seconds))
+        except CheckpointPathError as exc:
+            raise GatewayError(str(exc)) from None
+
+    def expire_checkpoints(self) -> list[str]:
+        """Delete the exports whose TTL ran out; returns their tinker paths."""
+        expired = [r for r in self.checkpoints.expired() if self._checkpoint_in_use(r) is None]
+        for record in expired:
+            self.checkpoints.remove(record)
+            logger.info("Tinker export %s expired and was deleted", record.path.tinker_path)
+        return [r.path.tinker_path for r in expired]
+
+    def _checkpoint_in_use(self, record: CheckpointRecord) -> str | None:
+        """Why the checkpoint must stay, or None."""
+        path = record.path.tinker_path
+        for run in self.backend.snapshot().clients.values():
+            if run.state in (AdapterState.PENDING, AdapterState.ACTIVE) and run.resume_from == record.directory:
+                return (f"it is the resume point of live model {run.config.model_id} (a restarted trainer loads "
+                        "it from there); save a newer state or unload the model first")
+        for model in self._models.values():
+            for future in self.log.commands(model):
+                if isinstance(future.request, LoadStateCommand) and future.request.tinker_path == path \
+                        and not future.status.finished:
+                    return f"model {future.model_id} has a load_state of it still to run"
+        for session in self._sessions.values():
+            for sampler in session.samplers:
+                if sampler.model_path == path and not session.finished:
+                    return (f"sampling session {sampler.sampler_id} samples it; close its ServiceClient "
+                            "(or let its session end) first")
+        return None
 
     # ---- sampling sessions --------------------------------------------------------------------
 
@@ -512,6 +628,8 @@ class TinkerGateway:
         saves = [f for f in self.log.commands(name)
                  if isinstance(f.request, SaveForSamplerCommand) and f.request.tinker_path == model_path]
         done = [f for f in saves if f.status is ClientCommandStatus.DONE]
+        if done and model_path not in self.checkpoints:
+            raise GatewayNotFoundError(f"No sampler weights {model_path!r}: they were deleted")
         if done:
             request = done[-1].request
             assert isinstance(request, SaveForSamplerCommand)
@@ -542,14 +660,15 @@ class TinkerGateway:
         source, config = self.model(parts[0])
         checkpoint = self._checkpoint_name(parts[2])
         directory = config.save / "weights" / checkpoint
-        if not self._saved(source, checkpoint) and not directory.is_dir():
+        if not self._saved(parts[0], source, checkpoint) and not directory.is_dir():
             raise GatewayNotFoundError(f"No checkpoint {path!r}: model {parts[0]} never saved one by that name")
         return LoadStateCommand(tinker_path=path, directory=str(directory), optimizer=optimizer)
 
-    def _saved(self, model: str, checkpoint: str) -> bool:
-        """A save_state of that name is logged and not failed."""
-        return any(isinstance(f.request, SaveStateCommand) and f.request.name == checkpoint
-                   and f.status is not ClientCommandStatus.FAILED for f in self.log.commands(model))
+    def _saved(self, model_id: str, model: str, checkpoint: str) -> bool:
+        """A save_state of that name is written (and not deleted since), or logged and not finished."""
+        return tinker_path(model_id, "weights", checkpoint) in self.checkpoints or any(
+            isinstance(f.request, SaveStateCommand) and f.request.name == checkpoint and not f.status.finished
+            for f in self.log.commands(model))
 
     @staticmethod
     def _checkpoint_name(name: str | None) -> str:
@@ -587,6 +706,9 @@ class TinkerGateway:
             self.backend.record_client_step(future.model)
         elif isinstance(future.request, SaveStateCommand | LoadStateCommand):
             self.backend.record_client_checkpoint(future.model, future.request.directory)
+        if isinstance(future.request, SaveStateCommand | SaveForSamplerCommand):
+            ttl = future.request.ttl_seconds if isinstance(future.request, SaveForSamplerCommand) else None
+            self.checkpoints.add(CheckpointPath.parse(future.request.tinker_path), future.request.directory, ttl)
         return future
 
     def fail(self, future_id: str, error: str, category: ErrorCategory = ErrorCategory.SERVER) -> Future:

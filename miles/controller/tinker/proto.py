@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from miles.controller.tinker.wire import MAX_ID_CHARS
 from miles.utils.types import DatumOutput
 
 # DType enum of the wire.
@@ -101,8 +102,12 @@ def _fields(buf: bytes) -> Iterator[tuple[int, int, int | bytes]]:
 
 
 def _text(value: int | bytes) -> str:
+    """A string field: a model id, a loss name, a config or input name (refusals name them,
+    so a longer one is refused here rather than echoed back)."""
     if not isinstance(value, bytes):
         raise ProtoDecodeError("expected a string field")
+    if len(value) > MAX_ID_CHARS:
+        raise ProtoDecodeError(f"a string field of {len(value)} bytes: ids and names take at most {MAX_ID_CHARS}")
     try:
         return value.decode("utf-8")
     except UnicodeDecodeError as exc:

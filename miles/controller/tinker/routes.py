@@ -17,13 +17,23 @@ from __future__ import annotations
 import json
 import logging
 import math
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import ValidationError
 
+from miles.controller.tinker.checkpoints import (
+    FILES_ROUTE,
+    CheckpointFileError,
+    CheckpointFileNotFoundError,
+    CheckpointPath,
+    CheckpointPathError,
+    CheckpointRecord,
+    CheckpointType,
+)
 from miles.controller.tinker.command_log import CommandLogError, ErrorCategory, Future, FutureKind, UnknownFutureError
 from miles.controller.tinker.gateway import (
     GatewayBodyTooLargeError,
@@ -46,6 +56,7 @@ from miles.controller.tinker.sample_wire import (
 )
 from miles.controller.tinker.sampling import NoRouterError, SampleFuture
 from miles.controller.tinker.wire import (
+    CheckpointTtlBody,
     CreateModelBody,
     CreateSamplingSessionBody,
     CreateSessionBody,
@@ -54,8 +65,10 @@ from miles.controller.tinker.wire import (
     OptimStepBody,
     RetrieveFutureBody,
     SaveWeightsBody,
+    SaveWeightsExternalBody,
     SaveWeightsForSamplerBody,
     SessionIdBody,
+    WeightsInfoBody,
     WireBody,
 )
 from miles.utils.types import (
@@ -69,6 +82,7 @@ from miles.utils.types import (
     ForwardCommand,
     OptimStepCommand,
     OptimStepResult,
+    SaveForSamplerCommand,
 )
 
 logger = logging.getLogger(__name__)
@@ -87,13 +101,15 @@ def install_tinker_routes(app: FastAPI, gateway: TinkerGateway) -> None:
     """Mount the routes and map the gateway's errors to statuses (by type, never by text)."""
 
     async def refuse(request: Request, exc: Exception) -> JSONResponse:
-        status = exc.status if isinstance(exc, GatewayError) else 404 if isinstance(exc, UnknownFutureError) else 400
+        status = (exc.status if isinstance(exc, GatewayError)
+                  else 404 if isinstance(exc, UnknownFutureError | CheckpointFileNotFoundError)
+                  else 401 if isinstance(exc, CheckpointFileError) else 400)
         return JSONResponse(status_code=status, content={"detail": str(exc)}, headers=NO_RETRY)
 
     # NoRouterError is a 400, not a 503: the SDK retries 5xx for minutes, and a trainer without
     # engines will not get any.
     for error in (GatewayError, CommandLogError, ProtoDecodeError, UnknownFutureError, UnsupportedSampleRequest,
-                  NoRouterError):
+                  NoRouterError, CheckpointPathError, CheckpointFileError, CheckpointFileNotFoundError):
         app.add_exception_handler(error, refuse)
     # Added as plain routes of the app (not a mounted sub-router), like the control plane's own.
     app.router.routes.extend(tinker_router(gateway).routes)
@@ -235,6 +251,106 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
         return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.LOAD_STATE,
                                        lambda: gateway.load_state_command(body.path, body.optimizer)))
 
+    @router.post("/save_weights_external")
+    async def save_weights_external(request: Request) -> dict[str, Any]:
+        body = await _parse(request, SaveWeightsExternalBody)
+
+        def export() -> Any:
+            if body.age_encryption_recipients:
+                raise GatewayError("age_encryption_recipients is not served: exports are plain PEFT files, "
+                                   "sent over this trainer's own connection")
+            return gateway.external_command(body.model_id, body.path, body.ttl_seconds)
+
+        return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                                       export))
+
+    # ---- training runs and checkpoints (the RestClient) ---------------------------------------------
+
+    @router.get("/training_runs")
+    async def list_training_runs(limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0),
+                                 project_id: str | None = None) -> dict[str, Any]:
+        if project_id is not None:
+            raise GatewayError("project_id: projects are not served by this trainer; list without one")
+        model_ids = gateway.training_runs()
+        return {"training_runs": [training_run(m) for m in model_ids[offset:offset + limit]],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(model_ids)}}
+
+    @router.get("/training_runs/{model_id}")
+    async def get_training_run(model_id: str) -> dict[str, Any]:
+        return training_run(model_id)
+
+    @router.get("/training_runs/{model_id}/checkpoints")
+    async def list_checkpoints(model_id: str) -> dict[str, Any]:
+        return {"checkpoints": [_checkpoint(r) for r in gateway.checkpoints_of(model_id)], "cursor": None}
+
+    @router.get("/checkpoints")
+    async def list_user_checkpoints(limit: int = Query(100, ge=1, le=1000),
+                                    offset: int = Query(0, ge=0)) -> dict[str, Any]:
+        records = gateway.checkpoints_of()
+        return {"checkpoints": [_checkpoint(r) for r in records[offset:offset + limit]],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(records)}}
+
+    @router.post("/weights_info")
+    async def weights_info(request: Request) -> dict[str, Any]:
+        body = await _parse(request, WeightsInfoBody)
+        path = CheckpointPath.parse(body.tinker_path)
+        gateway.checkpoint(path)
+        _, model = gateway.model(path.model_id)
+        # The slots hold all-linear LoRA: attention and MLP, the unembedding frozen.
+        return {"base_model": model.base_model, "optimizer_config": {"type": "adamw"}, "is_lora": True,
+                "lora_rank": model.rank, "train_unembed": False, "train_mlp": True, "train_attn": True}
+
+    # Before the DELETE of a checkpoint, whose `{checkpoint_id:path}` would also match these.
+    @router.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+    @router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+    async def publish(model_id: str, checkpoint_id: str) -> None:
+        raise GatewayError("publishing checkpoints is not served: this trainer's checkpoints are its clients' "
+                           "own; download one (tinker checkpoint download) to share it")
+
+    @router.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def set_ttl(model_id: str, checkpoint_id: str, request: Request) -> Response:
+        body = await _parse(request, CheckpointTtlBody)
+        gateway.set_checkpoint_ttl(CheckpointPath.of(model_id, checkpoint_id), body.ttl_seconds)
+        return Response(status_code=204)
+
+    @router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+    async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        record = gateway.checkpoint(CheckpointPath.of(model_id, checkpoint_id))
+        urls, expires = gateway.checkpoints.file_urls(record, str(request.base_url).rstrip("/"))
+        return {"urls": urls, "expires": _iso(expires)}
+
+    @router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(model_id: str, checkpoint_id: str) -> Response:
+        gateway.delete_checkpoint(CheckpointPath.of(model_id, checkpoint_id))
+        return Response(status_code=204)
+
+    @router.get(FILES_ROUTE.removeprefix("/api/v1") + "/{model_id}/{segment}/{name}/{file:path}")
+    async def checkpoint_file(model_id: str, segment: str, name: str, file: str, expires: int | None = None,
+                              signature: str | None = None) -> FileResponse:
+        # Authenticated by its signature, not the token (the SDK downloads with plain urllib).
+        if expires is None or signature is None:
+            raise CheckpointFileError("a download URL needs its expires and signature: ask "
+                                      "get_external_weights_urls for the checkpoint's URLs")
+        path = CheckpointPath.of(model_id, f"{segment}/{name}")
+        return FileResponse(gateway.checkpoints.open_file(path, file, expires, signature),
+                            media_type="application/octet-stream")
+
+    @router.post("/copy_weights")
+    async def copy_weights() -> None:
+        raise GatewayError("copy_weights is not served: load the checkpoint into a new training client "
+                           "(create_training_client_from_state) and save it under the name you want")
+
+    def training_run(model_id: str) -> dict[str, Any]:
+        _, model = gateway.model(model_id)
+        records = gateway.checkpoints_of(model_id)
+        last = {kind: next((_checkpoint(r) for r in records if r.path.kind is kind), None) for kind in CheckpointType}
+        return {"training_run_id": model_id, "base_model": model.base_model, "model_owner": model.session_id,
+                "is_lora": True, "corrupted": False, "lora_rank": model.rank,
+                "last_request_time": _iso(gateway.last_request_time(model_id)),
+                "last_checkpoint": last[CheckpointType.TRAINING],
+                "last_sampler_checkpoint": last[CheckpointType.SAMPLER],
+                "user_metadata": {k: str(v) for k, v in model.user_metadata.items()} or None}
+
     # ---- sampling ---------------------------------------------------------------------------------
 
     @router.post("/create_sampling_session")
@@ -305,6 +421,17 @@ async def _parse(request: Request, model: type[BodyT]) -> BodyT:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
 
 
+def _iso(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat()
+
+
+def _checkpoint(record: CheckpointRecord) -> dict[str, Any]:
+    """A checkpoint as the SDK's `Checkpoint`."""
+    return {"checkpoint_id": record.path.checkpoint_id, "checkpoint_type": record.path.kind.value,
+            "time": _iso(record.time), "tinker_path": record.path.tinker_path, "size_bytes": record.size_bytes,
+            "public": False, "expires_at": None if record.expires_at is None else _iso(record.expires_at)}
+
+
 def _untyped(future: Future) -> dict[str, Any]:
     return {"request_id": future.future_id, "model_id": future.model_id}
 
@@ -338,6 +465,11 @@ def optim_command(body: OptimStepBody) -> OptimStepCommand:
     bad = sorted(k for k, v in values.items() if not math.isfinite(v) or v < 0)
     if bad:
         raise GatewayError(f"adam_params {bad} must be finite and >= 0")
+    for beta in ("beta1", "beta2"):
+        if values[beta] >= 1:  # the moments would never decay (and grow without bound above 1)
+            raise GatewayError(f"adam_params.{beta} {values[beta]} must be in [0, 1)")
+    if values["eps"] <= 0:
+        raise GatewayError("adam_params.eps must be > 0 (it keeps the update finite where a gradient is 0)")
     return OptimStepCommand(adam=AdamStep(**values))
 
 
@@ -412,6 +544,9 @@ def future_response(future: Future, protobuf: bool, sampler_id: str | None = Non
     path = getattr(request, "tinker_path", None)
     wire_type = {FutureKind.SAVE_STATE: "save_weights", FutureKind.LOAD_STATE: "load_weights",
                  FutureKind.SAVE_WEIGHTS_FOR_SAMPLER: "save_weights_for_sampler"}[kind]
+    if isinstance(request, SaveForSamplerCommand) \
+            and CheckpointPath.parse(request.tinker_path).kind is CheckpointType.EXTERNAL:
+        wire_type = "save_weights_external"  # an export: the same command, another directory
     answer: dict[str, Any] = {"type": wire_type, "path": path}
     if kind is FutureKind.LOAD_STATE:
         answer["model_id"] = future.model_id

@@ -27,16 +27,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from miles.controller.tinker.proto import put_len, put_varint_field
+from miles.controller.tinker.wire import Id, SeqId
 from miles.utils.types import SampledSequence, SampleResult, SamplingRequestParams, StopReason, TopLogprobs
 
 PROTOBUF_CONTENT_TYPE = "application/x-protobuf"
 JSON_CONTENT_TYPE = "application/json"
+
+MAX_NUM_SAMPLES = 1024
+"""Samples per request: each is one generate call to the engines."""
+MAX_SAMPLE_TOKENS = 1 << 20
+"""`max_tokens` above any context length served here."""
 
 TOPK_EMPTY_TOKEN = 0
 TOPK_EMPTY_LOGPROB = -99999.0
@@ -52,8 +58,8 @@ class UnsupportedSampleRequest(ValueError):
 class _SdkChunk(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: str = "encoded_text"
-    tokens: list[int] | None = None
+    type: Id = "encoded_text"
+    tokens: list[Annotated[int, Field(ge=0)]] | None = None
 
 
 class _SdkModelInput(BaseModel):
@@ -65,11 +71,11 @@ class _SdkModelInput(BaseModel):
 class _SdkSamplingParams(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_SAMPLE_TOKENS)
     seed: int | None = None
     stop: str | list[int] | list[str] | None = None
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_k: int = -1
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    top_k: int = Field(default=-1, ge=-1)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
 
 
@@ -78,13 +84,13 @@ class _SdkSampleRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
-    num_samples: int = Field(default=1, ge=1)
+    num_samples: int = Field(default=1, ge=1, le=MAX_NUM_SAMPLES)
     prompt: _SdkModelInput
     sampling_params: _SdkSamplingParams = Field(default_factory=_SdkSamplingParams)
-    base_model: str | None = None
-    model_path: str | None = None
-    sampling_session_id: str | None = None
-    seq_id: int | None = None
+    base_model: Id | None = None
+    model_path: Id | None = None
+    sampling_session_id: Id | None = None
+    seq_id: SeqId | None = None
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = Field(default=0, ge=0)
     topk_sample_logprobs: int = Field(default=0, ge=0)
@@ -130,6 +136,8 @@ def sample_request_from_json(body: Any) -> WireSampleRequest:
             raise UnsupportedSampleRequest(f"prompt chunks of type {chunk.type!r} are not served: send token ids "
                                            "(encoded_text chunks)")
         tokens += chunk.tokens
+    if not tokens:
+        raise UnsupportedSampleRequest("prompt has no tokens: send at least one token id")
     if request.model_path is None and request.base_model is None and request.sampling_session_id is None:
         raise UnsupportedSampleRequest("give sampling_session_id, model_path (a tinker:// sampler path) or base_model")
     sp = request.sampling_params

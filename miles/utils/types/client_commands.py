@@ -137,11 +137,15 @@ class LoadStateCommand:
 
 @dataclass(frozen=True)
 class SaveForSamplerCommand:
-    """Export the slot's LoRA as an immutable PEFT directory that samplers load by `tinker_path`."""
+    """Export the slot's LoRA as an immutable PEFT directory: a sampler snapshot that samplers
+    load by `tinker_path` (`.../sampler_weights/{name}`), or an external-weights export
+    (`save_weights_external`, `.../external_weights/{name}`) that clients download."""
 
     name: str
     tinker_path: str
     directory: str
+    ttl_seconds: int | None = None
+    """An export only: it is deleted this long after it is written (None: kept until deleted)."""
 
 
 ClientRequest = ForwardCommand | OptimStepCommand | SaveStateCommand | LoadStateCommand | SaveForSamplerCommand
