@@ -296,9 +296,9 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
         path = CheckpointPath.parse(body.tinker_path)
         gateway.checkpoint(path)
         _, model = gateway.model(path.model_id)
-        # The slots hold all-linear LoRA: attention and MLP, the unembedding frozen.
         return {"base_model": model.base_model, "optimizer_config": {"type": "adamw"}, "is_lora": True,
-                "lora_rank": model.rank, "train_unembed": False, "train_mlp": True, "train_attn": True}
+                "lora_rank": model.rank, "train_unembed": model.train_unembed, "train_mlp": model.train_mlp,
+                "train_attn": model.train_attn}
 
     # Before the DELETE of a checkpoint, whose `{checkpoint_id:path}` would also match these.
     @router.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
