@@ -18,6 +18,7 @@ from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_datas
 from tinker import types
 
 from miles.controller.client import ControlPlaneClient
+from miles.lora import read_peft_dir
 from miles.utils.tracking import read_metrics
 from miles.utils.types import AdapterKind, AdapterState
 
@@ -159,14 +160,16 @@ def reward(tokens: list[int]) -> float:
 def test_an_sdk_rl_loop_samples_the_snapshots_it_trains(tiny_model_dir: Path, tmp_path: Path) -> None:
     """sample -> reward -> importance_sampling -> optim_step -> save_weights_for_sampler -> sample,
     every call through the SDK against the trainer: each round samples the snapshot the round
-    before wrote, and the engines serve exactly the trainer's weights."""
-    driver = DriverProcess(TRAINER, tiny_run_flags(tiny_model_dir, tmp_path / "save", n_adapters=2),
-                           tmp_path / "trainer.log")
+    before wrote, and the engines serve exactly the trainer's weights. The trainer runs with
+    `--lora-unembed` and the model takes the SDK's default layout (`train_unembed=True`, as the
+    cookbook's recipes create theirs): its lm_head LoRA trains, is snapshotted and served."""
+    flags = [*tiny_run_flags(tiny_model_dir, tmp_path / "save", n_adapters=2), "--lora-unembed"]
+    driver = DriverProcess(TRAINER, flags, tmp_path / "trainer.log")
     try:
         url = driver.wait_for_api_url()
         with tinker.ServiceClient(base_url=url, api_key=API_KEY) as service:
-            trainer = service.create_lora_training_client(str(tiny_model_dir), rank=4, seed=5,
-                                                          train_unembed=False).result(timeout=TIMEOUT)
+            trainer = service.create_lora_training_client(str(tiny_model_dir), rank=4, seed=5).result(
+                timeout=TIMEOUT)
             prompt = types.ModelInput.from_ints([5, 6, 5, 6])
             params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=0)
             first = sampler = trainer.save_weights_and_get_sampling_client().result(timeout=TIMEOUT)
@@ -199,5 +202,10 @@ def test_an_sdk_rl_loop_samples_the_snapshots_it_trains(tiny_model_dir: Path, tm
             assert served == pytest.approx(ours, abs=1e-4)
             moved = max(abs(a - b) for a, b in zip(served, before, strict=True))
             assert moved > 1e-2, f"three steps moved the served logprobs by only {moved:.1e}"
+            # The snapshot holds the head's LoRA, trained (B moved off zero).
+            snapshot = next((tmp_path / "save").rglob("sampler_weights"))
+            tensors, config = read_peft_dir(max(snapshot.iterdir(), key=lambda p: p.stat().st_mtime))
+            assert "lm_head" in config["target_modules"]
+            assert tensors["base_model.model.lm_head.lora_B.weight"].abs().max() > 1e-3
     finally:
         driver.kill()
