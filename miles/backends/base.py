@@ -41,6 +41,7 @@ from miles.utils.adapter_config import resolved_field
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition, RolloutBatch
 from miles.utils.types.client import AdamStep, ClientWork, DatumOutput
+from miles.utils.types.client_commands import LoraGroup
 
 if TYPE_CHECKING:
     from miles.lora.weight_sync import UpdateGroupSpec
@@ -78,6 +79,10 @@ class AdapterSpec:
     seed: int | None = None
     """Seed of its fresh init (a client's `create_model` seed); None: drawn from the trainer's
     `--seed` and its name."""
+    frozen: frozenset[LoraGroup] = frozenset()
+    """LoRA groups it never trains (a client's layout: `train_attn=False`, ...): their B stays
+    zero and the optimizer never touches their rows (weights or moments), so on those layers it
+    is the base model; its exports and checkpoints list only the layers it trains."""
 
     def final_step(self, loaded_step: int) -> int | None:
         """The step its decaying LR schedule ends at, for weights loaded at `loaded_step`."""
@@ -91,7 +96,8 @@ class AdapterSpec:
         no batch scale (its `AdamStep`s set each step) and no periodic saves (its client's
         `save_state` writes where it asks)."""
         return cls(name=run.name, slot=run.slot, rank=run.config.rank, alpha=float(run.config.alpha),
-                   global_batch_size=1, registration_id=run.registration_id, seed=run.config.seed)
+                   global_batch_size=1, registration_id=run.registration_id, seed=run.config.seed,
+                   frozen=run.config.frozen_groups())
 
     @classmethod
     def from_run(cls, run: AdapterRun) -> AdapterSpec:

@@ -100,7 +100,7 @@ class ControllerConfig:
             dataset_limits=DatasetLimits(max_bytes=cfg.multi_lora_max_dataset_bytes,
                                          timeout_s=cfg.multi_lora_dataset_timeout_s),
             gateway=GatewayConfig(base_model=cfg.hf_checkpoint, tokenizer_id=cfg.hf_checkpoint,
-                                  target_modules=cfg.target_modules),
+                                  target_modules=cfg.target_modules, lora_unembed=cfg.lora_unembed),
         )
 
 

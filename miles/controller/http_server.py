@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,7 +51,7 @@ from miles.controller.tinker.gateway import TinkerGateway
 from miles.controller.tinker.routes import install_tinker_routes
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.safe_yaml import load_yaml
-from miles.utils.types import AdapterState, RegisterAdapterRequest
+from miles.utils.types import AdapterKind, AdapterState, RegisterAdapterRequest
 
 if TYPE_CHECKING:
     from miles.utils.arguments import MilesConfig
@@ -108,10 +108,14 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class _BackendCollector:
     """Adapter counts, registration totals and per-adapter gauges, read from the backend at
     scrape time. Per-adapter series exist only for adapters holding a slot, so the adapter
-    label takes at most `n_slots` values at once."""
+    label takes at most `n_slots` values at once; `miles_adapter_info` says each one's kind
+    (one series per adapter, so the kind adds no series)."""
 
-    def __init__(self, backend: MultiLoRABackend) -> None:
+    def __init__(self, backend: MultiLoRABackend, pending_commands: Callable[[str], int] | None = None) -> None:
         self.backend = backend
+        self.pending_commands = pending_commands
+        """A client-driven model's logged commands not yet handed to the trainer (the Tinker
+        command log's count); None: no Tinker gateway, no such series."""
 
     def collect(self) -> Iterator[Any]:
         adapters = GaugeMetricFamily("miles_controller_adapters", "Adapters per lifecycle state", labels=["state"])
@@ -122,6 +126,8 @@ class _BackendCollector:
         for state, count in counts.items():
             adapters.add_metric([state.value], count)
         yield adapters
+        info = GaugeMetricFamily("miles_adapter_info", "1 per adapter holding a slot; kind: server (RL on its "
+                                 "dataset) or client (a Tinker model)", labels=["adapter", "kind"])
         step = GaugeMetricFamily("miles_adapter_step", "Optimizer steps the adapter has taken", labels=["adapter"])
         version = GaugeMetricFamily("miles_adapter_version", "Slot version of the weights the engines serve",
                                     labels=["adapter"])
@@ -129,19 +135,30 @@ class _BackendCollector:
                                    labels=["adapter"])
         buffered = GaugeMetricFamily("miles_adapter_groups_buffered",
                                      "Prompt groups generated and waiting for a train batch", labels=["adapter"])
+        loss = GaugeMetricFamily("miles_adapter_client_loss", "Client-driven adapters: loss:sum of the "
+                                 "forward_backward calls of the latest optimizer step", labels=["adapter"])
+        pending = GaugeMetricFamily("miles_adapter_client_commands_pending", "Client-driven adapters: commands "
+                                    "logged and not yet taken by the trainer", labels=["adapter"])
         gauges = self.backend.rollout_gauges
         for status in statuses:
             if not status.state.holds_slot:
                 continue
+            info.add_metric([status.name, status.kind.value], 1)
             step.add_metric([status.name], status.step)
             if status.version is not None:
                 version.add_metric([status.name], status.version)
+            if status.kind is AdapterKind.CLIENT and self.pending_commands is not None:
+                pending.add_metric([status.name], self.pending_commands(status.name))
             seen = gauges.get(status.name)
-            if seen is not None and seen.registration_id == status.registration_id:
-                if seen.raw_reward_mean is not None:
-                    reward.add_metric([status.name], seen.raw_reward_mean)
+            if seen is None or seen.registration_id != status.registration_id:
+                continue
+            if seen.raw_reward_mean is not None:
+                reward.add_metric([status.name], seen.raw_reward_mean)
+            if seen.groups_buffered is not None:
                 buffered.add_metric([status.name], seen.groups_buffered)
-        yield from (step, version, reward, buffered)
+            if seen.client_loss is not None:
+                loss.add_metric([status.name], seen.client_loss)
+        yield from (info, step, version, reward, buffered, loss, pending)
         yield CounterMetricFamily("miles_controller_registrations", "Adapters registered",
                                   value=self.backend.registrations_total)
         yield CounterMetricFamily("miles_controller_deregistrations",
@@ -157,7 +174,7 @@ class MultiLoRAHTTPServer:
         self.gateway = gateway
         """The Tinker protocol's gateway: its routes are served under `/api/v1` when given."""
         self.metrics = CollectorRegistry(auto_describe=True)
-        self.metrics.register(_BackendCollector(backend))
+        self.metrics.register(_BackendCollector(backend, gateway.log.pending_count if gateway is not None else None))
         self.requests_total = Counter("miles_controller_requests", "HTTP requests by route and status",
                                       ["route", "method", "status"], registry=self.metrics)
         self.app = self.create_app()

@@ -561,18 +561,40 @@ def _decoder_layers_prefix(model: nn.Module) -> str:
     raise ValueError("no decoder layers (an nn.ModuleList named '...layers') found: is this a Hugging Face causal LM?")
 
 
+UNEMBED_TARGET = "lm_head"
+"""The target name of the unembedding (the output embeddings, PEFT's name for them too)."""
+
+
+def split_unembed(target_modules: str | Sequence[str]) -> tuple[str | list[str], bool]:
+    """(the decoder layers' targets, whether the unembedding is targeted too) of a
+    `target_modules` that may name `lm_head` beside them ("all-linear,lm_head")."""
+    names = [n.strip() for n in (target_modules.split(",") if isinstance(target_modules, str) else target_modules)]
+    unembed = UNEMBED_TARGET in names
+    rest = [n for n in names if n and n != UNEMBED_TARGET]
+    if rest == ["all-linear"]:
+        return "all-linear", unembed
+    return rest, unembed
+
+
 def inject_multi_lora(
     model: nn.Module, *, n_slots: int, max_rank: int, target_modules: str | Sequence[str]
 ) -> list[str]:
-    """Wrap the targeted linear layers of the decoder blocks in place; return their names.
+    """Wrap the targeted linear layers in place; return their names.
 
     `target_modules` is "all-linear" (every nn.Linear inside the decoder layers, never
-    lm_head or embeddings), a comma string or a list of module short names. Base
+    lm_head or embeddings), a comma string or a list of module short names, any of which
+    may add `lm_head`: the unembedding (the model's output embeddings, a plain linear, tied
+    to the input embeddings or not) gets a slot LoRA as well ("all-linear,lm_head"). Base
     weights are frozen; every slot starts empty (A = B = 0, scaling 0).
     """
     if lora_modules(model):
         raise ValueError("model already has multi-LoRA layers: inject_multi_lora must be called once")
-    targets = resolve_targets(target_modules)
+    decoder_targets, unembed = split_unembed(target_modules)
+    head = model.get_output_embeddings() if unembed else None  # type: ignore[operator]
+    if unembed and type(head) is not nn.Linear:
+        raise ValueError(f"lm_head LoRA needs the model's output embeddings to be a plain nn.Linear, "
+                         f"not {type(head).__name__}: leave out lm_head (--lora-unembed)")
+    targets = resolve_targets(decoder_targets) if decoder_targets or not unembed else set()
     prefix = _decoder_layers_prefix(model)
     chosen = [
         name
@@ -581,7 +603,9 @@ def inject_multi_lora(
         and name.startswith(prefix)
         and (targets is None or name.rsplit(".", 1)[-1] in targets)
     ]
-    if targets is not None:
+    if head is not None:
+        chosen.append(next(name for name, module in model.named_modules() if module is head))
+    if targets:
         missing = targets - {name.rsplit(".", 1)[-1] for name in chosen}
         if missing:
             raise ValueError(f"target_modules {sorted(missing)} match no nn.Linear in the decoder layers of this model")

@@ -3,22 +3,29 @@ it ends with.
 
 - Metrics (`MetricsLogger`): one loop record per trained batch (`perf/...`: stage
   times, batch composition, the adapters the batch steps) and ONE adapter record per
-  optimizer step, stepped on the adapter's step: the rollout numbers of every batch
-  that went into the step merged (`AdapterRolloutStats.merge`: Miles' `raw_reward_*`,
-  `response_len_*`, `zero_std_*`, `truncated_ratio`, `avg/max_staleness`), the train
-  numbers of those batches (sample-weighted `loss`, `kl`, ...), the step's `grad_norm`
-  and `lr`, and `dynamic_filter/drop_{reason}`: groups the dynamic filter dropped since
-  the adapter's previous step record.
-- On screen: attached to a terminal, a live table (adapter, state, step/final step,
-  reward of the latest step, trained samples/s) redrawn each iteration, with log lines
-  scrolling above it; otherwise one log line per trained batch.
+  optimizer step, stepped on the adapter's step. A server-driven adapter's: the rollout
+  numbers of every batch that went into the step merged (`AdapterRolloutStats.merge`:
+  Miles' `raw_reward_*`, `response_len_*`, `zero_std_*`, `truncated_ratio`,
+  `avg/max_staleness`), the train numbers of those batches (sample-weighted `loss`, `kl`,
+  ...), the step's `grad_norm` and `lr`, and `dynamic_filter/drop_{reason}`: groups the
+  dynamic filter dropped since the adapter's previous step record. A client-driven
+  adapter's (one per `optim_step`, `ClientWindow`): the metrics of its forward_backward
+  calls since its previous step reduced as their names say (`loss:sum` summed), the datums,
+  tokens and calls, the step's Adam settings and `grad_norm`, and its time in the trainer.
+- On screen: attached to a terminal, a live table (adapter, kind, state, step/final step,
+  reward and loss of the latest step, trained samples/s) redrawn each iteration, with log
+  lines scrolling above it; otherwise one log line per trained batch, and one per
+  iteration in which client-driven adapters stepped.
 - To the controller (when given one): each adapter's latest step reward and buffered
-  groups, which its Prometheus `/metrics` serves.
-- At exit: per adapter, the reward of the first and last steps, steps taken, and the
-  latest checkpoint.
+  groups, or a client-driven adapter's latest step loss, which its Prometheus `/metrics`
+  serves.
+- At exit: per adapter, the reward and loss of the first and last steps, steps taken, and
+  the latest checkpoint.
 
 Steps ("step 29/30": the adapter's step and the step its registration ends at) are read
-from the snapshots the driver hands in; nothing is counted here.
+from the snapshots the driver hands in; the one exception is a client-driven adapter's
+`optim_step` within an iteration, one past the step the iteration's snapshot showed (the
+next snapshot agrees: completing that step is what steps it in the registry).
 """
 
 from __future__ import annotations
@@ -34,9 +41,17 @@ from typing import Any, Protocol, TextIO
 
 from miles.backends.base import AdapterTrainStats
 from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.main.client_commands import ClientCall, ClientModelReport, ClientStepTaken, reduce_metrics
 from miles.main.train_step import TrainedBatch
 from miles.utils.tracking import MetricsLogger
-from miles.utils.types import AdapterGauges, AdapterRolloutStats, AdapterState, MultiLoRASnapshot, RolloutBatch
+from miles.utils.types import (
+    AdapterGauges,
+    AdapterKind,
+    AdapterRolloutStats,
+    AdapterState,
+    MultiLoRASnapshot,
+    RolloutBatch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,18 +117,63 @@ class StepWindow:
 
 
 @dataclass
+class ClientWindow:
+    """What a client-driven adapter's commands since its last `optim_step` add up to (its
+    next step record)."""
+
+    calls: list[ClientCall] = field(default_factory=list)
+    """Its forward_backward calls since its last step."""
+    seconds: float = 0.0
+    """Its time in the trainer since its last step."""
+
+    def add(self, report: ClientModelReport) -> None:
+        self.calls.extend(report.calls)
+        self.seconds += report.seconds
+
+    def close(self, step: ClientStepTaken) -> dict[str, float]:
+        """The step record's numbers; starts the next step's window."""
+        adam = step.adam
+        metrics = {
+            **reduce_metrics(self.calls),
+            "forward_backward_calls": float(len(self.calls)),
+            "train_datums": float(sum(c.datums for c in self.calls)),
+            "train_tokens": float(sum(c.tokens for c in self.calls)),
+            "lr": adam.learning_rate if step.stats is None else step.stats.lr,
+            "weight_decay": adam.weight_decay, "grad_clip_norm": adam.grad_clip_norm,
+            "adam_beta1": adam.beta1, "adam_beta2": adam.beta2, "adam_eps": adam.eps,
+            "perf/train_time": self.seconds,
+        }
+        if step.stats is not None:
+            metrics["grad_norm"] = step.stats.grad_norm
+        self.drop()
+        return metrics
+
+    def drop(self) -> None:
+        self.calls, self.seconds = [], 0.0
+
+
+@dataclass
 class AdapterProgress:
     name: str
     registration_id: str
     save_dir: str | None
     final_step: int | None
     """Step at which this registration retires by itself (its start step + num_step)."""
+    kind: AdapterKind = AdapterKind.SERVER
     state: AdapterState = AdapterState.PENDING
     step: int = 0
     rewards: list[float] = field(default_factory=list)
     """`raw_reward_mean` of each optimizer step (all its registrations)."""
+    losses: list[float] = field(default_factory=list)
+    """Each optimizer step's loss: the sample-weighted train `loss` of a server-driven adapter,
+    the `loss:sum` of a client-driven one's forward_backward calls."""
     window: StepWindow = field(default_factory=StepWindow)
+    client: ClientWindow = field(default_factory=ClientWindow)
+    """A client-driven adapter's calls since its last step (`window` stays empty for it)."""
+    resume_from: str | None = None
+    """A client-driven adapter's latest saved (or loaded) checkpoint directory."""
     rate: SampleRate = field(default_factory=SampleRate)
+    """Samples (a client-driven adapter's datums) trained per second."""
 
 
 @dataclass(frozen=True)
@@ -121,10 +181,12 @@ class AdapterRow:
     """One line of the live table."""
 
     name: str
+    kind: str
     state: str
     step: str
     """"12/30": its step and the step its registration ends at."""
     reward: str
+    loss: str
     samples_per_s: str
 
 
@@ -149,7 +211,7 @@ class PlainView:
 class LiveTableView:
     """A terminal: a rich table redrawn in place; log lines and prints scroll above it."""
 
-    COLUMNS = ("adapter", "state", "step", "reward", "samples/s")
+    COLUMNS = ("adapter", "kind", "state", "step", "reward", "loss", "samples/s")
 
     def __init__(self, console: Any | None = None) -> None:
         from rich.console import Console
@@ -181,7 +243,7 @@ class LiveTableView:
         self._line = line if line is not None else self._line
         table = Table(*self.COLUMNS, expand=False)
         for row in rows:
-            table.add_row(row.name, row.state, row.step, row.reward, row.samples_per_s)
+            table.add_row(row.name, row.kind, row.state, row.step, row.reward, row.loss, row.samples_per_s)
         self._live.update(Group(table, Text(self._line)), refresh=True)
 
     def close(self) -> None:
@@ -232,6 +294,18 @@ class RunProgress:
                     entry.window.drop()  # a partial step of the previous registration is never logged
                 entry.registration_id, entry.save_dir, entry.final_step = run.registration_id, save_dir, run.final_step
                 entry.step, entry.state = run.step, state
+        for name, client in snapshot.clients.items():
+            entry = self.adapters.get(name)
+            if entry is None:
+                entry = self.adapters[name] = AdapterProgress(name, client.registration_id, None, None,
+                                                              kind=AdapterKind.CLIENT,
+                                                              rate=SampleRate(since=self.clock()))
+                logger.info("Client-driven adapter %r (Tinker model %s) in slot %d", name, client.config.model_id,
+                            client.slot)
+            elif entry.registration_id != client.registration_id:
+                entry.client.drop()
+                entry.registration_id = client.registration_id
+            entry.step, entry.state, entry.resume_from = client.step, client.state, client.resume_from
         for state, names in ((AdapterState.CLEANUP, snapshot.cleanup), (AdapterState.COMPLETED, snapshot.completed)):
             for name in names:
                 if name in self.adapters:
@@ -272,7 +346,39 @@ class RunProgress:
         rollout = entry.window.rollout
         if rollout is not None and rollout.raw_reward_mean is not None:
             entry.rewards.append(rollout.raw_reward_mean)
-        return entry.window.close()
+        metrics = entry.window.close()
+        if "loss" in metrics:
+            entry.losses.append(metrics["loss"])
+        return metrics
+
+    async def record_clients(self, reports: list[ClientModelReport], perf: dict[str, float] | None = None) -> None:
+        """Account what client-driven adapters' commands came to (`ClientCommands.finish`): one
+        adapter record per `optim_step` that ran. `perf`: the stage times of an iteration that
+        ran client work alone (shown on its line; it has no loop record)."""
+        now = self.clock()
+        stepped: list[AdapterProgress] = []
+        for report in reports:
+            entry = self.adapters.get(report.model)
+            if entry is None or entry.registration_id != report.registration_id:
+                continue
+            entry.client.add(report)
+            datums = sum(call.datums for call in report.calls)
+            if datums:
+                entry.rate.add(now, datums)
+            if report.step is None:
+                continue
+            entry.step += 1  # the registry stepped it when the step's future completed
+            metrics = entry.client.close(report.step)
+            if "loss:sum" in metrics:
+                entry.losses.append(metrics["loss:sum"])
+            self.metrics.log_adapter(entry.name, metrics, step=entry.step, adapter_kind=AdapterKind.CLIENT)
+            stepped.append(entry)
+        self.view.show(self.rows(), self._clients_line(stepped, perf or {}) if stepped else None)
+        if self.controller is not None and stepped:
+            await self.controller.observe_rollout.remote({
+                entry.name: AdapterGauges(registration_id=entry.registration_id, raw_reward_mean=None,
+                                          groups_buffered=None, client_loss=entry.losses[-1] if entry.losses else None)
+                for entry in stepped})
 
     def gauges(self, rollout: RolloutBatch) -> dict[str, AdapterGauges]:
         """Each adapter's latest step reward and buffered groups (for the controller's `/metrics`)."""
@@ -292,9 +398,11 @@ class RunProgress:
             rate = entry.rate.per_s(now)
             rows.append(AdapterRow(
                 name=entry.name,
+                kind=entry.kind.value,
                 state=entry.state.value.lower(),
                 step=f"{entry.step}{total}",
                 reward=_fmt(entry.rewards[-1] if entry.rewards else None),
+                loss=_fmt(entry.losses[-1] if entry.losses else None),
                 samples_per_s="-" if rate is None else f"{rate:.1f}",
             ))
         return rows
@@ -308,24 +416,37 @@ class RunProgress:
             total = "" if entry.final_step is None else f"/{entry.final_step}"
             reward = f" reward={entry.rewards[-1]:.3f}" if entry.rewards else ""
             parts.append(f"{name}: step {entry.step}{total} groups={groups}{reward}")
-        times = " ".join(f"{k.removeprefix('perf/').removesuffix('_time')}={v:.2f}s" for k, v in perf.items()
-                         if k.endswith("_time"))
-        return f"rollout {rollout_id} | {'; '.join(parts) or 'no groups'} | {times}"
+        return f"rollout {rollout_id} | {'; '.join(parts) or 'no groups'} | {_times(perf)}"
+
+    def _clients_line(self, stepped: list[AdapterProgress], perf: dict[str, float]) -> str:
+        parts = []
+        for entry in sorted(stepped, key=lambda e: e.name):
+            loss = f" loss:sum={entry.losses[-1]:.3f}" if entry.losses else ""
+            parts.append(f"{entry.name}: step {entry.step}{loss}")
+        times = _times(perf)
+        return f"clients | {'; '.join(parts)}" + (f" | {times}" if times else "")
 
     def close(self) -> None:
         """Stop the live view (idempotent); the summary prints after it."""
         self.view.close()
         self.view = PlainView()
 
-    def summary_rows(self) -> list[tuple[str, str, str, str, str]]:
-        rows = []
+    def summary_rows(self) -> list[tuple[str, ...]]:
+        rows: list[tuple[str, ...]] = []
         for entry in sorted(self.adapters.values(), key=lambda e: e.name):
+            if entry.kind is AdapterKind.CLIENT:
+                checkpoint = entry.resume_from or "-"
+            else:
+                checkpoint = str(latest_checkpoint(entry.save_dir) or "-") if entry.save_dir else "-"
             rows.append((
                 entry.name,
+                entry.kind.value,
                 _fmt(_mean_head(entry.rewards)),
                 _fmt(_mean_tail(entry.rewards)),
+                _fmt(_mean_head(entry.losses)),
+                _fmt(_mean_tail(entry.losses)),
                 str(entry.step),
-                str(latest_checkpoint(entry.save_dir) or "-") if entry.save_dir else "-",
+                checkpoint,
             ))
         return rows
 
@@ -334,7 +455,7 @@ class RunProgress:
         rows = self.summary_rows()
         if not rows:
             return
-        header = ("adapter", "reward start", "reward end", "steps", "checkpoint")
+        header = ("adapter", "kind", "reward start", "reward end", "loss start", "loss end", "steps", "checkpoint")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in [header, *rows]]
         elapsed = self.clock() - self._start
@@ -352,6 +473,12 @@ def _merge_train(stats: list[AdapterTrainStats]) -> dict[str, float]:
         for key, value in s.to_metrics().items():
             merged[key] = merged.get(key, 0.0) + value * s.samples / samples
     return {**merged, "train_samples": float(samples)}
+
+
+def _times(perf: dict[str, float]) -> str:
+    """`generate=1.50s train=0.25s`: the stage times among `perf`."""
+    return " ".join(f"{k.removeprefix('perf/').removesuffix('_time')}={v:.2f}s" for k, v in perf.items()
+                    if k.endswith("_time"))
 
 
 def _window(values: list[float]) -> int:

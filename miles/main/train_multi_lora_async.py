@@ -73,9 +73,11 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
         with timer("update_weights"):
             snapshot = await s.push.update_weights(snapshot)
         if not snapshot.sampleable:  # client-driven models alone: no generate phase to wait for
-            if snapshot.clients:
-                with timer("client"):
-                    await s.clients.run_alone(rollout_id, s.train)
+            with timer("client"):
+                ran = await s.clients.run_alone(rollout_id, s.train) if snapshot.clients else []
+            # No loop record: its times go on its own line, never into the next batch's record.
+            await progress.record_clients(ran, timer.pop_metrics())
+            iteration_start = time.perf_counter()
             continue
         async with s.activation.activating():  # registrations arriving meanwhile go to the engines at once
             with timer("generate"):
@@ -89,7 +91,8 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
                 trained = await s.train.train(rollout_id, rollout, client=taken.work)
         if not taken.empty:
             with timer("client"):
-                await s.clients.finish(taken, *finished_work(trained))
+                ran = await s.clients.finish(taken, *finished_work(trained))
+            await progress.record_clients(ran)
         if trained is None:  # dropped: the registry never counts it, the backend took it back
             rollout_id += 1
             continue

@@ -118,6 +118,11 @@ class MilesConfig:
     lora_rank: int = _flag(16, "Slot width: the largest adapter rank (adapters may use less).")
     lora_alpha: float = _flag(16.0, "Default LoRA alpha of an adapter.")
     target_modules: str = _flag("all-linear", "'all-linear' or a comma list such as q_proj,v_proj.")
+    lora_unembed: bool = _flag(
+        False, "Every slot also carries a LoRA on the unembedding (lm_head, A: hidden -> rank, B: rank -> "
+               "vocabulary), trained like the others: server-driven adapters train it, and a Tinker model "
+               "with lora_config.train_unembed=True (the SDK's default) does; one with train_unembed=False "
+               "keeps it at zero. Off: no slot has one and train_unembed=True is refused. Torch backend only.")
     lora_dropout: float = _flag(0.0, "LoRA dropout; the slot LoRA layers have none, so only 0 has an effect.")
 
     # ---- engines and router ----
@@ -388,6 +393,9 @@ class MilesConfig:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.train_backend == "megatron" and self.multi_lora_n_adapters > 0 and self.pipeline_model_parallel_size != 1:
             raise ConfigError("multi-LoRA needs --pipeline-model-parallel-size 1 (no rank would hold a whole adapter)")
+        if self.train_backend == "megatron" and self.lora_unembed:
+            raise ConfigError("--lora-unembed is not built for --train-backend megatron (its vocabulary-parallel "
+                              "head has no slot LoRA): drop --lora-unembed or use --train-backend torch")
         if self.train_backend == "megatron" and self.tensor_model_parallel_size <= 0:
             raise ConfigError(f"--tensor-model-parallel-size must be > 0, got {self.tensor_model_parallel_size}")
         for token in self.sglang_server_args:
@@ -408,6 +416,12 @@ class MilesConfig:
     def initial_adapters(self) -> list[tuple[str, str]]:
         """(name, yaml path) of the adapters to register at start."""
         return list(self.multi_lora_adapter) + [(Path(p).stem, p) for p in self.multi_lora_adapters]
+
+    @property
+    def slot_target_modules(self) -> str:
+        """The layers every slot's LoRA covers, as `inject_multi_lora` takes them: `--target-modules`,
+        with `lm_head` added by `--lora-unembed`."""
+        return f"{self.target_modules},lm_head" if self.lora_unembed else self.target_modules
 
     @property
     def resolved_device(self) -> str:

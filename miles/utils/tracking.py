@@ -9,7 +9,11 @@ Two kinds of record, never mixed, so no adapter name can land on a loop metric:
 `{run_dir}/metrics.jsonl` (always) holds one JSON object per record:
 
     {"kind": "loop", "rollout_id": 7, "time": ..., "metrics": {"perf/train_time": 1.2}}
-    {"kind": "adapter", "adapter": "perf", "step": 3, "time": ..., "metrics": {"raw_reward_mean": 0.5}}
+    {"kind": "adapter", "adapter": "perf", "adapter_kind": "server", "step": 3, "time": ...,
+     "metrics": {"raw_reward_mean": 0.5}}
+
+`adapter_kind` says who drives the adapter: `server` (RL on its dataset) or `client` (a
+Tinker model, whose records carry its forward_backward metrics and Adam settings instead).
 
 TensorBoard (when installed) and W&B (`--use-wandb`) need flat names: loop metrics keep
 theirs (W&B plots `perf/*` against `rollout_id`), adapter metrics become
@@ -35,6 +39,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from miles.utils.types import AdapterKind
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +145,14 @@ class MetricsLogger:
             self._define_wandb_axis(LOOP_STEP_KEY, "perf/*", values)
             self._wandb.log({**values, LOOP_STEP_KEY: rollout_id})
 
-    def log_adapter(self, adapter: str, metrics: dict[str, Any], *, step: int) -> None:
+    def log_adapter(self, adapter: str, metrics: dict[str, Any], *, step: int,
+                    adapter_kind: AdapterKind = AdapterKind.SERVER) -> None:
         """One adapter's metrics (names without the adapter) at the adapter's step."""
         values = _clean(metrics)
         if not values:
             return
-        self._write({"kind": "adapter", "adapter": adapter, "step": step, "time": time.time(), "metrics": values})
+        self._write({"kind": "adapter", "adapter": adapter, "adapter_kind": adapter_kind.value, "step": step,
+                     "time": time.time(), "metrics": values})
         flat = {adapter_metric_name(adapter, key): value for key, value in values.items()}
         if self._tb is not None:
             for key, value in flat.items():

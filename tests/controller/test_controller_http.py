@@ -21,10 +21,11 @@ from miles.controller.actor import ControllerConfig, MultiLoRAController
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.controller.client import ControlPlaneClient, ControlPlaneError
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
+from miles.controller.tinker.gateway import LoraLayout, SessionInfo
 from miles.utils.adapter_config import ADAPTER_CONFIG_KEYS, AdapterDefaults
 from miles.utils.arguments import parse_args
 from miles.utils.plugins import load_subclass
-from miles.utils.types import AdapterGauges, AdapterState
+from miles.utils.types import AdamStep, AdapterGauges, AdapterState, ClientCommandKind, OptimStepCommand
 
 TOKEN = "s3cret-token"
 
@@ -300,6 +301,46 @@ def test_per_adapter_gauges_cover_only_adapters_holding_a_slot(plane: ThreadedCo
     plane.call(plane.controller.free_slots(["a"]))
     text = client.metrics()
     assert set(series(text, "miles_adapter_step")) == {"b"} and set(series(text, "miles_adapter_reward")) == set()
+
+
+def test_client_driven_adapters_are_told_apart_with_their_loss_and_pending_commands(
+        plane: ThreadedController, client: ControlPlaneClient, data_root: Path) -> None:
+    client.register("rl", config={"data": data_path(data_root)})
+    gateway = plane.controller.gateway
+
+    async def create_model_with_two_steps_queued() -> str:
+        session = gateway.create_session(SessionInfo())
+        created = gateway.create_model(session, 0, "base", LoraLayout(rank=4, train_unembed=False), {})
+        assert created.model is not None and created.model_id is not None
+        for seq_id in (1, 2):
+            gateway.submit(created.model_id, seq_id, ClientCommandKind.OPTIM_STEP,
+                           lambda: OptimStepCommand(AdamStep(learning_rate=0.1)))
+        return created.model
+
+    model = plane.call(create_model_with_two_steps_queued())
+
+    def series(text: str, metric: str) -> dict[str, float]:
+        return {m[1]: float(m[2]) for m in re.finditer(rf'^{metric}{{adapter="([^"]+)"}} (\S+)$', text, flags=re.M)}
+
+    text = client.metrics()
+    kinds = {m[1]: m[2] for m in re.finditer(r'^miles_adapter_info{adapter="([^"]+)",kind="([^"]+)"} 1\.0$', text,
+                                             flags=re.M)}
+    assert kinds == {"rl": "server", model: "client"}
+    assert series(text, "miles_adapter_step") == {"rl": 0.0, model: 0.0}
+    assert series(text, "miles_adapter_client_commands_pending") == {model: 2.0}
+    assert series(text, "miles_adapter_client_loss") == {}
+    # The trainer takes the first step (a barrier ends a take) and reports the step's loss.
+    (taken,) = plane.call(plane.controller.take_client_commands()).models
+    assert taken.barrier is not None and taken.barrier.seq_id == 1
+    plane.call(plane.controller.observe_rollout({model: AdapterGauges(
+        registration_id=client.status(model).registration_id, raw_reward_mean=None, groups_buffered=None,
+        client_loss=9.5)}))
+    text = client.metrics()
+    assert series(text, "miles_adapter_client_commands_pending") == {model: 1.0}
+    assert series(text, "miles_adapter_client_loss") == {model: 9.5}
+    # A client-driven adapter has no reward and no buffer: no series says it has.
+    assert model not in series(text, "miles_adapter_reward") and model not in series(
+        text, "miles_adapter_groups_buffered")
 
 
 def test_openapi_lists_the_routes(raw: httpx.Client) -> None:

@@ -212,3 +212,39 @@ def test_sampling_sessions_name_written_snapshots_only_and_survive_a_restart(def
     with pytest.raises(GatewayNotFoundError, match="Unknown sampling session"):
         restarted.sampler(f"{session}:sample:9")
     store.close()
+
+
+def test_layouts_are_part_of_the_model_and_survive_a_restart(defaults: AdapterDefaults, tmp_path: Path) -> None:
+    from miles.backends.base import AdapterSpec
+    from miles.utils.types.client_commands import LoraGroup
+
+    store = RegistryStore(tmp_path / "registry.sqlite")
+    gateway = TinkerGateway(MultiLoRABackend(3, defaults, store=store), GatewayConfig(base_model="/m/tiny-base"),
+                            store)
+    session = gateway.create_session(SessionInfo())
+    no_attn = gateway.create_model(session, 0, "tiny-base", LoraLayout(rank=4, train_attn=False,
+                                                                       train_unembed=False), {}).model_id
+    mlp_off = gateway.create_model(session, 1, "tiny-base", LoraLayout(rank=2, train_mlp=False,
+                                                                       train_unembed=False), {}).model_id
+    with pytest.raises(GatewayError, match="train_unembed=True needs .*restart it with --lora-unembed"):
+        gateway.create_model(session, 2, "tiny-base", LoraLayout(rank=4), {})  # the SDK's default
+    with pytest.raises(GatewayError, match="trains nothing"):
+        gateway.create_model(session, 2, "tiny-base", LoraLayout(rank=4, train_attn=False, train_mlp=False,
+                                                                 train_unembed=False), {})
+    assert no_attn is not None and mlp_off is not None
+    store.close()
+
+    store = RegistryStore(tmp_path / "registry.sqlite")
+    backend = MultiLoRABackend(3, defaults, store=store)
+    restarted = TinkerGateway(backend, GatewayConfig(base_model="/m/tiny-base", lora_unembed=True), store)
+    _, config = restarted.model(no_attn)
+    assert (config.train_attn, config.train_mlp, config.train_unembed) == (False, True, False)
+    assert restarted.model(mlp_off)[1].frozen_groups() == {LoraGroup.MLP, LoraGroup.UNEMBED}
+    runs = backend.snapshot().clients
+    assert AdapterSpec.for_client(runs[model_name(no_attn)]).frozen == {LoraGroup.ATTN, LoraGroup.UNEMBED}
+    status = {s.model_id: s for s in backend.statuses()}[no_attn]
+    assert (status.train_attn, status.train_mlp, status.train_unembed) == (False, True, False)
+    # With lm_head LoRA in the slots, the SDK's default layout trains it too.
+    head = restarted.create_model(session, 2, "tiny-base", LoraLayout(rank=4), {}).model_id
+    assert head is not None and restarted.model(head)[1].frozen_groups() == frozenset()
+    store.close()

@@ -2,11 +2,13 @@
 
 One adapter record per optimizer step (the step's batches merged), dynamic-filter drops
 since the previous step, a re-registration's partial step discarded, the gauges the
-controller serves, the live table on a terminal and plain lines otherwise.
+controller serves, the live table on a terminal and plain lines otherwise; a client-driven
+adapter's record per `optim_step`, its row, line and summary.
 """
 
 from __future__ import annotations
 
+import doctest
 import io
 import logging
 import sys
@@ -15,14 +17,20 @@ import pytest
 from rich.console import Console
 
 from miles.backends.base import AdapterStepStats, AdapterTrainStats, TrainResult
+from miles.main import client_commands
+from miles.main.client_commands import ClientCall, ClientModelReport, ClientStepTaken, reduce_metrics
 from miles.main.progress import LiveTableView, PlainView, RunProgress, make_view
 from miles.main.train_step import TrainedBatch
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.tracking import MetricsLogger, read_metrics
 from miles.utils.types import (
+    AdamStep,
     AdapterGauges,
     AdapterRolloutStats,
     AdapterRun,
+    AdapterState,
+    ClientAdapterRun,
+    ClientModelConfig,
     GenerationCounts,
     MultiLoRASnapshot,
     RolloutBatch,
@@ -37,8 +45,26 @@ def run(name: str, slot: int, step: int, *, num_step: int | None = 3, registrati
                       accumulated_groups=accumulated, registration_id=registration_id or f"reg-{name}")
 
 
-def snapshot(*runs: AdapterRun, completed: frozenset[str] = frozenset()) -> MultiLoRASnapshot:
-    return MultiLoRASnapshot(active={r.name: r for r in runs}, completed=completed)
+def snapshot(*runs: AdapterRun, completed: frozenset[str] = frozenset(),
+             clients: tuple[ClientAdapterRun, ...] = ()) -> MultiLoRASnapshot:
+    return MultiLoRASnapshot(active={r.name: r for r in runs}, completed=completed,
+                             clients={c.name: c for c in clients})
+
+
+def client_run(name: str, slot: int, step: int, *, resume_from: str | None = None) -> ClientAdapterRun:
+    config = ClientModelConfig(model_id=name.replace(".", ":"), session_id="s", base_model="base", rank=4,
+                               alpha=8.0, save="/unused")
+    return ClientAdapterRun(name=name, config=config, state=AdapterState.ACTIVE, slot=slot, version=0, step=step,
+                            registration_id=f"reg-{name}", resume_from=resume_from)
+
+
+def client_report(name: str, losses: list[float], *, lr: float | None = None, seconds: float = 0.5,
+                  registration_id: str | None = None) -> ClientModelReport:
+    """forward_backward calls of two datums and 6 tokens each, with these `loss:sum`s; `lr`: then an optim_step."""
+    step = None if lr is None else ClientStepTaken(AdamStep(learning_rate=lr, weight_decay=0.01),
+                                                   AdapterStepStats(grad_norm=2.5, lr=lr))
+    return ClientModelReport(name, registration_id or f"reg-{name}",
+                             [ClientCall({"loss:sum": loss}, datums=2, tokens=6) for loss in losses], step, seconds)
 
 
 def batch(rollout_id: int, per_adapter: dict[str, AdapterRolloutStats], step_names: list[str]) -> RolloutBatch:
@@ -190,11 +216,12 @@ async def test_live_table_on_a_terminal(metrics):
     assert "a log line scrolls above the table" in text
     final = text[text.rindex("adapter"):]  # the last drawing of the table
     header = final.splitlines()[0]
-    assert [c.strip() for c in header.split("┃")][:5] == ["adapter", "state", "step", "reward", "samples/s"]
+    assert [c.strip() for c in header.split("┃")][:7] == ["adapter", "kind", "state", "step", "reward", "loss",
+                                                            "samples/s"]
     lines = [" ".join(line.replace("│", " ").split()) for line in final.splitlines()]
     # 8 samples over the 4 s since alpha appeared; beta has no end step, no reward, no samples yet.
-    assert "alpha completed 1/3 0.750 2.0" in lines
-    assert "beta active 0 - -" in lines
+    assert "alpha server completed 1/3 0.750 1.000 2.0" in lines
+    assert "beta server active 0 - - -" in lines
     assert "rollout 0 | alpha: step 1/3 groups=2 reward=0.750 | train=0.25s" in text
 
 
@@ -222,3 +249,72 @@ def test_the_view_follows_the_stream(monkeypatch):
         assert isinstance(view, LiveTableView)
     finally:
         view.close()
+
+
+async def test_a_client_driven_adapter_gets_one_record_per_optim_step(metrics, caplog):
+    """Its forward_backward calls since its previous optim_step go into the step's record
+    (`loss:sum` summed, as the SDK reduces it), in the same file as the RL adapters' records,
+    told apart by `adapter_kind`; its row and line show its step and loss, the controller
+    hears its loss, and the summary ends with its checkpoint."""
+    caplog.set_level(logging.INFO, logger="miles.main.progress")
+    clock = Clock()
+    controller = RecordingController()
+    progress = RunProgress(metrics, clock=clock, controller=controller)
+    model = "s.train.0"
+    progress.declare(snapshot(run("rl", 0, 0), clients=(client_run(model, 1, 0),)))
+
+    clock.t = 102.0
+    await progress.record_clients([client_report(model, [4.0, 2.0])])  # two calls, no step yet
+    assert not [r for r in read_metrics(metrics.path) if r["kind"] == "adapter"]
+    clock.t = 104.0
+    await progress.record_clients([client_report(model, [3.0], lr=0.02, seconds=0.25)],
+                                  {"perf/client_time": 0.5, "perf/snapshot_time": 0.125})
+    stats = AdapterRolloutStats(groups=2, rewards=(1.0, 0.0, 1.0, 1.0), response_lengths=(1,) * 4)
+    await progress.record(0, batch(0, {"rl": stats}, ["rl"]), trained({"rl": train_stats(4, 1.0)}, ["rl"]),
+                          snapshot(run("rl", 0, 1), clients=(client_run(model, 1, 1),)), {})
+
+    records = [r for r in read_metrics(metrics.path) if r["kind"] == "adapter"]
+    assert [(r["adapter"], r["adapter_kind"], r["step"]) for r in records] == [(model, "client", 1),
+                                                                                ("rl", "server", 1)]
+    client = records[0]["metrics"]
+    assert client == {
+        "loss:sum": 9.0, "forward_backward_calls": 3.0, "train_datums": 6.0, "train_tokens": 18.0,
+        "lr": 0.02, "weight_decay": 0.01, "grad_clip_norm": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.95,
+        "adam_eps": 1e-12, "grad_norm": 2.5, "perf/train_time": 0.75,
+    }
+    # The controller hears the client's loss, and the RL adapter's reward, each under its own name.
+    assert controller.reports[0] == {model: AdapterGauges(registration_id=f"reg-{model}", raw_reward_mean=None,
+                                                          groups_buffered=None, client_loss=9.0)}
+    assert set(controller.reports[1]) == {"rl"}
+    # Its row: its kind, its step (no end), no reward, its loss, datums/s over the 4 s since it appeared.
+    rows = {row.name: row for row in progress.rows()}
+    assert (rows[model].kind, rows[model].step, rows[model].reward, rows[model].loss,
+            rows[model].samples_per_s) == ("client", "1", "-", "9.000", "1.5")
+    assert (rows["rl"].kind, rows["rl"].reward, rows["rl"].loss) == ("server", "0.750", "1.000")
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"clients | {model}: step 1 loss:sum=9.000 | client=0.50s snapshot=0.12s" in messages
+
+    # The next step's record holds only the calls since this one.
+    await progress.record_clients([client_report(model, [1.0], lr=0.01)])
+    last = read_metrics(metrics.path)[-1]
+    assert (last["adapter"], last["step"]) == (model, 2)
+    assert (last["metrics"]["loss:sum"], last["metrics"]["forward_backward_calls"], last["metrics"]["lr"]) == (
+        1.0, 1.0, 0.01)
+    # A report of another registration of the name is not this one's.
+    await progress.record_clients([client_report(model, [7.0], lr=0.01, registration_id="gone")])
+    assert read_metrics(metrics.path)[-1]["step"] == 2
+
+    progress.declare(snapshot(run("rl", 0, 1), clients=(client_run(model, 1, 2, resume_from="/ckpt/step-2"),)))
+    summary = {row[0]: row for row in progress.summary_rows()}
+    assert summary[model] == (model, "client", "-", "-", "9.000", "1.000", "2", "/ckpt/step-2")
+    assert summary["rl"][:7] == ("rl", "server", "0.750", "0.750", "1.000", "1.000", "1")
+
+
+def test_client_metrics_reduce_as_their_names_say():
+    """As the SDK combines the chunks of one call: sum, min, max, and mean weighted by datums;
+    a name with another reduction, or missing from a call, is left out."""
+    assert doctest.testmod(client_commands).failed == 0
+    calls = [ClientCall({"a:max": 1.0, "b:min": 1.0, "c:unique": 1.0, "d:sum": 1.0}, datums=1, tokens=1),
+             ClientCall({"a:max": 3.0, "b:min": -1.0, "c:unique": 2.0}, datums=1, tokens=1)]
+    assert reduce_metrics(calls) == {"a:max": 3.0, "b:min": -1.0}
+    assert reduce_metrics([]) == {}

@@ -4,7 +4,8 @@ fake rollout manager and the real controller (registry included) in-process.
 Covers register -> train -> retire -> re-register -> resume through the real
 `run_loop`, the data position carried by checkpoints, the snapshot each stage hands
 down, the progress line of a re-registered adapter, metrics of an adapter named like the
-loop's own, and the prefetch of `train_async` when training fails.
+loop's own, a Tinker client's model trained alone and then beside an RL adapter, and the
+prefetch of `train_async` when training fails.
 """
 
 from __future__ import annotations
@@ -16,15 +17,27 @@ from pathlib import Path
 
 import pytest
 from lifecycle_fakes import FakeBackend, FakeRollout, InProcessController, InProcessHandle, RecordingPusher
+from waiting import wait_until_async
 
 from miles.backends.base import TrainingBackend
+from miles.controller.tinker.gateway import LoraLayout, SessionInfo
 from miles.main import train_async, train_multi_lora_async
 from miles.main.launch import Components
 from miles.main.progress import RunProgress
 from miles.main.stages import Stages
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger, read_metrics
-from miles.utils.types import AdapterState, DataPosition, next_slot_version
+from miles.utils.types import (
+    AdamStep,
+    AdapterState,
+    ClientCommandKind,
+    ClientDatum,
+    ClientLoss,
+    DataPosition,
+    ForwardCommand,
+    OptimStepCommand,
+    next_slot_version,
+)
 
 
 class Trainer:
@@ -165,6 +178,47 @@ async def test_adapter_named_like_the_loop_metrics_gets_its_own_records(tmp_path
     assert not any(key.startswith(("perf/raw_reward", "perf/loss", "perf/grad_norm"))
                    for r in loop for key in r["metrics"])
     assert {"perf/train_time", "perf/generate_time", "perf/commit_time"} <= set(loop[0]["metrics"])
+
+
+async def test_iterations_of_client_work_alone_keep_their_times_and_record_each_client_step(tmp_path):
+    """A Tinker client's model trains while no RL adapter is sampleable: each of its
+    optim_steps has its adapter record, and those iterations write no loop record and leave
+    no time behind: the RL batch trained later carries only its own stage times."""
+    t = Trainer(tmp_path)
+    gateway = t.controller.gateway
+    session = gateway.create_session(SessionInfo())
+    created = gateway.create_model(session, 0, "base", LoraLayout(rank=4, train_unembed=False), {})
+    model, model_id = created.model, created.model_id
+    assert model is not None and model_id is not None
+    datum = ClientDatum(tokens=[5, 6, 7], inputs={"target_tokens": [6, 7, 5]})
+    gateway.submit(model_id, 1, ClientCommandKind.FORWARD,  # no gradient: not in the step's numbers
+                   lambda: ForwardCommand([datum], ClientLoss("cross_entropy")))
+    for seq_id in (2, 4):
+        gateway.submit(model_id, seq_id, ClientCommandKind.FORWARD_BACKWARD,
+                       lambda: ForwardCommand([datum, datum], ClientLoss("cross_entropy")))
+        gateway.submit(model_id, seq_id + 1, ClientCommandKind.OPTIM_STEP,
+                       lambda: OptimStepCommand(AdamStep(learning_rate=0.5)))
+    stop = asyncio.Event()
+    loop = asyncio.create_task(train_multi_lora_async.run_loop(MilesConfig(multi_lora_n_adapters=2),
+                                                               t.components, stop, t.progress))
+    try:
+        await wait_until_async(lambda: t.status(model).step == 2, 30, "the client model's two optim_steps")
+        await t.register("a", num_step=2)
+        await wait_until_async(lambda: t.status("a").state is AdapterState.COMPLETED, 30, "the RL adapter's run")
+    finally:
+        stop.set()
+        await loop
+    t.metrics.close()
+    records = read_metrics(t.metrics.path)
+    client = [r for r in records if r["kind"] == "adapter" and r["adapter"] == model]
+    assert [(r["adapter_kind"], r["step"]) for r in client] == [("client", 1), ("client", 2)]
+    # The fake backend's loss of a datum is its token count: 2 datums of 3 tokens per step.
+    assert all((r["metrics"]["loss:sum"], r["metrics"]["train_datums"], r["metrics"]["train_tokens"],
+                r["metrics"]["lr"]) == (6.0, 2.0, 6.0, 0.5) for r in client)
+    assert {r["adapter_kind"] for r in records if r["kind"] == "adapter" and r["adapter"] == "a"} == {"server"}
+    loop_records = [r["metrics"] for r in records if r["kind"] == "loop"]
+    assert len(loop_records) == 2  # the RL adapter's two batches; the clients' iterations have none
+    assert not any("perf/client_time" in m for m in loop_records), loop_records
 
 
 async def test_loop_records_time_the_whole_iteration_and_push_only_what_stepped(tmp_path):

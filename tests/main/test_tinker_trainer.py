@@ -2,11 +2,13 @@
 
 `python -m miles.main.train_multi_lora_async` runs as a subprocess on a tiny random model;
 the official SDK (`tinker`) drives client-driven models on the trainer's own slots, alone
-and beside a server-driven RL adapter registered over the control plane.
+and beside a server-driven RL adapter registered over the control plane; each client step
+shows in the run's metrics records and the control plane's `/metrics`.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +18,8 @@ from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_datas
 from tinker import types
 
 from miles.controller.client import ControlPlaneClient
+from miles.lora import read_peft_dir
+from miles.utils.tracking import read_metrics
 from miles.utils.types import AdapterKind, AdapterState
 
 pytestmark = pytest.mark.slow
@@ -98,6 +102,43 @@ def test_sdk_clients_train_alone_and_beside_a_server_driven_adapter(tiny_model_d
             clients = [s for s in listed.values() if s.kind is AdapterKind.CLIENT]
             assert sorted(s.model_id for s in clients) == sorted([alone.model_id, mixed.model_id])
             assert all(s.state is AdapterState.ACTIVE and s.step == 4 for s in clients), clients
+
+            # One metrics record per optim_step, beside the RL adapter's, with the loss the SDK got.
+            names = {s.model_id: s.name for s in clients}
+            metrics_path = tmp_path / "save" / "metrics.jsonl"
+
+            def client_records() -> dict[str, list[dict]]:
+                records = [r for r in read_metrics(metrics_path) if r["kind"] == "adapter"]
+                by_model = {name: [r for r in records if r["adapter"] == name] for name in names.values()}
+                return by_model if all(len(rs) == 4 for rs in by_model.values()) else {}
+
+            records = driver.wait_until(client_records, TIMEOUT, "a metrics record per client step")
+            assert {r["adapter_kind"] for r in read_metrics(metrics_path)
+                    if r["kind"] == "adapter" and r["adapter"] == "rl"} == {"server"}
+            for run in (alone, mixed):
+                steps = records[names[run.model_id]]
+                assert [(r["adapter_kind"], r["step"]) for r in steps] == [("client", n) for n in (1, 2, 3, 4)]
+                assert [r["metrics"]["loss:sum"] for r in steps] == pytest.approx(run.losses, rel=1e-5)
+                assert all(r["metrics"]["train_datums"] == 2 and r["metrics"]["lr"] == pytest.approx(LR)
+                           for r in steps), steps
+
+            # /metrics names each adapter's kind, and serves a client's step and its latest step's loss.
+            def scrape() -> dict[str, dict[str, float]]:
+                text = control.metrics()
+                series: dict[str, dict[str, float]] = {}
+                for metric, labels, value in re.findall(r"^(miles_adapter_\w+)\{(.*)\} (\S+)$", text, flags=re.M):
+                    series.setdefault(metric, {})[labels] = float(value)
+                losses = series.get("miles_adapter_client_loss", {})
+                return series if all(f'adapter="{name}"' in losses for name in names.values()) else {}
+
+            scraped = driver.wait_until(scrape, TIMEOUT, "the client models' loss on /metrics")
+            assert scraped["miles_adapter_info"]['adapter="rl",kind="server"'] == 1
+            for run in (alone, mixed):
+                label = f'adapter="{names[run.model_id]}"'
+                assert scraped["miles_adapter_info"][f'{label},kind="client"'] == 1
+                assert scraped["miles_adapter_step"][label] == 4
+                assert scraped["miles_adapter_client_loss"][label] == pytest.approx(run.losses[-1], rel=1e-5)
+                assert scraped["miles_adapter_client_commands_pending"][label] == 0
         # The session closed with the service client: its models are unloaded and their slots freed.
         driver.wait_until(lambda: all(s.state is AdapterState.COMPLETED for s in control.list()
                                       if s.kind is AdapterKind.CLIENT), TIMEOUT, "the client models to be cleaned up")
@@ -119,14 +160,16 @@ def reward(tokens: list[int]) -> float:
 def test_an_sdk_rl_loop_samples_the_snapshots_it_trains(tiny_model_dir: Path, tmp_path: Path) -> None:
     """sample -> reward -> importance_sampling -> optim_step -> save_weights_for_sampler -> sample,
     every call through the SDK against the trainer: each round samples the snapshot the round
-    before wrote, and the engines serve exactly the trainer's weights."""
-    driver = DriverProcess(TRAINER, tiny_run_flags(tiny_model_dir, tmp_path / "save", n_adapters=2),
-                           tmp_path / "trainer.log")
+    before wrote, and the engines serve exactly the trainer's weights. The trainer runs with
+    `--lora-unembed` and the model takes the SDK's default layout (`train_unembed=True`, as the
+    cookbook's recipes create theirs): its lm_head LoRA trains, is snapshotted and served."""
+    flags = [*tiny_run_flags(tiny_model_dir, tmp_path / "save", n_adapters=2), "--lora-unembed"]
+    driver = DriverProcess(TRAINER, flags, tmp_path / "trainer.log")
     try:
         url = driver.wait_for_api_url()
         with tinker.ServiceClient(base_url=url, api_key=API_KEY) as service:
-            trainer = service.create_lora_training_client(str(tiny_model_dir), rank=4, seed=5,
-                                                          train_unembed=False).result(timeout=TIMEOUT)
+            trainer = service.create_lora_training_client(str(tiny_model_dir), rank=4, seed=5).result(
+                timeout=TIMEOUT)
             prompt = types.ModelInput.from_ints([5, 6, 5, 6])
             params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=0)
             first = sampler = trainer.save_weights_and_get_sampling_client().result(timeout=TIMEOUT)
@@ -159,5 +202,10 @@ def test_an_sdk_rl_loop_samples_the_snapshots_it_trains(tiny_model_dir: Path, tm
             assert served == pytest.approx(ours, abs=1e-4)
             moved = max(abs(a - b) for a, b in zip(served, before, strict=True))
             assert moved > 1e-2, f"three steps moved the served logprobs by only {moved:.1e}"
+            # The snapshot holds the head's LoRA, trained (B moved off zero).
+            snapshot = next((tmp_path / "save").rglob("sampler_weights"))
+            tensors, config = read_peft_dir(max(snapshot.iterdir(), key=lambda p: p.stat().st_mtime))
+            assert "lm_head" in config["target_modules"]
+            assert tensors["base_model.model.lm_head.lora_B.weight"].abs().max() > 1e-3
     finally:
         driver.kill()

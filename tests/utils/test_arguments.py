@@ -77,6 +77,7 @@ def test_config_file_unknown_key_is_rejected(tmp_path):
     ({"engine_num_threads": 0}, "--engine-num-threads must be > 0"),
     ({"recompute_modules": ["mlp"]}, "add it, or drop --recompute-modules"),
     ({"recompute_granularity": "selective", "recompute_modules": ["mlp", "moe"]}, "the torch backend recomputes"),
+    ({"train_backend": "megatron", "lora_unembed": True}, "--lora-unembed is not built for --train-backend megatron"),
 ])
 def test_invalid_combinations_say_what_to_change(values, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -162,3 +163,17 @@ def test_recompute_modules_reach_both_backends():
     megatron = parse_args(flags[:-2] + ["moe_act", "--train-backend", "megatron"])  # any of Megatron's names
     assert MegatronActorConfig.from_config(megatron).recompute_modules == ("moe_act",)
     assert TrainActorConfig.from_config(parse_args(["--hf-checkpoint", "/m"])).recompute_modules is None
+
+
+def test_lora_unembed_puts_lm_head_in_every_slot_the_trainer_and_engines_hold(tmp_path):
+    from miles.backends.rank.config import TrainActorConfig
+    from miles.controller.actor import ControllerConfig
+
+    off = parse_args(["--hf-checkpoint", "/m", "--multi-lora-n-adapters", "2", "--save", str(tmp_path)])
+    on = parse_args(["--hf-checkpoint", "/m", "--multi-lora-n-adapters", "2", "--save", str(tmp_path),
+                     "--lora-unembed"])
+    assert (off.lora_unembed, off.slot_target_modules) == (False, "all-linear")
+    assert on.slot_target_modules == "all-linear,lm_head"
+    assert TrainActorConfig.from_config(on).target_modules == "all-linear,lm_head"
+    assert ControllerConfig.from_config(on).gateway.lora_unembed is True
+    assert ControllerConfig.from_config(off).gateway.lora_unembed is False

@@ -25,6 +25,7 @@ class TrainActorConfig:
     n_slots: int
     lora_rank: int
     target_modules: str = "all-linear"
+    """The layers with slot LoRA (`inject_multi_lora`): "all-linear,lm_head" with `--lora-unembed`."""
     device: str = "cpu"
     dtype: str = "float32"
     micro_batch_size: int | None = None
@@ -70,7 +71,7 @@ class TrainActorConfig:
             hf_checkpoint=cfg.hf_checkpoint,
             n_slots=max(1, cfg.multi_lora_n_adapters),
             lora_rank=cfg.lora_rank,
-            target_modules=cfg.target_modules,
+            target_modules=cfg.slot_target_modules,
             device=cfg.resolved_device,
             dtype=cfg.resolved_dtype,
             micro_batch_size=cfg.micro_batch_size,

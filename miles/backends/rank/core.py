@@ -62,9 +62,11 @@ from miles.backends.torch.loss import LossParams, approx_kl_per_sample, policy_l
 from miles.backends.torch.lr_schedule import LRSchedule
 from miles.backends.torch.optimizer import SlotAdamW, SlotStep
 from miles.lora import peft_adapter_config, peft_tensors, write_peft_dir
+from miles.lora.slots import PEFT_PREFIX
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition, Sample
 from miles.utils.types.client import AdamStep, ClientWork, DatumOutput
+from miles.utils.types.client_commands import LoraGroup
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +192,7 @@ class TrainCore:
             self.model.init_slot(spec.slot, rank=spec.rank, alpha=spec.alpha, generator=self._generator(spec))
         else:
             result, schedule = self._resume(spec, Path(checkpoint), schedule)
-        self.optimizer.configure_slot(spec.slot, rank=spec.rank, lr=spec.lr, weight_decay=spec.weight_decay)
+        self._configure_slot(spec)
         if spec.num_step is not None:
             # `num_step` counts from the step this registration started at.
             schedule.total_steps = spec.final_step(result.step)
@@ -201,7 +203,33 @@ class TrainCore:
         """What `export_adapter` will give once `load_adapter(spec)` has put the fresh adapter
         in its slot (the same seeded draws), computed without touching the model."""
         self.check_rank(spec)
-        return peft_tensors(self.model.fresh_weights(rank=spec.rank, generator=self._generator(spec)))
+        return self._trained_tensors(spec, peft_tensors(self.model.fresh_weights(rank=spec.rank,
+                                                                                 generator=self._generator(spec))))
+
+    def _configure_slot(self, spec: AdapterSpec) -> None:
+        """The slot's optimizer settings, and its frozen layers (`spec.frozen`) made exactly the
+        base model's: their B and moments zeroed (a fresh B is zero already; a checkpoint of the
+        same layout holds zeros) and their rows never stepped."""
+        frozen = [i for i, name in enumerate(self.model.param_names)
+                  if self._frozen_module(spec, name.rsplit(".", 1)[0])]
+        with torch.no_grad():
+            for i in frozen:
+                if self.model.param_names[i].endswith(".lora_B"):
+                    self.model.lora_params[i][0][spec.slot].zero_()
+        self.optimizer.configure_slot(spec.slot, rank=spec.rank, lr=spec.lr, weight_decay=spec.weight_decay,
+                                      frozen=frozen)
+
+    @staticmethod
+    def _frozen_module(spec: AdapterSpec, module: str) -> bool:
+        return bool(spec.frozen) and LoraGroup.of(module) in spec.frozen
+
+    def _trained_tensors(self, spec: AdapterSpec, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`tensors` (PEFT names) without the layers the adapter freezes: what it exports and
+        saves (a loader gives the layers it lacks a zero delta, which they have)."""
+        if not spec.frozen:
+            return tensors
+        return {key: t for key, t in tensors.items()
+                if not self._frozen_module(spec, key.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0])}
 
     def _generator(self, spec: AdapterSpec) -> torch.Generator:
         if spec.seed is not None:  # a client's seed: the same init whatever the model is called
@@ -546,14 +574,21 @@ class TrainCore:
     # ---- export and checkpoints -----------------------------------------------------------
 
     def export_adapter(self, name: str) -> dict[str, Tensor]:
-        """The adapter's LoRA tensors in PEFT names, sliced to its rank (CPU); every rank that
-        `gathers` must call, and only a rank that `writes` gets them."""
-        return self.model.export_slot(self.loaded(name).spec.slot)
+        """The adapter's LoRA tensors in PEFT names, sliced to its rank (CPU), the layers it
+        freezes left out; every rank that `gathers` must call, and only a rank that `writes`
+        gets them."""
+        spec = self.loaded(name).spec
+        return self._trained_tensors(spec, self.model.export_slot(spec.slot))
 
     def peft_config(self, spec: AdapterSpec) -> dict[str, Any]:
-        """`adapter_config.json` of the adapter `spec` describes."""
+        """`adapter_config.json` of the adapter `spec` describes (its target modules: the
+        layers it trains)."""
+        targets = self.model.target_modules
+        if spec.frozen:
+            modules = {name.rsplit(".", 1)[0] for name in self.model.param_names}
+            targets = sorted({m.rsplit(".", 1)[-1] for m in modules if not self._frozen_module(spec, m)})
         return peft_adapter_config(
-            rank=spec.rank, alpha=spec.alpha, target_modules=self.model.target_modules,
+            rank=spec.rank, alpha=spec.alpha, target_modules=targets,
             base_model_name_or_path=self.config.hf_checkpoint,
         )
 
@@ -593,7 +628,7 @@ class TrainCore:
         state, scheduler = self._checkpoint_state(name, step, data_position, accumulated)
         if not self.model.gathers:
             return ""
-        tensors = self.model.export_slot(spec.slot)
+        tensors = self._trained_tensors(spec, self.model.export_slot(spec.slot))
         optimizer = self.optimizer_state(name)
         if not self.model.writes:
             return ""
@@ -612,7 +647,7 @@ class TrainCore:
         spec = a.spec
         if not self.model.gathers:
             return ""
-        tensors = self.model.export_slot(spec.slot)
+        tensors = self._trained_tensors(spec, self.model.export_slot(spec.slot))
         optimizer = self.optimizer_state(name)
         if not self.model.writes:
             return ""
@@ -636,13 +671,13 @@ class TrainCore:
                              f"{spec.alpha}: load it into a model created with the same rank")
         self.model.load_peft_dir(spec.slot, path)
         self.optimizer.reset_slot(spec.slot)  # moments, step count and pending gradient
-        self.optimizer.configure_slot(spec.slot, rank=spec.rank, lr=spec.lr, weight_decay=spec.weight_decay)
         if optimizer:
             exp_avg = self.model.pad_slot_tensors(ckpt.optimizer.exp_avg, spec.slot, spec.rank, path,
                                                   "optimizer state")
             exp_avg_sq = self.model.pad_slot_tensors(ckpt.optimizer.exp_avg_sq, spec.slot, spec.rank, path,
                                                      "optimizer state")
             self.optimizer.load_slot_state(spec.slot, exp_avg, exp_avg_sq, ckpt.optimizer.step)
+        self._configure_slot(spec)  # after the loads: a frozen layer stays the base's whatever they held
         self._undo = None
 
     def _checkpoint_state(self, name: str, step: int, data_position: DataPosition | None,

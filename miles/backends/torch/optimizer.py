@@ -27,6 +27,12 @@ decay and the call's `max_norm`:
 
     opt.step_slots([SlotStep(slot=3, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, max_norm=0.0)], 1.0)
 
+A slot may freeze some parameters (given by index in `params`): their rows of that slot
+are never updated, nor their moments, and their gradient is dropped before the norm (a
+Tinker model that trains only some of the LoRA layers):
+
+    opt.configure_slot(1, rank=8, lr=1e-4, weight_decay=0.0, frozen={0, 1})   # layer 0's A and B
+
 Where a slot's gradient is sharded over ranks (Megatron's tensor parallelism), its norm
 is taken over every shard by the `slot_norm` it is given, and the slots step one by one:
 
@@ -35,7 +41,7 @@ is taken over every shard by the `slot_norm` it is given, and the slots step one
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +75,8 @@ class SlotHyperParams:
     rank: int
     lr: float
     weight_decay: float
+    frozen: frozenset[int] = frozenset()
+    """Indices (in `params`) of the parameters this slot never updates."""
 
 
 class SlotAdamW:
@@ -97,10 +105,20 @@ class SlotAdamW:
         self.steps = [0] * n_slots
         self.hparams: dict[int, SlotHyperParams] = {}
 
-    def configure_slot(self, slot: int, *, rank: int, lr: float, weight_decay: float) -> None:
-        """Give a slot its adapter's rank and hyper-parameters (moments untouched)."""
+    def configure_slot(self, slot: int, *, rank: int, lr: float, weight_decay: float,
+                       frozen: Collection[int] = ()) -> None:
+        """Give a slot its adapter's rank and hyper-parameters (moments untouched but those of
+        `frozen`: indices of the parameters whose rows of this slot never change, their moments
+        zero)."""
         self._check_slot(slot)
-        self.hparams[slot] = SlotHyperParams(rank=rank, lr=lr, weight_decay=weight_decay)
+        unknown = sorted(i for i in frozen if not 0 <= i < len(self.params))
+        if unknown:
+            raise IndexError(f"frozen parameter indices {unknown} are outside 0..{len(self.params) - 1}")
+        with torch.no_grad():
+            for i in frozen:
+                self.exp_avg[i][slot].zero_()
+                self.exp_avg_sq[i][slot].zero_()
+        self.hparams[slot] = SlotHyperParams(rank=rank, lr=lr, weight_decay=weight_decay, frozen=frozenset(frozen))
 
     def reset_slot(self, slot: int) -> None:
         """Forget a slot: zero its moments, step counter and retained gradients."""
@@ -125,14 +143,17 @@ class SlotAdamW:
                 param.grad = torch.zeros_like(param)
 
     def mask_slot_grad(self, slot: int) -> None:
-        """Zero the gradient outside the slot's rank so padding never moves."""
+        """Zero the gradient outside the slot's rank (and of its frozen parameters) so padding never moves."""
         self._ensure_grads()
         self._mask(slot)
 
     def _mask(self, slot: int) -> None:
-        rank = self._hparams(slot).rank
-        for param, rank_dim in self.params:
-            if rank < param.shape[rank_dim]:
+        hparams = self._hparams(slot)
+        rank = hparams.rank
+        for index, (param, rank_dim) in enumerate(self.params):
+            if index in hparams.frozen:
+                param.grad[slot].zero_()
+            elif rank < param.shape[rank_dim]:
                 param.grad[slot].narrow(rank_dim - 1, rank, param.shape[rank_dim] - rank).zero_()
 
     def scale_slot_grad(self, slot: int, factor: float) -> None:
@@ -246,11 +267,13 @@ class SlotAdamW:
 
     def _blocks(self, steps: list[SlotStep]) -> list[list[SlotStep]]:
         """Runs of consecutive slots whose AdamW scalars are equal (lr, betas, eps, weight
-        decay, step count): each run is updated as one slice of every parameter."""
+        decay, step count, frozen parameters): each run is updated as one slice of every
+        parameter it trains."""
         blocks: list[list[SlotStep]] = []
 
         def key(s: SlotStep) -> tuple:
-            return s.lr, tuple(sorted(self._settings(s).items())), self.steps[s.slot]
+            return (s.lr, tuple(sorted(self._settings(s).items())), self.steps[s.slot],
+                    self._hparams(s.slot).frozen)
 
         for s in steps:
             last = blocks[-1][-1] if blocks else None
@@ -264,7 +287,8 @@ class SlotAdamW:
                     beta2: float | None = None, eps: float | None = None, weight_decay: float | None = None) -> None:
         """AdamW on rows start..stop-1 (gradients already masked), which share lr, betas, eps,
         weight decay and step count: torch's fused AdamW kernel, one call over every
-        parameter. None: the optimizer's betas and eps, the slot's weight decay."""
+        parameter but those the slots freeze. None: the optimizer's betas and eps, the slot's
+        weight decay."""
         beta1 = self.betas[0] if beta1 is None else beta1
         beta2 = self.betas[1] if beta2 is None else beta2
         eps = self.eps if eps is None else eps
@@ -272,14 +296,18 @@ class SlotAdamW:
         for slot in range(start, stop):
             self.steps[slot] += 1
         step = torch.tensor(float(self.steps[start]), device=self.params[0][0].device)
-        weights = [param.detach()[start:stop] for param, _ in self.params]
+        frozen = self._hparams(start).frozen
+        trained = [i for i in range(len(self.params)) if i not in frozen]
+        if not trained:
+            return
+        weights = [self.params[i][0].detach()[start:stop] for i in trained]
         torch._fused_adamw_(
             weights,
-            [param.grad[start:stop] for param, _ in self.params],
-            [m[start:stop] for m in self.exp_avg],
-            [v[start:stop] for v in self.exp_avg_sq],
+            [self.params[i][0].grad[start:stop] for i in trained],
+            [self.exp_avg[i][start:stop] for i in trained],
+            [self.exp_avg_sq[i][start:stop] for i in trained],
             [],
-            [step] * len(self.params),
+            [step] * len(trained),
             lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
             amsgrad=False, maximize=False,
         )

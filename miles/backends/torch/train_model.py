@@ -27,7 +27,13 @@ from miles.backends.torch.batching import (
     next_token_logprobs,
     target_logprobs,
 )
-from miles.backends.torch.lm_head import CHUNK_LOGITS, fused_head_weight, lm_head_logprobs
+from miles.backends.torch.lm_head import (
+    CHUNK_LOGITS,
+    fused_head_weight,
+    head_lora_layer,
+    lm_head_logprobs,
+    slot_head_lora,
+)
 from miles.backends.torch.loss import entropy_from_logits
 from miles.backends.torch.recompute import apply_recompute
 from miles.lora import (
@@ -126,8 +132,9 @@ class TorchTrainModel:
                     input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False,
                 ).last_hidden_state
             start = length - keep  # position t predicts token t + 1; the last one predicts nothing
-            out = lm_head_logprobs(hidden_BLH[:, start:-1], head_VH, batch.input_ids_BL[:, start + 1 :],
-                                   entropy=entropy)
+            hidden_BKH = hidden_BLH[:, start:-1]
+            out = lm_head_logprobs(hidden_BKH, head_VH, batch.input_ids_BL[:, start + 1 :], entropy=entropy,
+                                   lora=self._head_lora(hidden_BKH, slots))
             if not entropy:
                 return torch.nn.functional.pad(out, (start, 0))
             return tuple(torch.nn.functional.pad(x_BK, (start, 0)) for x_BK in out)
@@ -159,12 +166,18 @@ class TorchTrainModel:
                 hidden_BLH = model.get_decoder()(
                     input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, use_cache=False,
                 ).last_hidden_state
-            return lm_head_logprobs(hidden_BLH, head_VH, targets_BL, entropy=entropy)
+            return lm_head_logprobs(hidden_BLH, head_VH, targets_BL, entropy=entropy,
+                                    lora=self._head_lora(hidden_BLH, slots))
         with use_slots(model, slots):
             logits_BLV = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
                                use_cache=False).logits
         logprobs_BL = target_logprobs(logits_BLV, targets_BL)
         return (logprobs_BL, entropy_from_logits(logits_BLV)) if entropy else logprobs_BL
+
+    def _head_lora(self, hidden_BTH: Tensor, slots: list[int]) -> tuple[Tensor, Tensor] | None:
+        """The slots' LoRA on the head for the fused head (`--lora-unembed`); None: a plain head."""
+        layer = head_lora_layer(self.module)
+        return None if layer is None else slot_head_lora(layer, hidden_BTH, slots)
 
     # ---- slots ---------------------------------------------------------------------------
 

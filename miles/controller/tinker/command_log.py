@@ -135,6 +135,8 @@ class _ModelLog:
     """seq_id -> future id."""
     running: set[str] = field(default_factory=set)
     """Its RUNNING futures (a take hands out nothing more while there are any)."""
+    pending: set[str] = field(default_factory=set)
+    """Its PENDING futures: logged, not handed to the driver yet."""
     finished_forward: deque[str] = field(default_factory=deque)
     """Finished forward / forward_backward futures still holding their payloads, oldest first."""
 
@@ -168,10 +170,12 @@ class CommandLog:
         if future.kind.command is not None and future.model is not None and future.seq_id is not None:
             model_log = self._models.setdefault(future.model, _ModelLog())
             model_log.by_seq[future.seq_id] = future.future_id
-            if future.status is ClientCommandStatus.RUNNING:
-                model_log.running.add(future.future_id)
-            else:
-                model_log.running.discard(future.future_id)
+            for status, ids in ((ClientCommandStatus.RUNNING, model_log.running),
+                                (ClientCommandStatus.PENDING, model_log.pending)):
+                if future.status is status:
+                    ids.add(future.future_id)
+                else:
+                    ids.discard(future.future_id)
 
     def _write(self, future: Future) -> Future:
         previous = self._futures.get(future.future_id)
@@ -392,6 +396,11 @@ class CommandLog:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(waiter.wait(), timeout_s)
         return self.get(future_id)
+
+    def pending_count(self, model: str) -> int:
+        """How many of the model's commands are logged and not handed to the driver yet."""
+        model_log = self._models.get(model)
+        return 0 if model_log is None else len(model_log.pending)
 
     def commands(self, model: str) -> list[Future]:
         """The model's logged commands in seq_id order."""

@@ -116,6 +116,8 @@ class GatewayConfig:
     """What `get_info` names as the tokenizer (the base model's HF id or path)."""
     target_modules: str = "all-linear"
     """The slots' LoRA layout (`--target-modules`): which `create_model` layouts are possible."""
+    lora_unembed: bool = False
+    """The slots carry LoRA on the unembedding (`--lora-unembed`): `train_unembed=True` is possible."""
     retrieve_poll_s: float = RETRIEVE_POLL_S
     session_timeout_s: float | None = SESSION_TIMEOUT_S
     """None: sessions never expire (their models stay until unloaded or the session finishes)."""
@@ -302,7 +304,8 @@ class TinkerGateway:
         model_id = self._new_model_id(session, model_seq_id)
         load = self.load_state_command(path, optimizer)
         _, source = self.model(path[len("tinker://"):].split("/")[0])
-        lora = LoraLayout(rank=source.rank, seed=source.seed, train_unembed=False)
+        lora = LoraLayout(rank=source.rank, seed=source.seed, train_mlp=source.train_mlp,
+                          train_attn=source.train_attn, train_unembed=source.train_unembed)
         config = self._model_config(model_id, session_id, base_model or source.base_model, lora, user_metadata)
         try:
             name = self._register(session, config)
@@ -352,19 +355,21 @@ class TinkerGateway:
             raise GatewayError(f"this trainer's slots cover only --target-modules {self.config.target_modules!r}, "
                                "not a Tinker layout (train_mlp/train_attn); restart it with "
                                "--target-modules all-linear")
-        if not lora.train_mlp or not lora.train_attn:
-            off = [n for n, on in (("train_mlp", lora.train_mlp), ("train_attn", lora.train_attn)) if not on]
-            raise GatewayError(f"lora_config.{off[0]}=False is not supported: the slots hold all-linear LoRA "
-                               "(attention and MLP); pass train_mlp=True and train_attn=True")
-        if lora.train_unembed:
-            raise GatewayError("lora_config.train_unembed=True is not supported: the slots hold all-linear LoRA, "
-                               "which leaves the unembedding (lm_head) frozen; pass train_unembed=False")
+        if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
+            raise GatewayError("lora_config trains nothing: train_mlp, train_attn and train_unembed are all False; "
+                               "set at least one")
+        if lora.train_unembed and not self.config.lora_unembed:
+            raise GatewayError("lora_config.train_unembed=True needs LoRA on the unembedding (lm_head), which this "
+                               "trainer's slots do not carry: restart it with --lora-unembed, or pass "
+                               "train_unembed=False")
         if defaults.save is None:
             raise GatewayError("this trainer has no --save directory, so a model could not save its state; "
                                "restart it with --save")
         save = (Path(defaults.save).expanduser() / "adapters" / model_name(model_id)).resolve()
         return ClientModelConfig(model_id=model_id, session_id=session_id, base_model=base_model, rank=lora.rank,
-                                 alpha=defaults.lora_alpha, seed=lora.seed, save=save, user_metadata=user_metadata)
+                                 alpha=defaults.lora_alpha, seed=lora.seed, save=save, user_metadata=user_metadata,
+                                 train_mlp=lora.train_mlp, train_attn=lora.train_attn,
+                                 train_unembed=lora.train_unembed)
 
     def model(self, model_id: str) -> tuple[str, ClientModelConfig]:
         """A known model's registry name and config (live or completed)."""

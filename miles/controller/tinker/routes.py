@@ -117,9 +117,18 @@ def install_tinker_routes(app: FastAPI, gateway: TinkerGateway) -> None:
 
 def tinker_router(gateway: TinkerGateway) -> APIRouter:
     router = APIRouter(prefix="/api/v1", tags=["tinker"])
-    config = gateway.config
+    _service_routes(router, gateway)
+    _model_routes(router, gateway)
+    _command_routes(router, gateway)
+    _checkpoint_routes(router, gateway)
+    _sampling_routes(router, gateway)
+    _future_routes(router, gateway)
+    return router
 
-    # ---- service ----------------------------------------------------------------------------
+
+def _service_routes(router: APIRouter, gateway: TinkerGateway) -> None:
+    """The SDK's service calls: capabilities, client config, telemetry, sessions."""
+    config = gateway.config
 
     @router.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -174,7 +183,10 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
     async def finish_session(session_id: str) -> dict[str, Any]:
         return {"unloaded": gateway.finish_session(session_id)}
 
-    # ---- models -------------------------------------------------------------------------------
+
+def _model_routes(router: APIRouter, gateway: TinkerGateway) -> None:
+    """Training clients: create, describe and unload a client-driven model."""
+    config = gateway.config
 
     @router.post("/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
@@ -203,7 +215,9 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
         body = await _parse(request, ModelIdBody)
         return _untyped(gateway.unload_model(body.model_id))
 
-    # ---- commands ------------------------------------------------------------------------------
+
+def _command_routes(router: APIRouter, gateway: TinkerGateway) -> None:
+    """A model's commands, logged in `seq_id` order for the trainer to run."""
 
     @router.post("/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
@@ -264,7 +278,9 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
         return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.SAVE_WEIGHTS_FOR_SAMPLER,
                                        export))
 
-    # ---- training runs and checkpoints (the RestClient) ---------------------------------------------
+
+def _checkpoint_routes(router: APIRouter, gateway: TinkerGateway) -> None:
+    """Training runs and their checkpoints, as the SDK's RestClient and `tinker checkpoint download` ask."""
 
     @router.get("/training_runs")
     async def list_training_runs(limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0),
@@ -296,9 +312,9 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
         path = CheckpointPath.parse(body.tinker_path)
         gateway.checkpoint(path)
         _, model = gateway.model(path.model_id)
-        # The slots hold all-linear LoRA: attention and MLP, the unembedding frozen.
         return {"base_model": model.base_model, "optimizer_config": {"type": "adamw"}, "is_lora": True,
-                "lora_rank": model.rank, "train_unembed": False, "train_mlp": True, "train_attn": True}
+                "lora_rank": model.rank, "train_unembed": model.train_unembed, "train_mlp": model.train_mlp,
+                "train_attn": model.train_attn}
 
     # Before the DELETE of a checkpoint, whose `{checkpoint_id:path}` would also match these.
     @router.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
@@ -351,7 +367,9 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
                 "last_sampler_checkpoint": last[CheckpointType.SAMPLER],
                 "user_metadata": {k: str(v) for k, v in model.user_metadata.items()} or None}
 
-    # ---- sampling ---------------------------------------------------------------------------------
+
+def _sampling_routes(router: APIRouter, gateway: TinkerGateway) -> None:
+    """Sampling sessions and samples through the router."""
 
     @router.post("/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
@@ -384,7 +402,10 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
             lambda sampler: sampler.sample(snapshot, wire.prompt_tokens, wire.params))
         return {"request_id": future.future_id, "sample_sequence_ids": future.sequence_ids}
 
-    # ---- futures ---------------------------------------------------------------------------------
+
+def _future_routes(router: APIRouter, gateway: TinkerGateway) -> None:
+    """`retrieve_future`: every future's answer, command or sample."""
+    config = gateway.config
 
     @router.post("/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
@@ -399,8 +420,6 @@ def tinker_router(gateway: TinkerGateway) -> APIRouter:
         sampler = gateway.sampler_for_save(future.future_id)
         return future_response(future, PROTOBUF in request.headers.get("accept", ""),
                                sampler_id=None if sampler is None else sampler.sampler_id)
-
-    return router
 
 
 def _json(raw: bytes) -> Any:

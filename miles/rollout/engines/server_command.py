@@ -46,7 +46,8 @@ class EngineServerConfig:
     """LoRA slots (`--max-loras-per-batch`); at least 1."""
     max_lora_rank: int
     target_modules: str
-    """`all-linear` or a comma list such as `q_proj,v_proj`."""
+    """`all-linear` or a comma list such as `q_proj,v_proj`, either with `lm_head` added by
+    `--lora-unembed` (`all-linear,lm_head`)."""
     dtype: str = "float32"
     device: str = "cpu"
     max_running_requests: int = 64
@@ -70,7 +71,7 @@ class EngineServerConfig:
             raise ValueError("--hf-checkpoint is required to start inference engines: give the base model directory")
         return cls(
             kind=cfg.rollout_engine, model_path=cfg.hf_checkpoint, n_slots=max(1, cfg.multi_lora_n_adapters),
-            max_lora_rank=cfg.lora_rank, target_modules=cfg.target_modules, dtype=cfg.resolved_dtype,
+            max_lora_rank=cfg.lora_rank, target_modules=cfg.slot_target_modules, dtype=cfg.resolved_dtype,
             device=cfg.resolved_device, max_running_requests=cfg.engine_max_running_requests, seed=cfg.seed,
             tp_size=cfg.rollout_num_gpus_per_engine, num_threads=cfg.engine_num_threads, lora_update=lora_update,
             extra_args=tuple(cfg.sglang_server_args) if cfg.rollout_engine == "sglang" else (),
@@ -87,8 +88,8 @@ class EngineServerConfig:
         return self.lora_capacity() + self.sampler_snapshots
 
     def target_module_list(self) -> list[str]:
-        if self.target_modules.strip() == "all-linear":
-            return ["all-linear"]
+        """`--lora-target-modules` of the server: the names (`all-linear` whole), `lm_head` as
+        SGLang and PEFT name the unembedding."""
         return [name.strip() for name in self.target_modules.split(",") if name.strip()]
 
 

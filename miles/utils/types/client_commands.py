@@ -36,6 +36,29 @@ class AdapterKind(str, enum.Enum):
     """A Tinker model: its client sends forward_backward / optim_step; never auto-retires."""
 
 
+class LoraGroup(str, enum.Enum):
+    """Which part of the model a LoRA layer adapts: what a Tinker layout trains or freezes
+    (`train_attn`, `train_mlp`, `train_unembed`)."""
+
+    ATTN = "attn"
+    MLP = "mlp"
+    UNEMBED = "unembed"
+
+    @classmethod
+    def of(cls, module_name: str) -> LoraGroup:
+        """The group of a LoRA layer by its Hugging Face module name (`model.layers.0.self_attn.q_proj`,
+        `model.layers.0.mlp.up_proj`, `lm_head`); ValueError for a layer in none of them."""
+        parts = module_name.split(".")
+        if parts[-1] == "lm_head":
+            return cls.UNEMBED
+        if any("attn" in p or "attention" in p for p in parts):
+            return cls.ATTN
+        if any(p in ("mlp", "feed_forward", "experts") for p in parts):
+            return cls.MLP
+        raise ValueError(f"LoRA layer {module_name!r} is neither attention, MLP nor the unembedding: "
+                         "no Tinker layout names it")
+
+
 class ClientModelConfig(BaseModel):
     """A client-driven adapter's settings, fixed by `create_model`."""
 
@@ -51,6 +74,19 @@ class ClientModelConfig(BaseModel):
     save: Annotated[Path, Field(strict=False)]
     """Its directory: checkpoints (`save_state`) and sampler snapshots go under it."""
     user_metadata: dict[str, Any] = Field(default_factory=dict)
+    train_attn: bool = True
+    """Its LoRA on the attention layers trains; False: it stays zero (B = 0, never stepped)."""
+    train_mlp: bool = True
+    """Its LoRA on the MLP layers trains; False: it stays zero."""
+    train_unembed: bool = False
+    """Its LoRA on the unembedding (`lm_head`, slots that carry one: `--lora-unembed`) trains;
+    False: it stays zero. (Configs stored before layouts existed read as attention and MLP.)"""
+
+    def frozen_groups(self) -> frozenset[LoraGroup]:
+        """The LoRA groups this model never trains."""
+        trained = {LoraGroup.ATTN: self.train_attn, LoraGroup.MLP: self.train_mlp,
+                   LoraGroup.UNEMBED: self.train_unembed}
+        return frozenset(group for group, on in trained.items() if not on)
 
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump()

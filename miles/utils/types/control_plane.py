@@ -63,3 +63,9 @@ class AdapterStatus(BaseModel):
     """Client-driven only: the Tinker model id."""
     seed: int | None = None
     """Client-driven only: the LoRA init seed the client asked for."""
+    train_attn: bool | None = None
+    """Client-driven only: its layout (`create_model`'s lora_config): attention LoRA trains."""
+    train_mlp: bool | None = None
+    """Client-driven only: MLP LoRA trains."""
+    train_unembed: bool | None = None
+    """Client-driven only: unembedding (lm_head) LoRA trains."""

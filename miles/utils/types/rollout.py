@@ -359,9 +359,14 @@ class AdapterGauges:
     registration_id: str
     """The registration these numbers belong to (a re-registration starts without them)."""
     raw_reward_mean: float | None
-    """Mean reward of its latest optimizer step's samples; None before its first step."""
-    groups_buffered: int
-    """Groups generated and waiting in its buffer when the latest batch was taken."""
+    """Mean reward of its latest optimizer step's samples; None before its first step (and
+    always for a client-driven adapter, which has no reward)."""
+    groups_buffered: int | None
+    """Groups generated and waiting in its buffer when the latest batch was taken; None for a
+    client-driven adapter (nothing generates for it)."""
+    client_loss: float | None = None
+    """A client-driven adapter's `loss:sum` over the forward_backward calls of its latest
+    optimizer step; None for a server-driven one and before the first step."""
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 One train call mixes a server-driven adapter (entropy bonus and KL loss, so the mixed
 forward's reference and entropy are live) with a client adapter's PPO datums and a
-`forward` of another client adapter; then a step with the client's `AdamStep`. Megatron
+`forward` of another client adapter; then a step with the client's `AdamStep`. The client
+adapter freezes its attention LoRA (`train_attn=False`): on TP 2 its frozen rows are shards. Megatron
 at TP = 1 and TP = 2 (spawned gloo ranks) and one torch rank play the same script on the
 same tiny model, in fp32.
 """
@@ -27,11 +28,13 @@ from torch_backend_data import (
 
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types.client import AdamStep
+from miles.utils.types.client_commands import LoraGroup
 
 pytestmark = pytest.mark.timeout(300)
 
 SLOTS = {"rl": 0, "c": 2, "f": 1}
 RL_LOSS = LossSettings(entropy_coef=0.05, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3")
+NO_ATTN = frozenset({LoraGroup.ATTN})
 ADAM = AdamStep(learning_rate=0.02, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1, grad_clip_norm=0.5)
 
 
@@ -39,7 +42,8 @@ def play(actor, set_weights, state_dir: Path, other_state: Path | None = None) -
     """The script; saves c's client state to `state_dir` and loads `other_state` (the other
     backend's) into a fourth slot as "loaded"."""
     for i, (name, slot) in enumerate(SLOTS.items()):
-        actor.load_adapter(spec(name, slot, rank=RANK, global_batch_size=4, loss=RL_LOSS if name == "rl" else None))
+        actor.load_adapter(spec(name, slot, rank=RANK, global_batch_size=4, loss=RL_LOSS if name == "rl" else None,
+                                frozen=NO_ATTN if name == "c" else frozenset()))
         shapes = broadcast_shapes({k: v.shape for k, v in actor.export_adapter(name).items()})  # TP rank 0's
         set_weights(slot, random_adapter(shapes, seed=300 + i))
     samples, adv = flatten_with_advantages(make_groups("rl", 0, 2, 2, seed=21))
@@ -51,7 +55,7 @@ def play(actor, set_weights, state_dir: Path, other_state: Path | None = None) -
             "grad_norm": stats["c"].grad_norm, "weights": {n: actor.export_adapter(n) for n in SLOTS}}
     actor.save_client_state("c", str(state_dir))  # a TP gather in Megatron: rank 0 writes
     if other_state is not None:
-        actor.load_adapter(spec("loaded", 3, rank=RANK))
+        actor.load_adapter(spec("loaded", 3, rank=RANK, frozen=NO_ATTN))
         actor.load_client_state("loaded", str(other_state))
         seen["loaded"] = actor.export_adapter("loaded")
         seen["loaded_step"] = actor.optimizer_state("loaded").step
@@ -104,6 +108,7 @@ def test_client_work_and_adam_step_equal_the_torch_backend(tiny_model_dir, tmp_p
     # Client state crosses the backends: torch's save_state loads into the Megatron shards whole,
     # and Megatron's (gathered over TP) loads into torch.
     assert max_abs_diff(meg["loaded"], ref["weights"]["c"]) == 0.0 and meg["loaded_step"] == 1
-    actor.load_adapter(spec("from-megatron", 3, rank=RANK))
+    assert ref["weights"]["c"] and not any("self_attn" in k for k in ref["weights"]["c"])  # its trained layers only
+    actor.load_adapter(spec("from-megatron", 3, rank=RANK, frozen=NO_ATTN))
     actor.load_client_state("from-megatron", str(tmp_path / "megatron_state"))
     assert max_abs_diff(actor.export_adapter("from-megatron"), meg["weights"]["c"]) == 0.0

@@ -118,7 +118,8 @@ def test_training_runs_and_checkpoints_are_listed_and_survive_a_restart(
         with tinker.ServiceClient(base_url=plane.url, api_key=TOKEN) as service:
             first = service.create_lora_training_client(BASE, rank=4, train_unembed=False,
                                                         user_metadata={"owner": "ana"}).result(timeout=30)
-            second = service.create_lora_training_client(BASE, rank=2, train_unembed=False).result(timeout=30)
+            second = service.create_lora_training_client(BASE, rank=2, train_unembed=False,
+                                                         train_mlp=False).result(timeout=30)
             early = first.save_state("early").result(timeout=30).path
             late = first.save_state("late").result(timeout=30).path
             snapshot = first.save_weights_for_sampler("snap").result(timeout=30).path
@@ -158,6 +159,9 @@ def test_training_runs_and_checkpoints_are_listed_and_survive_a_restart(
             info = rest.get_weights_info_by_tinker_path(late).result(timeout=30)
             assert (info.base_model, info.is_lora, info.lora_rank, info.train_unembed, info.train_mlp,
                     info.train_attn) == (BASE, True, 4, False, True, True)
+            only = second.save_state("only").result(timeout=30).path  # a layout that trains attention only
+            info = rest.get_weights_info_by_tinker_path(only).result(timeout=30)
+            assert (info.lora_rank, info.train_unembed, info.train_mlp, info.train_attn) == (2, False, False, True)
     finally:
         driver.close()
         plane.close()
@@ -171,7 +175,9 @@ def test_training_runs_and_checkpoints_are_listed_and_survive_a_restart(
         assert rest.list_training_runs().result(timeout=30).cursor.total_count == 2
         rest.delete_checkpoint_from_tinker_path(early).result(timeout=30)  # its model was unloaded: no resume point
         assert [c.tinker_path for c in rest.list_user_checkpoints().result(timeout=30).checkpoints] == [
-            snapshot, late]
+            only, snapshot, late]
+        info = rest.get_weights_info_by_tinker_path(only).result(timeout=30)  # the layout is the model's, kept
+        assert (info.train_unembed, info.train_mlp, info.train_attn) == (False, False, True)
     finally:
         again.close()
 

@@ -73,6 +73,15 @@ def test_all_linear_is_spelled_all_for_sglang_and_slots_default_to_one():
     assert flag_values(builtin, "--num-threads") == ["1"]
 
 
+def test_lora_unembed_adds_lm_head_to_both_servers_targets():
+    sglang = EngineServerConfig.from_config(parse_args(["--hf-checkpoint", "/m", "--rollout-engine", "sglang",
+                                                        "--lora-unembed"]))
+    assert flag_values(build_sglang_command(sglang, "h", 1), "--lora-target-modules") == ["all", "lm_head"]
+    builtin = EngineServerConfig.from_config(parse_args(["--hf-checkpoint", "/m", "--lora-unembed",
+                                                         "--target-modules", "q_proj,v_proj"]))
+    assert flag_values(server_command(builtin, "h", 1), "--lora-target-modules") == ["q_proj", "v_proj", "lm_head"]
+
+
 def test_builtin_engine_threads_come_from_the_flag():
     cfg = EngineServerConfig.from_config(parse_args(["--hf-checkpoint", "/m", "--engine-num-threads", "3"]))
     assert flag_values(server_command(cfg, "h", 1), "--num-threads") == ["3"]
