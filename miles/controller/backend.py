@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 from miles.controller.registry import AdapterRegistry, AdapterRegistryError, AdapterValidationError
 from miles.controller.store import RegistryStore
-from miles.rollout.engines.router_workers import abort_on_workers
 from miles.utils.adapter_config import (
     AdapterConfigError,
     AdapterDefaults,
@@ -49,6 +48,7 @@ from miles.utils.adapter_config import (
     resolved_field,
     validate_adapter_name,
 )
+from miles.utils.router_workers import abort_on_workers
 from miles.utils.types import (
     AdapterGauges,
     AdapterState,

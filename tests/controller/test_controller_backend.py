@@ -18,8 +18,8 @@ from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.controller.registry import AdapterValidationError
 from miles.rollout.engines.process import ServerProcess, free_port, on_probed_ports
 from miles.rollout.engines.router import build_router_command
-from miles.rollout.engines.router_workers import abort_on_workers, discover_workers
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig
+from miles.utils.router_workers import abort_on_workers, discover_workers
 from miles.utils.types import AdapterState
 
 
@@ -167,7 +167,7 @@ async def test_failing_workers_are_logged_not_raised(loopback_servers: list[Loop
     dead.close()
     router = LoopbackRouter(mode="list_workers", workers=[good.url, broken.url, dead_url])
     loopback_servers.extend([good, broken, router])
-    with caplog.at_level(logging.WARNING, logger="miles.rollout.engines.router_workers"):
+    with caplog.at_level(logging.WARNING, logger="miles.utils.router_workers"):
         reached = await abort_on_workers(router.url, "a::", timeout_s=2.0)
     assert reached == [good.url]
     assert len(good.aborts) == len(broken.aborts) == 1
@@ -178,7 +178,7 @@ async def test_empty_or_missing_worker_list_is_logged(loopback_servers: list[Loo
                                                       caplog: pytest.LogCaptureFixture) -> None:
     empty, no_route = LoopbackRouter(mode="list_workers", workers=[]), LoopbackRouter(mode="none")
     loopback_servers.extend([empty, no_route])
-    with caplog.at_level(logging.WARNING, logger="miles.rollout.engines.router_workers"):
+    with caplog.at_level(logging.WARNING, logger="miles.utils.router_workers"):
         assert await abort_on_workers(empty.url, "a::") == []
         assert await abort_on_workers(no_route.url, "a::") == []
         assert await abort_on_workers("http://127.0.0.1:1", "a::", timeout_s=1.0) == []

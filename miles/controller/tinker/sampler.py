@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from miles.rollout.engines.router_workers import discover_workers
+from miles.utils.router_workers import discover_workers
 from miles.utils.types import (
     GenerateRequest,
     GenerateResponse,

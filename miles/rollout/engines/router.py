@@ -27,7 +27,7 @@ from miles.rollout.engines.process import (
     free_port,
     on_probed_ports,
 )
-from miles.rollout.engines.router_workers import discover_workers
+from miles.utils.router_workers import discover_workers
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from miles.rollout.engines import router as router_module
 from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
 from miles.rollout.engines.process import free_port
 from miles.rollout.engines.router import Router
-from miles.rollout.engines.router_workers import abort_on_workers, discover_workers
 from miles.rollout.engines.server_command import EngineServerConfig
+from miles.utils.router_workers import abort_on_workers, discover_workers
 from miles.utils.types import engine_lora_name
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
