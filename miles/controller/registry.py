@@ -100,6 +100,9 @@ class _Record:
     resume_from: str | None = None
     """Client-driven only: the directory of its latest completed save_state (or load_state),
     which a trainer that restarts over the registry loads it from."""
+    resume_step: int = 0
+    """Client-driven only: its step when `resume_from` was saved or loaded (the step a
+    restarted trainer resumes it at)."""
 
     @property
     def kind(self) -> AdapterKind:
@@ -134,7 +137,7 @@ def _record_to_json(record: _Record) -> dict[str, Any]:
         "slot": record.slot,
         "registration_id": record.registration_id, "state": record.state.value, "step": record.step,
         "start_step": record.start_step, "accumulated_groups": record.accumulated_groups,
-        "pushed": record.pushed, "resume_from": record.resume_from,
+        "pushed": record.pushed, "resume_from": record.resume_from, "resume_step": record.resume_step,
     }
 
 
@@ -145,6 +148,7 @@ def _record_from_json(raw: dict[str, Any]) -> _Record:
         slot=raw["slot"], registration_id=raw["registration_id"], state=AdapterState(raw["state"]),
         step=raw["step"], start_step=raw["start_step"], accumulated_groups=raw["accumulated_groups"],
         pushed=raw.get("pushed", raw["state"] != AdapterState.PENDING.value), resume_from=raw.get("resume_from"),
+        resume_step=raw.get("resume_step", 0),
     )
 
 
@@ -371,7 +375,7 @@ class AdapterRegistry:
         record = self._live.get(name)
         if record is None or record.kind is not AdapterKind.CLIENT:
             return False
-        record.resume_from = directory
+        record.resume_from, record.resume_step = directory, record.step
         return True
 
     def activate_clients(self, names: list[str]) -> list[str]:
@@ -454,7 +458,8 @@ class AdapterRegistry:
                     clients[record.name] = ClientAdapterRun(
                         name=record.name, config=record.config, state=record.state, slot=record.slot,
                         version=self._slot_versions[record.slot], step=record.step,
-                        registration_id=record.registration_id, resume_from=record.resume_from)
+                        registration_id=record.registration_id, resume_from=record.resume_from,
+                        resume_step=record.resume_step)
                 continue
             views[record.state][record.name] = AdapterRun(
                 name=record.name, config=record.config, slot=record.slot,

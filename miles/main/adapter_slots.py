@@ -145,12 +145,19 @@ class AdapterSlots:
         new = [run for name, run in sorted(snapshot.clients.items()) if name not in self.loaded]
         for run in new:
             await self.backend.load_adapter(AdapterSpec.for_client(run))
+            step = run.step
             if run.resume_from is not None:
                 await self.backend.load_client_state(run.name, run.resume_from, optimizer=True)
-                logger.info("Client model '%s' resumed from %s (step %d)", run.name, run.resume_from, run.step)
+                step = run.resume_step
+                if step != run.step:  # its steps after that save went with the previous trainer
+                    await self.controller.set_adapter_step.remote(run.name, step)
+                    logger.warning("Client model '%s' resumed from %s at step %d: its %d optim_step(s) after "
+                                   "that save are lost", run.name, run.resume_from, step, run.step - step)
+                else:
+                    logger.info("Client model '%s' resumed from %s (step %d)", run.name, run.resume_from, step)
             self.loaded[run.name] = LoadedAdapter(
                 registration_id=run.registration_id, slot=run.slot, saves=False, samples_per_group=1,
-                step=run.step, accumulated_groups=0, saved=(run.step, 0), client=True)
+                step=step, accumulated_groups=0, saved=(step, 0), client=True)
         if not new:
             return snapshot
         return await self.controller.activate_clients.remote([run.name for run in new])

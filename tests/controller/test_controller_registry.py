@@ -429,8 +429,11 @@ def test_client_driven_adapters_are_activated_by_the_trainer_and_resume_from_the
     registry.register("s-1.train.0", client_config())
     assert registry.activate_clients(["rl", "s-1.train.0", "ghost"]) == ["s-1.train.0"]
     assert registry.state("rl") is AdapterState.PENDING  # only client-driven ones: RL adapters wait for a push
+    assert registry.record_client_step("s-1.train.0") == 1
     assert registry.record_client_checkpoint("s-1.train.0", "/runs/adapters/s-1.train.0/weights/c1")
+    assert registry.record_client_step("s-1.train.0") == 2  # a step after the save: lost with a trainer
     assert not registry.record_client_checkpoint("rl", "/x")
     restored = AdapterRegistry.from_state(registry.export_state(), n_slots=2)
     run = restored.snapshot().clients["s-1.train.0"]
-    assert (run.state, run.resume_from) == (AdapterState.ACTIVE, "/runs/adapters/s-1.train.0/weights/c1")
+    assert (run.state, run.step) == (AdapterState.ACTIVE, 2)
+    assert (run.resume_from, run.resume_step) == ("/runs/adapters/s-1.train.0/weights/c1", 1)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tinker import types
 from waiting import WaitTimeout, wait_until
 
 from miles.controller.actor import API_URL_LINE
@@ -33,6 +34,13 @@ def write_arithmetic_dataset(path: Path, n: int, *, op: str = "+", seed: int = 0
             answer = a + b if op == "+" else a - b
             fh.write(json.dumps({"text": f"{a}{op}{b}=", "label": str(answer)}) + "\n")
     return path
+
+
+def cycle_datum(offset: int, length: int = 12) -> types.Datum:
+    """A Tinker SFT datum: next-token prediction over the cycle 5, 6, 7, 5, ... from `offset`."""
+    tokens = [5 + (offset + i) % 3 for i in range(length + 1)]
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length})
 
 
 def tiny_run_flags(model_dir: Path, save: Path, *, n_adapters: int, port: int = 0) -> list[str]:

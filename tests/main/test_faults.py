@@ -13,6 +13,8 @@
   step count and LR clock, and its data continues from where it stood. A subprocess
   trainer on the tiny model, with a train fault injected on the way by the test rank of
   `tests/backends/torch/fault_injection.py` (`--train-actor-path`, `MILES_TEST_FAULT_TRAIN_CALLS`).
+  A Tinker SDK client's model lives through the same restart: it comes back from its latest
+  `save_state` with its optimizer, and the client goes on with the same `TrainingClient`.
 """
 
 from __future__ import annotations
@@ -202,29 +204,76 @@ def _plant_partial_checkpoints(save_dir: Path, latest: Path) -> None:
     (partial / TRAINER_STATE).unlink()
 
 
+class SdkModel:
+    """A Tinker SDK client's model that lives through a trainer's restart (the client process
+    keeps running; the trainer comes back on the same port)."""
+
+    LR = 2e-2
+
+    def __init__(self, url: str, base_model: Path) -> None:
+        import tinker
+
+        self.service = tinker.ServiceClient(base_url=url, api_key="tml-local")
+        self.model = self.service.create_lora_training_client(str(base_model), rank=4, seed=3,
+                                                              train_unembed=False).result(timeout=120)
+
+    def step(self) -> float:
+        """forward_backward + optim_step on the same two datums; the loss:sum."""
+        from driver_harness import cycle_datum
+        from tinker import types
+
+        out = self.model.forward_backward([cycle_datum(0), cycle_datum(2)], "cross_entropy")
+        self.model.optim_step(types.AdamParams(learning_rate=self.LR)).result(timeout=120)
+        return out.result(timeout=120).metrics["loss:sum"]
+
+    def held_out(self) -> list[float]:
+        from driver_harness import cycle_datum
+
+        return self.model.forward([cycle_datum(1)], "cross_entropy").result(timeout=120).loss_fn_outputs[0][
+            "logprobs"].tolist()
+
+
 @pytest.mark.slow
 def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_registry(
         tiny_model_dir, tmp_path, monkeypatch):
+    """Two server-driven adapters and a Tinker SDK client's model: each resumes from its latest
+    checkpoint (the client's: its latest `save_state`, optimizer included)."""
+    from urllib.parse import urlparse
+
     from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
 
     from miles.controller.client import ControlPlaneClient
+    from miles.utils.types import AdapterKind
 
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
     data = tmp_path / "data"
     data.mkdir()
     datasets = {"add": write_arithmetic_dataset(data / "add.jsonl", 200, op="+", seed=1),
                 "sub": write_arithmetic_dataset(data / "sub.jsonl", 200, op="-", seed=2)}
     save = tmp_path / "save"
-    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=2) + ["--save-interval", "1"]
+    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=3) + ["--save-interval", "1"]
 
     # First run: the second train call of the rank raises (the test rank); the run goes on.
     monkeypatch.setenv(FAULT_TRAIN_CALLS_ENV, "2")
     first = DriverProcess(TRAINER, [*flags, "--train-actor-path", ACTOR_PATH], tmp_path / "first.log")
     try:
-        client = ControlPlaneClient(first.wait_for_api_url())
+        url = first.wait_for_api_url()
+        client = ControlPlaneClient(url)
         for name, path in datasets.items():
             client.register(name, config={"data": str(path)})
         first.wait_until(lambda: all(client.status(n).step >= 2 for n in datasets), 150, "both adapters to step twice")
         assert "its batch is dropped and counts for no adapter" in first.log_path.read_text()
+
+        # The client takes two steps and saves its state, then takes a third that no save keeps.
+        sdk = SdkModel(url, tiny_model_dir)
+        sdk.step(), sdk.step()
+        assert sdk.model.save_state("two").result(timeout=120).path == f"tinker://{sdk.model.model_id}/weights/two"
+        at_save = sdk.held_out()
+        lost_loss = sdk.step()
+        after_lost_step = sdk.held_out()
+        assert after_lost_step != pytest.approx(at_save, abs=1e-3)
+        model = next(s for s in client.list() if s.model_id == sdk.model.model_id)
+        assert (model.kind, model.step) == (AdapterKind.CLIENT, 3)
         before = {n: client.status(n) for n in datasets}
         first.kill()  # SIGKILL to the driver and every process of its session (its Ray cluster)
     finally:
@@ -240,12 +289,17 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
 
     monkeypatch.delenv(FAULT_TRAIN_CALLS_ENV)
     started = time.monotonic()
+    # The same port: the SDK client has only its base_url.
+    port = urlparse(url).port
+    assert port is not None
+    flags[flags.index("--multi-lora-api-port") + 1] = str(port)
     second = DriverProcess(TRAINER, flags, tmp_path / "second.log")
     try:
-        client = ControlPlaneClient(second.wait_for_api_url())
+        assert second.wait_for_api_url() == url
+        client = ControlPlaneClient(url)
         # The registry is back from {save}/controller/registry.sqlite: nothing is re-POSTed.
         listed = {s.name: s for s in client.list()}
-        assert set(listed) == set(datasets)
+        assert set(listed) == {*datasets, model.name}
         assert all(listed[n].registration_id == before[n].registration_id for n in datasets)
         resumed = {}
         for name in datasets:
@@ -269,6 +323,19 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
             assert after.trainer_state.data_position.index > state.data_position.index, (name, after, state)
             assert after.trainer_state.registration_id == before[name].registration_id
         print(f"restart to the first step of both resumed adapters: {resume_s:.1f}s")
+
+        # The client's model is back at its save_state: its step, weights, and the moments and
+        # clock of its optimizer (its next step repeats the lost one exactly).
+        line = (f"Client model '{model.name}' resumed from {save / 'adapters' / model.name / 'weights' / 'two'} "
+                "at step 2: its 1 optim_step(s) after that save are lost")
+        second.wait_until(lambda: line in second.log_path.read_text(), 120, "the client model to resume")
+        assert client.status(model.name).step == 2
+        assert sdk.held_out() == pytest.approx(at_save, abs=1e-5)
+        assert sdk.step() == pytest.approx(lost_loss, rel=1e-5)
+        assert sdk.held_out() == pytest.approx(after_lost_step, abs=1e-5)
+        assert client.status(model.name).step == 3
+        sdk.service.close("success").result(timeout=120)  # its session ends: the model is unloaded
+        client.wait_for_state(model.name, AdapterState.COMPLETED, timeout=120)
         assert second.terminate() == 0, second.log_tail()
     finally:
         second.kill()

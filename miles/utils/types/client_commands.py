@@ -109,6 +109,9 @@ class ClientAdapterRun:
     resume_from: str | None = None
     """The directory of its latest completed `save_state` (or `load_state`): where a trainer
     that restarts over the registry loads it from; None: fresh (A from `seed`, B zero)."""
+    resume_step: int = 0
+    """Its `step` when that state was saved or loaded: a restarted trainer resumes it there
+    (the optimizer steps after it are lost with the trainer)."""
 
 
 class ClientCommandKind(str, enum.Enum):
