@@ -2,21 +2,23 @@
 
 `python -m miles.main.train_multi_lora_async` runs as a subprocess; the official SDK
 (`tinker`) drives client-driven models on the trainer's own slots. On a tiny random model:
-SFT clients alone and beside a server-driven RL adapter registered over the control plane,
-each client step shown in the run's metrics records and the control plane's `/metrics`. On
-the tiny pretrained base: an SDK RL loop that raises the held-out reward of additions while
-sampling, from the engines, exactly the snapshots it trains.
+two SFT clients, each alone, then both at once beside a server-driven RL adapter registered
+over the control plane (each equal to its run alone), each client step shown in the run's
+metrics records and the control plane's `/metrics`. On the tiny pretrained base: an SDK RL
+loop that raises the held-out reward of additions while sampling, from the engines, exactly
+the snapshots it trains.
 """
 
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import tinker
-from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
+from driver_harness import DriverProcess, cycle_datum, tiny_run_flags, write_arithmetic_dataset
 from tinker import types
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -39,13 +41,6 @@ def no_sdk_telemetry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
 
 
-def cycle_datum(offset: int, length: int = 12) -> types.Datum:
-    """Next-token prediction over the cycle 5, 6, 7, 5, ... starting at `offset`."""
-    tokens = [5 + (offset + i) % 3 for i in range(length + 1)]
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length})
-
-
 @dataclass
 class ClientRun:
     model_id: str
@@ -62,15 +57,29 @@ def held_out_loss(trainer: tinker.TrainingClient, datum: types.Datum) -> tuple[f
     return -sum(logprobs), logprobs
 
 
-def sft_run(service: tinker.ServiceClient, base_model: str, steps: int) -> ClientRun:
-    trainer = service.create_lora_training_client(base_model, rank=4, seed=11, train_unembed=False).result(
+@dataclass(frozen=True)
+class SftSpec:
+    """A client's model seed and data: its two training datums and its held-out one (offsets
+    into the cycle of `cycle_datum`, and their lengths)."""
+
+    seed: int
+    train: tuple[tuple[int, int], ...]
+    held_out: int
+
+
+CLIENT_A = SftSpec(seed=11, train=((0, 12), (2, 12)), held_out=1)
+CLIENT_B = SftSpec(seed=12, train=((1, 9), (0, 5)), held_out=2)
+
+
+def sft_run(service: tinker.ServiceClient, base_model: str, steps: int, spec: SftSpec = CLIENT_A) -> ClientRun:
+    trainer = service.create_lora_training_client(base_model, rank=4, seed=spec.seed, train_unembed=False).result(
         timeout=TIMEOUT)
-    held_out = cycle_datum(1)
+    held_out = cycle_datum(spec.held_out)
     before, _ = held_out_loss(trainer, held_out)
     losses = []
     for _ in range(steps):
         # Both calls are sent before either result is read: they queue in seq_id order.
-        fwd_bwd = trainer.forward_backward([cycle_datum(0), cycle_datum(2)], "cross_entropy")
+        fwd_bwd = trainer.forward_backward([cycle_datum(o, n) for o, n in spec.train], "cross_entropy")
         step = trainer.optim_step(types.AdamParams(learning_rate=LR))
         losses.append(fwd_bwd.result(timeout=TIMEOUT).metrics["loss:sum"])
         step.result(timeout=TIMEOUT)
@@ -80,31 +89,38 @@ def sft_run(service: tinker.ServiceClient, base_model: str, steps: int) -> Clien
 
 def test_sdk_clients_train_alone_and_beside_a_server_driven_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
     data = write_arithmetic_dataset(tmp_path / "add.jsonl", 200, op="+", seed=1)
-    driver = DriverProcess(TRAINER, tiny_run_flags(tiny_model_dir, tmp_path / "save", n_adapters=3),
+    driver = DriverProcess(TRAINER, tiny_run_flags(tiny_model_dir, tmp_path / "save", n_adapters=5),
                            tmp_path / "trainer.log")
     try:
         url = driver.wait_for_api_url()
         control = ControlPlaneClient(url)
         with tinker.ServiceClient(base_url=url, api_key=API_KEY) as service:
-            # Clients alone: no RL adapter, so no generate phase; the SFT loop lowers held-out loss.
-            alone = sft_run(service, str(tiny_model_dir), steps=4)
-            assert alone.held_out_after < 0.95 * alone.held_out_before, alone
-            assert alone.losses[-1] < alone.losses[0], alone.losses
+            # Each client alone: no RL adapter, so no generate phase; the SFT loop lowers held-out loss.
+            alone = [sft_run(service, str(tiny_model_dir), steps=4, spec=spec) for spec in (CLIENT_A, CLIENT_B)]
+            for run in alone:
+                assert run.held_out_after < 0.95 * run.held_out_before, run
+                assert run.losses[-1] < run.losses[0], run.losses
 
-            # A server-driven adapter trains meanwhile: the client's datums go into its train calls.
+            # Both clients at once while a server-driven adapter trains: their datums go into
+            # the loop's train calls beside its RL batch.
             control.register("rl", config={"data": str(data), "num_step": 10_000})
             driver.wait_until(lambda: control.status("rl").step >= 1, TIMEOUT, "the RL adapter's first step")
-            mixed = sft_run(service, str(tiny_model_dir), steps=4)
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                mixed = list(pool.map(lambda spec: sft_run(service, str(tiny_model_dir), steps=4, spec=spec),
+                                      (CLIENT_A, CLIENT_B)))
             rl = control.status("rl")
             assert rl.state is AdapterState.ACTIVE and rl.step >= 2, rl
 
             # The same model, seed and data give the same numbers, whatever shares the calls.
-            assert mixed.losses == pytest.approx(alone.losses, abs=1e-4)
-            assert mixed.logprobs_after == pytest.approx(alone.logprobs_after, abs=1e-4)
+            for run, ref in zip(mixed, alone, strict=True):
+                assert run.losses == pytest.approx(ref.losses, abs=1e-4)
+                assert run.logprobs_after == pytest.approx(ref.logprobs_after, abs=1e-4)
+            assert alone[0].losses != pytest.approx(alone[1].losses, abs=1e-2)  # two different clients
 
+            runs = [*alone, *mixed]
             listed = {status.name: status for status in control.list()}
             clients = [s for s in listed.values() if s.kind is AdapterKind.CLIENT]
-            assert sorted(s.model_id for s in clients) == sorted([alone.model_id, mixed.model_id])
+            assert sorted(s.model_id for s in clients) == sorted(run.model_id for run in runs)
             assert all(s.state is AdapterState.ACTIVE and s.step == 4 for s in clients), clients
 
             # One metrics record per optim_step, beside the RL adapter's, with the loss the SDK got.
@@ -119,7 +135,7 @@ def test_sdk_clients_train_alone_and_beside_a_server_driven_adapter(tiny_model_d
             records = driver.wait_until(client_records, TIMEOUT, "a metrics record per client step")
             assert {r["adapter_kind"] for r in read_metrics(metrics_path)
                     if r["kind"] == "adapter" and r["adapter"] == "rl"} == {"server"}
-            for run in (alone, mixed):
+            for run in runs:
                 steps = records[names[run.model_id]]
                 assert [(r["adapter_kind"], r["step"]) for r in steps] == [("client", n) for n in (1, 2, 3, 4)]
                 assert [r["metrics"]["loss:sum"] for r in steps] == pytest.approx(run.losses, rel=1e-5)
@@ -137,7 +153,7 @@ def test_sdk_clients_train_alone_and_beside_a_server_driven_adapter(tiny_model_d
 
             scraped = driver.wait_until(scrape, TIMEOUT, "the client models' loss on /metrics")
             assert scraped["miles_adapter_info"]['adapter="rl",kind="server"'] == 1
-            for run in (alone, mixed):
+            for run in runs:
                 label = f'adapter="{names[run.model_id]}"'
                 assert scraped["miles_adapter_info"][f'{label},kind="client"'] == 1
                 assert scraped["miles_adapter_step"][label] == 4
