@@ -24,7 +24,12 @@ lint: install
 	$(PY) -m ruff check miles tests scripts
 	$(PY) -m mypy
 
-test: install lint
+# The tinker-cookbook test's own virtualenv (about a minute from the package registry, once)
+# is made in the background meanwhile: the lint and the first tests overlap it.
+test: install
+	mkdir -p .cache
+	$(PY) tests/main/cookbook_venv.py > .cache/cookbook-venv.log 2>&1 &
+	$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests
 
 # The tiny multi-adapter run: pretrain the tiny base (cached), train three adapters at

@@ -1,10 +1,10 @@
 """End-to-end: the `tinker-cookbook` package's own training loops against the trainer.
 
-The cookbook, pinned, runs from a virtualenv of its own (it pins a `transformers` other than
-ours; the client needs none of our packages), made once under `.cache/` from the package
-registry and reused while the pins stay the same. Its RL recipe (`math_rl.train` on the
-generated `arithmetic` problems) and its supervised trainer (`supervised.train` on the
-conversations file the wheel ships) run unchanged as subprocesses with `base_url` at the
+The cookbook, pinned, runs from a virtualenv of its own (`cookbook_venv.py`: it pins a
+`transformers` other than ours; the client needs none of our packages), made once under
+`.cache/` from the package registry and reused while the pins stay the same. Its RL recipe
+(`math_rl.train` on the generated `arithmetic` problems) and its supervised trainer
+(`supervised.train` on the conversations file the wheel ships) run unchanged as subprocesses with `base_url` at the
 trainer, on the tiny pretrained base and its tokenizer, with nothing downloaded. The trainer
 runs with `--lora-unembed`: the cookbook creates its models with the SDK's default
 `train_unembed=True`.
@@ -12,19 +12,16 @@ runs with `--lora-unembed`: the cookbook creates its models with the SDK's defau
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
-import shlex
-import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from cookbook_venv import CookbookVenvError, ensure_cookbook_venv
 from driver_harness import DriverProcess, tiny_run_flags
 
 from miles.controller.client import ControlPlaneClient
@@ -34,10 +31,6 @@ from miles.utils.types import AdapterKind, AdapterState
 pytestmark = pytest.mark.slow
 
 TRAINER = "miles.main.train_multi_lora_async"
-CACHE_DIR = Path(__file__).resolve().parents[2] / ".cache"
-PINS = ("tinker-cookbook[math-rl]==0.5.8", "tinker==0.38.0", "torch==2.13.0")
-"""`math-rl`: the extra the math_rl recipe imports (sympy, pylatexenc, math-verify). torch is
-pinned to the release the project's own environment uses (its CPU build)."""
 SL_ENTRY = Path(__file__).with_name("cookbook_sl_entry.py")
 RENDERER = "role_colon"
 """`User: ...` / `Assistant: ...` turns: the only tokens it needs are the text's own, which
@@ -46,53 +39,6 @@ renderer by Hugging Face model name, which a local path is not."""
 STEPS = 3
 RUN_TIMEOUT = 600.0
 API_KEY = "tml-local"
-
-
-def venv_dir() -> Path:
-    key = "-".join(pin.replace("[", "_").replace("]", "").replace("==", "_") for pin in PINS)
-    return CACHE_DIR / f"cookbook-venv-{key}"
-
-
-def venv_commands(venv: Path) -> list[list[str]]:
-    return [[sys.executable, "-m", "venv", str(venv)], [str(venv / "bin" / "pip"), "install", "--quiet", *PINS]]
-
-
-def pins_installed(venv: Path) -> bool:
-    """Whether `venv` has each pinned distribution at its pinned version (a local build tag
-    such as torch's `+cpu` counts as that version)."""
-    python = venv / "bin" / "python"
-    if not python.exists():
-        return False
-    wanted = {pin.split("==")[0].split("[")[0]: pin.split("==")[1] for pin in PINS}
-    probe = ("import importlib.metadata as m, json, sys; "
-             "print(json.dumps({n: m.version(n) for n in json.loads(sys.argv[1])}))")
-    result = subprocess.run([str(python), "-c", probe, json.dumps(list(wanted))], capture_output=True, text=True,
-                            timeout=RUN_TIMEOUT)
-    if result.returncode != 0:
-        return False
-    found = json.loads(result.stdout)
-    return all(found[name].split("+")[0] == version for name, version in wanted.items())
-
-
-def ensure_cookbook_venv() -> Path:
-    """The cookbook's virtualenv, made (about a minute, from the package registry) unless one
-    with the pinned versions is there. A failure names the commands to run by hand."""
-    venv = venv_dir()
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with (CACHE_DIR / f"{venv.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # pytest-xdist workers wait for one build
-        if pins_installed(venv):
-            return venv
-        shutil.rmtree(venv, ignore_errors=True)
-        commands = venv_commands(venv)
-        for command in commands:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT)
-            if result.returncode != 0:
-                shown = " && ".join(" ".join(shlex.quote(arg) for arg in c) for c in commands)
-                pytest.fail(f"could not make the tinker-cookbook virtualenv (it needs the package registry "
-                            f"once); make it with:\n  {shown}\n{shlex.join(command)} exited "
-                            f"{result.returncode}:\n{result.stderr[-3000:]}")
-    return venv
 
 
 def cookbook_env() -> dict[str, str]:
@@ -150,7 +96,10 @@ def assert_saved_on_our_side(run: CookbookRun, save: Path, control: ControlPlane
 
 
 def test_the_cookbook_rl_recipe_and_sl_trainer_train_on_the_trainer(tiny_base_dir: Path, tmp_path: Path) -> None:
-    venv = ensure_cookbook_venv()
+    try:
+        venv = ensure_cookbook_venv()
+    except CookbookVenvError as error:
+        pytest.fail(str(error))
     save = tmp_path / "save"
     flags = [*tiny_run_flags(tiny_base_dir, save, n_adapters=2), "--lora-unembed"]
     driver = DriverProcess(TRAINER, flags, tmp_path / "trainer.log")
