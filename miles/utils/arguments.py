@@ -188,6 +188,8 @@ class MilesConfig:
     lr_decay_style: Literal["constant", "linear", "cosine"] = _flag("constant", "LR schedule (default of adapters).")
     lr_warmup_steps: int = _flag(0, "Warmup in optimizer steps (default of adapters); Miles' --lr-warmup-iters.",
                                  aliases=("--lr-warmup-iters",))
+    lr_warmup_init: float = _flag(0.0, "LR of an adapter's first warmup step (capped at its lr), rising "
+                                       "linearly to its lr over the warmup, as Megatron's --lr-warmup-init.")
     optimizer: Literal["adam"] = _flag("adam", "Optimizer: one Adam (decoupled weight decay) per adapter slot.")
     adam_beta1: float = _flag(0.9, "AdamW beta1.")
     adam_beta2: float = _flag(0.999, "AdamW beta2.")
@@ -384,6 +386,8 @@ class MilesConfig:
         if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
             raise ConfigError("--recompute-method and --recompute-num-layers apply to --recompute-granularity full; "
                               "add it, or drop them")
+        if self.lr_warmup_init < 0:
+            raise ConfigError(f"--lr-warmup-init must be >= 0, got {self.lr_warmup_init}")
         if self.rollout_max_prompt_len is not None and self.rollout_max_prompt_len <= 0:
             raise ConfigError("--rollout-max-prompt-len must be > 0 (leave it out to keep every prompt)")
         if self.calculate_per_token_loss and self.multi_lora_n_adapters > 0:

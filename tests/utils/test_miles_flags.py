@@ -271,11 +271,17 @@ def test_invalid_loss_and_placement_flags_exit_2_with_a_clear_line(argv, message
     assert last.startswith("miles: error: ") and message in last, proc.stderr
 
 
-def test_lr_warmup_iters_is_miles_name_for_the_warmup(tmp_path):
+def test_lr_warmup_iters_is_miles_name_for_the_warmup(tmp_path, capsys):
     assert parse_args(["--lr-warmup-iters", "7"]).lr_warmup_steps == 7
     path = tmp_path / "run.yaml"
     path.write_text("lr_warmup_iters: 5\n")
     assert parse_args(["--config", str(path)]).lr_warmup_steps == 5
+    # The warmup starts from --lr-warmup-init, 0 unless given, as Megatron's scheduler in Miles.
+    assert parse_args([]).lr_warmup_init == 0.0
+    assert parse_args(["--lr-warmup-init", "1e-6"]).lr_warmup_init == 1e-6
+    with pytest.raises(SystemExit):
+        parse_args(["--lr-warmup-init", "-1"])
+    assert "--lr-warmup-init must be >= 0, got -1.0" in capsys.readouterr().err
 
 
 def test_data_flags_have_miles_defaults():

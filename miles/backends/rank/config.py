@@ -52,6 +52,7 @@ class TrainActorConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     min_lr: float = 0.0
+    lr_warmup_init: float = 0.0
     loss: LossSettings = field(default_factory=LossSettings)
     """The trainer's loss flags (`cfg.loss`): the settings of adapters whose spec has none."""
 
@@ -87,5 +88,6 @@ class TrainActorConfig:
             adam_eps=cfg.adam_eps,
             clip_grad=cfg.clip_grad,
             min_lr=cfg.min_lr,
+            lr_warmup_init=cfg.lr_warmup_init,
             loss=cfg.loss,
         )

@@ -252,7 +252,8 @@ class TrainCore:
     def _new_schedule(self, spec: AdapterSpec) -> LRSchedule:
         return LRSchedule(
             lr=spec.lr, samples_per_step=spec.global_batch_size, style=spec.lr_decay_style,  # type: ignore[arg-type]
-            warmup_steps=spec.lr_warmup_steps, min_lr=self.config.min_lr,
+            warmup_steps=spec.lr_warmup_steps, warmup_init=min(self.config.lr_warmup_init, spec.lr),
+            min_lr=self.config.min_lr,
         )
 
     def _resume(self, spec: AdapterSpec, path: Path, fresh: LRSchedule) -> tuple[LoadResult, LRSchedule]:

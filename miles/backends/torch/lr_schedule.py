@@ -4,9 +4,11 @@ Progress is measured in optimizer steps of that adapter:
 `progress = samples trained before the current step's batch / adapter_global_batch_size`,
 so adapters that train at different speeds (or join late) each follow their own
 schedule. Styles: constant, linear, cosine, each with `warmup_steps` of linear warmup
-(step k < warmup gets `lr * (k + 1) / warmup`) and a decay to `min_lr` over the
-remaining `total_steps - warmup_steps` steps. Without a known total (the adapter's
-`num_step` is not resolved yet) a decaying style holds `lr` after the warmup.
+from `warmup_init` (step k < warmup gets `warmup_init + (lr - warmup_init) * k / warmup`:
+with warmup 2, steps 0, 1, 2 get warmup_init, the midpoint and `lr`, as Megatron's
+`OptimizerParamScheduler` gives Miles) and a decay to `min_lr` over the remaining
+`total_steps - warmup_steps` steps. Without a known total (the adapter's `num_step` is
+not resolved yet) a decaying style holds `lr` after the warmup.
 
     schedule = LRSchedule(lr=1e-4, style="cosine", warmup_steps=2, samples_per_step=32,
                           total_steps=100)
@@ -31,6 +33,8 @@ class LRSchedule:
     """The adapter's global batch size (rollout_batch_size * n_samples_per_prompt)."""
     style: DecayStyle = "constant"
     warmup_steps: int = 0
+    warmup_init: float = 0.0
+    """The lr of the first warmup step (`--lr-warmup-init`)."""
     min_lr: float = 0.0
     total_steps: int | None = None
     samples_seen: int = 0
@@ -47,6 +51,8 @@ class LRSchedule:
             raise ValueError(f"lr_warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr < 0 or self.min_lr < 0:
             raise ValueError(f"lr and min_lr must be >= 0, got {self.lr} and {self.min_lr}")
+        if self.warmup_steps > 0 and not 0 <= self.warmup_init <= self.lr:
+            raise ValueError(f"lr_warmup_init must be in 0..lr ({self.lr}), got {self.warmup_init}")
 
     def add_samples(self, n: int) -> None:
         self.samples_seen += n
@@ -67,7 +73,7 @@ class LRSchedule:
 
     def lr_at(self, progress: float) -> float:
         if self.warmup_steps > 0 and progress < self.warmup_steps:
-            return self.lr * min(1.0, (progress + 1) / self.warmup_steps)
+            return self.warmup_init + (self.lr - self.warmup_init) * progress / self.warmup_steps
         if self.style == "constant" or self.total_steps is None:
             return self.lr
         decay_steps = max(1, self.total_steps - self.warmup_steps)

@@ -97,12 +97,16 @@ def test_schedules_follow_the_adapter_sample_clock():
         return out
 
     constant = LRSchedule(lr=1.0, samples_per_step=8, warmup_steps=2)
-    assert lrs(constant, 4) == [0.5, 1.0, 1.0, 1.0]
+    assert lrs(constant, 4) == [0.0, 0.5, 1.0, 1.0]  # Miles' --lr-warmup-iters 2: 0, LR/2, LR
     linear = LRSchedule(lr=1.0, samples_per_step=8, style="linear", total_steps=4, min_lr=0.2)
     assert lrs(linear, 4) == pytest.approx([1.0, 0.8, 0.6, 0.4])
     cosine = LRSchedule(lr=1.0, samples_per_step=8, style="cosine", warmup_steps=1, total_steps=3)
-    # warmup step, then fractions 0 and 1/2 of the two decay steps
-    assert lrs(cosine, 3) == pytest.approx([1.0, 1.0, 0.5])
+    # the warmup step, then fractions 0 and 1/2 of the two decay steps
+    assert lrs(cosine, 3) == pytest.approx([0.0, 1.0, 0.5])
+    from_init = LRSchedule(lr=1.0, samples_per_step=8, warmup_steps=4, warmup_init=0.2)
+    assert lrs(from_init, 5) == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    with pytest.raises(ValueError, match="lr_warmup_init must be in 0..lr"):
+        LRSchedule(lr=1.0, samples_per_step=8, warmup_steps=2, warmup_init=1.5)
     # Samples of a batch still accumulating do not move the lr of the current step.
     half = LRSchedule(lr=1.0, samples_per_step=8, style="linear", total_steps=2)
     half.add_samples(4)
@@ -114,6 +118,34 @@ def test_schedules_follow_the_adapter_sample_clock():
     assert restored == half
     with pytest.raises(ValueError, match="lr_decay_style"):
         LRSchedule(lr=1.0, samples_per_step=8, style="step")
+
+
+@pytest.mark.parametrize(("style", "warmup", "init", "min_lr", "total"), [
+    ("constant", 2, 0.0, 0.0, 10), ("constant", 3, 0.1, 0.0, 10), ("linear", 2, 0.0, 0.05, 8),
+    ("cosine", 3, 0.0, 0.0, 12), ("cosine", 4, 0.2, 0.1, 9), ("linear", 0, 0.0, 0.1, 6),
+])
+def test_schedules_equal_megatrons_scheduler_step_for_step(style, warmup, init, min_lr, total):
+    """Megatron's `OptimizerParamScheduler`, as Miles drives it (constructed with
+    `init_lr=--lr-warmup-init`, `lr_decay_steps` = the run's steps, then one `step` per
+    optimizer step, each reading the lr the scheduler set), gives the lrs ours gives."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    reference = OptimizerParamScheduler(
+        torch.optim.SGD([param], lr=0.0), init_lr=init, max_lr=1.0, min_lr=min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=total, lr_decay_style=style, start_wd=0.0, end_wd=0.0, wd_incr_steps=total,
+        wd_incr_style="constant")
+    expected = []
+    for _ in range(total + 2):  # past the end of the decay too
+        expected.append(reference.optimizer.param_groups[0]["lr"])
+        reference.step(1)
+    ours = LRSchedule(lr=1.0, samples_per_step=8, style=style, warmup_steps=warmup, warmup_init=init,
+                      min_lr=min_lr, total_steps=total)
+    got = []
+    for _ in range(total + 2):
+        ours.add_samples(8)
+        got.append(ours.begin_step())
+    assert got == pytest.approx(expected, abs=1e-12)
 
 
 def test_fused_step_of_several_slots_equals_the_per_slot_sequence():
