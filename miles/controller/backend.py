@@ -15,20 +15,25 @@ Subclass it to add checks or side effects and select the subclass with
 `--multi-lora-backend-path my_pkg.my_module.MyBackend`:
 
     class QuotaBackend(MultiLoRABackend):
-        def validate_adapter(self, name, config):
-            super().validate_adapter(name, config)
+        async def validate_adapter(self, name, config):
+            await super().validate_adapter(name, config)
             if config.rank > 8:
-                raise AdapterValidationError(f"Adapter '{name}': rank > 8 needs a quota")
+                raise ValueError(f"Adapter '{name}': rank > 8 needs a quota")
+
+The hook may be `async def` (as Miles declares it) or a plain `def`; either way it is
+finished before the registration goes on, and a `ValueError` it raises refuses the
+registration with a 400 that carries its message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +88,16 @@ class ControllerHooks:
     """None: only "some reward is set (adapter or CLI)" is checked."""
     abort_prefix: PrefixAbort = abort_on_workers
 
+
+class _Checked:
+    """What the base `validate_adapter` returns: its check has already run, and awaiting it
+    (as an `async` override does with `await super().validate_adapter(...)`) gives None."""
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield from ()  # ends at once
+
+
+_CHECKED = _Checked()
 
 MAX_DATASET_BYTES = 2 * 1024**3
 DATASET_TIMEOUT_S = 120.0
@@ -160,7 +175,7 @@ class MultiLoRABackend:
         except AdapterConfigError as exc:
             raise AdapterValidationError(str(exc)) from None
         self.registry.check_can_register(name, resolved)  # fail fast, before reading the dataset
-        self.validate_adapter(name, resolved)
+        await self._run_validate_adapter(name, resolved)
         rows = await self.read_dataset(name, resolved)
         if rows is not None:
             resolved = resolve_num_step(resolved, rows)
@@ -230,18 +245,32 @@ class MultiLoRABackend:
             check_within_roots(name, "save", resolved.save, allowed_roots)  # the default, {--save}/adapters/{name}
         return resolved
 
-    def validate_adapter(self, name: str, config: AdapterRunConfig) -> None:
-        """Checks beyond the config's own rules; raise `AdapterValidationError` to reject.
+    def validate_adapter(self, name: str, config: AdapterRunConfig) -> Awaitable[None]:
+        """Checks beyond the config's own rules; raise `ValueError` (or `AdapterValidationError`)
+        to reject. By default: the reward can be found (the adapter's, else `--rm-type`, else
+        the custom path).
 
-        Runs on the event loop, so keep it quick. By default: the reward can be found
-        (the adapter's, else `--rm-type`, else the custom path).
+        The check runs when called, and what it returns may be awaited: an override can be
+        `async def ... await super().validate_adapter(...)` (Miles' form) or a plain `def`
+        that calls `super().validate_adapter(...)`.
         """
-        if self.hooks.validate_reward is None:
-            return
+        if self.hooks.validate_reward is not None:
+            try:
+                self.hooks.validate_reward(config.rm_type or self.defaults.rm_type, config.custom_rm_path)
+            except ValueError as exc:
+                raise AdapterValidationError(f"Adapter '{name}': reward: {exc}") from None
+        return _CHECKED
+
+    async def _run_validate_adapter(self, name: str, config: AdapterRunConfig) -> None:
+        """The (possibly overridden) hook to its end; its `ValueError` becomes a 400."""
         try:
-            self.hooks.validate_reward(config.rm_type or self.defaults.rm_type, config.custom_rm_path)
+            checked = self.validate_adapter(name, config)
+            if inspect.isawaitable(checked):
+                await checked
+        except AdapterRegistryError:
+            raise
         except ValueError as exc:
-            raise AdapterValidationError(f"Adapter '{name}': reward: {exc}") from None
+            raise AdapterValidationError(str(exc) or f"Adapter '{name}' was refused by validate_adapter") from None
 
     async def read_dataset(self, name: str, config: AdapterRunConfig) -> int | None:
         """Row count of the adapter's dataset, checked in a worker thread (a large file

@@ -69,8 +69,9 @@ class AdapterNotFoundError(AdapterRegistryError, LookupError):
         return str(self.args[0]) if self.args else "adapter not registered"
 
 
-class NoFreeSlotError(AdapterRegistryError):
-    """Every slot is held; retry after an adapter completes (HTTP 409)."""
+class NoFreeSlotError(AdapterRegistryError, RuntimeError):
+    """Every slot is held; retry after an adapter completes (HTTP 409). A `RuntimeError`, as
+    in Miles, whose callers catch it as one."""
 
 
 AnyAdapterConfig = AdapterRunConfig | ClientModelConfig

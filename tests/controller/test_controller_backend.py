@@ -130,6 +130,49 @@ async def test_subclass_hook_can_reject(data_root: Path, defaults: AdapterDefaul
     assert await backend.register("small", config={"data": data, "rank": 4}) == 0
 
 
+class MilesStyleQuota(MultiLoRABackend):
+    """A hook as Miles declares it: `async`, awaiting the base class's, refusing with ValueError."""
+
+    seen: list[str]
+
+    async def validate_adapter(self, name, config):
+        await super().validate_adapter(name, config)
+        await asyncio.sleep(0)  # a real await: the registration waits for the hook's end
+        self.seen = [*getattr(self, "seen", []), name]
+        if config.rank > 4:
+            raise ValueError(f"Adapter '{name}': rank {config.rank} > 4 needs a quota")
+
+
+async def test_an_async_hook_is_awaited_and_its_value_error_refuses(data_root: Path, defaults: AdapterDefaults,
+                                                                    recwarn: pytest.WarningsRecorder) -> None:
+    backend = MilesStyleQuota(2, defaults, None, ROLLOUT_HOOKS)
+    data = str(data_root / "data" / "train.jsonl")
+    with pytest.raises(AdapterValidationError, match="rank 8 > 4 needs a quota"):
+        await backend.register("big", config={"data": data, "rank": 8})
+    assert backend.seen == ["big"] and backend.registry.free_slots == [0, 1]  # nothing registered
+    # The base class's check still runs under the override: an unknown reward is refused.
+    with pytest.raises(AdapterValidationError, match="reward"):
+        await backend.register("bad-reward", config={"data": data, "rank": 2, "rm_type": "no_such_reward"})
+    assert await backend.register("small", config={"data": data, "rank": 4}) == 0
+    assert backend.seen == ["big", "small"]  # the base check refused "bad-reward" before the override's own
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]
+
+
+async def test_a_full_registry_refuses_with_a_runtime_error_as_in_miles(data_root: Path,
+                                                                       defaults: AdapterDefaults) -> None:
+    from miles.controller.registry import NoFreeSlotError
+
+    backend = make_backend(defaults, n_slots=1)
+    data = str(data_root / "data" / "train.jsonl")
+    await backend.register("a", config={"data": data})
+    try:
+        await backend.register("b", config={"data": data})
+    except RuntimeError as exc:  # how Miles' callers catch it
+        assert isinstance(exc, NoFreeSlotError) and "slot" in str(exc)
+    else:
+        pytest.fail("a registration beyond the slots was accepted")
+
+
 async def test_retire_and_free_abort_on_every_worker(data_root: Path, defaults: AdapterDefaults,
                                                      loopback_servers: list[LoopbackRouter]) -> None:
     workers = [LoopbackRouter(mode="none"), LoopbackRouter(mode="none")]
