@@ -6,7 +6,7 @@
     miles-lora register math --set data=data/math.jsonl --set num_step=20 --set rm_type=math
     miles-lora retire math                            # finish the step, save, free the slot
     miles-lora watch --interval 2                     # a live table until Ctrl-C
-    miles-lora --json list                            # machine-readable output
+    miles-lora list --json                            # machine-readable output (or miles-lora --json list)
 
 `--url` (env `MILES_LORA_URL`, default http://127.0.0.1:8068) names the control plane:
 the trainer's (`python -m miles.main.train_multi_lora_async`) or the standalone one
@@ -61,6 +61,15 @@ def _global(
     OPTIONS.url, OPTIONS.token, OPTIONS.json = url, token, as_json
 
 
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of text (as the global --json).")]
+"""Each command takes `--json` after its name too: `miles-lora list --json` = `miles-lora --json list`."""
+
+
+def _json_output(as_json: bool) -> bool:
+    OPTIONS.json = OPTIONS.json or as_json
+    return OPTIONS.json
+
+
 def _fail(message: str, code: int) -> NoReturn:
     typer.echo(f"Error: {message}", err=True)
     raise typer.Exit(code)
@@ -110,10 +119,10 @@ def _table(statuses: list[AdapterStatus]) -> str:
 
 
 @app.command("list")
-def list_adapters() -> None:
+def list_adapters(as_json: JsonFlag = False) -> None:
     """Every adapter the control plane knows: live ones by slot, then completed ones."""
     statuses = _call("list adapters", lambda c: c.list())
-    if OPTIONS.json:
+    if _json_output(as_json):
         _print_json([s.model_dump(mode="json") for s in statuses])
     elif not statuses:
         typer.echo("No adapters registered.")
@@ -122,10 +131,10 @@ def list_adapters() -> None:
 
 
 @app.command("get")
-def get_adapter(name: Annotated[str, typer.Argument(help="Adapter name.")]) -> None:
+def get_adapter(name: Annotated[str, typer.Argument(help="Adapter name.")], as_json: JsonFlag = False) -> None:
     """One adapter's state, step and resolved config."""
     status = _call(f"get '{name}'", lambda c: c.status(name), adapter=name)
-    if OPTIONS.json:
+    if _json_output(as_json):
         _print_json(status.model_dump(mode="json"))
         return
     for key, value in status.model_dump(mode="json").items():
@@ -166,6 +175,7 @@ def register(
     name: Annotated[str, typer.Argument(help="Adapter name (letters, digits, '.', '_', '-').")],
     yaml_file: Annotated[Path | None, typer.Option("--yaml", help="Adapter YAML, read by the control plane.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="A config field as key=value (repeatable).")] = None,
+    as_json: JsonFlag = False,
 ) -> None:
     """Register an adapter from a YAML file or from --set fields; prints its slot."""
     if (yaml_file is None) == (not set_):
@@ -176,17 +186,17 @@ def register(
         _fail(str(exc), EXIT_USAGE)
     yaml_path = str(yaml_file.expanduser().resolve()) if yaml_file is not None else None
     slot = _call(f"register '{name}'", lambda c: c.register(name, config=config, yaml_path=yaml_path))
-    if OPTIONS.json:
+    if _json_output(as_json):
         _print_json({"name": name, "slot": slot})
     else:
         typer.echo(f"Registered '{name}' in slot {slot} (PENDING until its weights reach the engines).")
 
 
 @app.command("retire")
-def retire(name: Annotated[str, typer.Argument(help="Adapter name.")]) -> None:
+def retire(name: Annotated[str, typer.Argument(help="Adapter name.")], as_json: JsonFlag = False) -> None:
     """Retire an adapter: it finishes its current step, saves, and frees its slot."""
     _call(f"retire '{name}'", lambda c: c.deregister(name), adapter=name)
-    if OPTIONS.json:
+    if _json_output(as_json):
         _print_json({"name": name, "status": "retiring"})
     else:
         typer.echo(f"Retiring '{name}': it finishes its current step, saves, and frees its slot.")
@@ -196,9 +206,10 @@ def retire(name: Annotated[str, typer.Argument(help="Adapter name.")]) -> None:
 def watch(
     interval: Annotated[float, typer.Option(min=0.05, help="Seconds between refreshes.")] = 2.0,
     count: Annotated[int | None, typer.Option(min=1, help="Stop after this many refreshes.")] = None,
+    as_json: JsonFlag = False,
 ) -> None:
     """Refresh the adapter table until Ctrl-C (with --json: one JSON line per refresh)."""
-    live = sys.stdout.isatty() and not OPTIONS.json
+    live = not _json_output(as_json) and sys.stdout.isatty()
     n = 0
     try:
         while count is None or n < count:

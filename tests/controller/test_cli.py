@@ -78,6 +78,14 @@ def test_register_list_get_retire(control_plane):
     assert code == 0 and len(polls) == 2
     assert [a["name"] for a in polls[-1]["adapters"]][0] == "math"
 
+    # --json also after the command's name, as users type it.
+    listed = cli(url, "list", "--json")
+    assert listed[0] == 0 and [a["name"] for a in json.loads(listed[1])] == ["math", "other"]
+    assert json.loads(listed[1]) == json.loads(cli(url, "--json", "list")[1])
+    assert json.loads(cli(url, "get", "math", "--json")[1])["num_step"] == 3
+    code, out, _ = cli(url, "watch", "--json", "--count", "1", "--interval", "0.05")
+    assert code == 0 and [a["name"] for a in json.loads(out)["adapters"]][0] == "math"
+
 
 def test_errors_have_messages_and_exit_codes(control_plane, tmp_path):
     url, root = control_plane
