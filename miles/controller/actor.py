@@ -40,6 +40,7 @@ from miles.controller.tinker.gateway import GatewayConfig, TinkerGateway
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.plugins import load_subclass
 from miles.utils.types import (
+    AdapterFailure,
     AdapterGauges,
     AdapterState,
     AdapterStatus,
@@ -202,8 +203,15 @@ class MultiLoRAController:
         await self.backend.retire_adapters()
         return self.backend.snapshot()
 
+    async def fail_adapter(self, name: str, registration_id: str, failure: AdapterFailure) -> bool:
+        """The rollout producer gave up on this registration of `name` (its plug-ins failed group
+        after group): it leaves through CLEANUP, its requests aborted, and ends FAILED with
+        `failure` as its last error. False for a registration that is not live any more."""
+        return await self.backend.fail_adapter(name, registration_id, failure)
+
     async def free_slots(self, names: list[str]) -> MultiLoRASnapshot:
-        """CLEANUP -> COMPLETED for each of `names` in CLEANUP (the others are left as they are)."""
+        """CLEANUP -> COMPLETED (FAILED if it failed) for each of `names` in CLEANUP (the others are
+        left as they are)."""
         for name in names:
             await self.backend.free_slot(name)
         return self.backend.snapshot()

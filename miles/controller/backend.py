@@ -55,6 +55,7 @@ from miles.utils.adapter_config import (
 )
 from miles.utils.router_workers import abort_on_workers
 from miles.utils.types import (
+    AdapterFailure,
     AdapterGauges,
     AdapterState,
     AdapterStatus,
@@ -126,8 +127,8 @@ class MultiLoRABackend:
         state = store.load() if store is not None else None
         self.registry = AdapterRegistry.from_state(state, n_slots) if state else AdapterRegistry(n_slots)
         if state is not None:
-            logger.info("Registry restored from %s: %d live, %d completed adapters", store.path,  # type: ignore[union-attr]
-                        len(state.live), len(state.completed))
+            logger.info("Registry restored from %s: %d live, %d finished adapters", store.path,  # type: ignore[union-attr]
+                        len(state.live), len(state.finished))
         self.defaults = defaults
         self.router_url = router_url
         self.hooks = hooks or ControllerHooks()
@@ -327,8 +328,20 @@ class MultiLoRABackend:
         await asyncio.gather(*(self.abort_adapter_requests(n) for n in names))
         return names
 
+    async def fail_adapter(self, name: str, registration_id: str, failure: AdapterFailure) -> bool:
+        """The producer gave up on this registration: ACTIVE/RETIRING → CLEANUP with `failure`
+        kept, then abort its in-flight requests (the trainer saves it and frees the slot, and it
+        ends FAILED). False, and nothing changes, for a registration that is not live any more."""
+        if not self.registry.fail(name, registration_id, failure):
+            return False
+        self._persist()
+        logger.error("Adapter '%s' FAILED: %s. It is saved and its slot freed; fix its config and register it "
+                     "again", name, failure.summary())
+        await self.abort_adapter_requests(name)
+        return True
+
     async def free_slot(self, name: str) -> int:
-        """CLEANUP → COMPLETED after one more abort round; the slot, or -1 if not in CLEANUP."""
+        """CLEANUP → COMPLETED (or FAILED) after one more abort round; the slot, or -1 if not in CLEANUP."""
         if self.registry.state(name) is not AdapterState.CLEANUP:
             return -1
         await self.abort_adapter_requests(name)

@@ -10,7 +10,12 @@ rule here is testable alone:
     registry.record_weight_update(["math"])               # pushed: ACTIVE at that version
     registry.record_batch_adapters(0, {"math": 8}, ["math"])
     registry.mark_batch_trained(0)                        # step 1
-    registry.deregister("math"); registry.retire_adapters(); registry.free_slot("math")
+    registry.deregister("math"); registry.retire_adapters(); registry.free_slot("math")  # COMPLETED
+
+An adapter whose plug-ins fail group after group leaves the same way, and ends FAILED:
+
+    registry.fail("math", registration_id, AdapterFailure(...))   # ACTIVE/RETIRING -> CLEANUP
+    registry.free_slot("math")                                      # CLEANUP -> FAILED, last error kept
 
 A client-driven adapter (a Tinker model, DESIGN §11) takes a `ClientModelConfig` instead:
 the same slots, names and lifecycle, but no batches and no `num_step` (it never retires by
@@ -29,6 +34,7 @@ from typing import Any
 
 from miles.utils.adapter_config import AdapterConfigError, AdapterRunConfig, resolved_field, validate_adapter_name
 from miles.utils.types import (
+    AdapterFailure,
     AdapterKind,
     AdapterRun,
     AdapterState,
@@ -42,6 +48,7 @@ from miles.utils.types import (
 logger = logging.getLogger(__name__)
 
 COMPLETED_RETENTION = 1024
+"""Terminal (COMPLETED and FAILED) records kept for status queries; the oldest go first."""
 BATCH_RECORD_RETENTION = 16
 
 
@@ -104,6 +111,8 @@ class _Record:
     resume_step: int = 0
     """Client-driven only: its step when `resume_from` was saved or loaded (the step a
     restarted trainer resumes it at)."""
+    failure: AdapterFailure | None = None
+    """Set by `fail`: it leaves through CLEANUP and ends FAILED, with this as its last error."""
 
     @property
     def kind(self) -> AdapterKind:
@@ -126,8 +135,8 @@ class RegistryState:
     slot_versions: list[int]
     live: list[dict[str, Any]]
     """Live records by slot."""
-    completed: list[dict[str, Any]]
-    """COMPLETED records, least recently used first."""
+    finished: list[dict[str, Any]]
+    """Terminal (COMPLETED and FAILED) records, least recently used first."""
     batches: list[tuple[int, dict[str, Any]]]
     """Recorded, not yet trained batches, oldest first."""
 
@@ -139,6 +148,7 @@ def _record_to_json(record: _Record) -> dict[str, Any]:
         "registration_id": record.registration_id, "state": record.state.value, "step": record.step,
         "start_step": record.start_step, "accumulated_groups": record.accumulated_groups,
         "pushed": record.pushed, "resume_from": record.resume_from, "resume_step": record.resume_step,
+        "failure": None if record.failure is None else record.failure.model_dump(mode="json"),
     }
 
 
@@ -150,6 +160,7 @@ def _record_from_json(raw: dict[str, Any]) -> _Record:
         step=raw["step"], start_step=raw["start_step"], accumulated_groups=raw["accumulated_groups"],
         pushed=raw.get("pushed", raw["state"] != AdapterState.PENDING.value), resume_from=raw.get("resume_from"),
         resume_step=raw.get("resume_step", 0),
+        failure=None if raw.get("failure") is None else AdapterFailure.model_validate(raw["failure"]),
     )
 
 
@@ -167,7 +178,9 @@ class AdapterRegistry:
     completed_retention: int = COMPLETED_RETENTION
     batch_retention: int = BATCH_RECORD_RETENTION
     _live: dict[str, _Record] = field(default_factory=dict, init=False)
-    _completed: OrderedDict[str, _Record] = field(default_factory=OrderedDict, init=False)
+    _finished: OrderedDict[str, _Record] = field(default_factory=OrderedDict, init=False)
+    """Terminal records (COMPLETED and FAILED), least recently used first; at most
+    `completed_retention` of them."""
     _free_slots: set[int] = field(init=False)
     _slot_versions: list[int] = field(init=False)
     _batches: OrderedDict[int, _BatchRecord] = field(default_factory=OrderedDict, init=False)
@@ -186,7 +199,7 @@ class AdapterRegistry:
         self.check_can_register(name, config)
         slot = min(self._free_slots)
         self._free_slots.remove(slot)
-        self._completed.pop(name, None)
+        self._finished.pop(name, None)
         self._live[name] = _Record(name=name, config=config, slot=slot, registration_id=uuid.uuid4().hex)
         logger.info("Adapter '%s' registered in slot %d", name, slot)
         return slot
@@ -242,18 +255,37 @@ class AdapterRegistry:
             self._live[name].state = AdapterState.CLEANUP
         return names
 
+    def fail(self, name: str, registration_id: str, failure: AdapterFailure) -> bool:
+        """ACTIVE/RETIRING → CLEANUP with `failure` kept: the producer gave up on the adapter.
+
+        It leaves as a retired adapter does (its requests aborted by the caller, the trainer
+        saves it and frees the slot), and `free_slot` ends it FAILED instead of COMPLETED. False,
+        and nothing changes, unless `name` is that live registration of a server-driven
+        adapter in ACTIVE or RETIRING (a PENDING one was never sampled; one in CLEANUP is
+        leaving already; a stale report about a previous registration is ignored).
+        """
+        record = self._live.get(name)
+        if (record is None or record.registration_id != registration_id or record.kind is not AdapterKind.SERVER
+                or record.state not in (AdapterState.ACTIVE, AdapterState.RETIRING)):
+            return False
+        record.state = AdapterState.CLEANUP
+        record.failure = failure
+        return True
+
     def free_slot(self, name: str) -> int:
-        """CLEANUP → COMPLETED; returns the freed slot, or -1 if not in CLEANUP."""
+        """CLEANUP → COMPLETED (FAILED if `fail` sent it there); returns the freed slot, or -1
+        if not in CLEANUP."""
         record = self._live.get(name)
         if record is None or record.state is not AdapterState.CLEANUP:
             return -1
         del self._live[name]
-        record.state = AdapterState.COMPLETED
+        record.state = AdapterState.COMPLETED if record.failure is None else AdapterState.FAILED
         self._free_slots.add(record.slot)
-        self._completed[name] = record
-        while len(self._completed) > self.completed_retention:
-            self._completed.popitem(last=False)
-        logger.info("Adapter '%s' completed at step %d; slot %d freed", name, record.step, record.slot)
+        self._finished[name] = record
+        while len(self._finished) > self.completed_retention:
+            self._finished.popitem(last=False)
+        logger.info("Adapter '%s' %s at step %d; slot %d freed", name, record.state.value.lower(), record.step,
+                    record.slot)
         return record.slot
 
     # ---- weights and batches -----------------------------------------------------
@@ -417,10 +449,10 @@ class AdapterRegistry:
         record = self._live.get(name)
         if record is not None:
             return record
-        record = self._completed.get(name)
+        record = self._finished.get(name)
         if record is None:
             raise AdapterNotFoundError(f"Adapter '{name}' not registered")
-        self._completed.move_to_end(name)  # reading a completed record keeps it longer
+        self._finished.move_to_end(name)  # reading a finished record keeps it longer
         return record
 
     def state(self, name: str) -> AdapterState | None:
@@ -436,17 +468,17 @@ class AdapterRegistry:
         return self._status(self._record(name))
 
     def statuses(self) -> list[AdapterStatus]:
-        """Every known adapter, live ones first (by slot), then completed ones."""
+        """Every known adapter, live ones first (by slot), then finished (COMPLETED, FAILED) ones."""
         live = sorted(self._live.values(), key=lambda r: r.slot)
-        return [self._status(r) for r in [*live, *self._completed.values()]]
+        return [self._status(r) for r in [*live, *self._finished.values()]]
 
     def _status(self, record: _Record) -> AdapterStatus:
-        completed = record.state is AdapterState.COMPLETED
         return AdapterStatus(
             name=record.name, state=record.state, slot=record.slot,
-            version=None if completed else self._slot_versions[record.slot],
+            version=None if record.state.terminal else self._slot_versions[record.slot],
             step=record.step, accumulated_groups=record.accumulated_groups,
-            registration_id=record.registration_id, kind=record.kind, **record.config.to_dict(),
+            registration_id=record.registration_id, kind=record.kind, last_error=record.failure,
+            **record.config.to_dict(),
         )
 
     def snapshot(self) -> MultiLoRASnapshot:
@@ -471,7 +503,9 @@ class AdapterRegistry:
         return MultiLoRASnapshot(
             pending=views[AdapterState.PENDING], active=views[AdapterState.ACTIVE],
             retiring=views[AdapterState.RETIRING], cleanup=frozenset(cleanup),
-            completed=frozenset(self._completed), clients=clients,
+            completed=frozenset(n for n, r in self._finished.items() if r.state is AdapterState.COMPLETED),
+            failed=frozenset(n for n, r in self._finished.items() if r.state is AdapterState.FAILED),
+            clients=clients,
         )
 
     # ---- persistence (the store does the I/O; these only convert) ---------------------
@@ -479,12 +513,12 @@ class AdapterRegistry:
     def export_state(self) -> RegistryState:
         """Everything needed to rebuild this registry, as JSON-ready values."""
         live = [self._json(r) for r in sorted(self._live.values(), key=lambda r: r.slot)]
-        completed = [self._json(r) for r in self._completed.values()]
-        if len(self._json_cache) > len(self._live) + len(self._completed):
-            known = self._live.keys() | self._completed.keys()
+        finished = [self._json(r) for r in self._finished.values()]
+        if len(self._json_cache) > len(self._live) + len(self._finished):
+            known = self._live.keys() | self._finished.keys()
             self._json_cache = {n: v for n, v in self._json_cache.items() if n in known}
         return RegistryState(
-            n_slots=self.n_slots, slot_versions=list(self._slot_versions), live=live, completed=completed,
+            n_slots=self.n_slots, slot_versions=list(self._slot_versions), live=live, finished=finished,
             batches=[(rollout_id, _batch_to_json(b)) for rollout_id, b in self._batches.items()],
         )
 
@@ -492,7 +526,7 @@ class AdapterRegistry:
         """A record as JSON values; the same object while the record is unchanged, so the
         store can tell unchanged rows apart cheaply (a registry keeps ~1,000 records)."""
         key = (record.registration_id, record.state, record.step, record.start_step, record.accumulated_groups,
-               record.resume_from)
+               record.resume_from, record.failure)
         cached = self._json_cache.get(record.name)
         if cached is None or cached[0] != key:
             cached = (key, _record_to_json(record))
@@ -516,9 +550,9 @@ class AdapterRegistry:
         for record in live:
             registry._live[record.name] = record
             registry._free_slots.discard(record.slot)
-        for raw in state.completed:
+        for raw in state.finished:
             record = _record_from_json(raw)
-            registry._completed[record.name] = record
+            registry._finished[record.name] = record
         for rollout_id, raw in state.batches:
             registry._batches[rollout_id] = _batch_from_json(raw)
         return registry
@@ -541,8 +575,8 @@ class AdapterRegistry:
             return None
 
     def client_config(self, name: str) -> ClientModelConfig | None:
-        """The model config of a known client-driven adapter (live or completed), else None."""
-        record = self._live.get(name) or self._completed.get(name)
+        """The model config of a known client-driven adapter (live or finished), else None."""
+        record = self._live.get(name) or self._finished.get(name)
         return record.config if record is not None and isinstance(record.config, ClientModelConfig) else None
 
     def registration_id(self, name: str) -> str | None:

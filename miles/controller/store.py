@@ -15,7 +15,7 @@ operating system when `save` returns, so a process killed at any point (SIGKILL,
 actor crash) leaves the last committed state; a power cut may lose the last few changes
 but never corrupts the file. One write costs well under a millisecond (no fsync per
 change), so the control plane's loop is never held up by the disk.
-Rows: one per adapter (live and completed), one per recorded batch, and a few `meta`
+Rows: one per adapter (live and finished), one per recorded batch, and a few `meta`
 keys (slot versions, slot count, the control plane's bound port).
 
 The Tinker gateway (DESIGN §11) keeps its state here too, one row per change: `sessions`
@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.controller.registry import RegistryState
+from miles.utils.types import AdapterState
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +171,8 @@ class RegistryStore:
         batches = self._db.execute("SELECT rollout_id, record FROM batches ORDER BY position").fetchall()
         return RegistryState(
             n_slots=n_slots, slot_versions=self.get_meta("slot_versions"),
-            live=[r for r in records if r["state"] != "COMPLETED"],
-            completed=[r for r in records if r["state"] == "COMPLETED"],
+            live=[r for r in records if not AdapterState(r["state"]).terminal],
+            finished=[r for r in records if AdapterState(r["state"]).terminal],
             batches=[(rollout_id, json.loads(text)) for rollout_id, text in batches],
         )
 
@@ -226,7 +227,7 @@ class RegistryStore:
             ("meta", "slot_versions"): json.dumps(state.slot_versions),
         }
         texts: dict[tuple[int, int], tuple[dict[str, Any], str]] = {}
-        for position, record in enumerate([*state.live, *state.completed]):
+        for position, record in enumerate([*state.live, *state.finished]):
             key = (id(record), position)
             cached = self._texts.get(key)
             if cached is None or cached[0] is not record:

@@ -18,7 +18,14 @@ from miles.controller.registry import (
     AdapterValidationError,
     NoFreeSlotError,
 )
-from miles.utils.types import AdapterKind, AdapterState, ClientModelConfig
+from miles.utils.types import (
+    AdapterFailure,
+    AdapterKind,
+    AdapterState,
+    ClientModelConfig,
+    FailureReason,
+    MultiLoRASnapshot,
+)
 
 
 def walk_to(registry: AdapterRegistry, name: str, state: AdapterState) -> None:
@@ -136,6 +143,95 @@ def test_free_slot_only_from_cleanup() -> None:
     walk_to(registry, "r", AdapterState.RETIRING)
     assert [registry.free_slot(n) for n in ["p", "r", "unknown"]] == [-1, -1, -1]
     assert registry.free_slots == [2]
+
+
+FAILURE = AdapterFailure(reason=FailureReason.ERRORS, error_type="ValueError", message="reward exploded", groups=8)
+
+
+@pytest.mark.parametrize("state", [AdapterState.ACTIVE, AdapterState.RETIRING])
+def test_a_failed_adapter_leaves_through_cleanup_and_ends_failed(state: AdapterState) -> None:
+    registry = AdapterRegistry(n_slots=2)
+    walk_to(registry, "bad", state)
+    walk_to(registry, "good", AdapterState.ACTIVE)
+    registration = registry.registration_id("bad")
+    assert registration is not None
+    assert registry.fail("bad", registration, FAILURE)
+    snap = registry.snapshot()
+    assert "bad" in snap.cleanup and "bad" not in snap.sampleable and set(snap.sampleable) == {"good"}
+    assert registry.status("bad").last_error == FAILURE  # visible while it is cleaned up
+    assert registry.retire_adapters() == []  # not RETIRING: its requests were aborted by whoever failed it
+    assert registry.free_slot("bad") == 0
+    status = registry.status("bad")
+    assert (status.state, status.version, status.last_error) == (AdapterState.FAILED, None, FAILURE)
+    snap = registry.snapshot()
+    assert snap.failed == frozenset({"bad"}) and not snap.completed and registry.free_slots == [0]
+    assert pickle.loads(pickle.dumps(snap)) == snap
+    # Terminal: DELETE changes nothing, and a batch that names it counts nothing.
+    assert registry.deregister("bad") is AdapterState.FAILED
+    registry.record_batch_adapters(0, {"bad": 1, "good": 4}, ["bad", "good"])
+    assert registry.mark_batch_trained(0) == ["good"] and registry.status("bad").step == status.step
+
+
+@pytest.mark.parametrize("state", [AdapterState.PENDING, AdapterState.CLEANUP, AdapterState.COMPLETED])
+def test_fail_is_refused_outside_active_and_retiring(state: AdapterState) -> None:
+    registry = AdapterRegistry(n_slots=1)
+    walk_to(registry, "a", state)
+    status = registry.status("a")
+    before = (registry.snapshot(), registry.free_slots)
+    assert not registry.fail("a", status.registration_id, FAILURE)
+    assert (registry.snapshot(), registry.free_slots, registry.status("a")) == (*before, status)
+
+
+def test_fail_of_a_previous_registration_or_a_client_model_is_ignored() -> None:
+    registry = AdapterRegistry(n_slots=2)
+    walk_to(registry, "a", AdapterState.COMPLETED)
+    old = registry.status("a").registration_id
+    walk_to(registry, "a", AdapterState.ACTIVE)
+    assert not registry.fail("a", old, FAILURE) and registry.state("a") is AdapterState.ACTIVE
+    assert not registry.fail("unknown", old, FAILURE)
+    registry.register("m", client_config())
+    registry.activate_clients(["m"])
+    registration = registry.registration_id("m")
+    assert registration is not None and not registry.fail("m", registration, FAILURE)
+    assert registry.state("m") is AdapterState.ACTIVE
+
+
+def test_a_failed_name_registers_again_with_a_new_registration() -> None:
+    """FAILED is terminal like COMPLETED: the name is free, its save directory too."""
+    registry = AdapterRegistry(n_slots=1)
+    walk_to(registry, "a", AdapterState.ACTIVE)
+    first = registry.status("a").registration_id
+    registry.fail("a", first, FAILURE)
+    with pytest.raises(AdapterConflictError, match="still cleaning up"):
+        registry.register("a", make_config("a"))
+    registry.free_slot("a")
+    assert registry.register("a", make_config("a", rank=2)) == 0
+    status = registry.status("a")
+    assert (status.state, status.rank, status.last_error) == (AdapterState.PENDING, 2, None)
+    assert status.registration_id != first and registry.snapshot().failed == frozenset()
+
+
+def test_failed_records_share_the_retention_of_completed_ones() -> None:
+    registry = AdapterRegistry(n_slots=1, completed_retention=2)
+    for name in ["a", "b", "c"]:
+        walk_to(registry, name, AdapterState.ACTIVE)
+        registry.fail(name, registry.status(name).registration_id, FAILURE)
+        registry.free_slot(name)
+    assert registry.snapshot().failed == frozenset({"b", "c"}) and registry.state("a") is None
+
+
+def test_failed_and_its_error_survive_the_exported_state() -> None:
+    registry = AdapterRegistry(n_slots=2)
+    for name in ["gone", "leaving"]:
+        walk_to(registry, name, AdapterState.ACTIVE)
+        registry.fail(name, registry.status(name).registration_id, FAILURE)
+    registry.free_slot("gone")
+    restored = AdapterRegistry.from_state(registry.export_state(), 2)
+    assert restored.statuses() == registry.statuses()
+    assert restored.snapshot() == registry.snapshot() == MultiLoRASnapshot(
+        cleanup=frozenset({"leaving"}), failed=frozenset({"gone"}))
+    assert restored.requeue_for_new_trainer() == []  # a new trainer resumes neither
+    assert restored.free_slot("leaving") == 1 and restored.state("leaving") is AdapterState.FAILED
 
 
 def test_retiring_adapter_stays_sampleable_until_retired() -> None:

@@ -1,9 +1,9 @@
 """Random sequences of lifecycle and batch operations keep the registry's invariants.
 
 Invariants checked after every step: each live adapter owns a distinct slot; free and
-live slots partition the table; slot versions never decrease; COMPLETED adapters own no
-slot; `step` and `accumulated_groups` change only in `mark_batch_trained` (or a resume
-via `set_step`).
+live slots partition the table; slot versions never decrease; COMPLETED and FAILED adapters
+own no slot, and only FAILED ones carry an error; `step` and `accumulated_groups` change only
+in `mark_batch_trained` (or a resume via `set_step`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from miles.controller.registry import AdapterNotFoundError, AdapterRegistry, AdapterValidationError, NoFreeSlotError
-from miles.utils.types import AdapterState
+from miles.utils.types import AdapterFailure, AdapterState, FailureReason
 
 N_SLOTS = 3
 NAMES = st.sampled_from(["a", "b", "c", "d", "e"])
@@ -82,6 +82,17 @@ class RegistryMachine(RuleBasedStateMachine):
         assert self.registry.free_slot(name) == (slot if in_cleanup else -1)
         self._expect_no_progress()
 
+    @rule(name=NAMES, stale=st.booleans())
+    def fail(self, name: str, stale: bool) -> None:
+        before = self.registry.state(name)
+        registration = self.registry.registration_id(name)
+        failure = AdapterFailure(reason=FailureReason.ERRORS, error_type="E", message="m", groups=1)
+        failed = self.registry.fail(name, "stale" if stale or registration is None else registration, failure)
+        moved = not stale and before in (AdapterState.ACTIVE, AdapterState.RETIRING)
+        assert failed == moved
+        assert self.registry.state(name) is (AdapterState.CLEANUP if moved else before)
+        self._expect_no_progress()
+
     @rule(names=st.lists(NAMES, unique=True, max_size=3))
     def push(self, names: list[str]) -> None:
         pending = set(self.registry.snapshot().pending)
@@ -132,9 +143,11 @@ class RegistryMachine(RuleBasedStateMachine):
     @invariant()
     def completed_hold_no_slot(self) -> None:
         snapshot = self.registry.snapshot()
-        assert snapshot.completed.isdisjoint(self.registry.live_slots())
-        for name in snapshot.completed:
-            assert self.registry.status(name).version is None
+        assert snapshot.completed.isdisjoint(snapshot.failed)
+        assert (snapshot.completed | snapshot.failed).isdisjoint(self.registry.live_slots())
+        for name in snapshot.completed | snapshot.failed:
+            status = self.registry.status(name)
+            assert status.version is None and (status.last_error is None) == (status.state is AdapterState.COMPLETED)
         assert snapshot.all_adapters_cleaned_up == (not self.registry.live_slots())
 
 

@@ -196,3 +196,36 @@ async def test_a_new_trainer_over_a_restored_registry_pushes_before_anything_is_
     restored.record_weight_update(["a"])
     assert "a" in restored.snapshot().active
     assert open_backend(path, defaults).snapshot() == restored.snapshot()
+
+
+async def test_a_failed_adapter_is_aborted_and_stays_failed_with_its_error_after_a_reopen(
+        tmp_path: Path, defaults: AdapterDefaults, data_root: Path) -> None:
+    from miles.controller.backend import ControllerHooks
+    from miles.utils.types import AdapterFailure
+
+    aborted: list[tuple[str, str]] = []
+
+    async def abort(router_url: str, prefix: str) -> list[str]:
+        aborted.append((router_url, prefix))
+        return [router_url]
+
+    path = tmp_path / "registry.sqlite"
+    hooks = ControllerHooks(ROLLOUT_HOOKS.validate_dataset, ROLLOUT_HOOKS.validate_reward, abort)
+    backend = MultiLoRABackend(2, defaults, "http://router", hooks, store=RegistryStore(path))
+    await backend.register("bad", config={"data": str(data_root / "data" / "train.jsonl")})
+    backend.record_weight_update(["bad"])
+    registration = backend.adapter_status("bad").registration_id
+    failure = AdapterFailure.from_exception(ZeroDivisionError("x" * 5000), groups=8)
+    assert await backend.fail_adapter("bad", registration, failure)
+    assert aborted == [("http://router", "bad::")]
+    assert not await backend.fail_adapter("bad", registration, failure)  # once only
+    assert await backend.free_slot("bad") == 0
+    backend.store.close()
+
+    reopened = open_backend(path, defaults, n_slots=2)
+    status = reopened.adapter_status("bad")
+    assert status.state is AdapterState.FAILED and status.last_error == failure
+    assert status.last_error.error_type == "ZeroDivisionError" and len(status.last_error.message) == 1000
+    assert reopened.requeue_for_new_trainer() == [] and reopened.snapshot().failed == {"bad"}
+    await reopened.register("bad", config={"data": str(data_root / "data" / "train.jsonl")})
+    assert reopened.adapter_status("bad").state is AdapterState.PENDING

@@ -41,7 +41,9 @@ from miles.utils.types.client_commands import (
     WeightsResult,
 )
 from miles.utils.types.control_plane import (
+    AdapterFailure,
     AdapterStatus,
+    FailureReason,
     RegisterAdapterRequest,
 )
 from miles.utils.types.engine_api import (
@@ -137,7 +139,9 @@ __all__ = [
     "AdapterRolloutStats",
     "AdapterRun",
     "AdapterState",
+    "AdapterFailure",
     "AdapterStatus",
+    "FailureReason",
     "DataPosition",
     "DestroyWeightsUpdateGroupRequest",
     "DropReason",

@@ -1,10 +1,11 @@
-"""The control plane's HTTP bodies: a registration and an adapter's status."""
+"""The control plane's HTTP bodies: a registration, an adapter's status and why it failed."""
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from miles.utils.types.client_commands import AdapterKind
 from miles.utils.types.lifecycle import AdapterState
@@ -18,6 +19,66 @@ class RegisterAdapterRequest(BaseModel):
     name: str
     config: dict[str, Any] | None = None
     yaml_path: str | None = None
+
+
+MAX_ERROR_TYPE_CHARS = 200
+MAX_ERROR_MESSAGE_CHARS = 1000
+"""A failure's type and message are cut to these lengths (a plug-in's message may be huge)."""
+
+
+class FailureReason(str, enum.Enum):
+    """Why the producer gave up on an adapter."""
+
+    ERRORS = "errors"
+    """Its prompt groups raised, group after group (its reward, generate function, dynamic
+    filter or prompt rendering), `--multi-lora-max-consecutive-failures` times in a row."""
+    FILTERED = "filtered"
+    """Its dynamic filter dropped every group, `--multi-lora-max-consecutive-filtered` in a row."""
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+class AdapterFailure(BaseModel):
+    """An adapter's `last_error`: why it was FAILED, bounded so a status stays small.
+
+    >>> AdapterFailure.from_exception(ValueError("reward server said 500"), groups=32).message
+    'reward server said 500'
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    reason: FailureReason
+    error_type: str | None
+    """The exception's class (module-qualified unless a builtin) of the last failed group;
+    None when the groups were filtered, not failed."""
+    message: str
+    """The last error's message (or, when filtered, what the filter dropped), at most
+    `MAX_ERROR_MESSAGE_CHARS` characters."""
+    groups: int
+    """Prompt groups that failed (or were dropped) in a row, since its last kept group."""
+
+    @field_validator("error_type")
+    @classmethod
+    def _bound_type(cls, value: str | None) -> str | None:
+        return None if value is None else _cut(value, MAX_ERROR_TYPE_CHARS)
+
+    @field_validator("message")
+    @classmethod
+    def _bound_message(cls, value: str) -> str:
+        return _cut(value, MAX_ERROR_MESSAGE_CHARS)
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, groups: int) -> AdapterFailure:
+        kind = type(exc)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        return cls(reason=FailureReason.ERRORS, error_type=name, message=str(exc) or repr(exc), groups=groups)
+
+    def summary(self) -> str:
+        """One line: `ValueError: boom (32 groups in a row)`."""
+        head = f"{self.error_type}: " if self.error_type else ""
+        return f"{head}{self.message} ({self.groups} groups in a row)"
 
 
 class AdapterStatus(BaseModel):
@@ -36,6 +97,9 @@ class AdapterStatus(BaseModel):
     accumulated_groups: int
     registration_id: str
     kind: AdapterKind = AdapterKind.SERVER
+    last_error: AdapterFailure | None = None
+    """Why it failed: set when the producer gave up on it (it then leaves through CLEANUP
+    and ends FAILED); None otherwise."""
     data: str | None = None
     rank: int
     alpha: float

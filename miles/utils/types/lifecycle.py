@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 
 class AdapterState(str, enum.Enum):
-    """Lifecycle of one adapter; PENDING, ACTIVE, RETIRING and CLEANUP hold a slot."""
+    """Lifecycle of one adapter; PENDING, ACTIVE, RETIRING and CLEANUP hold a slot, COMPLETED
+    and FAILED are terminal (the name may be registered again)."""
 
     PENDING = "PENDING"
     """Registered and given a slot; its weights are not on the engines yet."""
@@ -28,10 +29,19 @@ class AdapterState(str, enum.Enum):
     """No longer sampled; waiting for the trainer's final save and slot release."""
     COMPLETED = "COMPLETED"
     """Done; holds no slot. Kept for status queries (bounded retention)."""
+    FAILED = "FAILED"
+    """Its plug-ins failed prompt group after prompt group: it left like a retired adapter
+    (requests aborted, saved, slot freed) and its status keeps the last error. Terminal like
+    COMPLETED; never resumed by a restarted trainer. Not a Miles state."""
 
     @property
     def holds_slot(self) -> bool:
-        return self is not AdapterState.COMPLETED
+        return not self.terminal
+
+    @property
+    def terminal(self) -> bool:
+        """COMPLETED or FAILED: nothing happens to this registration any more."""
+        return self in (AdapterState.COMPLETED, AdapterState.FAILED)
 
     @property
     def sampleable(self) -> bool:
@@ -129,14 +139,16 @@ class MultiLoRASnapshot:
 
     `pending`, `active` and `retiring` hold the server-driven adapters (the RL loop's);
     client-driven ones (Tinker models) are in `clients` whatever their live state, so
-    nothing generates for them or reads a dataset for them. `cleanup` and `completed`
-    name adapters of both kinds."""
+    nothing generates for them or reads a dataset for them. `cleanup`, `completed` and
+    `failed` name adapters of both kinds."""
 
     pending: dict[str, AdapterRun] = field(default_factory=dict)
     active: dict[str, AdapterRun] = field(default_factory=dict)
     retiring: dict[str, AdapterRun] = field(default_factory=dict)
     cleanup: frozenset[str] = frozenset()
     completed: frozenset[str] = frozenset()
+    failed: frozenset[str] = frozenset()
+    """FAILED adapters (of either kind) still kept for status queries."""
     clients: dict[str, ClientAdapterRun] = field(default_factory=dict)
     """Live client-driven adapters (PENDING, ACTIVE or RETIRING), by name."""
 
