@@ -15,7 +15,9 @@ generate calls), then:
    starts and again before each look at a buffer, for groups that arrive meanwhile;
 3. stops at `global_batch_size` samples, or when a non-empty batch made no progress for
    `max_coalesce_wait_s`, or when no adapter can contribute any more; with nothing
-   after `max_empty_wait_s` it raises `EmptyBatchTimeoutError`;
+   after `max_empty_wait_s` it raises `EmptyBatchTimeoutError`. An adapter the producer
+   gave up on (its groups fail, `ProducerHealth.gave_up`) is never waited for, even
+   within this collection's snapshot: with only such adapters left it raises at once;
 4. orders samples by (slot, group, index) and calls
    `controller.record_batch_adapters(rollout_id, groups, step_names)`.
 
@@ -72,6 +74,9 @@ class MonotonicClock:
 class ProducerHealth(Protocol):
     def raise_if_failed(self) -> None:
         """Raise (chained from the cause) if the producer has died."""
+
+    def gave_up(self, registration_id: str) -> bool:
+        """The producer generates nothing more for this registration (it is being failed)."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,11 @@ class BatchCollector:
         last_progress = started
         while batch.n_samples < target:
             self.producer.raise_if_failed()
+            if not batch.groups and not self._generating(adapters):
+                raise EmptyBatchTimeoutError(
+                    f"No adapter to collect from: the producer gave up on every sampleable adapter "
+                    f"({', '.join(sorted(adapters))}); they leave as FAILED, see their status"
+                )
             taken = self._take_turn(adapters, batch)
             if taken:
                 batch.add(taken)
@@ -189,6 +199,10 @@ class BatchCollector:
             await self.clock.sleep(POLL_INTERVAL_S)
         return batch
 
+    def _generating(self, adapters: dict[str, AdapterRun]) -> dict[str, AdapterRun]:
+        """The adapters whose groups may still come (those the producer gave up on never will)."""
+        return {name: run for name, run in adapters.items() if not self.producer.gave_up(run.registration_id)}
+
     def _unit(self, run: AdapterRun) -> int:
         return min_groups_per_dp_split(run.config.n_samples_per_prompt, self.config.dp_size)
 
@@ -198,6 +212,8 @@ class BatchCollector:
             name = self._rotation[0]
             self._rotation.rotate(-1)
             run = adapters[name]
+            if self.producer.gave_up(run.registration_id):
+                continue
             self._drop_unusable(run)
             unit = self._unit(run)
             buffer = self.buffers.get(name)
@@ -213,7 +229,7 @@ class BatchCollector:
     def _exhausted(self, adapters: dict[str, AdapterRun], batch: _Batch) -> bool:
         """True when no adapter could add a unit however long we waited."""
         room = self.config.global_batch_size - batch.n_samples
-        for name, run in adapters.items():
+        for name, run in self._generating(adapters).items():
             unit = self._unit(run)
             if (remaining_groups(run) - batch.per_adapter[name] >= unit
                     and unit * run.config.n_samples_per_prompt <= room):

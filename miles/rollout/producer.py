@@ -18,11 +18,19 @@ across the sampleable adapters (round robin), and for each group:
    (`miles.rollout.filters`), and puts it in the adapter's buffer (`AdapterBuffers`) for
    collection.
 
-A failed group (HTTP error, reward error) is logged and counted; after
-`max_consecutive_failures` failures in a row the producer dies and
-`raise_if_failed()` re-raises, chained from the cause, at the next collection. While no
-engine serves (every one is restarting), failed groups are dropped without counting and
-no new group is submitted.
+A failed group is counted against whoever is at fault:
+
+- the engines, when the transport to them failed (a connection error, an HTTP error
+  status, a timeout): after `max_consecutive_failures` such failures in a row the producer
+  dies and `raise_if_failed()` re-raises, chained from the cause, at the next collection.
+  While no engine serves (every one is restarting), failed groups are dropped without
+  counting and no new group is submitted;
+- the adapter, for anything else its groups raise (its reward, generate function, dynamic
+  filter, prompt), and for groups its dynamic filter drops: past its limits
+  (`AdapterHealth`, `--multi-lora-max-consecutive-failures` and `-filtered`) the producer
+  gives up on that adapter alone, submits none of its groups any more, and asks the
+  controller to fail it (`fail_adapter`: it leaves like a retired adapter and ends FAILED,
+  its last error in its status). The other adapters generate on as before.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from typing import Any
 
 import aiohttp
 
+from miles.rollout.adapter_health import AdapterHealth, AdapterLimits
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import MultiLoRADataSource, PromptItem
 from miles.rollout.filters import (
@@ -58,7 +67,7 @@ from miles.rollout.generate import (
 )
 from miles.rollout.rewards.evaluate import score_group
 from miles.utils.arguments import MilesConfig
-from miles.utils.types import AdapterRun, GenerationCounts, MultiLoRASnapshot, PromptGroup
+from miles.utils.types import AdapterFailure, AdapterRun, GenerationCounts, MultiLoRASnapshot, PromptGroup
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +90,21 @@ class ProducerDiedError(RuntimeError):
     """The producer stopped on an error; every adapter's generation has stopped."""
 
 
+def is_engine_error(exc: BaseException) -> bool:
+    """The transport to the engines failed (the engines' fault, not the adapter's): a
+    connection or HTTP error from aiohttp, or a timeout."""
+    return isinstance(exc, (aiohttp.ClientError, TimeoutError))
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """How a group that raised nothing ended."""
+
+    event: GroupEvent
+    """PRODUCED, ABORTED or FILTERED."""
+    filter_reason: str | None = None
+
+
 @dataclass(frozen=True)
 class ProducerConfig:
     max_groups_in_flight: int
@@ -97,6 +121,10 @@ class ProducerConfig:
     snapshot_poll_s: float = 0.1
     """How often the controller's snapshot is re-read (submission stamps lag by at most this)."""
     max_consecutive_failures: int = 8
+    """Groups in a row whose transport to the engines failed before the producer dies."""
+    adapter_limits: AdapterLimits = AdapterLimits()
+    """Bad groups in a row of one adapter before it is given up (default: no limit; the
+    trainer passes `--multi-lora-max-consecutive-failures` and `-filtered`)."""
     buffer_steps: int | None = 1
     """Stop submitting for an adapter once its buffered plus in-flight groups cover this
     many of its optimizer steps (None: only `max_groups_in_flight` limits it)."""
@@ -120,6 +148,8 @@ class ProducerConfig:
             buffer_steps=cfg.rollout_buffer_steps,
             group_rm=cfg.group_rm,
             reward_key=cfg.reward_key,
+            adapter_limits=AdapterLimits(max_failures=cfg.multi_lora_max_consecutive_failures,
+                                         max_filtered=cfg.multi_lora_max_consecutive_filtered),
         )
 
     def sampling_params(self) -> dict[str, Any]:
@@ -189,6 +219,9 @@ class RolloutProducer:
         self._served: set[str] = set()
         """Registration ids seen ACTIVE (pushed to the engines) and still sampleable."""
         self._consecutive_failures = 0
+        """Groups in a row whose transport to the engines failed."""
+        self.health = AdapterHealth(config.adapter_limits)
+        """Each adapter's run of failed or dropped groups; the adapters given up."""
         self.failure: BaseException | None = None
         self.counts: Counter[tuple[str, GroupEvent]] = Counter()
         """Cumulative (adapter, event) counts."""
@@ -236,7 +269,7 @@ class RolloutProducer:
     # ---- the loop ----
 
     async def _run(self) -> None:
-        in_flight: set[asyncio.Task[None]] = set()
+        in_flight: dict[asyncio.Task[_Outcome], AdapterRun] = {}
         try:
             while True:
                 snapshot = await self._refresh_snapshot()
@@ -249,8 +282,7 @@ class RolloutProducer:
                 done, _ = await asyncio.wait(in_flight, timeout=self.config.snapshot_poll_s,
                                              return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    in_flight.discard(task)
-                    await self._settle(task)
+                    await self._settle(task, in_flight.pop(task))
         finally:
             for task in in_flight:
                 task.cancel()
@@ -269,11 +301,13 @@ class RolloutProducer:
             # PENDING was never pushed, so the engines hold no weights for its slot.
             retiring = {run.registration_id for run in self._snapshot.retiring.values()}
             self._served = {run.registration_id for run in self._snapshot.active.values()} | (self._served & retiring)
+            self.health.forget_runs({run.registration_id for run in self._snapshot.sampleable.values()})
         return self._snapshot
 
-    def _submit(self, snapshot: MultiLoRASnapshot, in_flight: set[asyncio.Task[None]]) -> None:
+    def _submit(self, snapshot: MultiLoRASnapshot, in_flight: dict[asyncio.Task[_Outcome], AdapterRun]) -> None:
         runs = [run for _, run in sorted(snapshot.sampleable.items())
-                if run.registration_id in self._served and self.data_source.ready(run)]
+                if run.registration_id in self._served and not self.health.gave_up(run.registration_id)
+                and self.data_source.ready(run)]
         ahead = Counter(self.buffers.queue_lengths()) + self.in_flight
         while len(in_flight) < self.config.max_groups_in_flight:
             # Backpressure: an adapter whose next steps are already covered waits, so its
@@ -284,20 +318,28 @@ class RolloutProducer:
             run = runs[self._cursor % len(runs)]
             self._cursor += 1
             ahead[run.name] += 1
-            in_flight.add(asyncio.create_task(self._produce_counted(run), name=f"group-{run.name}"))
+            in_flight[asyncio.create_task(self._produce_counted(run), name=f"group-{run.name}")] = run
             self.counts[run.name, GroupEvent.SUBMITTED] += 1
 
     def _covered(self, run: AdapterRun, groups_ahead: int) -> bool:
         steps = self.config.buffer_steps
         return steps is not None and groups_ahead >= steps * run.config.rollout_batch_size
 
-    async def _settle(self, task: asyncio.Task[None]) -> None:
+    async def _settle(self, task: asyncio.Task[_Outcome], run: AdapterRun) -> None:
         exc = task.exception()
         if exc is None:
             self._consecutive_failures = 0
+            outcome = task.result()
+            if outcome.event is GroupEvent.PRODUCED:
+                self.health.kept(run)
+            elif outcome.event is GroupEvent.FILTERED:
+                await self._give_up(run, self.health.filtered(run, outcome.filter_reason or ""))
             return
         if not self._engines_serving():
             logger.info("Prompt group dropped while no engine serves (%s: %s)", type(exc).__name__, exc)
+            return
+        if not is_engine_error(exc):  # the adapter's own plug-ins or prompt: it alone pays
+            await self._give_up(run, self.health.failed(run, exc))
             return
         self._consecutive_failures += 1
         logger.warning("Prompt group failed (%d in a row): %s: %s", self._consecutive_failures,
@@ -305,6 +347,16 @@ class RolloutProducer:
         if self._consecutive_failures >= self.config.max_consecutive_failures:
             raise exc
         await asyncio.sleep(min(2.0, 0.05 * 2 ** self._consecutive_failures))
+
+    async def _give_up(self, run: AdapterRun, failure: AdapterFailure | None) -> None:
+        """The adapter reached its limit (`failure` set): the controller fails it, which also
+        aborts its requests in flight. Nothing of it is submitted from now on either way."""
+        if failure is not None:
+            await self.controller.fail_adapter.remote(run.name, run.registration_id, failure)
+
+    def gave_up(self, registration_id: str) -> bool:
+        """The producer generates nothing more for this registration (it is being failed)."""
+        return self.health.gave_up(registration_id)
 
     def count(self, event: GroupEvent, adapter: str | None = None) -> int:
         """How many groups (of `adapter`, or of all) met `event` since start."""
@@ -328,7 +380,7 @@ class RolloutProducer:
         """The engine-side name of the version `run`'s group was stamped with (so its staleness is exact
         and every turn uses the weights of that version); None once the registration is no longer sampleable."""
         now = self._snapshot.sampleable.get(run.name)
-        if now is None or now.registration_id != run.registration_id:
+        if now is None or now.registration_id != run.registration_id or self.health.gave_up(run.registration_id):
             return None
         return self.lora_name(run.slot, run.version)
 
@@ -342,13 +394,13 @@ class RolloutProducer:
 
     # ---- one group ----
 
-    async def _produce_counted(self, run: AdapterRun) -> None:
+    async def _produce_counted(self, run: AdapterRun) -> _Outcome:
         self.in_flight[run.name] += 1
         stamp = (run.slot, run.version)
         self._stamps_in_flight[stamp] += 1
         try:
             # Drawn inside the task so a prompt that cannot be rendered fails this group only.
-            await self._produce(run, self.data_source.next_prompt(run))
+            return await self._produce(run, self.data_source.next_prompt(run))
         except Exception:
             self.counts[run.name, GroupEvent.FAILED] += 1
             raise
@@ -358,7 +410,7 @@ class RolloutProducer:
             if not self._stamps_in_flight[stamp]:
                 del self._stamps_in_flight[stamp]
 
-    async def _produce(self, run: AdapterRun, item: PromptItem) -> None:
+    async def _produce(self, run: AdapterRun, item: PromptItem) -> _Outcome:
         # Stamped now, at submission: staleness counts pushes since the request left.
         group = PromptGroup(adapter=run.name, slot=run.slot, version=run.version,
                             registration_id=run.registration_id,
@@ -377,7 +429,7 @@ class RolloutProducer:
         group.samples = list(results)
         if group.aborted:
             self.counts[run.name, GroupEvent.ABORTED] += 1
-            return
+            return _Outcome(GroupEvent.ABORTED)
         rewards = await score_group(item.reward, self.reward_args, group.samples, group_rm=self.config.group_rm,
                                     reward_key=self.config.reward_key)
         for sample, reward in zip(group.samples, rewards):
@@ -387,11 +439,12 @@ class RolloutProducer:
             if not verdict.keep:
                 self.counts[run.name, GroupEvent.FILTERED] += 1
                 self.filter_drops[run.name, verdict.reason] += 1
-                return
+                return _Outcome(GroupEvent.FILTERED, verdict.reason)
         if self._sample_filter is not None:
             apply_rollout_sample_filter(self._sample_filter, self.reward_args, group.samples)
         self.buffers.put(group)
         self.counts[run.name, GroupEvent.PRODUCED] += 1
+        return _Outcome(GroupEvent.PRODUCED)
 
     def _filter_drops_by_reason(self, adapter: str | None) -> dict[str, int]:
         by_reason: Counter[str] = Counter()

@@ -247,6 +247,8 @@ class MilesConfig:
     multi_lora_max_adapter_global_batch_size: int | None = _flag(None, "Largest rollout_batch_size * n_samples_per_prompt of an adapter (default: 4 x global batch).")
     multi_lora_max_coalesce_wait_s: float = _flag(0.5, "Ship a non-empty batch after this long without progress.")
     multi_lora_max_empty_wait_s: float = _flag(30.0, "Raise EmptyBatchTimeoutError after this long with nothing to train.")
+    multi_lora_max_consecutive_failures: int = _flag(32, "Prompt groups of one adapter that may fail in a row (its reward, generate function, filter or prompt raised) before it is FAILED: its requests aborted, saved, slot freed, last error in its status; the others train on (0: never). 32 outlasts one burst of a flaky reward service failing the groups one adapter has in flight, yet stops an adapter that fails every group within seconds of generation.")
+    multi_lora_max_consecutive_filtered: int = _flag(256, "Prompt groups of one adapter that its dynamic sampling filter may drop in a row before it is FAILED (0: never). A filter that keeps 1 group in 20 drops 256 in a row with probability 2e-6; one that drops everything is stopped.")
     multi_lora_backend_path: str | None = _flag(None, "Dotted path of a MultiLoRABackend subclass.")
     multi_lora_http_server_path: str | None = _flag(None, "Dotted path of a MultiLoRAHTTPServer subclass.")
 
@@ -363,6 +365,10 @@ class MilesConfig:
             raise ConfigError("--save-interval must be > 0 (leave it out to save only at cleanup and exit)")
         if self.rollout_buffer_steps is not None and self.rollout_buffer_steps <= 0:
             raise ConfigError("--rollout-buffer-steps must be > 0 (leave it out for no limit)")
+        for name in ("multi_lora_max_consecutive_failures", "multi_lora_max_consecutive_filtered"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{_flag_name(name)} must be >= 0 (0: never fail an adapter for it), "
+                                  f"got {getattr(self, name)}")
         if self.max_weight_staleness is not None and self.max_weight_staleness < 0:
             raise ConfigError("--max-weight-staleness must be >= 0")
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:

@@ -4,6 +4,7 @@ a clock that tests advance, a producer whose death tests decide, and group build
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +13,7 @@ from fastapi.responses import JSONResponse
 from waiting import wait_until_async
 
 from miles.utils.adapter_config import AdapterRunConfig
-from miles.utils.types import AdapterRun, MultiLoRASnapshot, PromptGroup, Sample
+from miles.utils.types import AdapterFailure, AdapterRun, MultiLoRASnapshot, PromptGroup, Sample
 
 
 class FakeMethod:
@@ -31,8 +32,11 @@ class FakeController:
         self.records: list[tuple[int, dict[str, int], list[str]]] = []
         self.snapshot_reads = 0
         """How many times the code under test read the snapshot (a producer reads it once per round)."""
+        self.failures: list[tuple[str, str, AdapterFailure]] = []
+        """(name, registration id, failure) of every `fail_adapter` call."""
         self.snapshot = FakeMethod(self._snapshot)
         self.record_batch_adapters = FakeMethod(self._record)
+        self.fail_adapter = FakeMethod(self._fail)
 
     async def _snapshot(self) -> MultiLoRASnapshot:
         self.snapshot_reads += 1
@@ -40,6 +44,18 @@ class FakeController:
 
     async def _record(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
         self.records.append((rollout_id, dict(groups), list(step_names)))
+
+    async def _fail(self, name: str, registration_id: str, failure: AdapterFailure) -> bool:
+        """As the registry does: a sampleable registration moves to CLEANUP."""
+        self.failures.append((name, registration_id, failure))
+        run = self.current.sampleable.get(name)
+        if run is None or run.registration_id != registration_id:
+            return False
+        self.current = dataclasses.replace(
+            self.current, active={n: r for n, r in self.current.active.items() if n != name},
+            retiring={n: r for n, r in self.current.retiring.items() if n != name},
+            cleanup=self.current.cleanup | {name})
+        return True
 
 
 class FakeClock:
@@ -66,10 +82,15 @@ class FakeClock:
 class FakeProducer:
     def __init__(self) -> None:
         self.failure: BaseException | None = None
+        self.given_up: set[str] = set()
+        """Registration ids the test says the producer gave up on."""
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
             raise RuntimeError("rollout producer died") from self.failure
+
+    def gave_up(self, registration_id: str) -> bool:
+        return registration_id in self.given_up
 
 
 def make_run(name: str, slot: int, *, rollout_batch_size: int = 8, n_samples: int = 1, version: int = 1,

@@ -87,6 +87,33 @@ async def test_full_batch_ships_at_once_when_every_adapter_is_capped():
     assert clock.t == 0.0 and batch.step_names == ["a"] and batch.groups_per_adapter == {"a": 2}
 
 
+@pytest.mark.parametrize("given_up_at, shipped_at", [(None, 0.5), (0.0, 0.0), (0.2, 0.2)])
+async def test_an_adapter_the_producer_gave_up_on_is_not_waited_for(given_up_at, shipped_at):
+    """`good`'s step is all buffered; `bad` only fails. Without the producer giving up, the
+    batch waits the coalesce time for `bad`; once it has given up (before or during the
+    collection, whose snapshot still lists `bad`) it ships at once."""
+    good, bad = make_run("good", 0, rollout_batch_size=2), make_run("bad", 1, rollout_batch_size=2)
+    c, buffers, clock, producer = collector(FakeController(active(good, bad)), target=100, coalesce=0.5)
+    fill(buffers, good, range(2))
+    fill(buffers, bad, [0])  # from before it failed: taken only while not given up
+    if given_up_at is not None:
+        clock.at(given_up_at, lambda: producer.given_up.add("reg-bad"))
+    if given_up_at == 0.0:
+        producer.given_up.add("reg-bad")
+    batch = await c.collect(0)
+    assert clock.t == pytest.approx(shipped_at, abs=0.02)
+    assert batch.groups_per_adapter == ({"good": 2} if given_up_at == 0.0 else {"good": 2, "bad": 1})
+
+
+async def test_with_only_given_up_adapters_the_collection_ends_at_once():
+    bad = make_run("bad", 0)
+    c, _, clock, producer = collector(FakeController(active(bad)), target=8, empty=30.0)
+    clock.at(0.2, lambda: producer.given_up.add("reg-bad"))
+    with pytest.raises(EmptyBatchTimeoutError, match=r"gave up on every sampleable adapter \(bad\)"):
+        await c.collect(0)
+    assert clock.t == pytest.approx(0.2, abs=0.02)
+
+
 async def test_no_overshoot_across_fetches():
     a = make_run("a", 0, rollout_batch_size=3)
     c, buffers, clock, _ = collector(FakeController(active(a)), target=100, coalesce=1.0)

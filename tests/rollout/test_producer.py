@@ -1,12 +1,14 @@
 """The producer against a fake SGLang-shaped server on loopback: request shape, stamps
 taken at submission, whole-group abort drops, round robin under the in-flight cap,
-filtering, and death surfacing through `raise_if_failed`."""
+filtering, death on engine errors surfacing through `raise_if_failed`, and an adapter whose
+reward, generate function or filter fails every group given up alone beside a healthy one."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import logging
 import re
 import sys
 import textwrap
@@ -17,6 +19,7 @@ from rollout_fakes import FakeController, FakeEngineServer, active, make_run
 from waiting import wait_until_async
 
 from miles.recipes.tiny_model import build_char_tokenizer
+from miles.rollout.adapter_health import AdapterLimits
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
 from miles.rollout.producer import ProducerConfig, ProducerDiedError, RolloutProducer
@@ -172,12 +175,13 @@ async def test_groups_that_fail_while_no_engine_serves_do_not_count_toward_death
         failed = asyncio.ensure_future(lost_engine())
         await asyncio.gather(failed, return_exceptions=True)
         serving["now"] = False  # every engine restarting: any number of failures is not the groups' fault
+        run = run_for(dataset, "a", 0)
         for _ in range(3):
-            await prod._settle(failed)
+            await prod._settle(failed, run)
         serving["now"] = True
-        await prod._settle(failed)  # 1 of 2
+        await prod._settle(failed, run)  # 1 of 2
         with pytest.raises(aiohttp.ClientConnectionError):
-            await prod._settle(failed)
+            await prod._settle(failed, run)
 
 
 @pytest.mark.parametrize("reward_key, response, reward", [("score", "Answer: 12", 1.0), ("score", "Answer: 7", -1.0),
@@ -194,15 +198,17 @@ async def test_reward_key_picks_the_reward_of_a_dict_reward(dataset, reward_key,
     assert [s.reward for s in group.samples] == [reward, reward]
 
 
-async def test_a_dict_reward_without_reward_key_fails_the_group_naming_the_flag(dataset, caplog):
+async def test_a_dict_reward_without_reward_key_fails_the_adapter_naming_the_flag(dataset):
     a = run_for(dataset, "a", 0)
     a = dataclasses.replace(a, config=a.config.model_copy(update={"rm_type": "dapo"}))
+    controller = FakeController(active(a))
     async with FakeEngineServer("Answer: 12") as server:
-        prod, _, _ = producer(server, FakeController(active(a)), max_consecutive_failures=1)
+        prod, _, _ = producer(server, controller, adapter_limits=AdapterLimits(max_failures=1))
         prod.start()
-        await wait_until_async(lambda: prod.failure is not None, 10, "producer death")
+        await wait_until_async(lambda: controller.failures, 10, "the adapter failed")
         await prod.stop()
-    assert "set --reward-key" in str(prod.failure)
+    [(name, _, failure)] = controller.failures
+    assert name == "a" and "set --reward-key" in failure.message and prod.failure is None
 
 
 @pytest.fixture
@@ -256,3 +262,81 @@ async def test_an_adapter_deregistered_before_its_first_push_is_never_sampled(da
         await wait_until_async(lambda: len(server.requests) > served + 2, 10, "a's requests while retiring")
         await prod.stop()
     assert not buffers.get("b") and {r["lora_path"] for r in server.requests} == {"__miles_slot_0"}
+
+
+@pytest.fixture
+def broken_plugins(tmp_path, monkeypatch):
+    """A reward, a generate function and a dynamic filter that fail on every group."""
+    (tmp_path / "broken_plugins.py").write_text(textwrap.dedent("""
+        class RewardServiceDown(RuntimeError):
+            pass
+
+        def raising_reward(args, sample):
+            raise RewardServiceDown("reward service said 503 " + "x" * 3000)
+
+        async def raising_generate(input):
+            raise KeyError("tool 'calculator' is not registered")
+
+        def drop_all(args, samples):
+            return False
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("broken_plugins", None)
+
+
+BROKEN = {
+    "reward": ({"custom_rm_path": "broken_plugins.raising_reward"}, "broken_plugins.RewardServiceDown",
+               "reward service said 503"),
+    "generate": ({"custom_generate_function_path": "broken_plugins.raising_generate"}, "KeyError",
+                 "tool 'calculator' is not registered"),
+    "filter": ({"dynamic_sampling_filter_path": "broken_plugins.drop_all"}, None,
+               "its dynamic sampling filter dropped 5 prompt groups in a row (by reason: unspecified: 5)"),
+}
+
+
+@pytest.mark.parametrize("plugin", sorted(BROKEN))
+async def test_an_adapter_whose_plugin_fails_every_group_fails_alone(dataset, broken_plugins, plugin, caplog):
+    """`bad` is given up after its limit, once, with its error; nothing more is generated for
+    it, and `good` beside it goes on producing; the log has one line per failure episode."""
+    update, error_type, message = BROKEN[plugin]
+    good, bad = run_for(dataset, "good", 0), run_for(dataset, "bad", 1)
+    bad = dataclasses.replace(bad, config=bad.config.model_copy(update=update))
+    controller = FakeController(active(good, bad))
+    caplog.set_level(logging.INFO, logger="miles.rollout")
+    async with FakeEngineServer() as server:
+        prod, buffers, _ = producer(server, controller, in_flight=4, buffer_steps=None,
+                                    adapter_limits=AdapterLimits(max_failures=5, max_filtered=5))
+        prod.start()
+        await wait_until_async(lambda: controller.failures, 10, "bad to be failed")
+        assert prod.gave_up("reg-bad") and not prod.gave_up("reg-good")
+        submitted = prod.count("submitted", "bad")
+        produced = prod.count("produced", "good")
+        # Generation goes on for good alone; bad's last in-flight groups may still settle.
+        await wait_until_async(lambda: prod.count("produced", "good") >= produced + 20, 10, "good to go on")
+        assert prod.count("submitted", "bad") == submitted and prod.failure is None
+        await prod.stop()
+    [(name, registration, failure)] = controller.failures
+    assert (name, registration) == ("bad", "reg-bad")
+    assert failure.error_type == error_type and message in failure.message and len(failure.message) <= 1000
+    assert failure.groups >= 5 and prod.count("produced", "bad") == 0
+    assert not any(r.adapter == "bad" for r in buffers.get("good").pop(len(buffers.get("good"))))
+    lines = [r.getMessage() for r in caplog.records if r.name == "miles.rollout.adapter_health"]
+    assert len(lines) == (1 if plugin == "filter" else 2), lines  # a filter's drops are normal until the limit
+    assert all("'bad'" in line and len(line) < 3000 for line in lines)
+    assert "giving up on it" in lines[-1] and "Prompt group failed" not in caplog.text
+
+
+async def test_an_adapter_that_recovers_before_its_limit_keeps_generating(dataset, caplog):
+    """Failures that stop before the limit end their run: a later run starts counting anew."""
+    a = run_for(dataset, "a", 0)
+    prod, _, _ = producer(FakeEngineServer(), FakeController(active(a)), adapter_limits=AdapterLimits(max_failures=3))
+    caplog.set_level(logging.INFO, logger="miles.rollout")
+    for _ in range(2):
+        assert prod.health.failed(a, ValueError("flaky")) is None
+    prod.health.kept(a)
+    assert [prod.health.failed(a, ValueError("flaky")) is None for _ in range(3)] == [True, True, False]
+    assert prod.gave_up("reg-a")
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("a prompt group failed" in m for m in messages) == 2  # one per run of failures
+    assert sum("again after 2 failed" in m for m in messages) == 1
