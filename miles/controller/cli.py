@@ -112,15 +112,27 @@ def _rows(statuses: list[AdapterStatus]) -> list[tuple[str, ...]]:
              str(s.rank), _source(s)) for s in statuses]
 
 
+ERROR_LINE_CHARS = 160
+"""A failed adapter's error under the table is cut to this (`get NAME` shows all of it)."""
+
+
 def _table(statuses: list[AdapterStatus]) -> str:
+    """The table, then one line per adapter that failed: why (its `last_error`)."""
     rows = [COLUMNS, *_rows(statuses)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    for status in statuses:
+        if status.last_error is not None:
+            why = status.last_error.summary()
+            cut = why if len(why) <= ERROR_LINE_CHARS else why[:ERROR_LINE_CHARS - 1] + "\u2026"
+            lines.append(f"{status.name} failed: {cut}")
+    return "\n".join(lines)
 
 
 @app.command("list")
 def list_adapters(as_json: JsonFlag = False) -> None:
-    """Every adapter the control plane knows: live ones by slot, then completed ones."""
+    """Every adapter the control plane knows: live ones by slot, then finished ones (and why each
+    FAILED one failed)."""
     statuses = _call("list adapters", lambda c: c.list())
     if _json_output(as_json):
         _print_json([s.model_dump(mode="json") for s in statuses])

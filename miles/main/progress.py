@@ -306,7 +306,8 @@ class RunProgress:
                 entry.client.drop()
                 entry.registration_id = client.registration_id
             entry.step, entry.state, entry.resume_from = client.step, client.state, client.resume_from
-        for state, names in ((AdapterState.CLEANUP, snapshot.cleanup), (AdapterState.COMPLETED, snapshot.completed)):
+        for state, names in ((AdapterState.CLEANUP, snapshot.cleanup), (AdapterState.COMPLETED, snapshot.completed),
+                             (AdapterState.FAILED, snapshot.failed)):
             for name in names:
                 if name in self.adapters:
                     self.adapters[name].state = state

@@ -25,7 +25,14 @@ from miles.controller.tinker.gateway import LoraLayout, SessionInfo
 from miles.utils.adapter_config import ADAPTER_CONFIG_KEYS, AdapterDefaults
 from miles.utils.arguments import parse_args
 from miles.utils.plugins import load_subclass
-from miles.utils.types import AdamStep, AdapterGauges, AdapterState, ClientCommandKind, OptimStepCommand
+from miles.utils.types import (
+    AdamStep,
+    AdapterFailure,
+    AdapterGauges,
+    AdapterState,
+    ClientCommandKind,
+    OptimStepCommand,
+)
 
 TOKEN = "s3cret-token"
 
@@ -95,6 +102,49 @@ def test_full_lifecycle_seen_through_state_route(plane: ThreadedController, clie
     assert (status.state, status.version, status.slot) == (AdapterState.COMPLETED, None, 0)
     assert [s.name for s in client.list()] == ["a"]
     assert backend.registry.free_slots == [0, 1]
+
+
+def test_a_failed_adapter_is_seen_with_its_error_over_http_metrics_and_miles_lora(
+        plane: ThreadedController, client: ControlPlaneClient, raw: httpx.Client, data_root: Path) -> None:
+    from typer.testing import CliRunner
+
+    from miles.controller.cli import app
+
+    client.register("bad", config={"data": data_path(data_root)})
+    client.register("good", config={"data": data_path(data_root)})
+    plane.call(plane.controller.record_weight_update(["bad", "good"]))
+    registration = client.status("bad").registration_id
+    failure = AdapterFailure.from_exception(ZeroDivisionError("division by zero in my_reward"), groups=32)
+    assert plane.call(plane.controller.fail_adapter("bad", registration, failure))
+    assert plane.router.aborts == [{"rid": "bad::", "prefix": True}]  # its requests in flight, at once
+    during = client.status("bad")
+    assert (during.state, during.last_error) == (AdapterState.CLEANUP, failure)
+    plane.call(plane.controller.free_slots(["bad"]))  # after the trainer's final save
+
+    body = raw.get("/adapter_runs/bad").json()
+    assert (body["state"], body["version"]) == ("FAILED", None)
+    assert body["last_error"] == {"reason": "errors", "error_type": "ZeroDivisionError",
+                                  "message": "division by zero in my_reward", "groups": 32}
+    assert raw.get("/adapter_runs/good").json()["last_error"] is None
+    assert client.states(["bad", "good"]) == {"bad": AdapterState.FAILED, "good": AdapterState.ACTIVE}
+    metrics = client.metrics()
+    assert re.search(r'^miles_controller_adapters\{state="FAILED"\} 1\.0$', metrics, flags=re.M)
+    assert 'miles_adapter_step{adapter="bad"}' not in metrics  # no slot, no per-adapter series
+
+    def cli(*args: str) -> str:
+        result = CliRunner().invoke(app, ["--url", plane.url, "--token", TOKEN, *args])
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    listed = cli("list").splitlines()
+    assert [line.split()[:2] for line in listed[1:3]] == [["good", "ACTIVE"], ["bad", "FAILED"]]
+    assert listed[3:] == ["bad failed: ZeroDivisionError: division by zero in my_reward (32 groups in a row)"]
+    assert 'last_error: {"reason": "errors", "error_type": "ZeroDivisionError", ' in cli("get", "bad")
+
+    # A fixed config registers the name again; the new registration has no error.
+    assert client.register("bad", config={"data": data_path(data_root), "rank": 2}) == 0
+    again = client.status("bad")
+    assert (again.state, again.last_error, again.rank) == (AdapterState.PENDING, None, 2)
 
 
 def test_status_flattens_run_and_config(client: ControlPlaneClient, raw: httpx.Client, data_root: Path) -> None:
