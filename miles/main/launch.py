@@ -11,10 +11,10 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from miles.controller.backend import ControllerHooks
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def configure_logging() -> None:
@@ -143,7 +145,8 @@ async def shutdown(components: Components) -> None:
 
 
 def install_stop_handlers(stop: asyncio.Event) -> None:
-    """SIGINT/SIGTERM set `stop`; the loop finishes its stage and shuts down cleanly."""
+    """SIGINT/SIGTERM set `stop`; the loop finishes its stage and shuts down cleanly (a generate
+    stage waiting for groups is cancelled at once: `unless_stopped`)."""
     loop = asyncio.get_running_loop()
 
     def request_stop(signum: int) -> None:
@@ -164,6 +167,26 @@ async def sleep_unless(stop: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stop.wait(), timeout=seconds)
     except TimeoutError:
         pass
+
+
+async def unless_stopped(call: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """`call`'s answer, or None as soon as a stop is requested: then the call is cancelled
+    and awaited (a Ray actor call with `ray.cancel`, which cancels an async actor's method
+    where it waits, e.g. a collection waiting for groups)."""
+    task = asyncio.ensure_future(call)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set():
+            return task.result()
+    finally:
+        stopped.cancel()
+        if not task.done() or stop.is_set():  # stopped, or this wait itself was cancelled
+            task.cancel()
+            if isinstance(call, ray.ObjectRef):
+                ray.cancel(call)
+            await asyncio.gather(task, return_exceptions=True)
+    return None
 
 
 @dataclass

@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Any
 
-from miles.main.launch import Components, configure_logging, trainer_run
+from miles.main.launch import Components, configure_logging, trainer_run, unless_stopped
 from miles.main.progress import RunProgress
 from miles.main.train_multi_lora_async import is_empty_batch_timeout
 from miles.utils.arguments import MilesConfig, parse_args
@@ -32,19 +32,21 @@ POLICY = "policy"
 NEVER_RETIRE = 10**9
 
 
-async def generate(c: Components, rollout_id: int) -> RolloutBatch:
+async def generate(c: Components, rollout_id: int, stop: asyncio.Event) -> RolloutBatch | None:
     """One rollout; an empty-batch timeout is retried (the engines may still be warming up).
+    None once a stop is requested (the collection under way is cancelled at once).
 
     No snapshot is handed over: this runs one rollout ahead of the loop, so the batch is
     collected against the registry as it is when collection starts.
     """
-    while True:
+    while not stop.is_set():
         try:
-            return await c.rollout_manager.generate.remote(rollout_id)
+            return await unless_stopped(c.rollout_manager.generate.remote(rollout_id), stop)
         except Exception as exc:
             if not is_empty_batch_timeout(exc):
                 raise
             logger.warning("No batch for rollout %d yet (%s); retrying", rollout_id, exc)
+    return None
 
 
 async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progress: RunProgress) -> None:
@@ -53,13 +55,15 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
     snapshot = await c.controller.snapshot.remote()
     snapshot = await s.slots.reconcile(snapshot)  # loads the policy (resuming from its checkpoint)
     snapshot = await s.push.settle(await s.push.update_weights(snapshot))
-    next_rollout = asyncio.ensure_future(generate(c, cfg.start_rollout_id))
+    next_rollout = asyncio.ensure_future(generate(c, cfg.start_rollout_id, stop))
     try:
         for rollout_id in range(cfg.start_rollout_id, cfg.num_rollout):
             with timer("generate"):
                 rollout = await next_rollout
+            if rollout is None:  # stopped while it was collected
+                break
             if rollout_id + 1 < cfg.num_rollout and not stop.is_set():
-                next_rollout = asyncio.ensure_future(generate(c, rollout_id + 1))
+                next_rollout = asyncio.ensure_future(generate(c, rollout_id + 1, stop))
             with timer("train"):
                 trained = await s.train.train(rollout_id, rollout, drop_failed=False)
             with timer("commit"):

@@ -30,7 +30,14 @@ import time
 
 from miles.backends.base import TrainResult
 from miles.main.client_commands import TakenCommands
-from miles.main.launch import Components, configure_logging, register_initial_adapters, sleep_unless, trainer_run
+from miles.main.launch import (
+    Components,
+    configure_logging,
+    register_initial_adapters,
+    sleep_unless,
+    trainer_run,
+    unless_stopped,
+)
 from miles.main.progress import RunProgress
 from miles.main.train_step import TrainedBatch
 from miles.rollout.collection import EmptyBatchTimeoutError
@@ -80,8 +87,8 @@ async def run_loop(cfg: MilesConfig, c: Components, stop: asyncio.Event, progres
             iteration_start = time.perf_counter()
             continue
         async with s.activation.activating():  # registrations arriving meanwhile go to the engines at once
-            with timer("generate"):
-                rollout = await generate_or_none(c, rollout_id, snapshot)
+            with timer("generate"):  # a stop ends it at once, not when its wait for groups ends
+                rollout = await generate_or_none(c, rollout_id, snapshot, stop)
             if rollout is None:
                 continue
             with timer("export_wait"):  # the push behind the loop takes its weights before train changes them
@@ -119,10 +126,12 @@ def finished_work(trained: TrainedBatch | None) -> tuple[TrainResult | None, str
     return trained.result, None
 
 
-async def generate_or_none(c: Components, rollout_id: int, snapshot: MultiLoRASnapshot) -> RolloutBatch | None:
-    """One batch, or None when nothing arrived in time (the loop goes round again)."""
+async def generate_or_none(c: Components, rollout_id: int, snapshot: MultiLoRASnapshot,
+                           stop: asyncio.Event) -> RolloutBatch | None:
+    """One batch, or None when nothing arrived in time (the loop goes round again) or a stop
+    was requested meanwhile (the collection is cancelled; its groups were never trained)."""
     try:
-        return await c.rollout_manager.generate.remote(rollout_id, snapshot)
+        return await unless_stopped(c.rollout_manager.generate.remote(rollout_id, snapshot), stop)
     except Exception as exc:
         if not is_empty_batch_timeout(exc):
             raise

@@ -2,7 +2,7 @@
 dataset rows that fit `--rollout-max-prompt-len`, so `num_step` is derived after the
 filter as in Miles), a real `trainer_run` on the session's Ray (control plane, engine
 behind the router, train ranks, Miles' W&B flags, and everything stopped on the way out),
-and the Ray instance a driver without RAY_ADDRESS starts."""
+the Ray instance a driver without RAY_ADDRESS starts, and a stop cancelling a waiting actor call."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from waiting import wait_until
+from waiting import wait_until, wait_until_async
 
 from miles.controller.backend import MultiLoRABackend
 from miles.main import launch as launch_module
@@ -146,3 +146,39 @@ def test_a_driver_without_ray_address_starts_its_own_ray_beside_another(ray_sess
         shutil.rmtree(temp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] != session
+
+
+async def test_a_stop_cancels_a_waiting_actor_call_at_once(ray_session):
+    """`unless_stopped` over a Ray call: the stop answers None within the 2 s a stop may take,
+    and the async actor's method, which would have waited on, is cancelled where it waits."""
+
+    @ray_session.remote
+    class Waiter:
+        def __init__(self) -> None:
+            self.state = "idle"
+
+        async def wait_for_groups(self) -> str:
+            self.state = "waiting"
+            try:
+                await asyncio.Event().wait()  # groups that never come
+            except asyncio.CancelledError:
+                self.state = "cancelled"
+                raise
+            return "batch"
+
+        async def get_state(self) -> str:
+            return self.state
+
+    waiter = Waiter.remote()
+    stop = asyncio.Event()
+    call = asyncio.ensure_future(launch_module.unless_stopped(waiter.wait_for_groups.remote(), stop))
+    await wait_until_async(lambda: _is(waiter.get_state.remote(), "waiting"), 60, "the actor call to wait")
+    stop.set()
+    assert await asyncio.wait_for(call, timeout=2.0) is None
+    await wait_until_async(lambda: _is(waiter.get_state.remote(), "cancelled"), 10, "the actor's method cancelled")
+    assert await launch_module.unless_stopped(waiter.get_state.remote(), asyncio.Event()) == "cancelled"
+    ray_session.kill(waiter)
+
+
+async def _is(answer, expected: str) -> bool:
+    return await answer == expected

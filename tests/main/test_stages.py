@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ from miles.main import train_async, train_multi_lora_async
 from miles.main.launch import Components
 from miles.main.progress import RunProgress
 from miles.main.stages import Stages
+from miles.rollout.buffers import AdapterBuffers
+from miles.rollout.collection import BatchCollector, CollectionConfig
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger, read_metrics
 from miles.utils.types import (
@@ -35,7 +38,9 @@ from miles.utils.types import (
     ClientLoss,
     DataPosition,
     ForwardCommand,
+    MultiLoRASnapshot,
     OptimStepCommand,
+    RolloutBatch,
     next_slot_version,
 )
 
@@ -43,14 +48,14 @@ from miles.utils.types import (
 class Trainer:
     """The components of one trainer process (the disk outlives it)."""
 
-    def __init__(self, tmp_path, disk=None, n_slots=2, overlap_push=False):
+    def __init__(self, tmp_path, disk=None, n_slots=2, overlap_push=False, rollout_cls=FakeRollout):
         data = tmp_path / "data.jsonl"
         data.write_text(json.dumps({"text": "1+1=", "label": "2"}) + "\n")
         self.data = str(data)
         self.controller = InProcessController(n_slots, rollout_batch_size=2, n_samples_per_prompt=2,
                                               rm_type="math", save=str(tmp_path / "save"))
         handle = InProcessHandle(self.controller)
-        self.rollout = FakeRollout(handle)
+        self.rollout = rollout_cls(handle)
         self.receiver = RecordingPusher()
         self.backend = FakeBackend(disk={} if disk is None else disk)
         self.stages = Stages.build(self.backend, handle, InProcessHandle(self.rollout), save_interval=1,
@@ -75,6 +80,52 @@ class Trainer:
     def snapshot(self):
         """The registry's snapshot now."""
         return self.controller.backend.snapshot()
+
+
+@dataclass
+class StallingRollout(FakeRollout):
+    """Its first batch is FakeRollout's; later ones come from a real `BatchCollector` over buffers
+    that nothing fills: a collection waiting for groups (up to its 30 s empty wait)."""
+
+    collecting: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: bool = False
+
+    async def generate(self, rollout_id: int, snapshot: MultiLoRASnapshot | None = None) -> RolloutBatch:
+        if rollout_id == 0:
+            return await super().generate(rollout_id, snapshot)
+        config = CollectionConfig(global_batch_size=4, dp_size=1, max_weight_staleness=None,
+                                  max_coalesce_wait_s=0.5, max_empty_wait_s=30.0)
+        collector = BatchCollector(config, AdapterBuffers(), self.controller, producer=_HealthyProducer())
+        self.collecting.set()
+        try:
+            return await collector.collect(rollout_id, snapshot)
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+class _HealthyProducer:
+    def raise_if_failed(self) -> None:
+        pass
+
+    def gave_up(self, registration_id: str) -> bool:
+        return False
+
+
+async def test_a_stop_ends_a_waiting_collection_within_two_seconds_then_the_adapter_is_saved(tmp_path):
+    t = Trainer(tmp_path, rollout_cls=StallingRollout)
+    t.stages.slots.save_interval = None  # only the save at shutdown writes
+    await t.register("a")
+    stop = asyncio.Event()
+    loop = asyncio.create_task(train_multi_lora_async.run_loop(MilesConfig(multi_lora_n_adapters=2),
+                                                               t.components, stop, t.progress))
+    await wait_until_async(t.rollout.collecting.is_set, 30, "the second collection to wait for groups")
+    assert t.status("a").step == 1 and not t.backend.disk
+    stop.set()  # what SIGTERM and SIGINT do
+    await asyncio.wait_for(loop, timeout=2.0)
+    assert t.rollout.cancelled  # the collection stopped waiting, not only the loop
+    assert await t.stages.slots.save_all() == ["a"]  # shutdown's save, as before
+    assert [max(steps) for steps in t.backend.disk.values()] == [1]
 
 
 def test_fake_backend_implements_the_contract():
