@@ -335,8 +335,9 @@ class MultiLoRABackend:
         if not self.registry.fail(name, registration_id, failure):
             return False
         self._persist()
-        logger.error("Adapter '%s' FAILED: %s. It is saved and its slot freed; fix its config and register it "
-                     "again", name, failure.summary())
+        # The producer has logged why (its one line per failure episode); this is the transition.
+        logger.info("Adapter '%s' failed (%s): CLEANUP, then FAILED once the trainer saved it and freed its slot",
+                    name, failure.summary())
         await self.abort_adapter_requests(name)
         return True
 

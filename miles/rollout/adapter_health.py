@@ -119,7 +119,8 @@ class AdapterHealth:
         self._given_up[run.registration_id] = failure
         while len(self._given_up) > GIVEN_UP_RETENTION:
             self._given_up.popitem(last=False)
-        logger.error("Adapter '%s': giving up on it, no more prompt groups are generated for it: %s",
+        logger.error("Adapter '%s': giving up on it, no more prompt groups are generated for it: %s. It is "
+                     "saved and leaves as FAILED (its slot freed); fix its config and register it again",
                      run.name, failure.summary())
         return failure
 

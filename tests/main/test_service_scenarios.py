@@ -141,6 +141,38 @@ def test_service_mode_lifecycle_over_http(tiny_model_dir, workdir):
         driver.kill()
 
 
+def test_an_adapter_whose_reward_fails_every_group_fails_alone(tiny_model_dir, workdir):
+    """`bad` asks for the dict reward `dapo` without --reward-key, so its reward raises on every
+    group: after 4 in a row it is FAILED with that error in its status (one log line when its
+    failures start, one when it is given up), its slot is freed for a fixed registration of the
+    name, and `good` beside it trains on throughout."""
+    save = workdir / "save"
+    flags = tiny_run_flags(tiny_model_dir, save, n_adapters=2) + ["--multi-lora-max-consecutive-failures", "4"]
+    driver = DriverProcess(TRAINER, flags, workdir / "trainer.log")
+    try:
+        client = ControlPlaneClient(driver.wait_for_api_url())
+        add = str(workdir / "data" / "add.jsonl")
+        client.register("good", config={"data": add})
+        client.register("bad", config={"data": add, "rm_type": "dapo"})
+        client.wait_for_state("bad", AdapterState.FAILED, timeout=240)
+        failed = client.status("bad")
+        assert failed.last_error is not None and failed.last_error.groups >= 4
+        assert "--reward-key" in failed.last_error.message and failed.version is None
+        step = client.status("good").step
+        driver.wait_until(lambda: client.status("good").step >= step + 2, 240, "good to step on after bad failed")
+        log = driver.log_path.read_text()
+        assert log.count("Adapter 'bad': a prompt group failed") == 1 and "Prompt group failed" not in log
+        assert log.count("Adapter 'bad': giving up on it") == 1
+
+        assert client.register("bad", config={"data": add}) == failed.slot  # fixed: the default reward
+        client.wait_for_state("bad", AdapterState.ACTIVE, timeout=240)
+        assert client.status("bad").last_error is None
+        assert driver.terminate() == 0, driver.log_tail()
+        assert latest_checkpoint(save / "adapters" / "good") is not None
+    finally:
+        driver.kill()
+
+
 def test_non_service_mode_exits_when_adapters_finish(tiny_model_dir, workdir):
     save = workdir / "save"
     adapter_yaml = workdir / "add.yaml"
