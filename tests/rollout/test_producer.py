@@ -21,6 +21,7 @@ from waiting import wait_until_async
 from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.adapter_health import AdapterLimits
 from miles.rollout.buffers import AdapterBuffers
+from miles.rollout.collection import BatchCollector, CollectionConfig
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
 from miles.rollout.producer import ProducerConfig, ProducerDiedError, RolloutProducer
 from miles.utils.types import GenerationCounts, SampleStatus, engine_lora_name
@@ -298,7 +299,9 @@ BROKEN = {
 @pytest.mark.parametrize("plugin", sorted(BROKEN))
 async def test_an_adapter_whose_plugin_fails_every_group_fails_alone(dataset, broken_plugins, plugin, caplog):
     """`bad` is given up after its limit, once, with its error; nothing more is generated for
-    it, and `good` beside it goes on producing; the log has one line per failure episode."""
+    it, `good` beside it goes on producing, and its steps are collected without waiting for
+    `bad` (even against a snapshot from before the failure); the log has one line per failure
+    episode."""
     update, error_type, message = BROKEN[plugin]
     good, bad = run_for(dataset, "good", 0), run_for(dataset, "bad", 1)
     bad = dataclasses.replace(bad, config=bad.config.model_copy(update=update))
@@ -315,12 +318,19 @@ async def test_an_adapter_whose_plugin_fails_every_group_fails_alone(dataset, br
         # Generation goes on for good alone; bad's last in-flight groups may still settle.
         await wait_until_async(lambda: prod.count("produced", "good") >= produced + 20, 10, "good to go on")
         assert prod.count("submitted", "bad") == submitted and prod.failure is None
+        # Room for both adapters' steps and a 30 s coalesce wait: only bad could make it wait.
+        collector = BatchCollector(CollectionConfig(global_batch_size=16, dp_size=1, max_weight_staleness=None,
+                                                    max_coalesce_wait_s=30.0, max_empty_wait_s=30.0),
+                                   buffers, controller, prod)
+        for rollout_id in range(2):
+            batch = await asyncio.wait_for(collector.collect(rollout_id, active(good, bad)), timeout=10)
+            assert batch.groups_per_adapter == {"good": 8} and batch.step_names == ["good"]
         await prod.stop()
     [(name, registration, failure)] = controller.failures
     assert (name, registration) == ("bad", "reg-bad")
     assert failure.error_type == error_type and message in failure.message and len(failure.message) <= 1000
     assert failure.groups >= 5 and prod.count("produced", "bad") == 0
-    assert not any(r.adapter == "bad" for r in buffers.get("good").pop(len(buffers.get("good"))))
+    assert len(buffers.get("bad")) == 0
     lines = [r.getMessage() for r in caplog.records if r.name == "miles.rollout.adapter_health"]
     assert len(lines) == (1 if plugin == "filter" else 2), lines  # a filter's drops are normal until the limit
     assert all("'bad'" in line and len(line) < 3000 for line in lines)
