@@ -45,6 +45,7 @@ from miles.utils.adapter_config import (
     AdapterConfigError,
     AdapterDefaults,
     AdapterRunConfig,
+    check_plugin_modules,
     check_within_roots,
     config_from_mapping,
     parse_adapter_run_yaml,
@@ -72,6 +73,9 @@ DatasetValidator = Callable[[str, str, "str | None"], int]
 """`(path, input_key, label_key) -> row count`; ValueError saying what is wrong with the file."""
 RewardValidator = Callable[["str | None", "str | None"], None]
 """`(rm_type, custom_rm_path)`; ValueError if no reward function can be found from them."""
+PluginValidator = Callable[["str | None", "str | None"], None]
+"""`(custom_generate_function_path, dynamic_sampling_filter_path)`; ValueError unless each is
+callable as the rollout calls it."""
 PrefixAbort = Callable[[str, str], Awaitable[list[str]]]
 """`(router_url, rid_prefix) -> worker URLs reached`; best effort, never raises."""
 
@@ -86,6 +90,8 @@ class ControllerHooks:
     """Runs in a worker thread at registration; None: the dataset is not read."""
     validate_reward: RewardValidator | None = None
     """None: only "some reward is set (adapter or CLI)" is checked."""
+    validate_plugins: PluginValidator | None = None
+    """None: the generate function and filter are only checked to exist."""
     abort_prefix: PrefixAbort = abort_on_workers
 
 
@@ -161,17 +167,20 @@ class MultiLoRABackend:
         config: dict[str, Any] | AdapterRunConfig | None = None,
         yaml_path: str | None = None,
         allowed_roots: list[Path] | None = None,
+        plugin_modules: tuple[str, ...] | None = None,
     ) -> int:
         """Resolve → `validate_adapter` → read the dataset (off the loop) → registry; returns the slot.
 
         With `allowed_roots` (requests from the network), `yaml_path`, `data` and `save`
-        must resolve inside one of them. Nothing changes unless every check passes.
+        must resolve inside one of them; with `plugin_modules`, every plug-in path the config
+        names must lie in one of those modules (checked before anything is imported).
+        Nothing changes unless every check passes.
         """
         if (config is None) == (yaml_path is None):
             raise AdapterValidationError(f"Adapter '{name}': give exactly one of 'config' or 'yaml_path'")
         try:
             validate_adapter_name(name)
-            resolved = self._resolve(name, config, yaml_path, allowed_roots)
+            resolved = self._resolve(name, config, yaml_path, allowed_roots, plugin_modules)
         except AdapterConfigError as exc:
             raise AdapterValidationError(str(exc)) from None
         self.registry.check_can_register(name, resolved)  # fail fast, before reading the dataset
@@ -222,7 +231,7 @@ class MultiLoRABackend:
 
     def _resolve(
         self, name: str, config: dict[str, Any] | AdapterRunConfig | None, yaml_path: str | None,
-        allowed_roots: list[Path] | None,
+        allowed_roots: list[Path] | None, plugin_modules: tuple[str, ...] | None = None,
     ) -> AdapterRunConfig:
         if yaml_path is not None:
             _check_path_text(name, "yaml_path", yaml_path)
@@ -239,6 +248,8 @@ class MultiLoRABackend:
             check_within_roots(name, "data", raw.data, allowed_roots)
             if raw.save is not None:
                 check_within_roots(name, "save", raw.save, allowed_roots)
+        if plugin_modules is not None:
+            check_plugin_modules(name, raw, plugin_modules)  # before resolving imports any of them
         resolved = resolve_adapter_config(name, raw, self.defaults)
         if allowed_roots is not None:
             assert resolved.save is not None
@@ -259,6 +270,11 @@ class MultiLoRABackend:
                 self.hooks.validate_reward(config.rm_type or self.defaults.rm_type, config.custom_rm_path)
             except ValueError as exc:
                 raise AdapterValidationError(f"Adapter '{name}': reward: {exc}") from None
+        if self.hooks.validate_plugins is not None:
+            try:
+                self.hooks.validate_plugins(config.custom_generate_function_path, config.dynamic_sampling_filter_path)
+            except ValueError as exc:
+                raise AdapterValidationError(f"Adapter '{name}': {exc}") from None
         return _CHECKED
 
     async def _run_validate_adapter(self, name: str, config: AdapterRunConfig) -> None:

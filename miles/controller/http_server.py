@@ -82,6 +82,8 @@ class HTTPServerConfig:
     token: str | None = None
     allowed_roots: tuple[Path, ...] = ()
     """Paths in requests must resolve inside one of these (default: cwd and --save)."""
+    plugin_modules: tuple[str, ...] = ("miles",)
+    """Modules whose functions a registration may name as a plug-in (`--multi-lora-allowed-plugin-modules`)."""
     max_body_bytes: int = MAX_BODY_BYTES
     """Larger request bodies are refused with 413 before they are parsed."""
 
@@ -93,7 +95,7 @@ class HTTPServerConfig:
         return cls(
             host=cfg.multi_lora_api_host, port=cfg.multi_lora_api_port,
             token=cfg.multi_lora_api_token or os.environ.get("MILES_API_TOKEN") or None,
-            allowed_roots=tuple(r.expanduser().resolve() for r in roots),
+            allowed_roots=tuple(r.expanduser().resolve() for r in roots), plugin_modules=cfg.plugin_modules,
         )
 
 
@@ -251,7 +253,8 @@ class MultiLoRAHTTPServer:
         async def register(request: Request) -> dict[str, Any]:
             body = await self._parse_register_body(request)
             slot = await backend.register(body.name, config=body.config, yaml_path=body.yaml_path,
-                                          allowed_roots=list(self.config.allowed_roots))
+                                          allowed_roots=list(self.config.allowed_roots),
+                                          plugin_modules=self.config.plugin_modules)
             return {"name": body.name, "slot": slot}
 
         @app.delete("/adapter_runs/{name}")
