@@ -229,9 +229,9 @@ def retrieve(raw: httpx.Client, request_id: str) -> httpx.Response:
     raise AssertionError(f"sample {request_id} never finished")
 
 
-def test_older_sdks_get_json_and_a_retried_sample_runs_once(plane: ThreadedController, router_url: str) -> None:
+def test_json_clients_get_json_and_a_retried_sample_runs_once(plane: ThreadedController, router_url: str) -> None:
     with httpx.Client(base_url=plane.url, headers={"X-API-Key": TOKEN}, trust_env=False, timeout=60) as raw:
-        session_id = raw.post("/api/v1/create_session", json={"sdk_version": "0.26.0"}).json()["session_id"]
+        session_id = raw.post("/api/v1/create_session", json={"sdk_version": "raw"}).json()["session_id"]
         created = raw.post("/api/v1/create_sampling_session", json={
             "session_id": session_id, "sampling_session_seq_id": 0, "base_model": BASE}).json()
         sampler_id = created["sampling_session_id"]
@@ -244,12 +244,12 @@ def test_older_sdks_get_json_and_a_retried_sample_runs_once(plane: ThreadedContr
         assert raw.post("/api/v1/asample", json=body).json() == first  # a retry: the same future, run once
         assert len(first["sample_sequence_ids"]) == 2
         answer = retrieve(raw, first["request_id"])
-        assert answer.headers["content-type"] == "application/json"  # no Accept: protobuf, as before 0.38
+        assert answer.headers["content-type"] == "application/json"  # it did not ask for protobuf
         expected = reference(router_url, None, SamplingRequestParams(num_samples=2, max_tokens=4, seed=3, stop=[]))
         assert answer.json()["type"] == "sample"
         assert [s["tokens"] for s in answer.json()["sequences"]] == [s.tokens for s in expected.sequences]
 
-        # The SDKs before sampling sessions name the model in each request (no retry key then).
+        # Clients before sampling sessions name the model in each request (no retry key then).
         by_name = {k: v for k, v in body.items() if k != "sampling_session_id"} | {"base_model": BASE}
         again = retrieve(raw, raw.post("/api/v1/asample", json=by_name).json()["request_id"]).json()
         for got, want in zip(again["sequences"], answer.json()["sequences"], strict=True):
