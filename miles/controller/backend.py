@@ -35,7 +35,7 @@ import os
 import stat
 from collections.abc import Awaitable, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,10 +124,45 @@ class DatasetLimits:
     """Registrations reading a dataset at once; one more is refused with 429."""
 
 
+@dataclass(frozen=True)
+class BackendArgs:
+    """The `args` a backend written in Miles' form is built with, `cls(args, router_url)`: the
+    trainer's flags under Miles' names (`args.lora_rank`, `args.save`, ...) and what the
+    controller hands every backend."""
+
+    flags: MilesConfig
+    hooks: ControllerHooks = field(default_factory=lambda: ControllerHooks())
+    store: RegistryStore | None = None
+    dataset_limits: DatasetLimits = field(default_factory=lambda: DatasetLimits())
+
+    def __getattr__(self, name: str) -> Any:  # only for names the dataclass does not have
+        if name.startswith("__") or name == "flags":
+            raise AttributeError(name)
+        return getattr(self.flags, name)
+
+
 class MultiLoRABackend:
-    def __init__(self, n_slots: int, defaults: AdapterDefaults, router_url: str | None = None,
-                 hooks: ControllerHooks | None = None, *, store: RegistryStore | None = None,
-                 dataset_limits: DatasetLimits | None = None) -> None:
+    """Registration, retirement and the registry around them (see the module's docstring).
+
+    Built as `cls(n_slots, defaults, router_url, hooks, store=..., dataset_limits=...)`, or, for
+    a subclass written for Miles, `cls(args, router_url)` with `args` a `BackendArgs` (its
+    `__init__(self, args, router_url)` calls `super().__init__(args, router_url)`); then
+    `self.args` holds them, as in Miles.
+    """
+
+    def __init__(self, n_slots: int | BackendArgs, defaults: AdapterDefaults | str | None = None,
+                 router_url: str | None = None, hooks: ControllerHooks | None = None, *,
+                 store: RegistryStore | None = None, dataset_limits: DatasetLimits | None = None) -> None:
+        self.args: BackendArgs | None = None
+        if isinstance(n_slots, BackendArgs):  # Miles' form: (args, router_url)
+            self.args = args = n_slots
+            if not (defaults is None or isinstance(defaults, str)):
+                raise TypeError("a backend built from BackendArgs takes (args, router_url)")
+            router_url = defaults
+            n_slots, defaults = args.flags.multi_lora_n_adapters, AdapterDefaults.from_config(args.flags)
+            hooks, store, dataset_limits = args.hooks, args.store, args.dataset_limits
+        if not isinstance(defaults, AdapterDefaults):
+            raise TypeError(f"defaults must be AdapterDefaults, got {type(defaults).__name__}")
         self.store = store
         state = store.load() if store is not None else None
         self.registry = AdapterRegistry.from_state(state, n_slots) if state else AdapterRegistry(n_slots)
@@ -153,6 +188,12 @@ class MultiLoRABackend:
     def from_config(cls, cfg: MilesConfig, router_url: str | None = None,
                     hooks: ControllerHooks | None = None) -> MultiLoRABackend:
         return cls(cfg.multi_lora_n_adapters, AdapterDefaults.from_config(cfg), router_url, hooks)
+
+    async def init(self) -> None:
+        """Called once before the control plane serves (Miles' hook: open clients here)."""
+
+    async def close(self) -> None:
+        """Called when the control plane stops (Miles' hook: close what `init` opened)."""
 
     def _persist(self) -> None:
         """Write the registry through to the store (one transaction) after a change."""
