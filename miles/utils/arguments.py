@@ -189,6 +189,9 @@ class MilesConfig:
     lr_decay_style: Literal["constant", "linear", "cosine"] = _flag("constant", "LR schedule (default of adapters).")
     lr_warmup_steps: int = _flag(0, "Warmup in optimizer steps (default of adapters); Miles' --lr-warmup-iters.",
                                  aliases=("--lr-warmup-iters",))
+    metrics_naming: Literal["ours", "miles"] = _flag(
+        "ours", "Adapter metric names in W&B and TensorBoard: ours, adapters/{name}/{metric} against "
+                "adapters/{name}/step, or miles, {name}/{metric} against {name}/step as Miles names them.")
     lr_warmup_init: float = _flag(0.0, "LR of an adapter's first warmup step (capped at its lr), rising "
                                        "linearly to its lr over the warmup, as Megatron's --lr-warmup-init.")
     optimizer: Literal["adam"] = _flag("adam", "Optimizer: one Adam (decoupled weight decay) per adapter slot.")
