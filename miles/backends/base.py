@@ -129,6 +129,9 @@ class LoadResult:
     accumulated_groups: int = 0
     """Groups toward the next step whose gradient the checkpoint held and the slot holds
     again: the registry takes the count over."""
+    miles_checkpoint: bool = False
+    """`checkpoint` was written by Miles' trainer: only its LoRA weights were loaded (a fresh
+    optimizer and LR clock, the data from its start), at its step."""
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ does not need are accepted and ignored) and stops cleanly on SIGINT/SIGTERM:
     curl -s localhost:8068/adapter_runs -d '{"name": "a", "config": {"data": "data.jsonl"}}'
 
 Adapters registered here walk PENDING only (no trainer pushes weights); DELETE moves them
-to RETIRING. The control plane imports no rollout code, so here a dataset is only checked
-to exist (the trainer hands the controller the full dataset and reward checks) and an
-unset `num_step` stays unset. With `--sglang-router-ip/--sglang-router-port`, aborts reach that router's
-workers.
+to RETIRING. Registrations get the trainer's checks: the dataset (read, its rows counted
+into `num_step`), the reward, the plug-in paths (inside `--multi-lora-allowed-plugin-modules`,
+callable as the rollout calls them) and the allowed roots, so a client developed against it
+learns the trainer's contract. With `--sglang-router-ip/--sglang-router-port`, aborts reach
+that router's workers.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ Stop with Ctrl-C."""
 
 async def serve(cfg: MilesConfig) -> None:
     router_url = f"http://{cfg.sglang_router_ip}:{cfg.sglang_router_port}" if cfg.sglang_router_ip else None
-    controller = MultiLoRAController(ControllerConfig.from_config(cfg), router_url)
+    # The trainer's registration checks (its launcher hands the controller the same hooks).
+    from miles.main.registration_checks import controller_hooks
+
+    controller = MultiLoRAController(ControllerConfig.from_config(cfg, controller_hooks(cfg)), router_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -23,6 +23,7 @@ same run directory finds its adapters there too.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import socket
@@ -31,14 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.controller.backend import ControllerHooks, DatasetLimits, MultiLoRABackend
+from miles.controller.backend import BackendArgs, ControllerHooks, DatasetLimits, MultiLoRABackend
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
 from miles.controller.registry import AdapterAlreadyRegisteredError
 from miles.controller.store import RegistryStore
 from miles.controller.tinker.command_log import ErrorCategory
 from miles.controller.tinker.gateway import GatewayConfig, TinkerGateway
 from miles.utils.adapter_config import AdapterDefaults
-from miles.utils.plugins import load_subclass
+from miles.utils.plugins import PluginError, load_subclass
 from miles.utils.types import (
     AdapterFailure,
     AdapterGauges,
@@ -88,6 +89,8 @@ class ControllerConfig:
     dataset_limits: DatasetLimits = field(default_factory=DatasetLimits)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     """The Tinker gateway's settings (the base model it serves, the slots' LoRA layout)."""
+    flags: MilesConfig | None = None
+    """The trainer's flags: the `args` of a backend subclass written in Miles' form."""
 
     @classmethod
     def from_config(cls, cfg: MilesConfig, hooks: ControllerHooks | None = None) -> ControllerConfig:
@@ -102,7 +105,50 @@ class ControllerConfig:
                                          timeout_s=cfg.multi_lora_dataset_timeout_s),
             gateway=GatewayConfig(base_model=cfg.hf_checkpoint, tokenizer_id=cfg.hf_checkpoint,
                                   target_modules=cfg.target_modules, lora_unembed=cfg.lora_unembed),
+            flags=cfg,
         )
+
+
+def _takes(cls: type, *args: Any, **kwargs: Any) -> bool:
+    try:
+        inspect.signature(cls).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def build_backend(cls: type[MultiLoRABackend], config: ControllerConfig, router_url: str | None,
+                  store: RegistryStore | None) -> MultiLoRABackend:
+    """`cls` built as this controller builds backends, or in Miles' form `cls(args, router_url)`;
+    a constructor that takes neither is refused with both forms named."""
+    ours = (config.n_slots, config.defaults, router_url, config.hooks)
+    if _takes(cls, *ours, store=store, dataset_limits=config.dataset_limits):
+        return cls(*ours, store=store, dataset_limits=config.dataset_limits)
+    if _takes(cls, None, router_url):
+        if config.flags is None:
+            raise PluginError(f"--multi-lora-backend-path {cls.__qualname__}: its __init__(args, router_url) "
+                              "needs the trainer's flags, and this controller was built without them")
+        return cls(BackendArgs(config.flags, config.hooks, store, config.dataset_limits), router_url)
+    raise PluginError(
+        f"--multi-lora-backend-path {cls.__qualname__}: __init__{inspect.signature(cls)} takes neither this "
+        "trainer's arguments (n_slots, defaults, router_url, hooks, *, store, dataset_limits) nor Miles' "
+        "(args, router_url); take one of them and pass it on to super().__init__")
+
+
+def build_server(cls: type[MultiLoRAHTTPServer], backend: MultiLoRABackend, config: HTTPServerConfig,
+                 gateway: TinkerGateway) -> MultiLoRAHTTPServer:
+    """`cls(backend, config=..., gateway=...)`, or in Miles' form `cls(backend, host, api_port=...)`
+    and then `configure` (so the token and the limits hold for it too)."""
+    if _takes(cls, backend, config=config, gateway=gateway):
+        return cls(backend, config=config, gateway=gateway)
+    if _takes(cls, backend, config.host, api_port=config.port):
+        server = cls(backend, config.host, api_port=config.port)
+        server.configure(config, gateway)
+        return server
+    raise PluginError(
+        f"--multi-lora-http-server-path {cls.__qualname__}: __init__{inspect.signature(cls)} takes neither "
+        "(backend, *, config, gateway) nor Miles' (backend, host, api_port); take one of them and pass it on "
+        "to super().__init__")
 
 
 class MultiLoRAController:
@@ -111,10 +157,10 @@ class MultiLoRAController:
         server_cls = load_subclass(config.http_server_path, MultiLoRAHTTPServer, "--multi-lora-http-server-path")
         self.config = config
         self.store = RegistryStore(config.registry_path) if config.registry_path is not None else None
-        self.backend = backend_cls(config.n_slots, config.defaults, router_url, config.hooks,
-                                   store=self.store, dataset_limits=config.dataset_limits)
+        self.backend = build_backend(backend_cls, config, router_url, self.store)
         self.gateway = TinkerGateway(self.backend, config.gateway, self.store)
-        self.server = server_cls(self.backend, config.server, gateway=self.gateway)
+        self.server = build_server(server_cls, self.backend, config.server, self.gateway)
+        self._backend_open = False
         self._restart_under_ray()
 
     def _restart_under_ray(self) -> None:
@@ -147,6 +193,9 @@ class MultiLoRAController:
         if self.server.serving:
             assert self.server.port is not None
             return self.server.port
+        if not self._backend_open:
+            await self.backend.init()
+            self._backend_open = True
         bound = await self.server.start(port=port)
         if self.store is not None:
             self.store.set_meta("http_port", bound)
@@ -155,6 +204,9 @@ class MultiLoRAController:
     async def stop(self) -> None:
         await self.server.stop()
         await self.gateway.aclose()  # the Tinker samples still running, and the sampler's connections
+        if self._backend_open:
+            self._backend_open = False
+            await self.backend.close()
 
     async def http_host(self) -> str:
         """Address clients should use (the node IP when bound to every interface)."""

@@ -35,7 +35,7 @@ import os
 import stat
 from collections.abc import Awaitable, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ from miles.utils.adapter_config import (
     AdapterConfigError,
     AdapterDefaults,
     AdapterRunConfig,
+    check_plugin_modules,
     check_within_roots,
     config_from_mapping,
     parse_adapter_run_yaml,
@@ -73,6 +74,9 @@ DatasetValidator = Callable[[str, str, "str | None"], int]
 """`(path, input_key, label_key) -> row count`; ValueError saying what is wrong with the file."""
 RewardValidator = Callable[["str | None", "str | None"], None]
 """`(rm_type, custom_rm_path)`; ValueError if no reward function can be found from them."""
+PluginValidator = Callable[["str | None", "str | None"], None]
+"""`(custom_generate_function_path, dynamic_sampling_filter_path)`; ValueError unless each is
+callable as the rollout calls it."""
 PrefixAbort = Callable[[str, str], Awaitable[list[str]]]
 """`(router_url, rid_prefix) -> worker URLs reached`; best effort, never raises."""
 
@@ -87,6 +91,8 @@ class ControllerHooks:
     """Runs in a worker thread at registration; None: the dataset is not read."""
     validate_reward: RewardValidator | None = None
     """None: only "some reward is set (adapter or CLI)" is checked."""
+    validate_plugins: PluginValidator | None = None
+    """None: the generate function and filter are only checked to exist."""
     abort_prefix: PrefixAbort = abort_on_workers
 
 
@@ -119,10 +125,45 @@ class DatasetLimits:
     """Registrations reading a dataset at once; one more is refused with 429."""
 
 
+@dataclass(frozen=True)
+class BackendArgs:
+    """The `args` a backend written in Miles' form is built with, `cls(args, router_url)`: the
+    trainer's flags under Miles' names (`args.lora_rank`, `args.save`, ...) and what the
+    controller hands every backend."""
+
+    flags: MilesConfig
+    hooks: ControllerHooks = field(default_factory=lambda: ControllerHooks())
+    store: RegistryStore | None = None
+    dataset_limits: DatasetLimits = field(default_factory=lambda: DatasetLimits())
+
+    def __getattr__(self, name: str) -> Any:  # only for names the dataclass does not have
+        if name.startswith("__") or name == "flags":
+            raise AttributeError(name)
+        return getattr(self.flags, name)
+
+
 class MultiLoRABackend:
-    def __init__(self, n_slots: int, defaults: AdapterDefaults, router_url: str | None = None,
-                 hooks: ControllerHooks | None = None, *, store: RegistryStore | None = None,
-                 dataset_limits: DatasetLimits | None = None) -> None:
+    """Registration, retirement and the registry around them (see the module's docstring).
+
+    Built as `cls(n_slots, defaults, router_url, hooks, store=..., dataset_limits=...)`, or, for
+    a subclass written for Miles, `cls(args, router_url)` with `args` a `BackendArgs` (its
+    `__init__(self, args, router_url)` calls `super().__init__(args, router_url)`); then
+    `self.args` holds them, as in Miles.
+    """
+
+    def __init__(self, n_slots: int | BackendArgs, defaults: AdapterDefaults | str | None = None,
+                 router_url: str | None = None, hooks: ControllerHooks | None = None, *,
+                 store: RegistryStore | None = None, dataset_limits: DatasetLimits | None = None) -> None:
+        self.args: BackendArgs | None = None
+        if isinstance(n_slots, BackendArgs):  # Miles' form: (args, router_url)
+            self.args = args = n_slots
+            if not (defaults is None or isinstance(defaults, str)):
+                raise TypeError("a backend built from BackendArgs takes (args, router_url)")
+            router_url = defaults
+            n_slots, defaults = args.flags.multi_lora_n_adapters, AdapterDefaults.from_config(args.flags)
+            hooks, store, dataset_limits = args.hooks, args.store, args.dataset_limits
+        if not isinstance(defaults, AdapterDefaults):
+            raise TypeError(f"defaults must be AdapterDefaults, got {type(defaults).__name__}")
         self.store = store
         state = store.load() if store is not None else None
         self.registry = AdapterRegistry.from_state(state, n_slots) if state else AdapterRegistry(n_slots)
@@ -149,6 +190,12 @@ class MultiLoRABackend:
                     hooks: ControllerHooks | None = None) -> MultiLoRABackend:
         return cls(cfg.multi_lora_n_adapters, AdapterDefaults.from_config(cfg), router_url, hooks)
 
+    async def init(self) -> None:
+        """Called once before the control plane serves (Miles' hook: open clients here)."""
+
+    async def close(self) -> None:
+        """Called when the control plane stops (Miles' hook: close what `init` opened)."""
+
     def _persist(self) -> None:
         """Write the registry through to the store (one transaction) after a change."""
         if self.store is not None:
@@ -162,17 +209,20 @@ class MultiLoRABackend:
         config: dict[str, Any] | AdapterRunConfig | None = None,
         yaml_path: str | None = None,
         allowed_roots: list[Path] | None = None,
+        plugin_modules: tuple[str, ...] | None = None,
     ) -> int:
         """Resolve → `validate_adapter` → read the dataset (off the loop) → registry; returns the slot.
 
         With `allowed_roots` (requests from the network), `yaml_path`, `data` and `save`
-        must resolve inside one of them. Nothing changes unless every check passes.
+        must resolve inside one of them; with `plugin_modules`, every plug-in path the config
+        names must lie in one of those modules (checked before anything is imported).
+        Nothing changes unless every check passes.
         """
         if (config is None) == (yaml_path is None):
             raise AdapterValidationError(f"Adapter '{name}': give exactly one of 'config' or 'yaml_path'")
         try:
             validate_adapter_name(name)
-            resolved = self._resolve(name, config, yaml_path, allowed_roots)
+            resolved = self._resolve(name, config, yaml_path, allowed_roots, plugin_modules)
         except AdapterConfigError as exc:
             raise AdapterValidationError(str(exc)) from None
         self.registry.check_can_register(name, resolved)  # fail fast, before reading the dataset
@@ -223,7 +273,7 @@ class MultiLoRABackend:
 
     def _resolve(
         self, name: str, config: dict[str, Any] | AdapterRunConfig | None, yaml_path: str | None,
-        allowed_roots: list[Path] | None,
+        allowed_roots: list[Path] | None, plugin_modules: tuple[str, ...] | None = None,
     ) -> AdapterRunConfig:
         if yaml_path is not None:
             _check_path_text(name, "yaml_path", yaml_path)
@@ -240,6 +290,8 @@ class MultiLoRABackend:
             check_within_roots(name, "data", raw.data, allowed_roots)
             if raw.save is not None:
                 check_within_roots(name, "save", raw.save, allowed_roots)
+        if plugin_modules is not None:
+            check_plugin_modules(name, raw, plugin_modules)  # before resolving imports any of them
         resolved = resolve_adapter_config(name, raw, self.defaults)
         if allowed_roots is not None:
             assert resolved.save is not None
@@ -260,6 +312,11 @@ class MultiLoRABackend:
                 self.hooks.validate_reward(config.rm_type or self.defaults.rm_type, config.custom_rm_path)
             except ValueError as exc:
                 raise AdapterValidationError(f"Adapter '{name}': reward: {exc}") from None
+        if self.hooks.validate_plugins is not None:
+            try:
+                self.hooks.validate_plugins(config.custom_generate_function_path, config.dynamic_sampling_filter_path)
+            except ValueError as exc:
+                raise AdapterValidationError(f"Adapter '{name}': {exc}") from None
         return _CHECKED
 
     async def _run_validate_adapter(self, name: str, config: AdapterRunConfig) -> None:

@@ -82,6 +82,8 @@ class HTTPServerConfig:
     token: str | None = None
     allowed_roots: tuple[Path, ...] = ()
     """Paths in requests must resolve inside one of these (default: cwd and --save)."""
+    plugin_modules: tuple[str, ...] = ("miles",)
+    """Modules whose functions a registration may name as a plug-in (`--multi-lora-allowed-plugin-modules`)."""
     max_body_bytes: int = MAX_BODY_BYTES
     """Larger request bodies are refused with 413 before they are parsed."""
 
@@ -93,7 +95,7 @@ class HTTPServerConfig:
         return cls(
             host=cfg.multi_lora_api_host, port=cfg.multi_lora_api_port,
             token=cfg.multi_lora_api_token or os.environ.get("MILES_API_TOKEN") or None,
-            allowed_roots=tuple(r.expanduser().resolve() for r in roots),
+            allowed_roots=tuple(r.expanduser().resolve() for r in roots), plugin_modules=cfg.plugin_modules,
         )
 
 
@@ -167,20 +169,38 @@ class _BackendCollector:
 
 
 class MultiLoRAHTTPServer:
-    def __init__(self, backend: MultiLoRABackend, config: HTTPServerConfig | None = None,
-                 gateway: TinkerGateway | None = None) -> None:
+    """The control plane's HTTP API over a `MultiLoRABackend` (and the Tinker gateway's routes).
+
+    Subclass it to add routes (override `add_routes(app)`, calling the base class's) and select
+    the subclass with `--multi-lora-http-server-path`. The controller builds it as
+    `cls(backend, config=..., gateway=...)`; a subclass written for Miles, whose `__init__`
+    takes `(backend, host="127.0.0.1", api_port=0)` and calls `super().__init__(backend, host,
+    api_port)`, is built that way and then handed the rest by `configure` (the token, the
+    allowed roots and plug-in modules, the gateway) before it serves anything.
+    """
+
+    def __init__(self, backend: MultiLoRABackend, host: str = "127.0.0.1", api_port: int = 0, *,
+                 config: HTTPServerConfig | None = None, gateway: TinkerGateway | None = None) -> None:
         self.backend = backend
-        self.config = config or HTTPServerConfig(allowed_roots=(Path.cwd().resolve(),))
-        self.gateway = gateway
-        """The Tinker protocol's gateway: its routes are served under `/api/v1` when given."""
-        self.metrics = CollectorRegistry(auto_describe=True)
-        self.metrics.register(_BackendCollector(backend, gateway.log.pending_count if gateway is not None else None))
-        self.requests_total = Counter("miles_controller_requests", "HTTP requests by route and status",
-                                      ["route", "method", "status"], registry=self.metrics)
-        self.app = self.create_app()
         self._server: _EmbeddedUvicorn | None = None
         self._task: asyncio.Task[None] | None = None
         self.port: int | None = None
+        self.configure(config or HTTPServerConfig(host=host, port=api_port, allowed_roots=(Path.cwd().resolve(),)),
+                       gateway)
+
+    def configure(self, config: HTTPServerConfig, gateway: TinkerGateway | None = None) -> None:
+        """Its settings and the Tinker gateway; the app is built again from them."""
+        if self.serving:
+            raise RuntimeError("configure the control plane before it serves")
+        self.config = config
+        self.gateway = gateway
+        """The Tinker protocol's gateway: its routes are served under `/api/v1` when given."""
+        self.metrics = CollectorRegistry(auto_describe=True)
+        self.metrics.register(_BackendCollector(self.backend,
+                                                gateway.log.pending_count if gateway is not None else None))
+        self.requests_total = Counter("miles_controller_requests", "HTTP requests by route and status",
+                                      ["route", "method", "status"], registry=self.metrics)
+        self.app = self.create_app()
 
     # ---- app -------------------------------------------------------------------------
 
@@ -251,7 +271,8 @@ class MultiLoRAHTTPServer:
         async def register(request: Request) -> dict[str, Any]:
             body = await self._parse_register_body(request)
             slot = await backend.register(body.name, config=body.config, yaml_path=body.yaml_path,
-                                          allowed_roots=list(self.config.allowed_roots))
+                                          allowed_roots=list(self.config.allowed_roots),
+                                          plugin_modules=self.config.plugin_modules)
             return {"name": body.name, "slot": slot}
 
         @app.delete("/adapter_runs/{name}")

@@ -122,7 +122,11 @@ class AdapterSlots:
             progress = (loaded.step, loaded.accumulated_groups)
             if loaded.checkpoint is not None or progress != (run.step, run.accumulated_groups):
                 snapshot = await self.controller.set_adapter_step.remote(name, *progress)
-            if loaded.checkpoint is not None:
+            if loaded.miles_checkpoint:
+                logger.info("Adapter '%s' starts from the LoRA weights of Miles' checkpoint %s (step %d), with a "
+                            "fresh optimizer and LR clock and its data from the start", name, loaded.checkpoint,
+                            loaded.step)
+            elif loaded.checkpoint is not None:
                 logger.info("Adapter '%s' resumed from %s (step %d)", name, loaded.checkpoint, loaded.step)
             elif loaded.step != run.step:
                 logger.warning("Adapter '%s' had step %d but no checkpoint: it starts again from step %d",

@@ -14,19 +14,17 @@ import signal
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import ray
 
 from miles.backends.base import TrainingBackend
 from miles.main.engine_push import EnginePusher
 from miles.main.progress import RunProgress, make_view
+from miles.main.registration_checks import controller_hooks
 from miles.main.stages import Stages
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
-
-if TYPE_CHECKING:
-    from miles.controller.backend import ControllerHooks
 
 logger = logging.getLogger(__name__)
 
@@ -78,17 +76,6 @@ class Components:
     """The training backend (the torch `TrainGroup` over its rank actors)."""
     stages: Stages
     """The loop's stages over the three above."""
-
-
-def controller_hooks(cfg: MilesConfig) -> ControllerHooks:
-    """The checks the controller runs at registration (it imports no rollout code): the
-    dataset's rows that fit `--rollout-max-prompt-len` (so `num_step` is derived after the
-    filter, as in Miles) and the reward."""
-    from miles.controller.backend import ControllerHooks
-    from miles.rollout.data_source import DatasetCheck
-    from miles.rollout.rewards import validate_reward_spec
-
-    return ControllerHooks(validate_dataset=DatasetCheck.from_config(cfg), validate_reward=validate_reward_spec)
 
 
 async def launch(cfg: MilesConfig) -> Components:

@@ -283,6 +283,8 @@ class BatchCollector:
                 response_lengths=tuple(s.effective_response_length for s in samples),
                 truncated=sum(1 for s in samples if s.status is SampleStatus.TRUNCATED),
                 uniform_group_rewards=tuple(g.samples[0].reward for g in groups if _uniform_rewards(g)),
+                log_prob_means=tuple(sum(s.rollout_log_probs) / len(s.rollout_log_probs)
+                                     for s in samples if s.rollout_log_probs),
                 staleness=tuple(run.trainer_version - g.version for g in groups),
                 queue_length=queues.get(name, 0),
                 dropped={why: self.drops[name, why] for why in DropReason},

@@ -146,6 +146,17 @@ def load_generate_function(path: str, *, kind: str = "--custom-generate-function
     return fn
 
 
+def validate_rollout_plugins(generate_path: str | None, filter_path: str | None) -> None:
+    """Check at registration an adapter's generate function and dynamic filter as they will be
+    called (async, one input; fn(args, samples)); `PluginError` (a ValueError) says what to fix."""
+    from miles.rollout.filters import load_dynamic_filter
+
+    if generate_path is not None:
+        load_generate_function(generate_path, kind="custom_generate_function_path")
+    if filter_path is not None:
+        load_dynamic_filter(filter_path, kind="dynamic_sampling_filter_path")
+
+
 async def call_generate_function(fn: GenerateFn, input: GenerateFnInput) -> Sample:
     """Run a generate function and check what it returns."""
     output = await fn(input)

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import ADAPTER_LOSS_KEYS, KL_LOSS_TYPES, LossSettings
-from miles.utils.plugins import PluginError, load_object
+from miles.utils.plugins import PluginError, load_object, path_in_modules
 from miles.utils.safe_yaml import load_yaml
 
 logger = logging.getLogger(__name__)
@@ -422,6 +422,31 @@ def _check_combination(name: str, cfg: AdapterRunConfig, defaults: AdapterDefaul
     if cfg.num_step is not None and cfg.num_epoch is not None:
         logger.warning("Adapter '%s': both num_step (%d) and num_epoch (%d) set; num_step wins",
                        name, cfg.num_step, cfg.num_epoch)
+
+
+PLUGIN_FIELDS = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
+                 "loss.custom_tis_function_path")
+"""The keys of an adapter config that name a function to import and call."""
+
+
+def plugin_paths(cfg: AdapterRunConfig) -> dict[str, str]:
+    """Each plug-in path the config names, by its key."""
+    paths = {key: getattr(cfg, key) for key in PLUGIN_FIELDS if "." not in key}
+    if cfg.loss is not None:
+        paths["loss.custom_tis_function_path"] = cfg.loss.custom_tis_function_path
+    return {key: path for key, path in paths.items() if path is not None}
+
+
+def check_plugin_modules(name: str, cfg: AdapterRunConfig, modules: tuple[str, ...]) -> None:
+    """AdapterConfigError unless every plug-in path of `cfg` lies in one of `modules` (a
+    registration from the network may make the trainer call only those)."""
+    for key, path in plugin_paths(cfg).items():
+        if not path_in_modules(path, modules):
+            shown = path if len(path) <= 120 else path[:120] + "..."
+            raise AdapterConfigError(
+                f"Adapter '{name}': {key} {shown!r} is outside the modules a registration may name "
+                f"({', '.join(modules)}); start the trainer with --multi-lora-allowed-plugin-modules "
+                f"naming its module, or name the function on the trainer's command line")
 
 
 def path_within_roots(path: str | Path, roots: list[Path]) -> bool:

@@ -31,6 +31,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from miles.utils.loss_settings import LOSS_FLAGS, LossSettings
+from miles.utils.plugins import plugin_module
 from miles.utils.safe_yaml import load_yaml
 
 logger = logging.getLogger(__name__)
@@ -188,6 +189,9 @@ class MilesConfig:
     lr_decay_style: Literal["constant", "linear", "cosine"] = _flag("constant", "LR schedule (default of adapters).")
     lr_warmup_steps: int = _flag(0, "Warmup in optimizer steps (default of adapters); Miles' --lr-warmup-iters.",
                                  aliases=("--lr-warmup-iters",))
+    metrics_naming: Literal["ours", "miles"] = _flag(
+        "ours", "Adapter metric names in W&B and TensorBoard: ours, adapters/{name}/{metric} against "
+                "adapters/{name}/step, or miles, {name}/{metric} against {name}/step as Miles names them.")
     lr_warmup_init: float = _flag(0.0, "LR of an adapter's first warmup step (capped at its lr), rising "
                                        "linearly to its lr over the warmup, as Megatron's --lr-warmup-init.")
     optimizer: Literal["adam"] = _flag("adam", "Optimizer: one Adam (decoupled weight decay) per adapter slot.")
@@ -243,6 +247,7 @@ class MilesConfig:
     multi_lora_api_port: int = _flag(8068, "Port of the control plane (0: ephemeral).")
     multi_lora_api_token: str | None = _flag(None, "Bearer token required on every route but /health (or env MILES_API_TOKEN).")
     multi_lora_allowed_roots: list[str] = _flag([], "Roots that paths in requests must resolve inside (default: cwd and --save).", nargs="+")
+    multi_lora_allowed_plugin_modules: list[str] = _flag([], "Modules (with their submodules) whose functions an adapter registered over HTTP may name as its reward, generate function, filters or TIS function (default: miles and the modules of the plug-ins this command line names).", nargs="+")
     multi_lora_disable_service_mode: bool = _flag(False, "Exit when no adapter is left instead of idling.")
     multi_lora_max_adapter_global_batch_size: int | None = _flag(None, "Largest rollout_batch_size * n_samples_per_prompt of an adapter (default: 4 x global batch).")
     multi_lora_max_coalesce_wait_s: float = _flag(0.5, "Ship a non-empty batch after this long without progress.")
@@ -421,6 +426,16 @@ class MilesConfig:
             raise ConfigError("adapters were given but --multi-lora-n-adapters is 0: set it to the number of slots")
         if len(names) > self.multi_lora_n_adapters > 0:
             raise ConfigError(f"{len(names)} adapters given at start but only {self.multi_lora_n_adapters} slots: raise --multi-lora-n-adapters")
+
+    @property
+    def plugin_modules(self) -> tuple[str, ...]:
+        """What `--multi-lora-allowed-plugin-modules` allows; by default `miles` and the module of
+        every plug-in this command line names."""
+        if self.multi_lora_allowed_plugin_modules:
+            return tuple(self.multi_lora_allowed_plugin_modules)
+        own = (self.custom_rm_path, self.custom_generate_function_path, self.dynamic_sampling_filter_path,
+               self.rollout_sample_filter_path, self.loss.custom_tis_function_path)
+        return ("miles", *sorted({plugin_module(path) for path in own if path}))
 
     @property
     def initial_adapters(self) -> list[tuple[str, str]]:

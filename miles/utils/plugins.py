@@ -8,7 +8,9 @@ load time rather than at first use:
     fn = load_callable("my_pkg.rewards.length", kind="custom_rm_path", params="args, sample")
     cls = load_subclass("my_pkg.servers.Quota", MultiLoRABackend, "--multi-lora-backend-path")
 
-`pkg.module.attr` and `pkg.module:attr` are both accepted.
+`pkg.module.attr` and `pkg.module:attr` are both accepted. A path that arrives over the
+network is first checked against the allowed module prefixes (`path_in_modules`), before
+anything is imported.
 """
 
 from __future__ import annotations
@@ -73,3 +75,19 @@ def load_subclass(path: str | None, base: type[T], flag: str) -> type[T]:
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise PluginError(f"{flag} {path!r}: must be a subclass of {base.__module__}.{base.__qualname__}")
     return cls
+
+
+def plugin_module(path: str) -> str:
+    """The module a dotted path names its object in: `pkg.mod` of `pkg.mod.fn` or `pkg.mod:fn`."""
+    return path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
+
+
+def path_in_modules(path: str, modules: tuple[str, ...]) -> bool:
+    """Whether `path` names an object inside one of `modules` (a module and its submodules:
+    `miles` covers `miles.rollout.rm_hub.f1`, never `milesx.f`).
+
+    >>> path_in_modules("miles.rollout.rewards.f1", ("miles",)), path_in_modules("os.system", ("miles",))
+    (True, False)
+    """
+    module = plugin_module(path)
+    return any(module == m or module.startswith(m + ".") for m in (m.rstrip(".") for m in modules) if m)

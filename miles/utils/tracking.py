@@ -20,6 +20,9 @@ theirs (W&B plots `perf/*` against `rollout_id`), adapter metrics become
 `adapters/{adapter}/{metric}`, which W&B plots against `adapters/{adapter}/step`
 (`define_metric`) and TensorBoard against the adapter's step. A loop metric may not
 start with `adapters/`, so an adapter called `perf` (or anything) never meets them.
+`--metrics-naming miles` names them as Miles does instead, `{adapter}/{metric}` against
+`{adapter}/step`, so dashboards built for Miles read them (an adapter named like a loop
+namespace, `perf`, then shares it, as in Miles). `metrics.jsonl` is the same either way.
 
 `StageTimer` names and times each stage of a loop iteration:
 
@@ -45,6 +48,7 @@ from miles.utils.types import AdapterKind
 logger = logging.getLogger(__name__)
 
 ADAPTER_NAMESPACE = "adapters/"
+METRICS_NAMINGS = ("ours", "miles")
 """Flat names of adapter metrics start with it; loop metrics never do."""
 
 LOOP_STEP_KEY = "rollout_id"
@@ -88,7 +92,11 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path | str, *, use_wandb: bool = False,
                  wandb_project: str | None = None, run_name: str | None = None, wandb_group: str | None = None,
-                 wandb_key: str | None = None, wandb_random_suffix: bool = True) -> None:
+                 wandb_key: str | None = None, wandb_random_suffix: bool = True, naming: str = "ours") -> None:
+        if naming not in METRICS_NAMINGS:
+            raise ValueError(f"metrics naming must be one of {METRICS_NAMINGS}, got {naming!r}")
+        self.naming = naming
+        """How adapter metrics are named in TensorBoard and W&B (`adapter_metric_name`)."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -112,7 +120,7 @@ class MetricsLogger:
         and `--disable-wandb-random-suffix` mean what they mean in Miles."""
         return cls(cfg.resolved_run_dir, use_wandb=cfg.use_wandb, wandb_project=cfg.wandb_project,
                    wandb_group=cfg.wandb_group, wandb_key=cfg.wandb_key,
-                   wandb_random_suffix=not cfg.disable_wandb_random_suffix)
+                   wandb_random_suffix=not cfg.disable_wandb_random_suffix, naming=cfg.metrics_naming)
 
     def _open_wandb(self, project: str | None, run_name: str | None, group: str | None, key: str | None,
                     random_suffix: bool) -> Any:
@@ -153,13 +161,13 @@ class MetricsLogger:
             return
         self._write({"kind": "adapter", "adapter": adapter, "adapter_kind": adapter_kind.value, "step": step,
                      "time": time.time(), "metrics": values})
-        flat = {adapter_metric_name(adapter, key): value for key, value in values.items()}
+        flat = {adapter_metric_name(adapter, key, self.naming): value for key, value in values.items()}
         if self._tb is not None:
             for key, value in flat.items():
                 self._tb.add_scalar(key, value, global_step=step)
         if self._wandb is not None:
-            step_key = adapter_metric_name(adapter, "step")
-            self._define_wandb_axis(step_key, adapter_metric_name(adapter, "*"), flat)
+            step_key = adapter_metric_name(adapter, "step", self.naming)
+            self._define_wandb_axis(step_key, adapter_metric_name(adapter, "*", self.naming), flat)
             self._wandb.log({**flat, step_key: step})
 
     def _define_wandb_axis(self, step_key: str, glob: str, flat: dict[str, float]) -> None:
@@ -186,9 +194,10 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def adapter_metric_name(adapter: str, metric: str) -> str:
-    """The flat name of an adapter's metric (TensorBoard, W&B)."""
-    return f"{ADAPTER_NAMESPACE}{adapter}/{metric}"
+def adapter_metric_name(adapter: str, metric: str, naming: str = "ours") -> str:
+    """The flat name of an adapter's metric (TensorBoard, W&B): `adapters/{adapter}/{metric}`,
+    or Miles' `{adapter}/{metric}` with naming "miles"."""
+    return f"{adapter}/{metric}" if naming == "miles" else f"{ADAPTER_NAMESPACE}{adapter}/{metric}"
 
 
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:

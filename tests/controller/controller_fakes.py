@@ -15,10 +15,12 @@ from miles.controller.actor import ControllerConfig, MultiLoRAController
 from miles.controller.backend import ControllerHooks
 from miles.controller.http_server import HTTPServerConfig
 from miles.rollout.datasets import validate_dataset
+from miles.rollout.generate import validate_rollout_plugins
 from miles.rollout.rewards import validate_reward_spec
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig
 
-ROLLOUT_HOOKS = ControllerHooks(validate_dataset=validate_dataset, validate_reward=validate_reward_spec)
+ROLLOUT_HOOKS = ControllerHooks(validate_dataset=validate_dataset, validate_reward=validate_reward_spec,
+                                validate_plugins=validate_rollout_plugins)
 """The checks the trainer hands the controller at launch."""
 
 
@@ -137,5 +139,5 @@ class ThreadedController:
 def controller_config(data_root: Path, defaults: AdapterDefaults, n_slots: int = 2, token: str | None = None,
                       hooks: ControllerHooks = ROLLOUT_HOOKS, **extra: Any) -> ControllerConfig:
     server = HTTPServerConfig(host="127.0.0.1", port=0, token=token, allowed_roots=(data_root.resolve(),),
-                              **{k: extra.pop(k) for k in ["max_body_bytes"] if k in extra})
+                              **{k: extra.pop(k) for k in ["max_body_bytes", "plugin_modules"] if k in extra})
     return ControllerConfig(n_slots=n_slots, defaults=defaults, server=server, hooks=hooks, **extra)

@@ -31,7 +31,7 @@ async def test_no_operation_answers_5xx(data_root: Path, defaults: AdapterDefaul
     dataset = str(data_root / "data" / "train.jsonl")
     for name in ("a", "b"):  # reads and deletes also meet adapters that exist
         await backend.register(name, config={"data": dataset})
-    server = MultiLoRAHTTPServer(backend, HTTPServerConfig(token=TOKEN, allowed_roots=(data_root.resolve(),)))
+    server = MultiLoRAHTTPServer(backend, config=HTTPServerConfig(token=TOKEN, allowed_roots=(data_root.resolve(),)))
     auth = {"Authorization": f"Bearer {TOKEN}"}
     schema = schemathesis.openapi.from_asgi("/openapi.json", server.app, headers=auth)
     operations = [result.ok() for result in schema.get_all_operations()]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from controller_fakes import LoopbackRouter, ThreadedController, controller_config
+from controller_fakes import ROLLOUT_HOOKS, LoopbackRouter, ThreadedController, controller_config
 
 from miles.controller.actor import ControllerConfig, MultiLoRAController
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
@@ -439,6 +439,41 @@ def test_server_config_defaults_and_backend_path(tmp_path: Path, monkeypatch: py
             cfg.replace(multi_lora_backend_path=f"{__name__}.ExtraRouteServer")))
     with pytest.raises(ValueError, match="set --multi-lora-n-adapters > 0"):
         ControllerConfig.from_config(cfg.replace(multi_lora_n_adapters=0))
+
+
+def test_plugins_written_for_miles_load_with_their_signatures(data_root: Path) -> None:
+    """A backend taking (args, router_url) and a server taking (backend, host, api_port), both
+    imported from Miles' module paths: built that way, the server then given the token and the
+    limits; Miles' async hooks awaited (init at start, close at stop, validate_adapter)."""
+    plugins = "tests.controller.miles_style_plugins"
+    cfg = parse_args(["--multi-lora-n-adapters", "2", "--save", str(data_root / "save"), "--lora-rank", "4",
+                      "--rm-type", "math", "--rollout-batch-size", "2", "--multi-lora-api-port", "0",
+                      "--multi-lora-api-token", "tok", "--multi-lora-allowed-roots", str(data_root),
+                      "--multi-lora-backend-path", f"{plugins}.QuotaBackend",
+                      "--multi-lora-http-server-path", f"{plugins}:QuotaServer"])
+    plane = ThreadedController(ControllerConfig.from_config(cfg, ROLLOUT_HOOKS))
+    backend = plane.controller.backend
+    try:
+        assert backend.args is not None and backend.args.flags is cfg
+        with httpx.Client(base_url=plane.url, headers={"Authorization": "Bearer tok"}, trust_env=False,
+                          timeout=10) as http:
+            assert http.get("/quota").json() == {"max_rank": 2, "opened": True}
+            refused = http.post("/adapter_runs", json={"name": "big", "config": {"data": data_path(data_root)}})
+            assert refused.status_code == 400 and refused.json()["detail"] == "Adapter 'big' rank 4 exceeds the quota 2"
+            ok = http.post("/adapter_runs", json={"name": "small", "config": {"data": data_path(data_root), "rank": 2}})
+            assert ok.status_code == 200, ok.text
+            outside = http.post("/adapter_runs", json={"name": "x", "config": {
+                "data": data_path(data_root), "rank": 2, "custom_rm_path": "os.system"}})
+            assert outside.status_code == 400 and "--multi-lora-allowed-plugin-modules" in outside.text
+        with httpx.Client(base_url=plane.url, trust_env=False, timeout=10) as anonymous:
+            assert anonymous.get("/quota").status_code == 401  # the trainer's token holds for its routes
+    finally:
+        plane.close()
+    assert backend.opened is False  # close() ran at stop
+
+    with pytest.raises(ValueError, match=r"takes neither this trainer's arguments .* nor Miles' \(args, router_url\)"):
+        MultiLoRAController(ControllerConfig.from_config(
+            cfg.replace(multi_lora_backend_path=f"{plugins}.ThreeArgumentBackend")))
 
 
 def test_server_answers_while_a_dataset_is_validated(data_root: Path, defaults: AdapterDefaults) -> None:

@@ -119,7 +119,7 @@ async def test_binding_beyond_loopback_without_a_token_warns_loudly(
     for host, token, warned in [("192.0.2.1", None, True), ("192.0.2.1", "t", False), ("127.0.0.1", None, False),
                                 ("::1", None, False), ("localhost", None, False)]:
         caplog.clear()
-        server = MultiLoRAHTTPServer(backend, HTTPServerConfig(host=host, port=0, token=token))
+        server = MultiLoRAHTTPServer(backend, config=HTTPServerConfig(host=host, port=0, token=token))
         with caplog.at_level(logging.WARNING, logger="miles.controller.http_server"):
             try:
                 await server.start()

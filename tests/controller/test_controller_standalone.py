@@ -89,9 +89,18 @@ def test_serves_and_stops_cleanly(sig: int, data_root: Path) -> None:
     try:
         with ControlPlaneClient(url, token="tok") as client:
             assert client.health()
+            # The trainer's registration checks: rewards, plug-in modules, generate functions.
+            for config, words in [({"rm_type": "no_such_reward"}, "unknown rm_type"),
+                                  ({"custom_rm_path": "os.system"}, "is outside the modules"),
+                                  ({"custom_generate_function_path": "miles.utils.plugins.plugin_module"},
+                                   "must be an async function")]:
+                with pytest.raises(ControlPlaneError) as err:
+                    client.register("b", config={"data": str(data_root / "data" / "train.jsonl"), **config})
+                assert err.value.status_code == 400 and words in err.value.detail, (config, err.value)
             assert client.register("a", config={"data": str(data_root / "data" / "train.jsonl")}) == 0
             status = client.status("a")
             assert (status.state, status.rank, status.rollout_batch_size) == (AdapterState.PENDING, 4, 2)
+            assert status.num_step == 2  # the dataset was read: 4 rows, 2 groups a step
             with pytest.raises(ControlPlaneError) as err:
                 client.register("b", config={"data": str(data_root / "data" / "train.jsonl")})
             assert err.value.status_code == 409

@@ -8,6 +8,7 @@ record and the completed records.
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from pathlib import Path
 
@@ -200,7 +201,6 @@ async def test_a_new_trainer_over_a_restored_registry_pushes_before_anything_is_
 
 async def test_a_failed_adapter_is_aborted_and_stays_failed_with_its_error_after_a_reopen(
         tmp_path: Path, defaults: AdapterDefaults, data_root: Path) -> None:
-    from miles.controller.backend import ControllerHooks
     from miles.utils.types import AdapterFailure
 
     aborted: list[tuple[str, str]] = []
@@ -210,7 +210,7 @@ async def test_a_failed_adapter_is_aborted_and_stays_failed_with_its_error_after
         return [router_url]
 
     path = tmp_path / "registry.sqlite"
-    hooks = ControllerHooks(ROLLOUT_HOOKS.validate_dataset, ROLLOUT_HOOKS.validate_reward, abort)
+    hooks = dataclasses.replace(ROLLOUT_HOOKS, abort_prefix=abort)
     backend = MultiLoRABackend(2, defaults, "http://router", hooks, store=RegistryStore(path))
     await backend.register("bad", config={"data": str(data_root / "data" / "train.jsonl")})
     backend.record_weight_update(["bad"])

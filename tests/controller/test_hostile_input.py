@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,11 @@ from miles.controller.registry import AdapterValidationError
 from miles.utils.adapter_config import AdapterDefaults
 
 TOKEN = "hostile-test-token"
-HOSTILE_CASES = 74
+HOSTILE_CASES = 84
 """Requests in `cases()`; docs/RELIABILITY.md ("Hostile and malformed input") states this number."""
 RELIABILITY = Path(__file__).resolve().parents[2] / "docs" / "RELIABILITY.md"
+CANARY = "tests.controller.plugin_canary"
+"""A module no registration over HTTP may get imported."""
 
 
 @pytest.fixture
@@ -65,6 +68,7 @@ def hostile_files(root: Path) -> dict[str, str]:
         "unknown.yaml": f"data: {data}\nranq: 4\n",
         "badtype.yaml": f"data: {data}\nrank: eight\n",
         "tabs.yaml": "data:\t[unclosed\n",
+        "plugin.yaml": f"data: {data}\ncustom_rm_path: os.system\n",
     }
     for file_name, text in yamls.items():
         (files / file_name).write_text(text)
@@ -177,6 +181,26 @@ def cases(root: Path, paths: dict[str, str]) -> list[tuple[str, dict[str, Any], 
         ("custom_rm_path not dotted", reg(custom_rm_path="reward"), 400, "custom_rm_path"),
         ("filter path not importable", reg(dynamic_sampling_filter_path="nope.nope.f"), 400,
          "dynamic_sampling_filter_path"),
+        # -- plug-ins outside the allowed modules: refused before anything is imported
+        ("custom_rm_path subprocess.run", reg(custom_rm_path="subprocess.run"), 400,
+         "custom_rm_path 'subprocess.run' is outside the modules a registration may name (miles)"),
+        ("generate function os.system", reg(custom_generate_function_path="os.system"), 400,
+         "--multi-lora-allowed-plugin-modules"),
+        ("filter shutil.rmtree", reg(dynamic_sampling_filter_path="shutil.rmtree"), 400,
+         "dynamic_sampling_filter_path 'shutil.rmtree' is outside"),
+        ("TIS function os.system", reg(loss={"use_tis": True, "custom_tis_function_path": "os.system"}), 400,
+         "loss.custom_tis_function_path 'os.system' is outside"),
+        ("a module named like miles", reg(custom_rm_path="milesx.reward"), 400, "'milesx.reward' is outside"),
+        ("a module never imported", reg(custom_rm_path=f"{CANARY}.reward"), 400, "is outside the modules"),
+        ("plug-in named in a YAML file", from_yaml("plugin.yaml"), 400, "custom_rm_path 'os.system' is outside"),
+        # -- plug-ins inside them, called as the rollout calls them
+        ("generate function not async", reg(custom_generate_function_path="miles.utils.plugins.plugin_module"),
+         400, "must be an async function"),
+        ("generate function of two inputs",
+         reg(custom_generate_function_path="miles.rollout.generate.call_generate_function"), 400,
+         "custom_generate_function_path 'miles.rollout.generate.call_generate_function' has the wrong signature"),
+        ("filter of one input", reg(dynamic_sampling_filter_path="miles.utils.plugins.plugin_module"), 400,
+         "expected fn(args, samples)"),
     ]
 
 
@@ -202,6 +226,29 @@ def test_every_hostile_request_is_a_4xx_naming_the_problem_and_changes_nothing(
         assert http.get("/health").json() == {"status": "healthy"}, label
     assert not failures, "\n".join(failures)
     assert not (Path(paths["dir"]) / "pwned").exists()
+    assert CANARY not in sys.modules  # refused by its path, never imported
+
+
+def test_plugins_in_the_allowed_modules_register(data_root: Path, defaults: AdapterDefaults) -> None:
+    """`miles` by default, and what --multi-lora-allowed-plugin-modules adds."""
+    modules = ("miles", "tests.controller")
+    controller = ThreadedController(controller_config(data_root, defaults, n_slots=3, token=TOKEN,
+                                                      plugin_modules=modules))
+    data = str(data_root / "data" / "train.jsonl")
+    try:
+        with httpx.Client(base_url=controller.url, headers={"Authorization": f"Bearer {TOKEN}"}, trust_env=False,
+                          timeout=30) as http:
+            for name, config in [
+                ("calc", {"custom_rm_path": "miles.recipes.calculator_tool.reward",
+                          "custom_generate_function_path": "miles.recipes.calculator_tool.generate"}),
+                ("digits", {"custom_rm_path": "miles.recipes.tasks:digit_match_reward"}),
+                ("canary", {"custom_rm_path": f"{CANARY}.reward"}),
+            ]:
+                response = http.post("/adapter_runs", json={"name": name, "config": {"data": data, **config}})
+                assert response.status_code == 200, response.text
+            assert http.get("/adapter_runs/canary").json()["custom_rm_path"] == f"{CANARY}.reward"
+    finally:
+        controller.close()
 
 
 def test_other_routes_refuse_bad_names_and_methods(plane: ThreadedController, http: httpx.Client) -> None:

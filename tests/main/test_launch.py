@@ -22,6 +22,7 @@ from waiting import wait_until, wait_until_async
 
 from miles.controller.backend import MultiLoRABackend
 from miles.main import launch as launch_module
+from miles.main.registration_checks import controller_hooks
 from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.data_source import DatasetCheck
 from miles.utils.adapter_config import AdapterDefaults
@@ -37,7 +38,7 @@ async def test_num_step_is_counted_after_the_max_prompt_len_filter(tmp_path, max
     argv = ["--hf-checkpoint", str(tokenizer_dir), "--multi-lora-n-adapters", "2", "--rm-type", "math",
             "--save", str(tmp_path / "save")]
     cfg = parse_args(argv + ([] if max_len is None else ["--rollout-max-prompt-len", str(max_len)]))
-    hooks = launch_module.controller_hooks(cfg)
+    hooks = controller_hooks(cfg)
     assert hooks.validate_dataset == DatasetCheck.from_config(cfg)
     backend = MultiLoRABackend(cfg.multi_lora_n_adapters, AdapterDefaults.from_config(cfg), None, hooks)
     await backend.register("a", config={"data": str(data), "label_key": "label", "rollout_batch_size": 1,

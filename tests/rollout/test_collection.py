@@ -240,6 +240,8 @@ async def test_samples_ordered_by_slot_group_and_index_with_metrics():
     c, buffers, _, _ = collector(FakeController(active(a, b)), target=10)
     for index in (5, 2):
         group = make_group(a, index, rewards=[1.0, 0.0])
+        group.samples[0].rollout_log_probs = [-0.5]  # sample 0 has one response token, sample 1 two
+        group.samples[1].rollout_log_probs = [-0.5, -1.5]
         group.samples.reverse()
         buffers.put(group)
     fill(buffers, b, [9, 4])
@@ -251,6 +253,9 @@ async def test_samples_ordered_by_slot_group_and_index_with_metrics():
     assert batch.prompt_group_sizes == [3, 3, 2, 2]
     assert batch.per_adapter["a"].raw_reward_mean == 0.5
     assert batch.per_adapter["b"].response_len_mean == 2.0  # responses of 1, 2, 3 tokens
+    # Miles' log_probs: the mean over samples of each sample's mean engine logprob.
+    assert batch.per_adapter["a"].to_metrics()["log_probs"] == pytest.approx((-0.5 - 1.0 - 0.5 - 1.0) / 4)
+    assert "log_probs" not in batch.per_adapter["b"].to_metrics()  # its samples carry no engine logprobs
     assert (batch.per_adapter["a"].groups, batch.per_adapter["b"].groups) == (2, 2)
     assert batch.stats.batch_n_samples == 10 and batch.stats.batch_n_groups == 4
 

@@ -284,6 +284,15 @@ def test_lr_warmup_iters_is_miles_name_for_the_warmup(tmp_path, capsys):
     assert "--lr-warmup-init must be >= 0, got -1.0" in capsys.readouterr().err
 
 
+def test_plugin_modules_default_to_miles_and_the_command_lines_own_plugins():
+    assert parse_args([]).plugin_modules == ("miles",)
+    cfg = parse_args(["--custom-rm-path", "my_pkg.rewards.score", "--custom-tis-function-path", "tis_mod:fn",
+                      "--dynamic-sampling-filter-path", "my_pkg.rewards.keep"])
+    assert cfg.plugin_modules == ("miles", "my_pkg.rewards", "tis_mod")
+    # Given, the flag is the whole list.
+    assert parse_args(["--multi-lora-allowed-plugin-modules", "a", "b.c"]).plugin_modules == ("a", "b.c")
+
+
 def test_data_flags_have_miles_defaults():
     cfg = parse_args([])
     assert (cfg.input_key, cfg.label_key, cfg.metadata_key) == ("input", None, "metadata")

@@ -143,3 +143,30 @@ def test_wandb_plots_each_adapter_against_its_own_step_and_tensorboard_matches_t
             from_jsonl += [(adapter_metric_name(record["adapter"], k), v, record["step"])
                            for k, v in record["metrics"].items()]
     assert writer.scalars == from_jsonl and len(from_jsonl) == 8
+
+
+def test_miles_naming_plots_each_adapter_under_its_name_against_its_step(tmp_path, monkeypatch):
+    """`--metrics-naming miles`: Miles' `{name}/{metric}` against `{name}/step` (its dashboards
+    read them); the JSONL records are the same as with our names."""
+    import sys
+
+    from miles.utils.arguments import parse_args
+
+    fake, writer = FakeWandb(), FakeSummaryWriter()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(MetricsLogger, "_open_tensorboard", lambda self: writer)
+    logger = MetricsLogger.from_config(parse_args(["--use-wandb", "--run-dir", str(tmp_path),
+                                                   "--metrics-naming", "miles"]))
+    logger.log_adapter("gsm8k", {"raw_reward_mean": 0.5, "log_probs": -1.25}, step=4)
+    logger.close()
+    defined = [(c["name"], c.get("step_metric")) for kind, c in fake.calls if kind == "define_metric"]
+    assert defined == [("gsm8k/step", None), ("gsm8k/*", "gsm8k/step")]
+    assert [data for kind, data in fake.calls if kind == "log"] == [
+        {"gsm8k/raw_reward_mean": 0.5, "gsm8k/log_probs": -1.25, "gsm8k/step": 4}]
+    assert writer.scalars == [("gsm8k/raw_reward_mean", 0.5, 4), ("gsm8k/log_probs", -1.25, 4)]
+    (record,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert (record["adapter"], record["step"], record["metrics"]) == ("gsm8k", 4, {"raw_reward_mean": 0.5,
+                                                                                  "log_probs": -1.25})
+    assert parse_args([]).metrics_naming == "ours"
+    with pytest.raises(ValueError, match="metrics naming must be one of"):
+        MetricsLogger(tmp_path, naming="wandb")

@@ -172,8 +172,9 @@ class TrainRank:
 
     # ---- adapters, training, exports and checkpoints: the core's --------------------------
 
-    def load_adapter(self, spec: AdapterSpec, checkpoint: str | None = None) -> LoadResult:
-        return self.core.load_adapter(spec, checkpoint)
+    def load_adapter(self, spec: AdapterSpec, checkpoint: str | None = None,
+                     miles_checkpoint: str | None = None) -> LoadResult:
+        return self.core.load_adapter(spec, checkpoint, miles_checkpoint)
 
     def cleanup_adapter(self, name: str) -> None:
         self.core.cleanup_adapter(name)

@@ -29,6 +29,7 @@ weight decay and clip norm, the gradient unscaled, no LR schedule.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -53,6 +54,7 @@ from miles.backends.torch.checkpoint import (
     Checkpoint,
     OptimizerState,
     TrainerState,
+    checkpoint_step,
     read_checkpoint,
     write_checkpoint,
     write_checkpoint_dir,
@@ -181,17 +183,22 @@ class TrainCore:
 
     # ---- adapters in slots ----------------------------------------------------------
 
-    def load_adapter(self, spec: AdapterSpec, checkpoint: str | None = None) -> LoadResult:
-        """Put an adapter into its slot, fresh (A seeded by seed and name, B zero) or resumed
-        from a checkpoint directory; says which step and data position it resumed at."""
+    def load_adapter(self, spec: AdapterSpec, checkpoint: str | None = None,
+                     miles_checkpoint: str | None = None) -> LoadResult:
+        """Put an adapter into its slot, fresh (A seeded by seed and name, B zero), resumed
+        from a checkpoint directory of ours, or started from the LoRA weights of a Miles
+        checkpoint (`miles_checkpoint`: a fresh optimizer and LR clock, at its step); says
+        which step and data position it resumed at."""
         self._check_free(spec)
         self.optimizer.reset_slot(spec.slot)
         schedule = self._new_schedule(spec)
         result = LoadResult()
-        if checkpoint is None:
-            self.model.init_slot(spec.slot, rank=spec.rank, alpha=spec.alpha, generator=self._generator(spec))
-        else:
+        if checkpoint is not None:
             result, schedule = self._resume(spec, Path(checkpoint), schedule)
+        elif miles_checkpoint is not None:
+            result = self._start_from_miles(spec, Path(miles_checkpoint))
+        else:
+            self.model.init_slot(spec.slot, rank=spec.rank, alpha=spec.alpha, generator=self._generator(spec))
         self._configure_slot(spec)
         if spec.num_step is not None:
             # `num_step` counts from the step this registration started at.
@@ -255,6 +262,18 @@ class TrainCore:
             warmup_steps=spec.lr_warmup_steps, warmup_init=min(self.config.lr_warmup_init, spec.lr),
             min_lr=self.config.min_lr,
         )
+
+    def _start_from_miles(self, spec: AdapterSpec, path: Path) -> LoadResult:
+        """A Miles checkpoint's PEFT weights into the slot (its shards and optimizer are not read)."""
+        config = json.loads((path / "adapter_config.json").read_text())
+        rank, alpha = config.get("r"), config.get("lora_alpha")
+        if rank != spec.rank or alpha is None or abs(float(alpha) - spec.alpha) > 1e-6:
+            raise ValueError(f"Miles checkpoint {path} holds a rank-{rank} alpha-{alpha} adapter but adapter "
+                             f"'{spec.name}' is configured with rank {spec.rank} alpha {spec.alpha}: use the "
+                             "checkpoint's rank and alpha, or give the adapter a fresh save directory")
+        self.model.init_slot(spec.slot, rank=spec.rank, alpha=spec.alpha, generator=self._generator(spec))
+        self.model.load_peft_dir(spec.slot, path)
+        return LoadResult(checkpoint=path, step=checkpoint_step(path), miles_checkpoint=True)
 
     def _resume(self, spec: AdapterSpec, path: Path, fresh: LRSchedule) -> tuple[LoadResult, LRSchedule]:
         ckpt = read_checkpoint(path)

@@ -188,6 +188,37 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
     return None
 
 
+MILES_SHARD = re.compile(r"^adapter_megatron_tp\d+_pp\d+(_ep\d+)?\.pt$")
+"""A per-rank Megatron shard of a checkpoint written by Miles' multi-LoRA trainer."""
+
+
+def latest_miles_checkpoint(save_dir: str | Path) -> Path | None:
+    """The `step_N` directory with the highest N that Miles' multi-LoRA trainer wrote (its
+    PEFT files beside its Megatron shards, none of our trainer state), or None. An adapter
+    with no checkpoint of ours starts from its weights."""
+    root = checkpoints_root(save_dir)
+    if not root.is_dir():
+        return None
+    steps = []
+    for child in root.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            steps.append((int(match.group(1)), child))
+    for _, child in sorted(steps, reverse=True):
+        if (all((child / name).is_file() for name in PEFT_FILES) and not (child / TRAINER_STATE).exists()
+                and any(MILES_SHARD.match(f.name) for f in child.iterdir())):
+            return child
+    return None
+
+
+def checkpoint_step(path: Path) -> int:
+    """N of a `step_N` directory."""
+    match = STEP_DIR.match(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not a step_N checkpoint directory")
+    return int(match.group(1))
+
+
 def _missing_files(path: Path) -> list[str]:
     """The files a complete checkpoint at `path` has and it lacks (the gradient file when
     its trainer state counts accumulated groups)."""

@@ -46,7 +46,7 @@ from miles.backends.rank.config import TrainActorConfig
 from miles.backends.rank.core import GradShare, LossSums, RankTrainResult
 from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.batching import Advantage
-from miles.backends.torch.checkpoint import AccumulatedGrad, latest_checkpoint
+from miles.backends.torch.checkpoint import AccumulatedGrad, latest_checkpoint, latest_miles_checkpoint
 from miles.backends.torch.client_loss import client_rows
 from miles.backends.torch.loss import adapter_token_advantages, needs_reward_kl
 from miles.lora.weight_sync import UpdateGroupSpec
@@ -165,9 +165,12 @@ class TrainGroup:
     # ---- adapters in slots -------------------------------------------------------------
 
     async def load_adapter(self, spec: AdapterSpec) -> LoadResult:
-        """Every rank loads the adapter, from its latest complete checkpoint if any."""
+        """Every rank loads the adapter, from its latest complete checkpoint if any, else from
+        the weights of the latest checkpoint Miles wrote there, if any."""
         checkpoint = latest_checkpoint(spec.save_dir) if spec.save_dir else None
-        results = await self._all("load_adapter", spec, None if checkpoint is None else str(checkpoint))
+        miles = latest_miles_checkpoint(spec.save_dir) if spec.save_dir and checkpoint is None else None
+        results = await self._all("load_adapter", spec, None if checkpoint is None else str(checkpoint),
+                                  None if miles is None else str(miles))
         self._specs[spec.name] = spec
         return results[0]
 
@@ -190,7 +193,7 @@ class TrainGroup:
     async def fresh_export(self, spec: AdapterSpec) -> LoraExport | None:
         """Rank 0 draws the fresh adapter `load_adapter` would put in the slot, on its push
         thread (a train call may be running); None when a checkpoint would resume it."""
-        if spec.save_dir and latest_checkpoint(spec.save_dir) is not None:
+        if spec.save_dir and (latest_checkpoint(spec.save_dir) or latest_miles_checkpoint(spec.save_dir)):
             return None
         tensors_ref, description_ref = self._actors[0].fresh_export_for_push.options(num_returns=2).remote(spec)
         description: ExportDescription = await description_ref

@@ -93,6 +93,11 @@ PROTOBUF = "application/x-protobuf"
 MAX_FORWARD_BACKWARD_BYTES = 64 * 1024 * 1024
 """The SDK cuts a forward_backward into chunks of at most ~5 MB; larger bodies are refused (413)."""
 MAX_JSON_BYTES = 1024 * 1024
+JSON_FORWARD_REFUSAL = ("send forward_backward as a protobuf ForwardBackwardRequest (Content-Type: "
+                        "application/x-protobuf; a forward sets forward_only), as tinker >= 0.24 does when "
+                        "the client config asks for it, as this server's does")
+"""What to send instead of the JSON `forward` / `forward_backward` bodies, which tinker 0.24 sends
+unless its client config asks for protobuf (and 0.26 on never sends)."""
 NO_RETRY = {"x-should-retry": "false"}
 """The SDK's HTTP client retries 409 unless told not to; our refusals are final."""
 
@@ -143,9 +148,13 @@ def _service_routes(router: APIRouter, gateway: TinkerGateway) -> None:
     @router.post("/client/config")
     async def client_config() -> dict[str, Any]:
         # Plain API keys, uncompressed protobuf forward_backward, futures polled one by one.
+        # Three flags only the older SDKs read (0.38 does what they ask, always): 0.24 sends
+        # forward_backward, and forward through it, as protobuf only when told to, and
+        # 0.24-0.26 make a training client from a checkpoint with one load_weights only when told to.
         return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "use_pyqwest_transport": False,
                 "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
-                "sample_join_sampling_session": False, "parallel_fwdbwd_chunks": True}
+                "sample_join_sampling_session": False, "parallel_fwdbwd_chunks": True,
+                "proto_write_fwdbwd": True, "fwd_via_fwdbwd": True, "create_model_via_load_weights": True}
 
     @router.post("/client/dynamic_config")
     async def client_dynamic_config() -> dict[str, Any]:
@@ -224,6 +233,10 @@ def _command_routes(router: APIRouter, gateway: TinkerGateway) -> None:
         wire = decode_forward_backward(await _protobuf_body(request))
         kind = ClientCommandKind.FORWARD if wire.forward_only else ClientCommandKind.FORWARD_BACKWARD
         return _untyped(gateway.submit(wire.model_id, wire.seq_id, kind, lambda: forward_command(wire)))
+
+    @router.post("/forward")
+    async def forward() -> None:
+        raise GatewayError(f"POST /api/v1/forward is not served: {JSON_FORWARD_REFUSAL}")
 
     @router.post("/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
@@ -322,6 +335,11 @@ def _checkpoint_routes(router: APIRouter, gateway: TinkerGateway) -> None:
     async def publish(model_id: str, checkpoint_id: str) -> None:
         raise GatewayError("publishing checkpoints is not served: this trainer's checkpoints are its clients' "
                            "own; download one (tinker checkpoint download) to share it")
+
+    @router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/archive")
+    async def archive(model_id: str, checkpoint_id: str) -> None:
+        raise GatewayError("checkpoint archives are not served: download a checkpoint's PEFT files with "
+                           "`tinker checkpoint download` of tinker >= 0.38 (get_external_weights_urls)")
 
     @router.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
     async def set_ttl(model_id: str, checkpoint_id: str, request: Request) -> Response:
@@ -456,6 +474,8 @@ def _untyped(future: Future) -> dict[str, Any]:
 
 
 async def _protobuf_body(request: Request) -> bytes:
+    if request.headers.get("content-type", "").startswith("application/json"):
+        raise GatewayError(f"a JSON forward_backward body is not served: {JSON_FORWARD_REFUSAL}")
     if request.headers.get("content-encoding", "identity") not in ("", "identity"):
         raise GatewayError(f"Content-Encoding {request.headers['content-encoding']!r} is not accepted "
                            "(the client config asks for uncompressed bodies)")

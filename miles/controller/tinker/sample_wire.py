@@ -7,16 +7,18 @@ Pure functions for the gateway's `asample` and `retrieve_future` of a sample (no
     body, content_type = encode_sample_response(result, http_request.headers.get("accept"))
 
 Every SDK sends the SampleRequest as JSON (`{"num_samples", "prompt": {"chunks":
-[{"type": "encoded_text", "tokens"}]}, "sampling_params", "sampling_session_id" (0.38)
-or "model_path" | "base_model" (older), "seq_id", "prompt_logprobs", "topk_prompt_logprobs",
+[{"type": "encoded_text", "tokens"}]}, "sampling_params", "sampling_session_id" (0.24 on)
+or "model_path" | "base_model" (earlier clients), "seq_id", "prompt_logprobs", "topk_prompt_logprobs",
 "topk_sample_logprobs", ...}`); what we do not serve (images, target / alternative prompt
 tokens, stability records) is refused with `UnsupportedSampleRequest` naming the field,
 never ignored.
 
-SDKs up to 0.26 read a JSON `SampleResponse` (`{"type": "sample", "sequences":
-[{"stop_reason", "tokens", "logprobs"}], "prompt_logprobs", "topk_prompt_logprobs"}`);
-0.38 asks with `Accept: application/x-protobuf` and takes only the protobuf
-`tinker_public.SampleResponse`, whose numbers travel as little-endian byte arrays
+A client that does not ask for protobuf reads a JSON `SampleResponse` (`{"type": "sample",
+"sequences": [{"stop_reason", "tokens", "logprobs"}], "prompt_logprobs", "topk_prompt_logprobs"}`).
+The SDKs ask for protobuf: 0.24.1 with `Accept: application/x-protobuf, application/json`,
+0.26.2 and 0.38 with `Accept: application/x-protobuf`, and those two take only the protobuf
+`tinker_public.SampleResponse` (its `topk_sampled_logprobs` is 0.38's: 0.24 and 0.26 cannot
+ask for `topk_sample_logprobs`), whose numbers travel as little-endian byte arrays
 (tokens int32, logprobs float32 with NaN where there is none, top-k as dense N x K
 matrices with empty cells token 0 / logprob -99999.0). The protobuf is written by hand
 (varints and length-delimited fields, field numbers of the SDK's `tinker_public.proto`),
@@ -110,8 +112,8 @@ class WireSampleRequest:
     """The `tinker://.../sampler_weights/...` snapshot to sample; None: the base model."""
     base_model: str | None
     sampling_session_id: str | None = None
-    """The sampling session (`create_sampling_session`) that names the model; SDK 0.38 sends
-    only this, older SDKs `model_path` or `base_model`."""
+    """The sampling session (`create_sampling_session`) that names the model; SDKs 0.24 on send
+    only this, earlier clients `model_path` or `base_model`."""
     seq_id: int | None = None
     """The sampling client's request number: a retry with the same one is the same request."""
 
@@ -155,7 +157,7 @@ def sample_request_from_json(body: Any) -> WireSampleRequest:
 
 
 def wants_protobuf(accept: str | None) -> bool:
-    """Whether a client's `Accept` header asks for the protobuf body (SDK 0.38 does)."""
+    """Whether a client's `Accept` header asks for the protobuf body (SDKs 0.24.1, 0.26.2 and 0.38 do)."""
     return accept is not None and PROTOBUF_CONTENT_TYPE in accept.lower()
 
 
@@ -166,7 +168,7 @@ def encode_sample_response(result: SampleResult, accept: str | None) -> tuple[by
     return json.dumps(sample_response_json(result)).encode(), JSON_CONTENT_TYPE
 
 
-# ---- JSON (SDK 0.24 - 0.26) ----
+# ---- JSON (clients that do not ask for protobuf) ----
 
 def _sequence_json(sequence: SampledSequence) -> dict[str, Any]:
     return {"stop_reason": sequence.stop_reason.value, "tokens": list(sequence.tokens),
@@ -187,7 +189,7 @@ def sample_response_json(result: SampleResult) -> dict[str, Any]:
     return body
 
 
-# ---- protobuf (SDK 0.38) ----
+# ---- protobuf (the SDKs, 0.24 on) ----
 
 def _topk_message(rows: list[TopLogprobs | None]) -> bytes:
     """`TopkLogprobs`: 1 token_ids (int32 N x K), 2 logprobs (float32 N x K), 3 k, 4 length."""

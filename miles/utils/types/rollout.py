@@ -231,6 +231,8 @@ class AdapterRolloutStats:
     (0.75, 4.5, 0.25, 2.0)
     >>> m["zero_std_all_one_percentage"], m["zero_std_all_zero_percentage"]
     (0.5, 0.0)
+    >>> AdapterRolloutStats(log_prob_means=(-0.5, -1.5)).to_metrics()["log_probs"]
+    -1.0
     """
 
     groups: int = 0
@@ -245,6 +247,9 @@ class AdapterRolloutStats:
     uniform_group_rewards: tuple[float, ...] = ()
     """The reward of each group of two or more samples that all got the same reward
     (zero reward std: the group carries no learning signal)."""
+    log_prob_means: tuple[float, ...] = ()
+    """Per sample with engine logprobs: the mean of its response tokens' logprobs (Miles'
+    `log_probs` averages these)."""
     staleness: tuple[int, ...] = ()
     """Per group: weight pushes between the weights that generated it and the ones the
     engines served when it was collected."""
@@ -272,6 +277,7 @@ class AdapterRolloutStats:
             response_lengths=self.response_lengths + later.response_lengths,
             truncated=self.truncated + later.truncated,
             uniform_group_rewards=self.uniform_group_rewards + later.uniform_group_rewards,
+            log_prob_means=self.log_prob_means + later.log_prob_means,
             staleness=self.staleness + later.staleness,
             queue_length=later.queue_length,
             dropped={why: self.dropped.get(why, 0) + later.dropped.get(why, 0)
@@ -282,8 +288,8 @@ class AdapterRolloutStats:
     def to_metrics(self) -> dict[str, float]:
         """Flat metrics WITHOUT the adapter prefix (the metrics logger adds it), with
         Miles' multi-LoRA names: `raw_reward_{mean,median,max,min}`,
-        `response_len_{...}`, `zero_std_all_{zero,one}_percentage`, `truncated_ratio`,
-        `{avg,max}_staleness`; counters under `perf/`."""
+        `response_len_{...}`, `zero_std_all_{zero,one}_percentage`, `log_probs`,
+        `truncated_ratio`, `{avg,max}_staleness`; counters under `perf/`."""
         metrics = {
             "perf/groups": float(self.groups),
             "perf/queue_length": float(self.queue_length),
@@ -294,6 +300,8 @@ class AdapterRolloutStats:
         }
         if self.rewards:
             metrics["truncated_ratio"] = self.truncated / len(self.rewards)
+        if self.log_prob_means:
+            metrics["log_probs"] = sum(self.log_prob_means) / len(self.log_prob_means)
         if self.groups:
             # Miles rounds a uniform group's reward to one decimal before naming it.
             zero = sum(1 for r in self.uniform_group_rewards if round(r, 1) == 0.0)

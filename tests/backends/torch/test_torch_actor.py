@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch_backend_data import counts, flatten_with_advantages, make_groups, max
 
 from miles.backends.base import LoadResult
 from miles.backends.torch.actor import TorchTrainActor
-from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.backends.torch.checkpoint import latest_checkpoint, latest_miles_checkpoint
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition
 
@@ -145,6 +146,40 @@ def test_resume_equals_uninterrupted_training(tiny_model_dir, tmp_path):
     assert max_abs_diff(got.exp_avg, want.exp_avg) <= 1e-7
     assert max_abs_diff(got.exp_avg_sq, want.exp_avg_sq) <= 1e-9
     assert resumed.schedule_state("a") == straight.schedule_state("a")
+
+
+def test_a_miles_checkpoint_starts_an_adapter_from_its_weights_with_a_fresh_optimizer(tiny_model_dir, tmp_path):
+    """A `step_N` directory as Miles' trainer writes it (its PEFT files beside Megatron shards,
+    none of our trainer state) is no checkpoint of ours to resume, but an adapter with none of
+    ours starts from its LoRA weights, at its step, with a fresh optimizer and LR clock."""
+    trained = new_actor(tiny_model_dir, micro_batch_size=4)
+    trained.load_adapter(spec("a", 0, save_dir=tmp_path / "a"))
+    for i in range(2):
+        _train_step(trained, make_groups("a", 0, 2, 2, seed=30 + i), ["a"])
+    ours = trained.save_adapter("a", step=7)
+    for name in ("trainer_state.json", "optimizer.safetensors", "optimizer.json", "scheduler.json"):
+        (Path(ours) / name).unlink()  # what Miles does not write
+    torch.save({}, Path(ours) / "adapter_megatron_tp0_pp0.pt")
+    assert latest_checkpoint(tmp_path / "a") is None
+    miles = latest_miles_checkpoint(tmp_path / "a")
+    assert miles == Path(ours)
+
+    started = new_actor(tiny_model_dir, micro_batch_size=4)
+    loaded = started.load_adapter(spec("a", 0, save_dir=tmp_path / "a"), None, str(miles))
+    assert loaded == LoadResult(checkpoint=miles, step=7, miles_checkpoint=True)
+    probe = [s for g in make_groups("a", 0, 2, 2, seed=99) for s in g]
+    flat = lambda rows: [x for row in rows for x in row]  # noqa: E731
+    assert flat(started.logprobs(probe)) == pytest.approx(flat(trained.logprobs(probe)), abs=1e-6)
+    base = flat(started.logprobs([dataclasses.replace(s, slot=-1) for s in probe]))
+    assert max(abs(x - y) for x, y in zip(base, flat(trained.logprobs(probe)))) > 1e-4  # the weights matter
+    fresh = started.optimizer_state("a")
+    assert fresh.step == 0 and all(float(t.abs().max()) == 0 for t in fresh.exp_avg.values())
+    assert started.schedule_state("a")["samples_seen"] == 0
+    with pytest.raises(ValueError, match="holds a rank-4 alpha-8.0 adapter but adapter 'b' is configured with rank 2"):
+        new_actor(tiny_model_dir).load_adapter(spec("b", 1, rank=2), None, str(miles))
+    # A directory of ours that a crash left without its trainer state is neither.
+    (Path(ours) / "adapter_megatron_tp0_pp0.pt").unlink()
+    assert latest_miles_checkpoint(tmp_path / "a") is None
 
 
 def test_reused_slot_starts_fresh_and_cotenants_are_untouched(tiny_model_dir):

@@ -35,7 +35,7 @@ from miles.utils.adapter_config import AdapterDefaults
 
 TOKEN = "tml-hostile-test-token"
 BASE = "tiny-base"
-TINKER_HOSTILE_CASES = 166
+TINKER_HOSTILE_CASES = 168
 """Requests in `cases()`; docs/RELIABILITY.md ("Hostile and malformed input") states this number."""
 TINKER_REFUSED_CALLS = 30
 """Calls in `refused_calls()`; docs/RELIABILITY.md states this number too."""
@@ -271,7 +271,12 @@ def cases(w: World) -> list[Case]:
         # -- forward_backward (protobuf)
         ("fwdbwd: garbage", "forward_backward", proto(b"\xff\xff\xff"), 400, "varint"),
         ("fwdbwd: truncated", "forward_backward", proto(forward_backward(m, 3)[:-5]), 400, "truncated"),
-        ("fwdbwd: JSON body", "forward_backward", {"json": {"model_id": m, "seq_id": 3}}, 400, "wire type"),
+        ("fwdbwd: JSON body (tinker 0.24 without the config)", "forward_backward",
+         {"json": {"model_id": m, "seq_id": 3}}, 400, ("JSON forward_backward body is not served", "x-protobuf")),
+        ("fwdbwd: protobuf sent as JSON", "forward_backward", body(forward_backward(m, 3)), 400,
+         "JSON forward_backward body is not served"),
+        ("forward: the JSON route (tinker 0.24 without the config)", "forward", js({"model_id": m, "seq_id": 3}), 400,
+         ("/api/v1/forward is not served", "forward_only")),
         ("fwdbwd: model_id not UTF-8", "forward_backward", proto(b"\x0a\x02\xff\xfe"), 400, "not UTF-8"),
         ("fwdbwd: zstd", "forward_backward", proto(forward_backward(m, 3), **{"Content-Encoding": "zstd"}), 400,
          "Content-Encoding 'zstd'"),

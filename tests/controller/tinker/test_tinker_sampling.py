@@ -2,7 +2,7 @@
 
 A controller (port 0) knows a real sglang-router in front of one builtin engine serving a
 tiny model. A small test-side driver runs the clients' commands: its
-`save_weights_for_sampler` writes a PEFT directory (a random adapter made here) where the
+`save_weights_for_sampler` writes a PEFT directory (a random adapter, `conftest.py`) where the
 command says, as the trainer's driver does. Every answer the SDK decodes is compared with
 the sampler's own answer (`miles.controller.tinker.sampler`) for the same request.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,17 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
-import torch
 from controller_fakes import ThreadedController, controller_config
 from tinker import types
-from transformers import AutoModelForCausalLM
 
-from miles import lora
 from miles.controller.tinker import sampler as tinker_sampler
 from miles.controller.tinker.gateway import GatewayConfig
-from miles.rollout.engines.process import ServerProcess
-from miles.rollout.engines.router import Router
-from miles.rollout.engines.server_command import BUILTIN_URL_LINE
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import (
     ClientCommand,
@@ -51,37 +44,6 @@ MAX_RANK = 4
 @pytest.fixture(autouse=True)
 def no_sdk_telemetry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-
-
-@pytest.fixture(scope="module")
-def adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random rank-4 PEFT adapter of the tiny model (B non-zero, so it changes the model)."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    lora.inject_multi_lora(model, n_slots=1, max_rank=MAX_RANK, target_modules="all-linear")
-    generator = torch.Generator().manual_seed(3)
-    lora.init_slot(model, 0, rank=MAX_RANK, alpha=2.0 * MAX_RANK, generator=generator)
-    weights = {k: torch.randn(v.shape, generator=generator) * 0.5 if k.endswith("lora_B.weight") else v
-               for k, v in lora.get_slot_weights(model, 0).items()}
-    lora.set_slot_weights(model, 0, weights, rank=MAX_RANK, alpha=2.0 * MAX_RANK)
-    return lora.export_peft_adapter(model, 0, tmp_path_factory.mktemp("snapshot") / "adapter")
-
-
-@pytest.fixture(scope="module")
-def router_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    logs = tmp_path_factory.mktemp("sampling_logs")
-    command = [sys.executable, "-m", "miles.rollout.engines.builtin_server", "--model-path", str(tiny_model_dir),
-               "--host", "127.0.0.1", "--port", "0", "--max-loras-per-batch", "2", "--max-lora-rank", str(MAX_RANK),
-               "--lora-target-modules", "all-linear", "--dtype", "float32", "--device", "cpu",
-               "--num-threads", "1", "--max-loaded-loras", "2"]
-    engine, engine_url = asyncio.run(ServerProcess.start(
-        command, log_path=logs / "builtin.log", url_line=BUILTIN_URL_LINE, timeout_s=120, what="builtin server",
-        env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}))
-    try:
-        router = asyncio.run(Router.launch([engine_url], log_path=logs / "router.log"))
-        yield router.url
-        asyncio.run(router.shutdown())
-    finally:
-        engine.terminate()
 
 
 class SnapshotDriver:
@@ -267,9 +229,9 @@ def retrieve(raw: httpx.Client, request_id: str) -> httpx.Response:
     raise AssertionError(f"sample {request_id} never finished")
 
 
-def test_older_sdks_get_json_and_a_retried_sample_runs_once(plane: ThreadedController, router_url: str) -> None:
+def test_json_clients_get_json_and_a_retried_sample_runs_once(plane: ThreadedController, router_url: str) -> None:
     with httpx.Client(base_url=plane.url, headers={"X-API-Key": TOKEN}, trust_env=False, timeout=60) as raw:
-        session_id = raw.post("/api/v1/create_session", json={"sdk_version": "0.26.0"}).json()["session_id"]
+        session_id = raw.post("/api/v1/create_session", json={"sdk_version": "raw"}).json()["session_id"]
         created = raw.post("/api/v1/create_sampling_session", json={
             "session_id": session_id, "sampling_session_seq_id": 0, "base_model": BASE}).json()
         sampler_id = created["sampling_session_id"]
@@ -282,12 +244,12 @@ def test_older_sdks_get_json_and_a_retried_sample_runs_once(plane: ThreadedContr
         assert raw.post("/api/v1/asample", json=body).json() == first  # a retry: the same future, run once
         assert len(first["sample_sequence_ids"]) == 2
         answer = retrieve(raw, first["request_id"])
-        assert answer.headers["content-type"] == "application/json"  # no Accept: protobuf, as before 0.38
+        assert answer.headers["content-type"] == "application/json"  # it did not ask for protobuf
         expected = reference(router_url, None, SamplingRequestParams(num_samples=2, max_tokens=4, seed=3, stop=[]))
         assert answer.json()["type"] == "sample"
         assert [s["tokens"] for s in answer.json()["sequences"]] == [s.tokens for s in expected.sequences]
 
-        # The SDKs before sampling sessions name the model in each request (no retry key then).
+        # Clients before sampling sessions name the model in each request (no retry key then).
         by_name = {k: v for k, v in body.items() if k != "sampling_session_id"} | {"base_model": BASE}
         again = retrieve(raw, raw.post("/api/v1/asample", json=by_name).json()["request_id"]).json()
         for got, want in zip(again["sequences"], answer.json()["sequences"], strict=True):
