@@ -129,7 +129,8 @@ def ensure_skyrl_venv(given: str | None) -> Path:
                            capture_output=True, text=True)
     versions = json.loads(found.stdout) if found.returncode == 0 else {}
     if versions != SKYRL_VERSIONS:
-        sys.exit(f"{python}: needs {SKYRL_VERSIONS}, has {versions or found.stderr.strip()}; "
+        why = versions or (found.stderr.strip().splitlines() or ["no answer"])[-1]
+        sys.exit(f"{python}: needs {SKYRL_VERSIONS}, has {why}; "
                  f"pip install {' '.join(repr(p) for p in SKYRL_PACKAGES)} there, or leave out --skyrl-venv")
     return python
 
