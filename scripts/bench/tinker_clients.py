@@ -54,9 +54,10 @@ def resolved(value: Any) -> Any:
 
 
 def proto_forward_backward_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The server's /client/config answer with `proto_write_fwdbwd` set. SDK 0.24 writes
-    forward_backward as JSON unless the server's config asks for protobuf; our gateway reads
-    protobuf only and does not ask for it yet (SDK 0.38 writes protobuf by default)."""
+    """The server's /client/config answer with `proto_write_fwdbwd` set, for the SDK's
+    `ServiceClient(_client_config=...)` (a private keyword: the SDK then skips its own fetch).
+    SDK 0.24 writes forward_backward as JSON unless the server's config asks for protobuf; our
+    gateway reads protobuf only and does not ask for it yet (SDK 0.38 writes protobuf by default)."""
     request = urllib.request.Request(f"{args.base_url}/api/v1/client/config", data=b"{}", method="POST",
                                      headers={"Content-Type": "application/json", "X-API-Key": args.api_key})
     with urllib.request.urlopen(request, timeout=30) as response:
@@ -64,6 +65,9 @@ def proto_forward_backward_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class Clients:
+    """`--clients` clients, each its own session, LoRA training client and sampling client,
+    set up and warmed up at construction."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         rng = np.random.default_rng(args.seed)
