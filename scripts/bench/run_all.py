@@ -13,7 +13,10 @@ so one script can be rerun without rerunning the rest.
 
 Scripts run on the models they support (`SCRIPT_MODELS`; the others on every model):
 `trainer_service` starts a real trainer with a model's demo settings, so it runs on
-`tiny` and `smollm2` only.
+`tiny` and `smollm2` only. `tinker_vs_skyrl` (ours against SkyRL's Tinker server) is not in
+the default list: it needs a virtualenv of SkyRL (6.7 GB), so it runs only when named, e.g.
+`--only tinker_vs_skyrl --models tiny-random --merge
+--script-args 'tiny-random:tinker_vs_skyrl=--skyrl-venv PATH'`.
 """
 
 from __future__ import annotations
