@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,7 +66,9 @@ def base_parser(description: str) -> argparse.ArgumentParser:
                         help="The trainer's token (default: $MILES_API_TOKEN, else any key).")
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads of the train rank and of the engine (they take turns in these loops).")
-    parser.add_argument("--save", type=Path, default=None, help="The started trainer's --save (default: runs/...).")
+    parser.add_argument("--save", type=Path, default=None,
+                        help="The started trainer's --save: its registry, snapshots, metrics and log. Default: "
+                             "runs/tinker-smollm2-{sft,rl}, emptied at each start (a given one is kept as it is).")
     return parser
 
 
@@ -93,12 +96,15 @@ def trainer_flags(model_dir: Path, save: Path, *, rank: int, seed: int, threads:
 
 
 @contextmanager
-def running_trainer(args: argparse.Namespace, save: Path) -> Iterator[str]:
+def running_trainer(args: argparse.Namespace, default_save: Path) -> Iterator[str]:
     """The URL of the trainer to drive: `--base-url`, else a trainer started here as a
     subprocess (its log in `{save}/trainer.log`), stopped with SIGTERM when the block ends."""
     if args.base_url:
         yield args.base_url
         return
+    save = args.save or default_save
+    if args.save is None:  # the previous run's: a trainer would restore its registry
+        shutil.rmtree(save, ignore_errors=True)
     save.mkdir(parents=True, exist_ok=True)
     log_path = save / "trainer.log"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",

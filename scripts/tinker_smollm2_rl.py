@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = prepare(args)
     train, test = split_rows(args, tokenizer, args.steps * args.prompts)
 
-    with running_trainer(args, args.save or ROOT / "runs" / "tinker-smollm2-rl") as url, \
+    with running_trainer(args, ROOT / "runs" / "tinker-smollm2-rl") as url, \
             service_client(url, args.api_key) as service:
         trainer = create_model(service, url, args)
         print(f"model {trainer.model_id} ready {time.monotonic() - started:.0f} s after start", flush=True)

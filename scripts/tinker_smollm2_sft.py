@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     train, test = split_rows(args, tokenizer, args.steps * args.batch)
     test_data = [sft_datum(row) for row in test]
 
-    with running_trainer(args, args.save or ROOT / "runs" / "tinker-smollm2-sft") as url, \
+    with running_trainer(args, ROOT / "runs" / "tinker-smollm2-sft") as url, \
             service_client(url, args.api_key) as service:
         trainer = create_model(service, url, args)
         print(f"model {trainer.model_id} ready {time.monotonic() - started:.0f} s after start", flush=True)
