@@ -6,7 +6,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install lint test demo demo-real gpu-check clean
+.PHONY: install lint test demo demo-real tinker-smollm2 gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -49,6 +49,15 @@ demo-real: install
 	rm -rf runs/demo-real
 	$(PY) -m miles.main.train_multi_lora_async --config configs/smollm2-multi-lora.yaml
 	$(PY) scripts/eval_adapters.py --config configs/smollm2-multi-lora.yaml --recipe smollm2 --n 100 --own-tasks
+
+# The Tinker SDK's own loops against the trainer on SmolLM2-135M-Instruct (CPU, not in `make test`):
+# each script starts a trainer and drives it with the official `tinker` client. SFT
+# (cross_entropy) lowers the held-out loss of the `next` task; RL (sample, exact reward,
+# group-centred importance_sampling, optim_step, new sampler) raises its held-out greedy accuracy.
+tinker-smollm2: install
+	$(PY) -m miles.recipes.smollm2 --out .cache/smollm2
+	$(PY) scripts/tinker_smollm2_sft.py
+	$(PY) scripts/tinker_smollm2_rl.py
 
 # The GPU paths on a CUDA machine (SGLang in .venv-sglang, a tiny local model, <= 8 min):
 # the engine against PEFT and the trainer, pushes in flight, then the real trainer on its own

@@ -287,8 +287,9 @@ class MultiLoRAController:
         return self.backend.snapshot()
 
     async def requeue_for_new_trainer(self) -> list[str]:
-        """A new trainer over a restored registry: live adapters wait for its first push, and
-        client commands the previous trainer was running fail (their gradients died with it)."""
+        """A new trainer over a restored registry: live adapters wait for its first push, those
+        the previous trainer was retiring are completed, and client commands it was running
+        fail (their gradients died with it)."""
         failed = self.gateway.fail_running("the trainer restarted while this command ran; "
                                            "the model resumes from its last saved state, send it again")
         if failed:

@@ -434,10 +434,11 @@ class MultiLoRABackend:
         return stepped
 
     def requeue_for_new_trainer(self) -> list[str]:
-        """A new trainer over a restored registry: live adapters wait for its first push."""
+        """A new trainer over a restored registry: live adapters wait for its first push, and
+        those the previous trainer was retiring are completed (their slots free at once)."""
         requeued = self.registry.requeue_for_new_trainer()
+        self._persist()
         if requeued:
-            self._persist()
             logger.info("Restored adapters wait for this trainer's first push: %s", ", ".join(requeued))
         return requeued
 

@@ -329,12 +329,21 @@ class AdapterRegistry:
         return versions
 
     def requeue_for_new_trainer(self) -> list[str]:
-        """ACTIVE → PENDING for a trainer that starts over a restored registry.
+        """ACTIVE → PENDING for a trainer that starts over a restored registry, and the
+        adapters the previous trainer left RETIRING or CLEANUP → COMPLETED, their slots free.
 
         Its engines hold no adapter yet, so nothing may be sampled before the trainer has
         loaded (resumed) and pushed it; the next push makes it ACTIVE again. Steps, slots,
-        versions, registration ids and `start_step` are kept. Returns the names requeued.
+        versions, registration ids and `start_step` are kept. A retiring adapter is never
+        loaded by a new trainer (its first reconcile retires it before loading), so there is
+        nothing to save or clean up: that reconcile would only free the slot, once the
+        engines are up, and until then a registration or a Tinker `create_model` would find
+        the slot taken (a model unloaded just before the previous trainer stopped holds it).
+        Returns the names requeued.
         """
+        self.retire_adapters()
+        for name in sorted(n for n, r in self._live.items() if r.state is AdapterState.CLEANUP):
+            self.free_slot(name)
         requeued = []
         for record in self._live.values():
             if record.state is AdapterState.ACTIVE:

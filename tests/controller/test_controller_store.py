@@ -16,10 +16,10 @@ import pytest
 from controller_fakes import ROLLOUT_HOOKS, write_dataset
 
 from miles.controller.backend import MultiLoRABackend
-from miles.controller.registry import AdapterAlreadyRegisteredError, AdapterRegistry
+from miles.controller.registry import AdapterAlreadyRegisteredError, AdapterRegistry, NoFreeSlotError
 from miles.controller.store import RegistryStore, RegistryStoreError
 from miles.utils.adapter_config import AdapterDefaults
-from miles.utils.types import AdapterState
+from miles.utils.types import AdapterState, ClientModelConfig
 
 
 def full_picture(backend: MultiLoRABackend) -> tuple:
@@ -76,6 +76,37 @@ async def test_reopened_backend_has_the_identical_registry(tmp_path: Path, defau
     assert reopened.record_weight_update(["a"]) == {"a": before[3][0] + 1}
     with pytest.raises(AdapterAlreadyRegisteredError, match="already registered"):
         await reopened.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
+
+
+async def test_a_new_trainer_completes_what_the_previous_one_left_retiring(
+        tmp_path: Path, defaults: AdapterDefaults, data_root: Path) -> None:
+    """A new trainer never loads a RETIRING or CLEANUP adapter of the restored registry, so their
+    slots are free as soon as it starts, not only after its engines are up and its first reconcile
+    ran: a Tinker model unloaded just before the previous trainer stopped (its client's session
+    closed) does not make the next client's `create_model` fail with no free slot."""
+    path = tmp_path / "controller" / "registry.sqlite"
+    first = open_backend(path, defaults)
+    await drive_through_every_state(first, str(data_root / "data" / "train.jsonl"))  # b RETIRING, c CLEANUP
+    def model_config(session: str) -> ClientModelConfig:
+        return ClientModelConfig(model_id=f"{session}:train:0", session_id=session, base_model="tiny", rank=4,
+                                 alpha=8.0, seed=3, save=tmp_path / "adapters" / f"{session}.train.0")
+
+    model = model_config("s-1")
+    assert first.register_client("s-1.train.0", model) == 3
+    first.deregister("s-1.train.0")  # its session closed, then the trainer stopped
+    first.store.close()
+
+    restored = open_backend(path, defaults)
+    with pytest.raises(NoFreeSlotError):  # until the new trainer starts, the slots stay taken
+        restored.register_client("s-2.train.0", model_config("s-2"))
+    assert restored.requeue_for_new_trainer() == ["a"]
+    states = {s.name: s.state for s in restored.statuses()}
+    assert states == {"a": AdapterState.PENDING, "b": AdapterState.COMPLETED, "c": AdapterState.COMPLETED,
+                      "d": AdapterState.COMPLETED, "s-1.train.0": AdapterState.COMPLETED}
+    assert restored.registry.free_slots == [1, 2, 3]
+    assert restored.registry.client_config("s-1.train.0") == model  # kept with the completed record
+    assert restored.register_client("s-2.train.0", model_config("s-2")) == 1
+    assert full_picture(open_backend(path, defaults)) == full_picture(restored)
 
 
 async def test_every_change_is_on_disk_before_the_call_returns(tmp_path: Path, defaults: AdapterDefaults,
