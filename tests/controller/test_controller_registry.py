@@ -230,8 +230,10 @@ def test_failed_and_its_error_survive_the_exported_state() -> None:
     assert restored.statuses() == registry.statuses()
     assert restored.snapshot() == registry.snapshot() == MultiLoRASnapshot(
         cleanup=frozenset({"leaving"}), failed=frozenset({"gone"}))
-    assert restored.requeue_for_new_trainer() == []  # a new trainer resumes neither
-    assert restored.free_slot("leaving") == 1 and restored.state("leaving") is AdapterState.FAILED
+    assert restored.requeue_for_new_trainer() == []  # a new trainer resumes neither,
+    # and ends the one the previous trainer was still cleaning up: FAILED, its error kept, its slot free.
+    assert restored.state("leaving") is AdapterState.FAILED and restored.free_slots == [0, 1]
+    assert restored.status("leaving").last_error == registry.status("leaving").last_error is not None
 
 
 def test_retiring_adapter_stays_sampleable_until_retired() -> None:
