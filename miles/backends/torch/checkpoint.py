@@ -172,20 +172,19 @@ def write_checkpoint_dir(
     return final
 
 
-def latest_checkpoint(save_dir: str | Path) -> Path | None:
-    """The complete `step_N` directory with the highest N, or None."""
+def _step_dirs(save_dir: str | Path) -> list[Path]:
+    """The `step_N` directories under `save_dir`'s checkpoints, highest N first."""
     root = checkpoints_root(save_dir)
     if not root.is_dir():
-        return None
-    steps = []
-    for child in root.iterdir():
-        match = STEP_DIR.match(child.name)
-        if match and child.is_dir():
-            steps.append((int(match.group(1)), child))
-    for _, child in sorted(steps, reverse=True):
-        if not _missing_files(child):
-            return child
-    return None
+        return []
+    steps = [(int(match.group(1)), child) for child in root.iterdir()
+             if (match := STEP_DIR.match(child.name)) and child.is_dir()]
+    return [child for _, child in sorted(steps, reverse=True)]
+
+
+def latest_checkpoint(save_dir: str | Path) -> Path | None:
+    """The complete `step_N` directory with the highest N, or None."""
+    return next((child for child in _step_dirs(save_dir) if not _missing_files(child)), None)
 
 
 MILES_SHARD = re.compile(r"^adapter_megatron_tp\d+_pp\d+(_ep\d+)?\.pt$")
@@ -196,19 +195,9 @@ def latest_miles_checkpoint(save_dir: str | Path) -> Path | None:
     """The `step_N` directory with the highest N that Miles' multi-LoRA trainer wrote (its
     PEFT files beside its Megatron shards, none of our trainer state), or None. An adapter
     with no checkpoint of ours starts from its weights."""
-    root = checkpoints_root(save_dir)
-    if not root.is_dir():
-        return None
-    steps = []
-    for child in root.iterdir():
-        match = STEP_DIR.match(child.name)
-        if match and child.is_dir():
-            steps.append((int(match.group(1)), child))
-    for _, child in sorted(steps, reverse=True):
-        if (all((child / name).is_file() for name in PEFT_FILES) and not (child / TRAINER_STATE).exists()
-                and any(MILES_SHARD.match(f.name) for f in child.iterdir())):
-            return child
-    return None
+    return next((child for child in _step_dirs(save_dir)
+                 if all((child / name).is_file() for name in PEFT_FILES) and not (child / TRAINER_STATE).exists()
+                 and any(MILES_SHARD.match(f.name) for f in child.iterdir())), None)
 
 
 def checkpoint_step(path: Path) -> int:
