@@ -2,13 +2,14 @@
 
 Routes: `GET /health`, `GET /adapter_runs`, `GET /adapter_runs/state?names=..`,
 `GET /adapter_runs/{name}`, `POST /adapter_runs`, `DELETE /adapter_runs/{name}`,
-`GET /metrics` (Prometheus); OpenAPI at `/docs` (with the adapter config's schema); and,
-given a `TinkerGateway`, the Tinker protocol under `/api/v1` (`miles/controller/tinker/`).
+`GET /metrics` (Prometheus); OpenAPI at `/docs` (with the adapter config's schema); the
+dashboard at `/ui` and its data under `/ui/api` (`miles/dashboard/`); and, given a
+`TinkerGateway`, the Tinker protocol under `/api/v1` (`miles/controller/tinker/`).
 Errors map by exception type: validation → 400, unknown adapter → 404, no free slot →
 409, body over `max_body_bytes` → 413, malformed body or a config field of the wrong
 type → 422 (naming the field), missing or wrong bearer token → 401, every dataset-check
-worker busy → 429. With a token, every route but `/health` needs it, `/docs`,
-`/redoc` and `/openapi.json` included (docs/RELIABILITY.md).
+worker busy → 429. With a token, every route but `/health` and the dashboard's page
+files needs it, `/docs`, `/redoc`, `/openapi.json` and `/ui/api` included (docs/RELIABILITY.md).
 
     curl -s localhost:8068/adapter_runs -H "Authorization: Bearer $MILES_API_TOKEN" \\
          -d '{"name": "math", "config": {"data": "data/math.jsonl"}}'
@@ -49,6 +50,8 @@ from miles.controller.registry import AdapterNotFoundError, AdapterValidationErr
 from miles.controller.tinker.checkpoints import FILES_ROUTE
 from miles.controller.tinker.gateway import TinkerGateway
 from miles.controller.tinker.routes import install_tinker_routes
+from miles.dashboard.data import DUMP_SUBDIR, RunFiles
+from miles.dashboard.routes import install_dashboard, is_public
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.safe_yaml import load_yaml
 from miles.utils.types import AdapterKind, AdapterState, RegisterAdapterRequest
@@ -86,6 +89,10 @@ class HTTPServerConfig:
     """Modules whose functions a registration may name as a plug-in (`--multi-lora-allowed-plugin-modules`)."""
     max_body_bytes: int = MAX_BODY_BYTES
     """Larger request bodies are refused with 413 before they are parsed."""
+    run_dir: Path | None = None
+    """The run directory whose `metrics.jsonl` the dashboard (`/ui`) shows; None: no records."""
+    dump_dir: Path | None = None
+    """Where `--dump-details` writes the rollouts the dashboard shows; None: not dumped."""
 
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> HTTPServerConfig:
@@ -96,6 +103,8 @@ class HTTPServerConfig:
             host=cfg.multi_lora_api_host, port=cfg.multi_lora_api_port,
             token=cfg.multi_lora_api_token or os.environ.get("MILES_API_TOKEN") or None,
             allowed_roots=tuple(r.expanduser().resolve() for r in roots), plugin_modules=cfg.plugin_modules,
+            run_dir=cfg.resolved_run_dir,
+            dump_dir=Path(cfg.dump_details) / DUMP_SUBDIR if getattr(cfg, "dump_details", None) else None,
         )
 
 
@@ -210,6 +219,7 @@ class MultiLoRAHTTPServer:
         self.add_routes(app)
         if self.gateway is not None:
             install_tinker_routes(app, self.gateway)
+        install_dashboard(app, RunFiles(self.config.run_dir, self.config.dump_dir), mode="live", controls=True)
         # Added last, so outermost: requests refused by the token check are counted too.
         app.middleware("http")(self._check_token)
         app.middleware("http")(self._count_request)
@@ -230,7 +240,8 @@ class MultiLoRAHTTPServer:
     async def _check_token(self, request: Request, call_next: Any) -> Response:
         token = self.config.token
         path = request.url.path
-        if token and path not in UNAUTHENTICATED_PATHS and not path.startswith(SIGNED_PATH_PREFIX):
+        if token and path not in UNAUTHENTICATED_PATHS and not path.startswith(SIGNED_PATH_PREFIX) \
+                and not is_public(path):
             # The Tinker SDK sends its API key as X-API-Key; either header carries the same token.
             scheme, _, value = request.headers.get("authorization", "").partition(" ")
             given = value.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")

@@ -139,5 +139,6 @@ class ThreadedController:
 def controller_config(data_root: Path, defaults: AdapterDefaults, n_slots: int = 2, token: str | None = None,
                       hooks: ControllerHooks = ROLLOUT_HOOKS, **extra: Any) -> ControllerConfig:
     server = HTTPServerConfig(host="127.0.0.1", port=0, token=token, allowed_roots=(data_root.resolve(),),
-                              **{k: extra.pop(k) for k in ["max_body_bytes", "plugin_modules"] if k in extra})
+                              **{k: extra.pop(k) for k in ["max_body_bytes", "plugin_modules", "run_dir", "dump_dir"]
+                                 if k in extra})
     return ControllerConfig(n_slots=n_slots, defaults=defaults, server=server, hooks=hooks, **extra)
