@@ -25,10 +25,12 @@ lint: install
 	$(PY) -m mypy
 
 # The tinker-cookbook test's own virtualenv (about a minute from the package registry, once)
-# is made in the background meanwhile: the lint and the first tests overlap it.
+# and Debian's Chromium for the dashboard's browser test are made in the background
+# meanwhile: the lint and the first tests overlap them.
 test: install
 	mkdir -p .cache
 	$(PY) tests/main/cookbook_venv.py > .cache/cookbook-venv.log 2>&1 &
+	$(PY) tests/main/chromium.py > .cache/chromium.log 2>&1 &
 	$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests
 

@@ -1,0 +1,143 @@
+"""The dashboard in a real browser: headless Chromium (Debian's package, driven by Playwright)
+on the `/ui` of a running tiny trainer.
+
+It logs in with the API token, sees each adapter's row update while it trains, registers
+one from the YAML box, opens a curve, the loop and a rollout whose prompt is hostile HTML
+(shown as text, never run), retires an adapter and sees it complete; the page calls no host
+but the control plane and logs no error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from chromium import LAUNCH_ARGS, ChromiumUnavailableError, ensure_chromium
+from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
+
+from miles.controller.client import ControlPlaneClient
+from miles.utils.types import AdapterState
+
+TRAINER = "miles.main.train_multi_lora_async"
+TOKEN = "browser-test-token"
+HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
+TIMEOUT_MS = 120_000
+REFUSED = re.compile(r"status of (401|422)")
+"""The browser logs the calls the test makes fail on purpose (a wrong token, a bad body)."""
+
+
+def write_hostile_dataset(path: Path, n: int) -> Path:
+    """Arithmetic prompts that start with HTML a careless page would run."""
+    with path.open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"text": f"{HOSTILE} {10 + i}+{20 + i}=", "label": str(30 + 2 * i)}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def chromium_path() -> str:
+    try:
+        return ensure_chromium()
+    except ChromiumUnavailableError as error:
+        pytest.skip(f"no Chromium for the browser test: {error}")
+
+
+def test_the_dashboard_follows_a_running_trainer(tiny_model_dir: Path, tmp_path: Path, chromium_path: str) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    data = tmp_path / "data"
+    data.mkdir()
+    add = write_arithmetic_dataset(data / "add.jsonl", 200, op="+", seed=1)
+    hostile = write_hostile_dataset(data / "hostile.jsonl", 50)
+    flags = tiny_run_flags(tiny_model_dir, tmp_path / "save", n_adapters=3) + [
+        "--multi-lora-api-token", TOKEN, "--run-dir", str(tmp_path / "run"),
+        "--dump-details", str(tmp_path / "details")]
+    driver = DriverProcess(TRAINER, flags, tmp_path / "trainer.log")
+    try:
+        url = driver.wait_for_api_url()
+        client = ControlPlaneClient(url, token=TOKEN)
+        client.register("plain", config={"data": str(add)})
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=chromium_path, args=LAUNCH_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.set_default_timeout(TIMEOUT_MS)
+            requests: list[str] = []
+            problems: list[str] = []
+            page.on("request", lambda request: requests.append(request.url))
+            page.on("console", lambda message: problems.append(message.text)
+                    if message.type == "error" and not REFUSED.search(message.text) else None)
+            page.on("pageerror", lambda error: problems.append(str(error)))
+            page.on("dialog", lambda dialog: problems.append(f"dialog: {dialog.message}"))
+
+            page.goto(f"{url}/ui")
+            page.fill("#login-token", "wrong")
+            page.click("#login-button")
+            expect(page.locator("#login-error")).to_contain_text("token")  # the API's own words
+            page.fill("#login-token", TOKEN)
+            page.click("#login-button")
+
+            # Register from the YAML box: a bad body is refused in the API's words, then a good one.
+            page.click("#tab-adapters")
+            page.fill("#register-yaml", "name: hostile\nconfig:\n  num_step: -1\n")
+            page.click("#register-button")
+            expect(page.locator("#register-result")).to_contain_text("num_step")
+            page.fill("#register-yaml", f"name: hostile\nconfig:\n  data: {hostile}\n")
+            page.click("#register-button")
+            expect(page.locator("#register-result")).to_contain_text("slot")
+
+            # Every row updates while the page stays open.
+            for name in ("plain", "hostile"):
+                row = page.locator(f'tr[data-adapter="{name}"]')
+                expect(row.locator(".state")).to_have_text(re.compile("active", re.I))
+                first = _step(row.locator(".step").inner_text())
+                expect(row.locator(".step")).not_to_have_text(re.compile(rf"^{first}(/|$)"))
+
+            # A curve of both adapters, with a hover value.
+            page.click("#tab-curves")
+            page.select_option("#curve-metric", "raw_reward_mean")
+            for name in ("plain", "hostile"):
+                box = page.locator(f'.curve-adapter[value="{name}"]')
+                if not box.is_checked():
+                    box.check()
+            chart = page.locator("#curve-chart svg")
+            expect(chart.locator("path.series")).to_have_count(2)
+            bounds = chart.bounding_box()
+            assert bounds is not None
+            page.mouse.move(bounds["x"] + bounds["width"] * 0.8, bounds["y"] + bounds["height"] / 2)
+            expect(page.locator("#curve-tooltip")).to_contain_text("step")
+
+            # The loop's stages and the batch's composition.
+            page.click("#tab-loop")
+            expect(page.locator("#loop-chart svg rect").first).to_be_visible()
+            expect(page.locator("#batch-chart svg rect").first).to_be_visible()
+
+            # A rollout of the hostile adapter: its prompt is text, its tokens shaded.
+            page.click("#tab-rollouts")
+            page.select_option("#rollout-adapter", "hostile")
+            group = page.locator(".rollout-group").first
+            expect(group).to_contain_text(HOSTILE)
+            expect(group.locator(".token").first).to_be_visible()
+            assert page.evaluate("window.__pwned") is None
+            assert page.locator("img[src='x']").count() == 0
+
+            # Retire with a confirmation; the row ends COMPLETED.
+            page.click("#tab-adapters")
+            row = page.locator('tr[data-adapter="plain"]')
+            row.locator(".retire-button").click()
+            page.click("#confirm-retire")
+            expect(row.locator(".state")).to_have_text(re.compile("completed", re.I))
+            assert client.status("plain").state is AdapterState.COMPLETED
+
+            browser.close()
+        foreign = [u for u in requests if not u.startswith(url + "/")]
+        assert not foreign, f"the page called other hosts: {foreign}"
+        assert not problems, problems
+    finally:
+        driver.kill()
+
+
+def _step(text: str) -> str:
+    """`3/10` or `3`: the step before the slash."""
+    return text.split("/")[0].strip()
