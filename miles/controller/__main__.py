@@ -49,7 +49,7 @@ async def serve(cfg: MilesConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     port = await controller.start()
     host = await controller.http_host()
-    logger.info("Control plane listening on http://%s:%d (OpenAPI at /docs)", host, port)
+    logger.info("Control plane listening on http://%s:%d (OpenAPI at /docs, dashboard at /ui)", host, port)
     logger.info(_USAGE.format(url=f"http://{host}:{port}", auth=_AUTH if cfg.multi_lora_api_token else ""))
     try:
         await stop.wait()

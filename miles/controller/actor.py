@@ -378,7 +378,7 @@ def create_multilora_controller(config: MilesConfig, router_url: str | None = No
     ).remote(controller_config, router_url)
     port = ray.get(handle.start.remote())
     host = ray.get(handle.http_host.remote())
-    logger.info("Multi-LoRA controller API at http://%s:%d (OpenAPI at /docs)", host, port)
+    logger.info("Multi-LoRA controller API at http://%s:%d (OpenAPI at /docs, dashboard at /ui)", host, port)
     _cached_handle = handle
     return handle
 
