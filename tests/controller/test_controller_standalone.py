@@ -17,7 +17,7 @@ from waiting import wait_until
 from miles.controller.client import ControlPlaneClient, ControlPlaneError
 from miles.utils.types import AdapterState
 
-URL_LINE = re.compile(r"Control plane listening on (http://127\.0\.0\.1:\d+) \(OpenAPI at /docs\)")
+URL_LINE = re.compile(r"Control plane listening on (http://127\.0\.0\.1:\d+) \(OpenAPI at /docs")
 
 
 def start(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, queue.Queue]:
