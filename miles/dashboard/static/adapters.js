@@ -21,8 +21,10 @@ function errorText(error) {
 }
 
 export class AdaptersView {
-  constructor({ onAuthError }) {
+  /** onAuthError(error): the API said 401; refresh(): poll again now (after a register or retire). */
+  constructor({ onAuthError, refresh }) {
     this.onAuthError = onAuthError;
+    this.refresh = refresh;
     this.body = document.getElementById("adapters-body");
     this.message = document.getElementById("adapters-message");
     this.rows = new Map(); // name -> {row, cells, drawnPoints, drawnKind}
@@ -34,12 +36,10 @@ export class AdaptersView {
     document.getElementById("cancel-retire").addEventListener("click", () => this.dialog.close());
     this.dialog.addEventListener("close", () => { this.retiring = null; });
     document.getElementById("register-button").addEventListener("click", () => this.register());
-    this.requestRefresh = () => {};
   }
 
   update(ctx) {
     this.controls = Boolean(ctx.info.controls);
-    this.requestRefresh = ctx.refresh;
     document.getElementById("register-panel").hidden = !this.controls;
     document.getElementById("read-only-note").hidden = this.controls;
     setText(document.getElementById("adapter-runs-error"),
@@ -48,8 +48,9 @@ export class AdaptersView {
     // The control plane's adapters in its order, then any adapter known only from the records.
     const statuses = new Map(ctx.adapterRuns.map((s) => [s.name, s]));
     const names = [...statuses.keys(), ...[...ctx.store.adapters.keys()].filter((n) => !statuses.has(n))];
+    const shown = new Set(names);
     for (const [name, entry] of this.rows) {
-      if (!names.includes(name)) {
+      if (!shown.has(name)) {
         entry.row.remove();
         this.rows.delete(name);
       }
@@ -95,7 +96,7 @@ export class AdaptersView {
     setText(cells.staleness, formatNumber(series?.latest("avg_staleness") ?? null));
     const error = errorText(status?.last_error);
     setText(cells.error, error);
-    if (status?.last_error?.reason) cells.error.title = `reason: ${status.last_error.reason}`;
+    cells.error.title = status?.last_error?.reason ? `reason: ${status.last_error.reason}` : "";
 
     const points = series?.points.length ?? 0;
     if (points !== entry.drawnPoints || kind !== entry.drawnKind) {
@@ -136,7 +137,7 @@ export class AdaptersView {
       if (error instanceof AuthError) return this.onAuthError(error);
       this.say(`Retire ${name}: ${error.message}`, "error");
     }
-    this.requestRefresh();
+    this.refresh();
   }
 
   async register() {
@@ -150,7 +151,7 @@ export class AdaptersView {
       const answer = await request("/adapter_runs", { method: "POST", body: yaml, contentType: "application/yaml" });
       result.dataset.outcome = "ok";
       setText(result, `Registered ${answer.name} in slot ${answer.slot}.`);
-      this.requestRefresh();
+      this.refresh();
     } catch (error) {
       result.dataset.outcome = "error";
       setText(result, error.message);

@@ -9,7 +9,7 @@
 import { AdaptersView } from "./adapters.js";
 import { AuthError, request, token } from "./api.js";
 import { CurvesView } from "./curves.js";
-import { setText } from "./dom.js";
+import { adapterColour, setText } from "./dom.js";
 import { LoopView } from "./loop.js";
 import { RolloutsView } from "./rollouts.js";
 import { RecordStore } from "./store.js";
@@ -22,7 +22,6 @@ const ctx = {
   store: new RecordStore(),
   adapterRuns: [], // GET /adapter_runs
   adapterRunsError: null,
-  refresh: () => pollSoon(),
 };
 
 let views = null;
@@ -40,6 +39,7 @@ function showLogin(detail) {
   clearTimeout(timer);
   document.getElementById("app").hidden = true;
   document.getElementById("login").hidden = false;
+  document.getElementById("logout-button").hidden = true;
   setText(document.getElementById("login-error"), detail ?? "");
   setLive("signed-out", "signed out");
   document.getElementById("login-token").focus();
@@ -61,14 +61,15 @@ async function start() {
   }
   document.getElementById("login").hidden = true;
   document.getElementById("app").hidden = false;
+  document.getElementById("logout-button").hidden = !token.get();
   const { mode, run_dir: runDir } = ctx.info;
   setText(document.getElementById("run-mode"), mode === "live" ? "live trainer" : "run directory");
   setText(document.getElementById("run-dir"), runDir ?? "");
   views ??= {
-    adapters: new AdaptersView({ onAuthError }),
+    adapters: new AdaptersView({ onAuthError, refresh: pollSoon }),
     curves: new CurvesView(),
     loop: new LoopView(),
-    rollouts: new RolloutsView(),
+    rollouts: new RolloutsView({ refresh: pollSoon }),
   };
   stopped = false;
   showTab(active);
@@ -118,6 +119,8 @@ async function tick() {
   inFlight = true;
   try {
     await ctx.store.poll(request);
+    // Colours follow the order adapters appear in the records, so a reload gives the same ones.
+    for (const name of ctx.store.adapters.keys()) adapterColour(name);
     // The adapter list feeds the adapters view and the rollouts' adapter choice only.
     if (active === "adapters" || active === "rollouts" || !lastUpdate) await pollAdapterRuns();
     await views[active].update(ctx);

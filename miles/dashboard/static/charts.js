@@ -161,8 +161,8 @@ export class LineChart {
       if (last <= 0) last = s.points.length - 1;
       const shown = s.points.slice(first, last + 1);
       const d = shown.map(([x, y], i) => `${i ? "L" : "M"}${sx(x).toFixed(1)},${sy(y).toFixed(1)}`).join("");
-      lines.append(svg("path", { class: "series", d, stroke: s.colour }));
       if (shown.length === 1) lines.append(svg("circle", { cx: sx(shown[0][0]), cy: sy(shown[0][1]), r: 3, fill: s.colour }));
+      else lines.append(svg("path", { class: "series", d, stroke: s.colour }));
       for (const [x, y] of shown) {
         if (x >= x0 && x <= x1) this.hoverPoints.push({ px: sx(x), py: sy(y), x, y, series: s });
       }

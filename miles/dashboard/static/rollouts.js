@@ -65,7 +65,9 @@ const SHADING_KEY = el("div", { class: "shading-key" },
   el("span", { class: "token masked", text: "not trained (loss_mask 0)" }));
 
 export class RolloutsView {
-  constructor() {
+  /** refresh(): poll again now (after the user picks an adapter or a rollout). */
+  constructor({ refresh }) {
+    this.refresh = refresh;
     this.disabled = document.getElementById("rollouts-disabled");
     this.content = document.getElementById("rollouts-content");
     this.select = document.getElementById("rollout-adapter");
@@ -82,11 +84,9 @@ export class RolloutsView {
       this.listKey = "";
       this.refresh();
     });
-    this.refresh = () => {};
   }
 
   async update(ctx) {
-    this.refresh = ctx.refresh;
     const enabled = Boolean(ctx.info.dump_dir);
     this.disabled.hidden = enabled;
     this.content.hidden = !enabled;
