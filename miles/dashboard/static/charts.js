@@ -95,6 +95,7 @@ export class LineChart {
     this.hoverPoints = [];
     this.plot = null;
     this.drag = null;
+    this.pointer = null; // the mouse's last position over the plot: a redraw shows its tooltip again
     this.clipId = `chart-clip-${++clipCount}`;
 
     this.root = svg("svg", { class: "chart line-chart" });
@@ -169,6 +170,7 @@ export class LineChart {
     }
     this.layer.append(svg("defs", {}, clip), lines);
     this.scaleX = sx;
+    if (this.pointer && !this.drag) this.hover(...this.pointer);
   }
 
   listen() {
@@ -197,12 +199,17 @@ export class LineChart {
         this.brush.setAttribute("height", this.plot.bottom - this.plot.top);
         this.brush.setAttribute("visibility", "visible");
       } else if (inPlot(x, y)) {
+        this.pointer = [x, y];
         this.hover(x, y);
       } else {
+        this.pointer = null;
         this.hideHover();
       }
     });
-    this.root.addEventListener("mouseleave", () => this.hideHover());
+    this.root.addEventListener("mouseleave", () => {
+      this.pointer = null;
+      this.hideHover();
+    });
     window.addEventListener("mouseup", () => {
       if (!this.drag) return;
       const { start, end } = this.drag;
@@ -260,8 +267,16 @@ export class StackedBars {
     this.legendBox = el("div", { class: "legend-box" });
     container.prepend(this.root);
     container.append(this.legendBox);
-    this.root.addEventListener("mousemove", (event) => this.hover(event));
-    this.root.addEventListener("mouseleave", () => this.hideHover());
+    this.pointer = null; // the mouse's last position: a redraw shows its tooltip again
+    this.root.addEventListener("mousemove", (event) => {
+      const box = this.root.getBoundingClientRect();
+      this.pointer = [event.clientX - box.left, event.clientY - box.top];
+      this.hover(...this.pointer);
+    });
+    this.root.addEventListener("mouseleave", () => {
+      this.pointer = null;
+      this.hideHover();
+    });
   }
 
   setData({ categories, series, unit = this.unit }) {
@@ -314,13 +329,11 @@ export class StackedBars {
     });
     this.layer.append(bars);
     this.totals = totals;
+    if (this.pointer) this.hover(...this.pointer);
   }
 
-  hover(event) {
+  hover(x, y) {
     const { categories, series } = this.data;
-    const box = this.root.getBoundingClientRect();
-    const x = event.clientX - box.left;
-    const y = event.clientY - box.top;
     const plot = this.plot;
     if (!categories.length || x < plot.left || x > plot.right || y < plot.top || y > plot.bottom) {
       return this.hideHover();
