@@ -135,12 +135,14 @@ def _mixed_batch(seed: int) -> tuple[RolloutBatch, dict[str, LossSettings]]:
                 mask = [rng.choice([0, 1, 1]) for _ in range(n)] if rng.random() < 0.5 else None
                 if mask is not None and not any(mask):
                     mask[-1] = 1
+                response = [rng.randrange(4, 60) for _ in range(n)]
                 group.append(Sample(adapter=name, slot=slot, group_index=g, index=i, prompt="p", label=None,
-                                    metadata={}, prompt_ids=[5, 6], response_ids=[rng.randrange(4, 60) for _ in range(n)],
+                                    metadata={}, prompt_ids=[5, 6], response_ids=response,
                                     reward=float(rng.randint(0, 2)) + rng.random(), loss_mask=mask))
             groups.append(group)
-    batch = RolloutBatch(rollout_id=0, samples=[s for g in groups for s in g], prompt_group_sizes=[len(g) for g in groups],
-                         groups_per_adapter={name: 2 for name in settings}, step_names=[])
+    batch = RolloutBatch(rollout_id=0, samples=[s for g in groups for s in g],
+                         prompt_group_sizes=[len(g) for g in groups], groups_per_adapter={name: 2 for name in settings},
+                         step_names=[])
     return batch, settings
 
 
@@ -216,8 +218,9 @@ def test_a_reader_never_sees_a_partial_file(tmp_path, monkeypatch):
     files = RolloutFiles(tmp_path, 8, lambda: TOKENIZER)
     files.write(job(0))
     files.write(job(1))
-    assert seen == [[".rollout_00000000.json.%d.tmp" % os.getpid()],
-                    [".rollout_00000001.json.%d.tmp" % os.getpid(), "rollout_00000000.json"]]
+    pid = os.getpid()
+    assert seen == [[f".rollout_00000000.json.{pid}.tmp"],
+                    [f".rollout_00000001.json.{pid}.tmp", "rollout_00000000.json"]]
 
     def failing_replace(src, dst):
         raise OSError("disk full")
@@ -280,7 +283,8 @@ async def test_run_progress_hands_each_trained_batch_to_the_dump(tmp_path):
     progress.declare(MultiLoRASnapshot(active={"a": adapter_run("a", 0, 0, config)}))
     rollout = two_adapter_batch(5)
     rollout.per_adapter = {"a": AdapterRolloutStats(groups=1, rewards=(1.0, 0.0), response_lengths=(3, 3))}
-    trained = TrainedBatch(TrainResult(samples=2, adapters={"a": AdapterTrainStats(samples=2, loss=0.5, clip_fraction=0.0, kl=0.0, tis_weight=1.0)}),
+    stats = AdapterTrainStats(samples=2, loss=0.5, clip_fraction=0.0, kl=0.0, tis_weight=1.0)
+    trained = TrainedBatch(TrainResult(samples=2, adapters={"a": stats}),
                            {"a": AdapterStepStats(grad_norm=1.0, lr=1e-3)})
     await progress.record(5, rollout, trained, MultiLoRASnapshot(active={"a": adapter_run("a", 0, 1, config)}), {})
     dump.close()
