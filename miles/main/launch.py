@@ -1,8 +1,9 @@
 """Start and stop everything a trainer needs: Ray, the controller, engines, train ranks.
 
 Both drivers (`train_multi_lora_async`, `train_async`) enter `trainer_run(cfg)`, which
-launches the components and, however the loop ends, saves every loaded adapter and
-stops every process; the drivers themselves hold only their loops.
+launches the components and, however the loop ends, saves every loaded adapter, stops
+every process and flushes the metrics and the `--dump-details` writer; the drivers
+themselves hold only their loops.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from miles.backends.base import TrainingBackend
 from miles.main.engine_push import EnginePusher
 from miles.main.progress import RunProgress, make_view
 from miles.main.registration_checks import controller_hooks
+from miles.main.rollout_dump import RolloutDump
 from miles.main.stages import Stages
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
@@ -194,7 +196,8 @@ async def trainer_run(cfg: MilesConfig) -> AsyncIterator[TrainerRun]:
     install_stop_handlers(stop)
     components = await launch(cfg)
     metrics = MetricsLogger.from_config(cfg)
-    progress = RunProgress(metrics, view=make_view(), controller=components.controller)
+    dump = RolloutDump.from_config(cfg)
+    progress = RunProgress(metrics, view=make_view(), controller=components.controller, dump=dump)
     try:
         yield TrainerRun(components, stop, progress)
     finally:
@@ -203,4 +206,6 @@ async def trainer_run(cfg: MilesConfig) -> AsyncIterator[TrainerRun]:
             await shutdown(components)
         finally:
             metrics.close()
+            if dump is not None:
+                dump.close()
     progress.print_summary()

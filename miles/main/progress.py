@@ -2,8 +2,9 @@
 it ends with.
 
 - Metrics (`MetricsLogger`): one loop record per trained batch (`perf/...`: stage
-  times, batch composition, the adapters the batch steps) and ONE adapter record per
-  optimizer step, stepped on the adapter's step. A server-driven adapter's: the rollout
+  times, batch composition, the adapters the batch steps; and `batch`, each adapter's
+  groups and samples in it, `batch_composition`) and ONE adapter record per optimizer
+  step, stepped on the adapter's step. A server-driven adapter's: the rollout
   numbers of every batch that went into the step merged (`AdapterRolloutStats.merge`:
   Miles' `raw_reward_*`, `response_len_*`, `zero_std_*`, `truncated_ratio`,
   `avg/max_staleness`), the train numbers of those batches (sample-weighted `loss`, `kl`,
@@ -12,6 +13,10 @@ it ends with.
   adapter's (one per `optim_step`, `ClientWindow`): the metrics of its forward_backward
   calls since its previous step reduced as their names say (`loss:sum` summed), the datums,
   tokens and calls, the step's Adam settings and `grad_norm`, and its time in the trainer.
+  Both kinds carry `perf/samples_per_s` once known: trained samples (a client's datums) per
+  second over the adapter's latest `RATE_WINDOW` batches (`SampleRate`, the table's samples/s).
+- With `--dump-details` (`RolloutDump`, given by the launcher): every trained batch is
+  handed to the dump's writer thread, which writes each adapter's groups as JSON.
 - On screen: attached to a terminal, a live table (adapter, kind, state, step/final step,
   reward and loss of the latest step, trained samples/s) redrawn each iteration, with log
   lines scrolling above it; otherwise one log line per trained batch, and one per
@@ -42,6 +47,7 @@ from typing import Any, Protocol, TextIO
 from miles.backends.base import AdapterTrainStats
 from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.main.client_commands import ClientCall, ClientModelReport, ClientStepTaken, reduce_metrics
+from miles.main.rollout_dump import RolloutDump
 from miles.main.train_step import TrainedBatch
 from miles.utils.tracking import MetricsLogger
 from miles.utils.types import (
@@ -263,11 +269,13 @@ def make_view(stream: TextIO | None = None) -> ProgressView:
 
 class RunProgress:
     def __init__(self, metrics: MetricsLogger, *, view: ProgressView | None = None, controller: Any = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 dump: RolloutDump | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.metrics = metrics
         self.view = view if view is not None else PlainView()
         self.controller = controller
         """Controller actor handle that takes `observe_rollout(gauges)`; None: not reported."""
+        self.dump = dump
+        """`--dump-details`: takes every trained batch (its owner closes it); None: no dump."""
         self.clock = clock
         self.adapters: dict[str, AdapterProgress] = {}
         self._last_idle_log = float("-inf")
@@ -335,12 +343,20 @@ class RunProgress:
         for name, step in sorted(trained.steps.items()):
             entry = self.adapters.get(name)
             if entry is not None:
-                self.metrics.log_adapter(name, {**self._step_metrics(entry), **step.to_metrics()}, step=entry.step)
+                metrics = {**self._step_metrics(entry), **step.to_metrics(), **self._rate_metrics(entry, now)}
+                self.metrics.log_adapter(name, metrics, step=entry.step)
         loop = {**rollout.stats.to_metrics(), "perf/train_samples": float(trained.result.samples), **perf}
-        self.metrics.log_loop(loop, rollout_id=rollout_id)
+        self.metrics.log_loop(loop, rollout_id=rollout_id, batch=batch_composition(rollout))
+        if self.dump is not None:
+            self.dump.submit(rollout, snapshot)
         self.view.show(self.rows(), self._batch_line(rollout_id, rollout, perf))
         if self.controller is not None:
             await self.controller.observe_rollout.remote(self.gauges(rollout))
+
+    @staticmethod
+    def _rate_metrics(entry: AdapterProgress, now: float) -> dict[str, float]:
+        rate = entry.rate.per_s(now)
+        return {} if rate is None else {"perf/samples_per_s": rate}
 
     def _step_metrics(self, entry: AdapterProgress) -> dict[str, float]:
         """The adapter record of the step `entry` just took; starts the next step's accumulation."""
@@ -369,7 +385,7 @@ class RunProgress:
             if report.step is None:
                 continue
             entry.step += 1  # the registry stepped it when the step's future completed
-            metrics = entry.client.close(report.step)
+            metrics = {**entry.client.close(report.step), **self._rate_metrics(entry, now)}
             if "loss:sum" in metrics:
                 entry.losses.append(metrics["loss:sum"])
             self.metrics.log_adapter(entry.name, metrics, step=entry.step, adapter_kind=AdapterKind.CLIENT)
@@ -462,6 +478,13 @@ class RunProgress:
         elapsed = self.clock() - self._start
         print(f"\nPer-adapter summary ({elapsed:.0f}s; metrics: {self.metrics.path})")
         print("\n".join(lines), flush=True)
+
+
+def batch_composition(rollout: RolloutBatch) -> dict[str, dict[str, int]]:
+    """The loop record's `batch`: each adapter's prompt groups and samples in the batch."""
+    samples = rollout.samples_per_adapter()
+    return {name: {"groups": groups, "samples": samples.get(name, 0)}
+            for name, groups in sorted(rollout.groups_per_adapter.items())}
 
 
 def _merge_train(stats: list[AdapterTrainStats]) -> dict[str, float]:

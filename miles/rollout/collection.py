@@ -267,6 +267,7 @@ class BatchCollector:
             step_names=step_names,
             per_adapter=per_adapter,
             stats=stats,
+            group_versions=[g.version for g in groups],
         )
 
     def _stats(self, batch: _Batch, adapters: dict[str, AdapterRun], step_names: list[str],

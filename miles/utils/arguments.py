@@ -232,6 +232,8 @@ class MilesConfig:
     save: str | None = _flag(None, "Root of adapter save directories ({save}/adapters/{name}).")
     save_interval: int | None = _flag(None, "Save an adapter every N of its steps.")
     run_dir: str | None = _flag(None, "Where metrics go (default: --save, else runs/latest).")
+    dump_details: str | None = _flag(None, "Write each adapter's trained batches (prompts, responses, rewards, advantages, per-token texts and logprobs) as JSON to DIR/rollouts/{adapter}/rollout_{id:08d}.json, in a background thread (Miles' flag; here bounded, see --dump-details-keep).", metavar="DIR")
+    dump_details_keep: int = _flag(8, "With --dump-details: the newest files kept per adapter.")
     use_wandb: bool = _flag(False, "Also log metrics to Weights & Biases.")
     wandb_project: str | None = _flag(None, "W&B project.")
     wandb_group: str | None = _flag(None, "W&B run group.")
@@ -397,6 +399,8 @@ class MilesConfig:
         if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
             raise ConfigError("--recompute-method and --recompute-num-layers apply to --recompute-granularity full; "
                               "add it, or drop them")
+        if self.dump_details_keep <= 0:
+            raise ConfigError(f"--dump-details-keep must be > 0, got {self.dump_details_keep}")
         if self.lr_warmup_init < 0:
             raise ConfigError(f"--lr-warmup-init must be >= 0, got {self.lr_warmup_init}")
         if self.rollout_max_prompt_len is not None and self.rollout_max_prompt_len <= 0:

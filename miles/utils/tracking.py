@@ -8,12 +8,17 @@ Two kinds of record, never mixed, so no adapter name can land on a loop metric:
 
 `{run_dir}/metrics.jsonl` (always) holds one JSON object per record:
 
-    {"kind": "loop", "rollout_id": 7, "time": ..., "metrics": {"perf/train_time": 1.2}}
+    {"kind": "loop", "rollout_id": 7, "time": ..., "metrics": {"perf/train_time": 1.2},
+     "batch": {"a": {"groups": 2, "samples": 8}}}
     {"kind": "adapter", "adapter": "perf", "adapter_kind": "server", "step": 3, "time": ...,
-     "metrics": {"raw_reward_mean": 0.5}}
+     "metrics": {"raw_reward_mean": 0.5, "perf/samples_per_s": 12.5}}
 
-`adapter_kind` says who drives the adapter: `server` (RL on its dataset) or `client` (a
-Tinker model, whose records carry its forward_backward metrics and Adam settings instead).
+`time` is Unix seconds. A loop record's `batch` is the trained batch's composition: its
+prompt groups and samples per adapter (only in metrics.jsonl: adapter names never become
+scalar names). `adapter_kind` says who drives the adapter: `server` (RL on its dataset) or
+`client` (a Tinker model, whose records carry its forward_backward metrics and Adam
+settings instead). An adapter record's `perf/samples_per_s` is the adapter's trained
+samples (a client's datums) per second over its latest batches, when known.
 
 TensorBoard (when installed) and W&B (`--use-wandb`) need flat names: loop metrics keep
 theirs (W&B plots `perf/*` against `rollout_id`), adapter metrics become
@@ -137,15 +142,20 @@ class MetricsLogger:
         wandb.init(project=project or "miles-multi-lora", group=group, name=run_name or group, dir=str(self.run_dir))
         return wandb
 
-    def log_loop(self, metrics: dict[str, Any], *, rollout_id: int) -> None:
-        """The loop's own metrics of one rollout."""
+    def log_loop(self, metrics: dict[str, Any], *, rollout_id: int,
+                 batch: dict[str, dict[str, int]] | None = None) -> None:
+        """The loop's own metrics of one rollout; `batch` (its composition, adapter ->
+        {"groups", "samples"}) goes into metrics.jsonl only, never into a scalar's name."""
         values = _clean(metrics)
         clashing = sorted(k for k in values if k.startswith(ADAPTER_NAMESPACE))
         if clashing:
             raise ValueError(f"loop metrics may not start with {ADAPTER_NAMESPACE!r}: {clashing}")
         if not values:
             return
-        self._write({"kind": "loop", "rollout_id": rollout_id, "time": time.time(), "metrics": values})
+        record: dict[str, Any] = {"kind": "loop", "rollout_id": rollout_id, "time": time.time(), "metrics": values}
+        if batch is not None:
+            record["batch"] = batch
+        self._write(record)
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, global_step=rollout_id)

@@ -35,6 +35,7 @@ from miles.utils.types import (
     MultiLoRASnapshot,
     RolloutBatch,
     RolloutStats,
+    Sample,
 )
 
 
@@ -153,6 +154,8 @@ async def test_one_adapter_record_per_optimizer_step_with_the_steps_batches_merg
     assert a["dynamic_filter/drop_zero_std_0.0"] == 5.0 and a["dynamic_filter/drop_zero_std_1.0"] == 1.0
     b = adapter[0]["metrics"]
     assert b["raw_reward_mean"] == 0.25 and b["zero_std_all_zero_percentage"] == 0.5 and b["max_staleness"] == 1.0
+    # Trained samples per second since each adapter appeared (at t=100): b 4 by t=110, a 2 + 2 by t=120.
+    assert (b["perf/samples_per_s"], a["perf/samples_per_s"]) == (0.4, 0.2)
     loop = [r for r in records if r["kind"] == "loop"]
     assert [r["metrics"]["perf/rollout/batch_n_adapters_to_step"] for r in loop] == [1.0, 1.0]
 
@@ -281,6 +284,7 @@ async def test_a_client_driven_adapter_gets_one_record_per_optim_step(metrics, c
         "loss:sum": 9.0, "forward_backward_calls": 3.0, "train_datums": 6.0, "train_tokens": 18.0,
         "lr": 0.02, "weight_decay": 0.01, "grad_clip_norm": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.95,
         "adam_eps": 1e-12, "grad_norm": 2.5, "perf/train_time": 0.75,
+        "perf/samples_per_s": 1.5,  # 6 datums over the 4 s since it appeared, as its row shows
     }
     # The controller hears the client's loss, and the RL adapter's reward, each under its own name.
     assert controller.reports[0] == {model: AdapterGauges(registration_id=f"reg-{model}", raw_reward_mean=None,
@@ -308,6 +312,23 @@ async def test_a_client_driven_adapter_gets_one_record_per_optim_step(metrics, c
     summary = {row[0]: row for row in progress.summary_rows()}
     assert summary[model] == (model, "client", "-", "-", "9.000", "1.000", "2", "/ckpt/step-2")
     assert summary["rl"][:7] == ("rl", "server", "0.750", "0.750", "1.000", "1.000", "1")
+
+
+async def test_a_loop_record_carries_the_batch_composition(metrics):
+    """`batch`: each adapter's groups and samples in the trained batch (groups of 2 and 3 here),
+    in metrics.jsonl only: TensorBoard and W&B get no name holding an adapter's."""
+    progress = RunProgress(metrics)
+    progress.declare(snapshot(run("a", 0, 0), run("b", 1, 0)))
+    samples = [Sample("a", 0, g, i, "p", None, {}, [1]) for g in range(2) for i in range(2)]
+    samples += [Sample("b", 1, 0, i, "p", None, {}, [1]) for i in range(3)]
+    rollout = RolloutBatch(rollout_id=0, samples=samples, prompt_group_sizes=[2, 2, 3],
+                           groups_per_adapter={"a": 2, "b": 1}, step_names=[],
+                           per_adapter={"a": AdapterRolloutStats(groups=2), "b": AdapterRolloutStats(groups=1)})
+    await progress.record(0, rollout, trained({}, []), snapshot(run("a", 0, 0), run("b", 1, 0)),
+                          {"perf/train_time": 0.5})
+    (loop,) = [r for r in read_metrics(metrics.path) if r["kind"] == "loop"]
+    assert loop["batch"] == {"a": {"groups": 2, "samples": 4}, "b": {"groups": 1, "samples": 3}}
+    assert all(k.startswith("perf/") for k in loop["metrics"])  # the scalars TensorBoard and W&B get
 
 
 def test_client_metrics_reduce_as_their_names_say():

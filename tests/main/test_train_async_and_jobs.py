@@ -34,7 +34,8 @@ def test_train_async_runs_rollouts_and_saves(tiny_model_dir, tmp_path):
               # Every batch waits for its whole rollout_batch_size (one step per rollout): the
               # harness's short wait ships a part batch when the engine is slow (a loaded machine
               # gave 3 steps in 4 rollouts once).
-              "--multi-lora-max-coalesce-wait-s", "120"]
+              "--multi-lora-max-coalesce-wait-s", "120",
+              "--dump-details", str(tmp_path / "dump"), "--dump-details-keep", "2"]
     driver = DriverProcess("miles.main.train_async", flags, tmp_path / "train_async.log")
     try:
         assert driver.wait(timeout=400) == 0, driver.log_tail()
@@ -48,6 +49,22 @@ def test_train_async_runs_rollouts_and_saves(tiny_model_dir, tmp_path):
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert sorted(r["rollout_id"] for r in records if r["kind"] == "loop") == [0, 1, 2, 3]
     assert sorted(r["step"] for r in records if r["kind"] == "adapter" and r["adapter"] == "policy") == [1, 2, 3, 4]
+    assert [r["batch"] for r in records if r["kind"] == "loop"] == [{"policy": {"groups": 2, "samples": 4}}] * 4
+    assert all(r["metrics"]["perf/samples_per_s"] > 0 for r in records if r["kind"] == "adapter")
+    # --dump-details: the last two rollouts of the policy, one file each.
+    dumped = sorted((tmp_path / "dump" / "rollouts" / "policy").iterdir())
+    assert [p.name for p in dumped] == ["rollout_00000002.json", "rollout_00000003.json"]
+    document = json.loads(dumped[-1].read_text())
+    assert (document["adapter"], document["rollout_id"], document["step"]) == ("policy", 3, 4)
+    assert len(document["groups"]) == 2
+    specials = {"<pad>", "<s>", "</s>", "<unk>"}
+    for group in document["groups"]:
+        assert group["prompt"] and group["version"] is not None
+        assert [s["index"] for s in group["samples"]] == [0, 1]
+        for sample in group["samples"]:
+            assert sample["advantage"] is not None and sample["status"] in ("completed", "truncated")
+            assert len(sample["tokens"]) == len(sample["logprobs"]) >= 1
+            assert "".join(t for t in sample["tokens"] if t not in specials) == sample["response"]
 
 
 def test_train_async_requires_prompt_data(tmp_path):

@@ -179,6 +179,7 @@ async def test_stale_groups_are_dropped_and_counted():
         buffers.put(make_group(a, index, version=version))
     batch = await c.collect(0)
     assert sorted(s.group_index for s in batch.samples) == [1, 2]
+    assert batch.group_versions == [4, 5]  # each kept group's submission version, in batch order
     assert batch.per_adapter["a"].dropped == {DropReason.STALE: 2, DropReason.FOREIGN: 0}
     assert batch.stats.dropped[DropReason.STALE] == 2
     assert batch.stats.to_metrics()["perf/rollout/stale_dropped"] == 2.0

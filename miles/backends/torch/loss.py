@@ -16,7 +16,7 @@ Shape suffixes: N samples of a whole batch, B samples of a micro-batch, T tokens
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from torch import Tensor
 
 from miles.utils.loss_settings import KL_LOSS_TYPES, LossSettings
 from miles.utils.plugins import PluginError, load_object
+from miles.utils.types import Sample
 
 GRPO_STD_EPS = 1e-6
 
@@ -284,6 +285,22 @@ def adapter_token_advantages(
             for r, i in enumerate(rows):
                 out[i] = adv_NT[r, : len(response_masks[i])].tolist()
     return out
+
+
+def batch_advantages(
+    samples: Sequence[Sample],
+    group_sizes: Sequence[int],
+    settings: Mapping[str, LossSettings],
+    reward_kl: Sequence[Sequence[float] | None] | None = None,
+) -> list[float | list[float]]:
+    """`adapter_token_advantages` of whole prompt groups of samples (consecutive, `group_sizes`
+    long), each adapter with `settings[adapter]`: what the train group hands its ranks. A
+    sample's loss mask (all ones when None) weights `--normalize-advantages`."""
+    starts = [sum(group_sizes[:g]) for g in range(len(group_sizes))]
+    group_adapters = [samples[start].adapter for start in starts]
+    masks = [s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids) for s in samples]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    return adapter_token_advantages(rewards, group_sizes, group_adapters, masks, dict(settings), reward_kl)
 
 
 def needs_reward_kl(settings: LossSettings) -> bool:

@@ -48,7 +48,7 @@ from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.batching import Advantage
 from miles.backends.torch.checkpoint import AccumulatedGrad, latest_checkpoint, latest_miles_checkpoint
 from miles.backends.torch.client_loss import client_rows
-from miles.backends.torch.loss import adapter_token_advantages, needs_reward_kl
+from miles.backends.torch.loss import batch_advantages, needs_reward_kl
 from miles.lora.weight_sync import UpdateGroupSpec
 from miles.utils import placement
 from miles.utils.arguments import MilesConfig
@@ -235,9 +235,7 @@ class TrainGroup:
         except Exception as exc:
             raise _rank_error(exc, f"scoring rollout {rollout_id}") from exc
         advantages = self._advantages(batch, reward_kl) if samples else []
-        counts: dict[str, int] = {}
-        for sample in samples:
-            counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
+        counts = batch.samples_per_adapter()
         replicas = self._replicas()
         picks = deal_datums(client, max(replicas) + 1)
         per_rank = await asyncio.gather(*(
@@ -271,13 +269,8 @@ class TrainGroup:
         """Each adapter's advantages from its own groups and loss settings alone, over the
         whole batch (so `--normalize-advantages` whitens over every rank's share, as Miles'
         all-reduce does, and the result does not depend on the number of ranks)."""
-        samples, sizes = batch.samples, batch.prompt_group_sizes
-        starts = [sum(sizes[:g]) for g in range(len(sizes))]
-        group_adapters = [samples[start].adapter for start in starts]
-        settings = {name: self._settings(name) for name in set(group_adapters)}
-        masks = [s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids) for s in samples]
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        return adapter_token_advantages(rewards, sizes, group_adapters, masks, settings, reward_kl)
+        settings = {name: self._settings(name) for name in {s.adapter for s in batch.samples}}
+        return batch_advantages(batch.samples, batch.prompt_group_sizes, settings, reward_kl)
 
     async def _reward_kl(self, batch: RolloutBatch, parts: list[list[int]]) -> list[list[float] | None] | None:
         """The per-token KL to the base model of the samples whose reinforce++ reward

@@ -393,3 +393,13 @@ class RolloutBatch:
     """Rollout numbers of every sampleable adapter (also those with no group here)."""
     stats: RolloutStats = field(default_factory=RolloutStats)
     """Loop-wide rollout numbers."""
+    group_versions: list[int] = field(default_factory=list)
+    """The slot version each prompt group was submitted at (`PromptGroup.version`), in the
+    order of `prompt_group_sizes`; empty when not recorded."""
+
+    def samples_per_adapter(self) -> dict[str, int]:
+        """Samples of each adapter in the batch."""
+        counts: dict[str, int] = {}
+        for sample in self.samples:
+            counts[sample.adapter] = counts.get(sample.adapter, 0) + 1
+        return counts
