@@ -104,7 +104,7 @@ class HTTPServerConfig:
             token=cfg.multi_lora_api_token or os.environ.get("MILES_API_TOKEN") or None,
             allowed_roots=tuple(r.expanduser().resolve() for r in roots), plugin_modules=cfg.plugin_modules,
             run_dir=cfg.resolved_run_dir,
-            dump_dir=Path(cfg.dump_details) / DUMP_SUBDIR if getattr(cfg, "dump_details", None) else None,
+            dump_dir=Path(cfg.dump_details) / DUMP_SUBDIR if cfg.dump_details else None,
         )
 
 

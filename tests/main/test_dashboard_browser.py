@@ -63,6 +63,7 @@ def test_the_dashboard_follows_a_running_trainer(tiny_model_dir: Path, tmp_path:
             browser = playwright.chromium.launch(executable_path=chromium_path, args=LAUNCH_ARGS)
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.set_default_timeout(TIMEOUT_MS)
+            expect.set_options(timeout=TIMEOUT_MS)
             requests: list[str] = []
             problems: list[str] = []
             page.on("request", lambda request: requests.append(request.url))
@@ -110,15 +111,15 @@ def test_the_dashboard_follows_a_running_trainer(tiny_model_dir: Path, tmp_path:
 
             # The loop's stages and the batch's composition.
             page.click("#tab-loop")
-            expect(page.locator("#loop-chart svg rect").first).to_be_visible()
-            expect(page.locator("#batch-chart svg rect").first).to_be_visible()
+            expect(page.locator("#loop-chart .bars rect").first).to_be_visible()
+            expect(page.locator("#batch-chart .bars rect").first).to_be_visible()
 
             # A rollout of the hostile adapter: its prompt is text, its tokens shaded.
             page.click("#tab-rollouts")
             page.select_option("#rollout-adapter", "hostile")
             group = page.locator(".rollout-group").first
             expect(group).to_contain_text(HOSTILE)
-            expect(group.locator(".token").first).to_be_visible()
+            expect(group.locator(".sample .token").first).to_be_visible()
             assert page.evaluate("window.__pwned") is None
             assert page.locator("img[src='x']").count() == 0
 
