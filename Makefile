@@ -36,13 +36,15 @@ test: install
 
 # The tiny multi-adapter run: pretrain the tiny base (cached), train three adapters at
 # once, evaluate base and adapters on every task's held-out split, then draw each
-# adapter's reward and response-length curves to runs/demo/curves.png.
+# adapter's reward and response-length curves to runs/demo/curves.png. While it trains, its
+# dashboard is at http://127.0.0.1:8068/ui.
 demo: install
 	$(PY) -m miles.recipes.tiny_base --out .cache/tiny_base
 	rm -rf runs/demo
 	$(PY) -m miles.main.train_multi_lora_async --config configs/tiny-multi-lora.yaml
 	$(PY) scripts/eval_adapters.py --config configs/tiny-multi-lora.yaml
 	$(PY) scripts/plot_metrics.py runs/demo --title "make demo: three adapters trained at once"
+	@echo "The dashboard of this run: $(PY) -m miles.dashboard runs/demo  (while it trains: http://127.0.0.1:8068/ui)"
 
 # The real-model run: convert SmolLM2-135M-Instruct from its GGUF (cached), train two
 # adapters at once on CPU, then score base and adapters on the held-out splits.
