@@ -17,6 +17,7 @@ from controller_fakes import ThreadedController, controller_config, make_config
 from fastapi.testclient import TestClient
 from waiting import wait_until
 
+import miles.dashboard
 from miles.controller.registry import AdapterRegistry
 from miles.controller.store import RegistryStore
 from miles.dashboard.__main__ import create_app
@@ -210,3 +211,22 @@ def test_the_command_serves_a_run_directory_on_the_port_it_reports(tmp_path: Pat
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_the_page_has_no_html_sinks_inline_code_or_other_hosts() -> None:
+    """Model output reaches the page as data: no script may turn a string into markup, and the
+    markup holds nothing the CSP would have to allow (inline scripts, styles, handlers)."""
+    static = Path(miles.dashboard.__file__).parent / "static"
+    scripts = {p.name: p.read_text() for p in static.glob("*.js")}
+    assert {"app.js", "dom.js", "rollouts.js"} <= set(scripts)
+    sinks = re.compile(r"\.innerHTML|\.outerHTML|insertAdjacentHTML|document\.write|\beval\(|new Function|"
+                       r"\.srcdoc|createContextualFragment|DOMParser")
+    for name, text in scripts.items():
+        code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("//"))
+        assert not sinks.search(code), (name, sinks.search(code))
+        hosts = set(re.findall(r"\w+://[^\s\"'`)]+", code)) - {"http://www.w3.org/2000/svg"}
+        assert not hosts, (name, hosts)
+    page = (static / "index.html").read_text()
+    assert not re.search(r"<script(?![^>]*\bsrc=)", page), "an inline script"
+    assert not re.search(r"<style|\sstyle=|\son[a-z]+=", page, re.I), "inline style or handler"
+    assert not re.search(r"(src|href)=\"(?!/ui/static/|data:|#)", page), "a file from elsewhere"
