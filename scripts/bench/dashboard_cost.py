@@ -8,10 +8,13 @@ adapters POSTed, `--dump-details` on in both halves, as in `make demo`), then al
 windows of `--window-iterations` loop records: the dashboard open in headless Chromium
 (logged in, stepping through its four views, polling as a user's page does) and no page at
 all. Each repetition is one open and one closed window, their order swapped every other
-repetition so a drift of the machine's load falls on both; the figure is the median
-`perf/iteration_time` of the open window ÷ that of the closed one (target <= 1.02). The
-browser runs on the same two cores as the trainer here, so its own rendering is counted
-against the loop; on a user's laptop it would not be.
+repetition so a drift of the machine's load falls on both; each figure is the median
+`perf/iteration_time` of the open window ÷ that of the closed one. The browser shares the
+trainer's two cores here, so it runs twice: at the lowest CPU priority (`nice 19`, the
+figure with the target <= 1.02: it then takes only what the trainer leaves, as a browser
+on the user's own machine would, and what remains is the control plane's serving of the
+page), and at normal priority (reported: what the page costs when it competes for the
+same cores).
 """
 
 from __future__ import annotations
@@ -85,6 +88,33 @@ class OpenPage:
         return rate
 
 
+def niced(chromium: str, workdir: Path) -> str:
+    """A launcher that runs Chromium at the lowest CPU priority: on this 2-core machine the
+    browser then takes only what the trainer leaves, as on a user's own machine."""
+    launcher = workdir / "chromium-nice"
+    launcher.write_text(f'#!/bin/sh\nexec nice -n 19 {chromium} "$@"\n')
+    launcher.chmod(0o755)
+    return str(launcher)
+
+
+def measure(trainer: Trainer, browser: Any, args: Any) -> dict[str, list[float]]:
+    """`--reps` pairs of windows, page open and no page, the order swapped every other pair:
+    each window's median iteration time, and the page's requests per second."""
+    sides: dict[str, list[float]] = {"open": [], "closed": [], "rates": []}
+    for rep in range(args.reps):
+        for side in ("open", "closed") if rep % 2 == 0 else ("closed", "open"):
+            page = OpenPage(browser, trainer.url) if side == "open" else None
+            # The window starts after the record being written while the page opened or
+            # closed: that one counts for neither side.
+            start = len(trainer.loop_records()) + 1
+            times, _ = loop_times_after(trainer, start, args.window_iterations, args.timeout,
+                                        None if page is None else page.step)
+            if page is not None:
+                sides["rates"].append(page.close())
+            sides[side].append(statistics.median(times))
+    return sides
+
+
 def main() -> int:
     parser = base_parser(__doc__, default_reps=4)
     parser.add_argument("--window-iterations", type=int, default=6, help="loop records per window")
@@ -102,40 +132,33 @@ def main() -> int:
     settings["dump_details"] = str(workdir / "details")
     config.write_text(yaml.safe_dump(settings))
     trainer = Trainer(config, workdir)
-    open_times: list[float] = []
-    closed_times: list[float] = []
-    rates: list[float] = []
+    results: dict[str, dict[str, list[float]]] = {}
     try:
         trainer.connect(args.timeout)
         for name, adapter in adapters:
-            trainer.register(name, adapter).raise_for_status()
-        seen = args.warmup
-        loop_times_after(trainer, 0, seen, args.timeout)
+            response = trainer.register(name, adapter)
+            if response.status_code != 200:
+                raise CheckFailed(f"registering {name} answered {response.status_code}: {response.text}")
+        loop_times_after(trainer, 0, args.warmup, args.timeout)
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=ensure_chromium(), args=LAUNCH_ARGS)
-            for rep in range(args.reps):
-                order = ("open", "closed") if rep % 2 == 0 else ("closed", "open")
-                for side in order:
-                    if side == "open":
-                        page = OpenPage(browser, trainer.url)
-                        times, seen = loop_times_after(trainer, seen + 1, args.window_iterations, args.timeout,
-                                                       page.step)
-                        rates.append(page.close())
-                        open_times.append(statistics.median(times))
-                    else:
-                        times, seen = loop_times_after(trainer, seen + 1, args.window_iterations, args.timeout)
-                        closed_times.append(statistics.median(times))
-                    # `seen + 1`: the record written while the page opened or closed counts for neither side.
-            browser.close()
+            chromium = ensure_chromium()
+            for label, executable in (("nice 19", niced(chromium, workdir)), ("normal", chromium)):
+                browser = playwright.chromium.launch(executable_path=executable, args=LAUNCH_ARGS)
+                sides = measure(trainer, browser, args)
+                browser.close()
+                results[label] = sides
     finally:
         code = trainer.stop()
     if code != 0:
         print(f"the trainer exited with {code}:\n{trainer.log_tail()}", file=sys.stderr)
         return 1
-    figures = [Figure("loop iteration with the dashboard open in headless Chromium (same 2 cores) ÷ no page",
-                      args.model, "page open", "no page", open_times, closed_times, "s", "ours/baseline", "<= 1.02",
-                      params={"page_requests_per_s": statistics.median(rates) if rates else None,
-                              "window_iterations": args.window_iterations, "dump_details": True})]
+    figures = [
+        Figure(f"loop iteration with the dashboard open in headless Chromium ({label}, same 2 cores) ÷ no page",
+               args.model, "page open", "no page", sides["open"], sides["closed"], "s", "ours/baseline",
+               "<= 1.02" if label == "nice 19" else "report",
+               params={"page_requests_per_s": statistics.median(sides["rates"]),
+                       "window_iterations": args.window_iterations, "dump_details": True, "browser": label})
+        for label, sides in results.items()]
     report(figures, args.json, sys.argv)
     return 0
 
