@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from miles.backends.torch.loss import SAMPLE_LEVEL_ESTIMATORS, batch_advantages, needs_reward_kl
+from miles.backends.torch.loss import batch_advantages, needs_reward_kl
 from miles.utils.adapter_config import ADAPTER_NAME_PATTERN
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
@@ -104,42 +104,49 @@ def sample_advantages(samples: Sequence[Sample], group_sizes: Sequence[int],
         return []
     if needs_reward_kl(settings):
         return [None] * len(samples)
-    adapter = samples[0].adapter
-    values = batch_advantages(samples, group_sizes, {adapter: settings})
-    if settings.advantage_estimator in SAMPLE_LEVEL_ESTIMATORS:
-        return [float(v) for v in values]  # type: ignore[arg-type]
+    values = batch_advantages(samples, group_sizes, {samples[0].adapter: settings})
     out: list[float | None] = []
-    for sample, per_token in zip(samples, values):
+    for sample, value in zip(samples, values):
+        if not isinstance(value, list):  # SAMPLE_LEVEL_ESTIMATORS: one value on every token
+            out.append(float(value))
+            continue
         mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
         first = next((t for t, m in enumerate(mask) if m), None)
-        out.append(None if first is None else float(per_token[first]))  # type: ignore[index]
+        out.append(None if first is None else float(value[first]))
     return out
 
 
-def adapter_groups(rollout: RolloutBatch) -> dict[str, list[tuple[int, list[Sample], int | None]]]:
-    """Per adapter: its prompt groups in the batch, as (position in the batch, samples, version)."""
-    out: dict[str, list[tuple[int, list[Sample], int | None]]] = {}
+@dataclass(frozen=True)
+class DumpGroup:
+    samples: list[Sample]
+    version: int | None
+    """The slot version it was submitted at; None when the batch does not record it."""
+
+
+def adapter_groups(rollout: RolloutBatch) -> dict[str, list[DumpGroup]]:
+    """Per adapter: its prompt groups in the batch, in batch order."""
+    out: dict[str, list[DumpGroup]] = {}
     start = 0
     for g, size in enumerate(rollout.prompt_group_sizes):
         samples = rollout.samples[start:start + size]
         start += size
         version = rollout.group_versions[g] if g < len(rollout.group_versions) else None
-        out.setdefault(samples[0].adapter, []).append((g, samples, version))
+        out.setdefault(samples[0].adapter, []).append(DumpGroup(samples, version))
     return out
 
 
-def rollout_document(name: str, job: DumpJob, groups: list[tuple[int, list[Sample], int | None]],
+def rollout_document(name: str, job: DumpJob, groups: list[DumpGroup],
                      token_texts: Callable[[list[int]], list[str] | None]) -> dict[str, Any]:
     """One adapter's file (the shape in the module docstring)."""
     adapter = job.adapters[name]
-    samples = [s for _, group, _ in groups for s in group]
-    advantages = iter(sample_advantages(samples, [len(group) for _, group, _ in groups], adapter.loss))
+    samples = [s for group in groups for s in group.samples]
+    advantages = iter(sample_advantages(samples, [len(group.samples) for group in groups], adapter.loss))
     return {
         "adapter": name, "rollout_id": job.rollout.rollout_id, "step": adapter.step,
         "registration_id": adapter.registration_id, "time": job.time,
         "groups": [{
-            "group_index": group[0].group_index, "version": version, "prompt": group[0].prompt,
-            "label": group[0].label,
+            "group_index": group.samples[0].group_index, "version": group.version,
+            "prompt": group.samples[0].prompt, "label": group.samples[0].label,
             "samples": [{
                 "index": s.index, "response": s.response, "reward": _finite(s.reward),
                 "advantage": _finite(next(advantages)), "status": s.status.value,
@@ -147,8 +154,8 @@ def rollout_document(name: str, job: DumpJob, groups: list[tuple[int, list[Sampl
                 "tokens": token_texts(s.response_ids),
                 "logprobs": [_finite(v) for v in s.rollout_logprobs] if s.rollout_logprobs else None,
                 "loss_mask": None if s.loss_mask is None else list(s.loss_mask),
-            } for s in group],
-        } for _, group, version in groups],
+            } for s in group.samples],
+        } for group in groups],
     }
 
 
@@ -261,6 +268,9 @@ class RolloutDump:
         self.submitted = 0
         self.submit_seconds = 0.0
         """Time `submit` took on the loop, all calls together."""
+        self.written = 0
+        self.write_seconds = 0.0
+        """Time the writer thread spent writing, all batches together."""
         self._known: dict[str, AdapterAtDump] = {}
         """Each adapter as the latest snapshot that held it showed it."""
         self._loss: dict[str, LossSettings] = {}
@@ -321,10 +331,13 @@ class RolloutDump:
                 if not self._pending:
                     return
                 job = self._pending.popleft()
+            start = time.perf_counter()
             try:
                 self.writer.write(job)
             except Exception:  # a debugging aid: a failed write is logged, training goes on
                 logger.exception("Rollout dump of rollout %d failed", job.rollout.rollout_id)
+            self.written += 1
+            self.write_seconds += time.perf_counter() - start
 
     def close(self) -> None:
         """Write the pending batches (waiting up to CLOSE_TIMEOUT_S) and stop the thread."""
@@ -335,6 +348,8 @@ class RolloutDump:
         if self._thread.is_alive():
             logger.warning("Rollout dump: %d batches still unwritten after %.0fs; leaving them",
                            len(self._pending), CLOSE_TIMEOUT_S)
-        mean_ms = 1e3 * self.submit_seconds / self.submitted if self.submitted else 0.0
-        logger.info("Rollout dump: %d batches handed over (%.3f ms each on the loop), %d dropped",
-                    self.submitted, mean_ms, self.dropped)
+        submit_ms = 1e3 * self.submit_seconds / self.submitted if self.submitted else 0.0
+        write_ms = 1e3 * self.write_seconds / self.written if self.written else 0.0
+        logger.info("Rollout dump: %d batches handed over (%.3f ms each on the loop), %d written (%.1f ms each "
+                    "in the writer thread), %d dropped", self.submitted, submit_ms, self.written, write_ms,
+                    self.dropped)

@@ -156,8 +156,8 @@ def test_advantages_are_the_ones_the_train_group_computes_for_the_batch(seed):
     expected = batch_advantages(batch.samples, batch.prompt_group_sizes, settings)
     groups = rollout_dump.adapter_groups(batch)
     for name, adapter_settings in settings.items():
-        samples = [s for _, group, _ in groups[name] for s in group]
-        got = sample_advantages(samples, [len(group) for _, group, _ in groups[name]], adapter_settings)
+        samples = [s for group in groups[name] for s in group.samples]
+        got = sample_advantages(samples, [len(group.samples) for group in groups[name]], adapter_settings)
         rows = [i for i, s in enumerate(batch.samples) if s.adapter == name]
         for row, value in zip(rows, got):
             want = expected[row]
@@ -165,6 +165,21 @@ def test_advantages_are_the_ones_the_train_group_computes_for_the_batch(seed):
                 mask = batch.samples[row].loss_mask or [1] * len(want)
                 want = want[mask.index(1)]
             assert value == pytest.approx(want, abs=1e-6), (name, row)
+
+
+def test_sentencepiece_tokens_keep_the_space_their_marker_stands_for():
+    """A SentencePiece tokenizer drops the leading space of a sequence when it decodes, so a
+    "▁world" decoded alone reads "world"; its text here keeps the space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "\u2581Hello": 1, "\u2581world": 2, "!": 3},
+                                      unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace()
+    core.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    assert tokenizer.decode([2]) == "world"  # what decoding one id alone gives
+    assert rollout_dump.TokenTexts(tokenizer)([1, 2, 3]) == [" Hello", " world", "!"]
 
 
 def test_kl_shaped_advantages_are_null_not_guessed():
