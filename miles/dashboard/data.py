@@ -81,7 +81,7 @@ class RunFiles:
                 "reset": reset}
 
     def rollouts(self, adapter: str) -> list[dict[str, Any]]:
-        """The dumped rollouts of `adapter` the dump still keeps, oldest first."""
+        """The dumped rollouts of `adapter` the dump still keeps, oldest first (by the time written)."""
         folder = self._adapter_dir(adapter)
         out = []
         for rollout_id in sorted(_rollout_ids(folder)):
@@ -91,7 +91,8 @@ class RunFiles:
                 continue  # pruned between the listing and the read
             out.append({"rollout_id": rollout_id, "step": document.get("step"), "time": document.get("time"),
                         "groups": len(document.get("groups") or [])})
-        return out
+        # By time: a restarted trainer numbers its rollouts from 0 again, beside the older files.
+        return sorted(out, key=lambda r: (r["time"] if isinstance(r["time"], (int, float)) else 0.0, r["rollout_id"]))
 
     def rollout(self, adapter: str, rollout_id: int) -> dict[str, Any]:
         return self._read(self._adapter_dir(adapter), rollout_id)
