@@ -29,7 +29,6 @@ import ipaddress
 import json
 import logging
 import os
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ from miles.controller.tinker.routes import install_tinker_routes
 from miles.dashboard.data import DUMP_SUBDIR, RunFiles
 from miles.dashboard.routes import install_dashboard, is_public
 from miles.utils.adapter_config import AdapterRunConfig
+from miles.utils.network import tcp_listener
 from miles.utils.safe_yaml import load_yaml
 from miles.utils.types import AdapterKind, AdapterState, RegisterAdapterRequest
 
@@ -336,12 +336,9 @@ class MultiLoRAHTTPServer:
         one if given); returns the bound port."""
         port = self.config.port if port is None else port
         warn_if_exposed(self.config.host, self.config.token)
-        sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((self.config.host, port))
+            sock = tcp_listener(self.config.host, port)
         except OSError as exc:
-            sock.close()
             raise RuntimeError(
                 f"Control plane cannot bind {self.config.host}:{port} ({exc}); "
                 "pick another --multi-lora-api-port (0 = any free port)"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -28,6 +27,7 @@ from fastapi.responses import JSONResponse
 
 from miles.dashboard.data import DUMP_SUBDIR, RunFiles, adapters_from_records, registry_statuses
 from miles.dashboard.routes import PAGE_PATH, install_dashboard, is_public
+from miles.utils.network import tcp_listener
 
 logger = logging.getLogger("miles.dashboard")
 
@@ -105,10 +105,8 @@ def main(
                    err=True)
         raise typer.Exit(2)
     app = create_app(run_dir, dump_dir, token)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock = tcp_listener(host, port)
     except OSError as exc:
         typer.echo(f"miles.dashboard: error: cannot bind {host}:{port} ({exc}): pick another --port (0: any free one)",
                    err=True)

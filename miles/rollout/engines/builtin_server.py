@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import socket
 from typing import Any
 
 import torch
@@ -43,6 +42,7 @@ from miles.rollout.engines.builtin_engine import (
 )
 from miles.rollout.engines.lora_table import LoraRequestError
 from miles.rollout.engines.server_command import BUILTIN_URL_PREFIX
+from miles.utils.network import tcp_listener
 from miles.utils.types import (
     AbortRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -230,9 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = BuiltinEngine(options_from_args(args))
     # Bound here rather than by uvicorn so that the port is known before serving: with
     # `--port 0` the OS picks a free one and the launcher reads it from this line.
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock = tcp_listener(args.host, args.port)
     print(f"{BUILTIN_URL_PREFIX}http://{args.host}:{sock.getsockname()[1]}", flush=True)
     server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level=args.log_level))
     server.run(sockets=[sock])
