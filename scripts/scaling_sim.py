@@ -182,8 +182,9 @@ def load_costs(paths: list[Path]) -> Costs:
 
 def _largest(figures: list[dict[str, Any]], prefix: str) -> dict[str, Any] | None:
     """The figure named `prefix...` measured with the most records kept."""
-    matching = [f for f in figures if f["figure"].startswith(prefix) and "records_kept" in f["params"]]
-    return max(matching, key=lambda f: f["params"]["records_kept"], default=None)
+    matching = [f for f in figures if f["figure"].startswith(prefix)
+                and ("p50_ms" in f.get("params", {}) or "saves_per_s" in f.get("params", {}))]
+    return max(matching, key=lambda f: _sizes(f)[1], default=None)
 
 
 def _sizes(f: dict[str, Any]) -> tuple[int, int]:
