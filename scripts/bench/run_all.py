@@ -16,7 +16,10 @@ Scripts run on the models they support (`SCRIPT_MODELS`; the others on every mod
 `tiny` and `smollm2` only. `tinker_vs_skyrl` (ours against SkyRL's Tinker server) is not in
 the default list: it needs a virtualenv of SkyRL (6.7 GB), so it runs only when named, e.g.
 `--only tinker_vs_skyrl --models tiny-random --merge
---script-args 'tiny-random:tinker_vs_skyrl=--skyrl-venv PATH'`.
+--script-args 'tiny-random:tinker_vs_skyrl=--skyrl-venv PATH'`. `control_plane_scale` (the
+control plane with 10 to 10,000 registrations in its registry; no model, so it runs once,
+under `tiny`) takes several minutes on 2 cores, so it too runs only when named:
+`--only control_plane_scale --models tiny --merge`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SCRIPTS = ("train_mixed", "peft_vs_mixed", "memory", "decode", "trainer_service")
-SCRIPT_MODELS = {"trainer_service": ("tiny", "smollm2")}
+SCRIPT_MODELS = {"trainer_service": ("tiny", "smollm2"), "control_plane_scale": ("tiny",)}
 
 
 def machine() -> dict:

@@ -102,3 +102,23 @@ def test_merge_replaces_one_scripts_figures_and_keeps_the_rest():
     rows = [line for line in doc.splitlines() if line.startswith("| trainer_service")]
     assert rows[0].endswith("| <= 1.0 | yes |") and rows[1].endswith("| – | – |")
     assert "### scripts/bench/trainer_service.py" in doc and "service notes" in doc
+
+
+@pytest.mark.timeout(120)
+def test_control_plane_scale_quick_writes_its_figures(tmp_path):
+    """control_plane_scale.py --quick (not in run_all's default list: its full run takes
+    minutes): every latency, write-through and snapshot figure, each side measured."""
+    out = tmp_path / "figures.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "control_plane_scale.py"), "--quick",
+                    "--json", str(out)], check=True, cwd=ROOT, timeout=120)
+    figures = json.loads(out.read_text())["figures"]
+    names = [f["figure"] for f in figures]
+    # Nagle ÷ TCP_NODELAY; p99 of POST, status, list, metrics; write-through after a change, a
+    # registration, a release; the snapshot
+    assert len(figures) == 1 + 4 + 3 + 1
+    assert names[0].startswith("control plane p99 latency of GET /adapter_runs/{name} as served")
+    assert any("POST /adapter_runs" in n for n in names) and names[-1].startswith("driver snapshot")
+    for f in figures:
+        assert f["ours_median"] > 0 and f["baseline_median"] > 0 and f["ratio_min"] <= f["ratio"] <= f["ratio_max"]
+    snapshot = figures[-1]["params"]["bytes"]
+    assert snapshot["64"] > snapshot["8"] > 0
