@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import pickle
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -83,8 +81,6 @@ TARGETS = {"register": "<= 2", "status": "<= 2", "list": "<= 2", "metrics": "rep
 class Case:
     registrations: int
     retention: int
-    nodelay: bool = True
-    """TCP_NODELAY on the control plane's listening socket (see `set_listener_nodelay`)."""
 
     @property
     def kept(self) -> int:
@@ -95,10 +91,6 @@ class Case:
     @property
     def label(self) -> str:
         return f"{self.registrations:,} registrations ({self.kept:,} records kept)"
-
-    @property
-    def ops(self) -> tuple[str, ...]:
-        return OPS if self.nodelay else ("status",)
 
 
 def defaults_for(workdir: Path) -> AdapterDefaults:
@@ -160,30 +152,6 @@ def start_plane(case: Case, workdir: Path, data: str) -> Plane:
     return Plane(case, controller, [s.name for s in kept], data)
 
 
-def set_listener_nodelay(port: int) -> None:
-    """TCP_NODELAY on this process's socket listening on `port` (accepted sockets inherit it on Linux).
-
-    The control plane creates its listening socket with protocol 0, so asyncio does not
-    recognise its connections as TCP and leaves Nagle's algorithm on: a response written as
-    headers, then body waits for the client's delayed ACK (about 40 ms) before the body
-    leaves. The fix belongs in `MultiLoRAHTTPServer.start` (`socket.socket(family,
-    SOCK_STREAM, IPPROTO_TCP)`); here it is applied from outside, through the socket's
-    file descriptor, so that the latencies measure the control plane's own work.
-    """
-    for entry in os.listdir("/proc/self/fd"):
-        try:
-            sock = socket.socket(fileno=os.dup(int(entry)))
-        except OSError:  # not a socket
-            continue
-        with sock:
-            if (sock.type == socket.SOCK_STREAM and sock.family == socket.AF_INET
-                    and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                    and sock.getsockname()[1] == port):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return
-    raise RuntimeError(f"no socket of this process listens on port {port}")
-
-
 class LoopThread:
     """An event loop in a thread: the controllers serve from it, the main thread sends requests."""
 
@@ -230,18 +198,18 @@ def time_http(planes: list[Plane], loop: LoopThread, data: str, per_rep: dict[st
               ) -> dict[tuple[str, int], list[list[float]]]:
     """Per (op, plane index): one list of latencies per repetition; planes alternate order."""
     rng = random.Random(0)
-    out: dict[tuple[str, int], list[list[float]]] = {(op, i): [] for i, p in enumerate(planes) for op in p.case.ops}
+    out: dict[tuple[str, int], list[list[float]]] = {(op, i): [] for i in range(len(planes)) for op in OPS}
     clients = [httpx.Client(base_url=p.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120,
                             trust_env=False) for p in planes]
     try:
         for i, plane in enumerate(planes):  # warm-up: connections, routes, caches
-            for op in plane.case.ops:
+            for op in OPS:
                 request_once(plane, clients[i], loop, op, data, rng)
         for rep in range(reps):
             order = list(range(len(planes)))
             order = order if rep % 2 == 0 else order[::-1]
             for i in order:
-                for op in planes[i].case.ops:
+                for op in OPS:
                     out[(op, i)].append([request_once(planes[i], clients[i], loop, op, data, rng)
                                          for _ in range(per_rep[op])])
     finally:
@@ -349,7 +317,7 @@ def main() -> None:
         args.reps, args.sizes = 1, "10,100"
     sizes = [int(s) for s in args.sizes.split(",")]
     small, big = sizes[0], sizes[-1]
-    cases = [Case(small, COMPLETED_RETENTION, nodelay=False), *(Case(n, COMPLETED_RETENTION) for n in sizes)]
+    cases = [Case(n, COMPLETED_RETENTION) for n in sizes]
     if big > COMPLETED_RETENTION:
         cases.append(Case(big, big))
     per_rep = ({"register": 3, "status": 10, "list": 2, "metrics": 2} if args.quick
@@ -364,54 +332,45 @@ def main() -> None:
     planes = [start_plane(case, workdir / f"plane{i}", data) for i, case in enumerate(cases)]
     for plane in planes:
         port = loop.call(plane.controller.start())
-        if plane.case.nodelay:
-            set_listener_nodelay(port)
         plane.url = f"http://127.0.0.1:{port}"
     print(f"{len(planes)} control planes filled and serving in {time.perf_counter() - started:.1f} s: "
           + ", ".join(p.case.label for p in planes), flush=True)
     try:
         latencies = time_http(planes, loop, data, per_rep, args.reps)
-        saves = time_saves(planes[1:], loop, save_reps, args.reps)
+        saves = time_saves(planes, loop, save_reps, args.reps)
     finally:
         for plane in planes:
             loop.call(plane.controller.stop())
         loop.close()
     nbytes, snapshot_times = time_snapshots(snapshot_sizes, defaults_for(workdir), data, snapshot_reps, args.reps)
 
-    figures = [Figure(
-        figure="control plane p99 latency of GET /adapter_runs/{name} as served (Nagle's algorithm on its "
-               "sockets) ÷ with TCP_NODELAY on its listening socket",
-        model=args.model, ours_label="as served", baseline_label="TCP_NODELAY", ours=p99s(latencies[("status", 0)]),
-        baseline=p99s(latencies[("status", 1)]), unit="ms", ratio_of="ours/baseline", target="report",
-        params={"records_kept": planes[1].case.kept, "p50_ms": {
-            "as_served": percentile(pooled(latencies[("status", 0)]), 50),
-            "nodelay": percentile(pooled(latencies[("status", 1)]), 50)}})]
+    figures: list[Figure] = []
     print_table(planes, latencies, saves, nbytes, snapshot_times)
     for i, plane in enumerate(planes):
-        if plane.case.registrations != big or i == 1:
+        if plane.case.registrations != big or i == 0:
             continue
         for op in OPS:
             figures.append(Figure(
                 figure=f"control plane p99 latency of {OP_PATHS[op]}, {plane.case.label} ÷ {small:,} registrations",
                 model=args.model, ours_label=f"{plane.case.kept:,} records", baseline_label=f"{small:,} records",
-                ours=p99s(latencies[(op, i)]), baseline=p99s(latencies[(op, 1)]), unit="ms",
+                ours=p99s(latencies[(op, i)]), baseline=p99s(latencies[(op, 0)]), unit="ms",
                 ratio_of="ours/baseline", target=TARGETS[op],
                 params={"requests_per_repetition": per_rep[op], "records_kept": plane.case.kept,
-                        "retention": plane.case.retention, "tcp_nodelay": True,
+                        "retention": plane.case.retention,
                         **{f"p{q}_ms": {str(planes[j].case.kept): percentile(pooled(latencies[(op, j)]), q)
-                                        for j in (1, i)} for q in (50, 99)}}))
+                                        for j in (0, i)} for q in (50, 99)}}))
         for parts, what in ((("export_state", "save"), "one record changed"),
                             (("register",), "a registration"), (("free",), "a slot freed")):
-            ms = {j: [sum(rep[part] for part in parts) * 1e3 for rep in saves[j - 1]] for j in (1, i)}
+            ms = {j: [sum(rep[part] for part in parts) * 1e3 for rep in saves[j]] for j in (0, i)}
             figures.append(Figure(
                 figure=f"registry write-through (export_state + RegistryStore.save) after {what}, "
                        f"{plane.case.label} ÷ {small:,} registrations",
                 model=args.model, ours_label=f"{plane.case.kept:,} records", baseline_label=f"{small:,} records",
-                ours=ms[i], baseline=ms[1], unit="ms", ratio_of="ours/baseline", target="report",
+                ours=ms[i], baseline=ms[0], unit="ms", ratio_of="ours/baseline", target="report",
                 params={"records_kept": plane.case.kept, "retention": plane.case.retention,
                         "saves_per_s": {str(planes[j].case.kept): 1e3 / statistics.median(ms[j]) for j in ms},
                         **({"save_ms": {str(planes[j].case.kept): statistics.median(
-                            rep["save"] for rep in saves[j - 1]) * 1e3 for j in ms}} if len(parts) == 2 else {})}))
+                            rep["save"] for rep in saves[j]) * 1e3 for j in ms}} if len(parts) == 2 else {})}))
     lo, hi = snapshot_sizes
     figures.append(Figure(
         figure=f"driver snapshot (build + Ray's cloudpickle + unpickle), {hi:,} live adapters ÷ {lo:,}",
@@ -431,11 +390,10 @@ def print_table(planes: list[Plane], latencies: dict[tuple[str, int], list[list[
                 saves: dict[int, list[dict[str, float]]], nbytes: dict[int, int],
                 snapshot_times: dict[int, list[float]]) -> None:
     for i, plane in enumerate(planes):
-        nagle = "" if plane.case.nodelay else ", as served (Nagle on)"
         cells = [f"{op} " + "/".join(f"{percentile(pooled(latencies[(op, i)]), q):.2f}" for q in (50, 99))
-                 for op in plane.case.ops]
-        print(f"{plane.case.label}{nagle}: p50/p99 ms " + ", ".join(cells))
-    for i, plane in enumerate(planes[1:]):
+                 for op in OPS]
+        print(f"{plane.case.label}: p50/p99 ms " + ", ".join(cells))
+    for i, plane in enumerate(planes):
         ms = {part: statistics.median(rep[part] for rep in saves[i]) * 1e3 for part in WRITES}
         print(f"registry write-through, {plane.case.kept:,} records kept: one record changed: export_state "
               f"{ms['export_state']:.2f} ms + save {ms['save']:.2f} ms ({1e3 / (ms['export_state'] + ms['save']):.0f}"
