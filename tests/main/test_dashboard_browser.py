@@ -1,8 +1,8 @@
 """The dashboard in a real browser: headless Chromium (Debian's package, driven by Playwright)
 on the `/ui` of a running tiny trainer.
 
-It logs in with the API token, sees each adapter's row update while it trains, registers
-one from the YAML box, opens a curve, the loop and a rollout whose prompt is hostile HTML
+It logs in with the API token, sees each adapter's row update while it trains (a Tinker
+client's model too), registers one from the YAML box, opens a curve, the loop and a rollout whose prompt is hostile HTML
 (shown as text, never run), retires an adapter and sees it complete; the page calls no host
 but the control plane and logs no error.
 """
@@ -14,16 +14,19 @@ import re
 from pathlib import Path
 
 import pytest
+import tinker
 from chromium import LAUNCH_ARGS, ChromiumUnavailableError, ensure_chromium
-from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
+from driver_harness import DriverProcess, cycle_datum, tiny_run_flags, write_arithmetic_dataset
+from tinker import types
 
 from miles.controller.client import ControlPlaneClient
-from miles.utils.types import AdapterState
+from miles.utils.types import AdapterKind, AdapterState
 
 TRAINER = "miles.main.train_multi_lora_async"
-TOKEN = "browser-test-token"
+TOKEN = "tml-browser-test-token"  # the Tinker SDK wants its keys to start so
 HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
 TIMEOUT_MS = 120_000
+TIMEOUT_S = TIMEOUT_MS / 1000
 REFUSED = re.compile(r"status of (401|422)")
 """The browser logs the calls the test makes fail on purpose (a wrong token, a bad body)."""
 
@@ -94,6 +97,17 @@ def test_the_dashboard_follows_a_running_trainer(tiny_model_dir: Path, tmp_path:
                 expect(row.locator(".state")).to_have_text(re.compile("active", re.I))
                 first = _step(row.locator(".step").inner_text())
                 expect(row.locator(".step")).not_to_have_text(re.compile(rf"^{first}(/|$)"))
+
+            # A Tinker client's model gets its row too, and steps there.
+            with tinker.ServiceClient(base_url=url, api_key=TOKEN) as service:
+                model = service.create_lora_training_client(str(tiny_model_dir), rank=4, seed=1,
+                                                            train_unembed=False).result(timeout=TIMEOUT_S)
+                name = next(s.name for s in client.list() if s.kind is AdapterKind.CLIENT)
+                row = page.locator(f'tr[data-adapter="{name}"]')
+                expect(row.locator(".kind")).to_have_text("client")
+                model.forward_backward([cycle_datum(0)], "cross_entropy").result(timeout=TIMEOUT_S)
+                model.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=TIMEOUT_S)
+                expect(row.locator(".step")).to_have_text(re.compile(r"^\s*1\b"))
 
             # A curve of both adapters, with a hover value.
             page.click("#tab-curves")
