@@ -308,7 +308,7 @@ def load_phase(trainer: Trainer, workdir: Path, args: Any, n_slots: int,
         trainer.http.delete(f"/adapter_runs/fill{i}")
     trainer.wait_until("the fill adapters to be cleaned up", lambda: not holding(trainer, "fill"), args.timeout)
     problems += load_test.check_http_invariants(trainer.url, TOKEN, n_slots,
-                                                registrations_before + result["accepted_registrations"] + free)
+                                                registrations_before + result["accepted_registrations"] + free + 1)
     return result, problems
 
 
