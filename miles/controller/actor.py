@@ -41,6 +41,7 @@ from miles.controller.tinker.gateway import GatewayConfig, TinkerGateway
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.plugins import PluginError, load_subclass
 from miles.utils.types import (
+    DEFAULT_QUEUE_SIZE,
     AdapterFailure,
     AdapterGauges,
     AdapterState,
@@ -80,6 +81,8 @@ class ControllerConfig:
     n_slots: int
     defaults: AdapterDefaults
     server: HTTPServerConfig
+    queue_size: int = DEFAULT_QUEUE_SIZE
+    """Registrations that may wait for a slot (`--multi-lora-queue-size`; 0: refused with 409)."""
     backend_path: str | None = None
     http_server_path: str | None = None
     hooks: ControllerHooks = field(default_factory=ControllerHooks)
@@ -98,7 +101,8 @@ class ControllerConfig:
             raise ValueError("the multi-LoRA controller needs slots: set --multi-lora-n-adapters > 0")
         return cls(
             n_slots=cfg.multi_lora_n_adapters, defaults=AdapterDefaults.from_config(cfg),
-            server=HTTPServerConfig.from_config(cfg), backend_path=cfg.multi_lora_backend_path,
+            server=HTTPServerConfig.from_config(cfg), queue_size=cfg.multi_lora_queue_size,
+            backend_path=cfg.multi_lora_backend_path,
             http_server_path=cfg.multi_lora_http_server_path, hooks=hooks or ControllerHooks(),
             registry_path=registry_path_from_config(cfg),
             dataset_limits=DatasetLimits(max_bytes=cfg.multi_lora_max_dataset_bytes,
@@ -122,8 +126,8 @@ def build_backend(cls: type[MultiLoRABackend], config: ControllerConfig, router_
     """`cls` built as this controller builds backends, or in Miles' form `cls(args, router_url)`;
     a constructor that takes neither is refused with both forms named."""
     ours = (config.n_slots, config.defaults, router_url, config.hooks)
-    if _takes(cls, *ours, store=store, dataset_limits=config.dataset_limits):
-        return cls(*ours, store=store, dataset_limits=config.dataset_limits)
+    if _takes(cls, *ours, store=store, dataset_limits=config.dataset_limits, queue_size=config.queue_size):
+        return cls(*ours, store=store, dataset_limits=config.dataset_limits, queue_size=config.queue_size)
     if _takes(cls, None, router_url):
         if config.flags is None:
             raise PluginError(f"--multi-lora-backend-path {cls.__qualname__}: its __init__(args, router_url) "
@@ -131,7 +135,8 @@ def build_backend(cls: type[MultiLoRABackend], config: ControllerConfig, router_
         return cls(BackendArgs(config.flags, config.hooks, store, config.dataset_limits), router_url)
     raise PluginError(
         f"--multi-lora-backend-path {cls.__qualname__}: __init__{inspect.signature(cls)} takes neither this "
-        "trainer's arguments (n_slots, defaults, router_url, hooks, *, store, dataset_limits) nor Miles' "
+        "trainer's arguments (n_slots, defaults, router_url, hooks, *, store, dataset_limits, queue_size) nor "
+        "Miles' "
         "(args, router_url); take one of them and pass it on to super().__init__")
 
 
@@ -231,21 +236,24 @@ class MultiLoRAController:
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def register_adapter(self, name: str, config: dict[str, Any] | None = None,
-                               yaml_path: str | None = None, exist_ok: bool = True) -> int:
-        """Register; returns the slot. With `exist_ok` (the default: a trainer restarted
-        over its saved registry registers its start-up adapters again), a name that is
-        already PENDING or ACTIVE returns the slot it holds and keeps its recorded config;
-        `exist_ok=False` raises `AdapterAlreadyRegisteredError` as the HTTP API does."""
+                               yaml_path: str | None = None, exist_ok: bool = True) -> int | None:
+        """Register; returns the slot, or None when every slot is held and it was QUEUED. With
+        `exist_ok` (the default: a trainer restarted over its saved registry registers its
+        start-up adapters again), a name that is already PENDING, ACTIVE or QUEUED returns the
+        slot it holds (None if queued) and keeps its recorded config; `exist_ok=False` raises
+        `AdapterAlreadyRegisteredError` as the HTTP API does."""
         try:
             return await self.backend.register(name, config=config, yaml_path=yaml_path)
         except AdapterAlreadyRegisteredError:
             if not exist_ok:
                 raise
-            slot = self.backend.adapter_status(name).slot
-            logger.warning("Adapter '%s' is already registered (slot %d); it keeps its recorded config", name, slot)
-            return slot
+            status = self.backend.adapter_status(name)
+            where = f"slot {status.slot}" if status.slot is not None else f"queue position {status.queue_position}"
+            logger.warning("Adapter '%s' is already registered (%s); it keeps its recorded config", name, where)
+            return status.slot
 
-    async def deregister_adapter(self, name: str) -> AdapterState:
+    async def deregister_adapter(self, name: str) -> AdapterState | None:
+        """PENDING/ACTIVE -> RETIRING; a QUEUED one is removed from the queue and forgotten (None)."""
         return self.backend.deregister(name)
 
     # ---- the driver's lifecycle calls: each answers with the registry's snapshot after it ----

@@ -39,7 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.controller.registry import AdapterRegistry, AdapterRegistryError, AdapterValidationError
+from miles.controller.registry import (
+    DEFAULT_QUEUE_SIZE,
+    AdapterRegistry,
+    AdapterRegistryError,
+    AdapterValidationError,
+)
 from miles.controller.store import RegistryStore
 from miles.utils.adapter_config import (
     AdapterConfigError,
@@ -145,7 +150,7 @@ class BackendArgs:
 class MultiLoRABackend:
     """Registration, retirement and the registry around them (see the module's docstring).
 
-    Built as `cls(n_slots, defaults, router_url, hooks, store=..., dataset_limits=...)`, or, for
+    Built as `cls(n_slots, defaults, router_url, hooks, store=..., dataset_limits=..., queue_size=...)`, or, for
     a subclass written for Miles, `cls(args, router_url)` with `args` a `BackendArgs` (its
     `__init__(self, args, router_url)` calls `super().__init__(args, router_url)`); then
     `self.args` holds them, as in Miles.
@@ -153,7 +158,8 @@ class MultiLoRABackend:
 
     def __init__(self, n_slots: int | BackendArgs, defaults: AdapterDefaults | str | None = None,
                  router_url: str | None = None, hooks: ControllerHooks | None = None, *,
-                 store: RegistryStore | None = None, dataset_limits: DatasetLimits | None = None) -> None:
+                 store: RegistryStore | None = None, dataset_limits: DatasetLimits | None = None,
+                 queue_size: int = DEFAULT_QUEUE_SIZE) -> None:
         self.args: BackendArgs | None = None
         if isinstance(n_slots, BackendArgs):  # Miles' form: (args, router_url)
             self.args = args = n_slots
@@ -162,14 +168,16 @@ class MultiLoRABackend:
             router_url = defaults
             n_slots, defaults = args.flags.multi_lora_n_adapters, AdapterDefaults.from_config(args.flags)
             hooks, store, dataset_limits = args.hooks, args.store, args.dataset_limits
+            queue_size = args.flags.multi_lora_queue_size
         if not isinstance(defaults, AdapterDefaults):
             raise TypeError(f"defaults must be AdapterDefaults, got {type(defaults).__name__}")
         self.store = store
         state = store.load() if store is not None else None
-        self.registry = AdapterRegistry.from_state(state, n_slots) if state else AdapterRegistry(n_slots)
+        self.registry = (AdapterRegistry.from_state(state, n_slots, queue_size=queue_size) if state
+                         else AdapterRegistry(n_slots, queue_size=queue_size))
         if state is not None:
-            logger.info("Registry restored from %s: %d live, %d finished adapters", store.path,  # type: ignore[union-attr]
-                        len(state.live), len(state.finished))
+            logger.info("Registry restored from %s: %d live, %d queued, %d finished adapters",
+                        store.path, len(state.live), len(state.queued), len(state.finished))  # type: ignore[union-attr]
         self.defaults = defaults
         self.router_url = router_url
         self.hooks = hooks or ControllerHooks()
@@ -188,7 +196,8 @@ class MultiLoRABackend:
     @classmethod
     def from_config(cls, cfg: MilesConfig, router_url: str | None = None,
                     hooks: ControllerHooks | None = None) -> MultiLoRABackend:
-        return cls(cfg.multi_lora_n_adapters, AdapterDefaults.from_config(cfg), router_url, hooks)
+        return cls(cfg.multi_lora_n_adapters, AdapterDefaults.from_config(cfg), router_url, hooks,
+                   queue_size=cfg.multi_lora_queue_size)
 
     async def init(self) -> None:
         """Called once before the control plane serves (Miles' hook: open clients here)."""
@@ -210,8 +219,11 @@ class MultiLoRABackend:
         yaml_path: str | None = None,
         allowed_roots: list[Path] | None = None,
         plugin_modules: tuple[str, ...] | None = None,
-    ) -> int:
-        """Resolve → `validate_adapter` → read the dataset (off the loop) → registry; returns the slot.
+        priority: int = 0,
+    ) -> int | None:
+        """Resolve → `validate_adapter` → read the dataset (off the loop) → registry; returns the
+        slot, or None when every slot is held and the adapter was QUEUED (`priority` orders the
+        queue: higher first, then arrival).
 
         With `allowed_roots` (requests from the network), `yaml_path`, `data` and `save`
         must resolve inside one of them; with `plugin_modules`, every plug-in path the config
@@ -230,7 +242,7 @@ class MultiLoRABackend:
         rows = await self.read_dataset(name, resolved)
         if rows is not None:
             resolved = resolve_num_step(resolved, rows)
-        slot = self.registry.register(name, resolved)  # checks again: the loop ran meanwhile
+        slot = self.registry.register(name, resolved, priority)  # checks again: the loop ran meanwhile
         self._persist()
         self.registrations_total += 1
         self._registered.set()
@@ -238,8 +250,10 @@ class MultiLoRABackend:
         return slot
 
     def register_client(self, name: str, config: ClientModelConfig) -> int:
-        """Register a client-driven adapter (a Tinker model: no dataset, no reward); returns the slot."""
+        """Register a client-driven adapter (a Tinker model: no dataset, no reward); returns the
+        slot. Never queued: `NoFreeSlotError` when every slot is held."""
         slot = self.registry.register(name, config)
+        assert slot is not None  # the registry never queues a client-driven adapter
         self._persist()
         self.registrations_total += 1
         self._registered.set()
@@ -366,8 +380,9 @@ class MultiLoRABackend:
         except ValueError as exc:
             raise AdapterValidationError(f"Adapter '{name}': dataset: {exc}") from None
 
-    def deregister(self, name: str) -> AdapterState:
-        """PENDING/ACTIVE → RETIRING (no abort here: it keeps generating until retired)."""
+    def deregister(self, name: str) -> AdapterState | None:
+        """PENDING/ACTIVE → RETIRING (no abort here: it keeps generating until retired); a QUEUED
+        one is removed from the queue and forgotten (None)."""
         before = self.registry.state(name)
         after = self.registry.deregister(name)
         if before is not after:
@@ -399,7 +414,8 @@ class MultiLoRABackend:
         return True
 
     async def free_slot(self, name: str) -> int:
-        """CLEANUP → COMPLETED (or FAILED) after one more abort round; the slot, or -1 if not in CLEANUP."""
+        """CLEANUP → COMPLETED (or FAILED) after one more abort round; the slot, or -1 if not in
+        CLEANUP. The head of the registration queue takes the slot in the same change."""
         if self.registry.state(name) is not AdapterState.CLEANUP:
             return -1
         await self.abort_adapter_requests(name)

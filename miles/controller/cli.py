@@ -4,7 +4,8 @@
     miles-lora get math                               # one adapter's run and config
     miles-lora register math --yaml configs/adapters/math.yaml
     miles-lora register math --set data=data/math.jsonl --set num_step=20 --set rm_type=math
-    miles-lora retire math                            # finish the step, save, free the slot
+    miles-lora register late --yaml late.yaml --priority 5   # every slot held: QUEUED, ahead of lower priorities
+    miles-lora retire math                            # finish the step, save, free the slot (QUEUED: leave the queue)
     miles-lora watch --interval 2                     # a live table until Ctrl-C
     miles-lora list --json                            # machine-readable output (or miles-lora --json list)
 
@@ -107,9 +108,16 @@ def _source(status: AdapterStatus) -> str:
     return status.data if status.data is not None else f"(client) {status.model_id}"
 
 
+def _state(status: AdapterStatus) -> str:
+    """The state, with its place in the queue when QUEUED (`QUEUED #1`: the next slot is its)."""
+    if status.queue_position is None:
+        return status.state.value
+    return f"{status.state.value} #{status.queue_position}"
+
+
 def _rows(statuses: list[AdapterStatus]) -> list[tuple[str, ...]]:
-    return [(s.name, s.state.value, str(s.slot), "-" if s.version is None else str(s.version), _progress(s),
-             str(s.rank), _source(s)) for s in statuses]
+    return [(s.name, _state(s), "-" if s.slot is None else str(s.slot), "-" if s.version is None else str(s.version),
+             _progress(s), str(s.rank), _source(s)) for s in statuses]
 
 
 ERROR_LINE_CHARS = 160
@@ -187,9 +195,12 @@ def register(
     name: Annotated[str, typer.Argument(help="Adapter name (letters, digits, '.', '_', '-').")],
     yaml_file: Annotated[Path | None, typer.Option("--yaml", help="Adapter YAML, read by the control plane.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="A config field as key=value (repeatable).")] = None,
+    priority: Annotated[int | None, typer.Option(
+        help="Place in the queue when every slot is held: higher leaves first, ties in arrival order.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Register an adapter from a YAML file or from --set fields; prints its slot."""
+    """Register an adapter from a YAML file or from --set fields; prints its slot, or its place in
+    the queue when every slot is held."""
     if (yaml_file is None) == (not set_):
         _fail("give exactly one of --yaml FILE or --set key=value ...", EXIT_USAGE)
     try:
@@ -197,19 +208,27 @@ def register(
     except ValueError as exc:
         _fail(str(exc), EXIT_USAGE)
     yaml_path = str(yaml_file.expanduser().resolve()) if yaml_file is not None else None
-    slot = _call(f"register '{name}'", lambda c: c.register(name, config=config, yaml_path=yaml_path))
+    answer = _call(f"register '{name}'",
+                   lambda c: c.register_adapter(name, config=config, yaml_path=yaml_path, priority=priority))
     if _json_output(as_json):
-        _print_json({"name": name, "slot": slot})
+        _print_json(answer.model_dump(mode="json"))
+    elif answer.slot is None:
+        typer.echo(f"Queued '{name}' at position {answer.queue_position}: every slot is held. It takes the next "
+                   "free slot in priority, then arrival, order (`miles-lora get` shows its place; `retire` "
+                   "takes it out of the queue).")
     else:
-        typer.echo(f"Registered '{name}' in slot {slot} (PENDING until its weights reach the engines).")
+        typer.echo(f"Registered '{name}' in slot {answer.slot} (PENDING until its weights reach the engines).")
 
 
 @app.command("retire")
 def retire(name: Annotated[str, typer.Argument(help="Adapter name.")], as_json: JsonFlag = False) -> None:
-    """Retire an adapter: it finishes its current step, saves, and frees its slot."""
-    _call(f"retire '{name}'", lambda c: c.deregister(name), adapter=name)
+    """Retire an adapter: it finishes its current step, saves, and frees its slot. A QUEUED one is
+    taken out of the queue (and forgotten: it never held a slot)."""
+    state = _call(f"retire '{name}'", lambda c: c.deregister(name), adapter=name)
     if _json_output(as_json):
-        _print_json({"name": name, "status": "retiring"})
+        _print_json({"name": name, "status": "retiring" if state is not None else "removed from the queue"})
+    elif state is None:
+        typer.echo(f"Removed '{name}' from the queue: it never held a slot, so nothing was trained or saved.")
     else:
         typer.echo(f"Retiring '{name}': it finishes its current step, saves, and frees its slot.")
 

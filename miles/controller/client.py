@@ -1,7 +1,7 @@
 """A small synchronous client of the control-plane HTTP API, for users, tests and the demo.
 
     with ControlPlaneClient("http://127.0.0.1:8068", token=os.environ.get("MILES_API_TOKEN")) as cp:
-        cp.register("math", config={"data": "data/math.jsonl", "num_step": 20})
+        cp.register("math", config={"data": "data/math.jsonl", "num_step": 20})  # its slot (None: QUEUED)
         cp.wait_for_state("math", AdapterState.ACTIVE, timeout=60)
         print(cp.status("math").step)
         cp.deregister("math")
@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from miles.utils.types import AdapterState, AdapterStatus
+from miles.utils.types import AdapterState, AdapterStatus, RegisterAdapterResponse
 
 
 class ControlPlaneError(RuntimeError):
@@ -58,17 +58,29 @@ class ControlPlaneClient:
     def health(self) -> bool:
         return self._request("GET", "/health") == {"status": "healthy"}
 
-    def register(self, name: str, config: dict[str, Any] | None = None, yaml_path: str | None = None) -> int:
-        """Register an adapter from inline fields or a YAML path; returns its slot."""
+    def register(self, name: str, config: dict[str, Any] | None = None, yaml_path: str | None = None,
+                 priority: int | None = None) -> int | None:
+        """Register an adapter from inline fields or a YAML path; returns its slot, or None when
+        every slot is held and it was QUEUED (`priority`: higher ones leave the queue first)."""
+        return self.register_adapter(name, config, yaml_path, priority).slot
+
+    def register_adapter(self, name: str, config: dict[str, Any] | None = None, yaml_path: str | None = None,
+                         priority: int | None = None) -> RegisterAdapterResponse:
+        """`register`, with the whole answer: its state (PENDING or QUEUED) and queue position."""
         body: dict[str, Any] = {"name": name}
         if config is not None:
             body["config"] = config
         if yaml_path is not None:
             body["yaml_path"] = str(yaml_path)
-        return int(self._request("POST", "/adapter_runs", json=body)["slot"])
+        if priority is not None:
+            body["priority"] = priority
+        return RegisterAdapterResponse.model_validate(self._request("POST", "/adapter_runs", json=body))
 
-    def deregister(self, name: str) -> None:
-        self._request("DELETE", f"/adapter_runs/{name}")
+    def deregister(self, name: str) -> AdapterState | None:
+        """PENDING/ACTIVE -> RETIRING; returns the state after, None when it was QUEUED (removed
+        from the queue and forgotten)."""
+        state = self._request("DELETE", f"/adapter_runs/{name}").get("state")
+        return None if state is None else AdapterState(state)
 
     def status(self, name: str) -> AdapterStatus:
         return AdapterStatus.model_validate(self._request("GET", f"/adapter_runs/{name}"))

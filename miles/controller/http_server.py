@@ -5,10 +5,12 @@ Routes: `GET /health`, `GET /adapter_runs`, `GET /adapter_runs/state?names=..`,
 `GET /metrics` (Prometheus); OpenAPI at `/docs` (with the adapter config's schema); the
 dashboard at `/ui` and its data under `/ui/api` (`miles/dashboard/`); and, given a
 `TinkerGateway`, the Tinker protocol under `/api/v1` (`miles/controller/tinker/`).
-Errors map by exception type: validation → 400, unknown adapter → 404, no free slot →
-409, body over `max_body_bytes` → 413, malformed body or a config field of the wrong
-type → 422 (naming the field), missing or wrong bearer token → 401, every dataset-check
-worker busy → 429. With a token, every route but `/health` and the dashboard's page
+A registration that finds every slot held is QUEUED (`{"slot": null, "state": "QUEUED",
+"queue_position": n}`, 1 for the head) unless `--multi-lora-queue-size` is 0 or the queue is
+full. Errors map by exception type: validation → 400, unknown adapter → 404, no free slot
+and no room in the queue → 409, body over `max_body_bytes` → 413, malformed body or a config
+field of the wrong type → 422 (naming the field), missing or wrong bearer token → 401, every
+dataset-check worker busy → 429. With a token, every route but `/health` and the dashboard's page
 files needs it, `/docs`, `/redoc`, `/openapi.json` and `/ui/api` included (docs/RELIABILITY.md).
 
     curl -s localhost:8068/adapter_runs -H "Authorization: Bearer $MILES_API_TOKEN" \\
@@ -54,7 +56,7 @@ from miles.dashboard.routes import install_dashboard, is_public
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.network import tcp_listener
 from miles.utils.safe_yaml import load_yaml
-from miles.utils.types import AdapterKind, AdapterState, RegisterAdapterRequest
+from miles.utils.types import AdapterKind, AdapterState, RegisterAdapterRequest, RegisterAdapterResponse
 
 if TYPE_CHECKING:
     from miles.utils.arguments import MilesConfig
@@ -137,6 +139,8 @@ class _BackendCollector:
         for state, count in counts.items():
             adapters.add_metric([state.value], count)
         yield adapters
+        yield GaugeMetricFamily("miles_adapter_queue_length", "Registrations QUEUED for a slot (every slot is held)",
+                                value=counts[AdapterState.QUEUED])
         info = GaugeMetricFamily("miles_adapter_info", "1 per adapter holding a slot; kind: server (RL on its "
                                  "dataset) or client (a Tinker model)", labels=["adapter", "kind"])
         step = GaugeMetricFamily("miles_adapter_step", "Optimizer steps the adapter has taken", labels=["adapter"])
@@ -173,7 +177,7 @@ class _BackendCollector:
         yield CounterMetricFamily("miles_controller_registrations", "Adapters registered",
                                   value=self.backend.registrations_total)
         yield CounterMetricFamily("miles_controller_deregistrations",
-                                  "Adapters deregistered (moved to RETIRING by DELETE)",
+                                  "Adapters deregistered (moved to RETIRING, or out of the queue, by DELETE)",
                                   value=self.backend.deregistrations_total)
 
 
@@ -278,18 +282,26 @@ class MultiLoRAHTTPServer:
         async def adapter_status(name: str) -> dict[str, Any]:
             return backend.adapter_status(name).model_dump(mode="json")
 
-        @app.post("/adapter_runs", openapi_extra=_register_openapi())
-        async def register(request: Request) -> dict[str, Any]:
+        @app.post("/adapter_runs", openapi_extra=_register_openapi(), response_model=RegisterAdapterResponse)
+        async def register(request: Request) -> RegisterAdapterResponse:
+            """Register an adapter: PENDING in a free slot, or QUEUED (`slot` null, `queue_position`
+            1 for the head) when every slot is held; 409 when it cannot wait (queue full or off)."""
             body = await self._parse_register_body(request)
             slot = await backend.register(body.name, config=body.config, yaml_path=body.yaml_path,
                                           allowed_roots=list(self.config.allowed_roots),
-                                          plugin_modules=self.config.plugin_modules)
-            return {"name": body.name, "slot": slot}
+                                          plugin_modules=self.config.plugin_modules, priority=body.priority)
+            if slot is not None:
+                return RegisterAdapterResponse(name=body.name, slot=slot, state=AdapterState.PENDING)
+            position = backend.adapter_status(body.name).queue_position
+            return RegisterAdapterResponse(name=body.name, slot=None, state=AdapterState.QUEUED,
+                                           queue_position=position)
 
         @app.delete("/adapter_runs/{name}")
-        async def deregister(name: str) -> dict[str, str]:
-            backend.deregister(name)
-            return {"status": "ok", "name": name}
+        async def deregister(name: str) -> dict[str, str | None]:
+            """PENDING/ACTIVE → RETIRING (`state` after it); a QUEUED adapter is taken out of the
+            queue and forgotten (`state` null), leaving every slot as it was."""
+            state = backend.deregister(name)
+            return {"status": "ok", "name": name, "state": None if state is None else state.value}
 
         @app.get("/metrics")
         async def metrics() -> Response:

@@ -17,13 +17,22 @@ An adapter whose plug-ins fail group after group leaves the same way, and ends F
     registry.fail("math", registration_id, AdapterFailure(...))   # ACTIVE/RETIRING -> CLEANUP
     registry.free_slot("math")                                      # CLEANUP -> FAILED, last error kept
 
+A registration that finds every slot held waits in a bounded queue instead (`queue_size`,
+`--multi-lora-queue-size`; 0 refuses it with `NoFreeSlotError` as Miles does):
+
+    registry.register("late", config, priority=5)   # None: QUEUED (higher priority first, then FIFO)
+    registry.free_slot("math")                      # math COMPLETED, and late PENDING in its slot
+    registry.deregister("late")                     # a QUEUED one is taken out and forgotten
+
 A client-driven adapter (a Tinker model, DESIGN §11) takes a `ClientModelConfig` instead:
 the same slots, names and lifecycle, but no batches and no `num_step` (it never retires by
 itself); its step advances with `record_client_step` when its client's `optim_step` ran.
+It is never queued: its client waits on the answer, so with no free slot it is refused.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import uuid
@@ -34,6 +43,7 @@ from typing import Any
 
 from miles.utils.adapter_config import AdapterConfigError, AdapterRunConfig, resolved_field, validate_adapter_name
 from miles.utils.types import (
+    DEFAULT_QUEUE_SIZE,
     AdapterFailure,
     AdapterKind,
     AdapterRun,
@@ -77,8 +87,13 @@ class AdapterNotFoundError(AdapterRegistryError, LookupError):
 
 
 class NoFreeSlotError(AdapterRegistryError, RuntimeError):
-    """Every slot is held; retry after an adapter completes (HTTP 409). A `RuntimeError`, as
-    in Miles, whose callers catch it as one."""
+    """Every slot is held and the registration cannot wait for one (the queue is off, or it is
+    a client-driven adapter); retry after an adapter completes (HTTP 409). A `RuntimeError`,
+    as in Miles, whose callers catch it as one."""
+
+
+class QueueFullError(NoFreeSlotError):
+    """Every slot is held and the registration queue is full (HTTP 409, as `NoFreeSlotError`)."""
 
 
 AnyAdapterConfig = AdapterRunConfig | ClientModelConfig
@@ -113,10 +128,35 @@ class _Record:
     restarted trainer resumes it at)."""
     failure: AdapterFailure | None = None
     """Set by `fail`: it leaves through CLEANUP and ends FAILED, with this as its last error."""
+    priority: int = 0
+    """The priority it was registered with (it ordered the queue, if it waited in it)."""
 
     @property
     def kind(self) -> AdapterKind:
         return adapter_kind(self.config)
+
+
+@dataclass
+class _Queued:
+    """A QUEUED registration: a server-driven adapter waiting for a slot (it holds none)."""
+
+    name: str
+    config: AdapterRunConfig
+    registration_id: str
+    """Issued when it was queued; kept when it takes a slot."""
+    priority: int = 0
+
+    @functools.cached_property
+    def as_json(self) -> dict[str, Any]:
+        """Its stored form (one dict for its whole stay, so the store reuses the row's text)."""
+        return {"name": self.name, "kind": AdapterKind.SERVER.value, "config": self.config.model_dump(mode="json"),
+                "slot": None, "registration_id": self.registration_id, "state": AdapterState.QUEUED.value,
+                "priority": self.priority}
+
+
+def _queued_from_json(raw: dict[str, Any]) -> _Queued:
+    return _Queued(name=raw["name"], config=AdapterRunConfig.model_validate_json(json.dumps(raw["config"])),
+                   registration_id=raw["registration_id"], priority=raw.get("priority", 0))
 
 
 @dataclass(frozen=True)
@@ -139,6 +179,8 @@ class RegistryState:
     """Terminal (COMPLETED and FAILED) records, least recently used first."""
     batches: list[tuple[int, dict[str, Any]]]
     """Recorded, not yet trained batches, oldest first."""
+    queued: list[dict[str, Any]] = field(default_factory=list)
+    """QUEUED registrations, head of the queue first."""
 
 
 def _record_to_json(record: _Record) -> dict[str, Any]:
@@ -149,6 +191,7 @@ def _record_to_json(record: _Record) -> dict[str, Any]:
         "start_step": record.start_step, "accumulated_groups": record.accumulated_groups,
         "pushed": record.pushed, "resume_from": record.resume_from, "resume_step": record.resume_step,
         "failure": None if record.failure is None else record.failure.model_dump(mode="json"),
+        "priority": record.priority,
     }
 
 
@@ -161,6 +204,7 @@ def _record_from_json(raw: dict[str, Any]) -> _Record:
         pushed=raw.get("pushed", raw["state"] != AdapterState.PENDING.value), resume_from=raw.get("resume_from"),
         resume_step=raw.get("resume_step", 0),
         failure=None if raw.get("failure") is None else AdapterFailure.model_validate(raw["failure"]),
+        priority=raw.get("priority", 0),
     )
 
 
@@ -177,10 +221,14 @@ class AdapterRegistry:
     n_slots: int
     completed_retention: int = COMPLETED_RETENTION
     batch_retention: int = BATCH_RECORD_RETENTION
+    queue_size: int = DEFAULT_QUEUE_SIZE
+    """Registrations that may wait for a slot when all are held; 0: none (NoFreeSlotError)."""
     _live: dict[str, _Record] = field(default_factory=dict, init=False)
     _finished: OrderedDict[str, _Record] = field(default_factory=OrderedDict, init=False)
     """Terminal records (COMPLETED and FAILED), least recently used first; at most
     `completed_retention` of them."""
+    _queue: list[_Queued] = field(default_factory=list, init=False)
+    """QUEUED registrations, head first: higher priority first, equal ones in arrival order."""
     _free_slots: set[int] = field(init=False)
     _slot_versions: list[int] = field(init=False)
     _batches: OrderedDict[int, _BatchRecord] = field(default_factory=OrderedDict, init=False)
@@ -189,37 +237,93 @@ class AdapterRegistry:
     def __post_init__(self) -> None:
         if self.n_slots <= 0:
             raise ValueError(f"n_slots must be > 0 (--multi-lora-n-adapters), got {self.n_slots}")
+        if self.queue_size < 0:
+            raise ValueError(f"queue_size must be >= 0 (--multi-lora-queue-size; 0 turns the queue off), "
+                             f"got {self.queue_size}")
         self._free_slots = set(range(self.n_slots))
         self._slot_versions = [0] * self.n_slots
 
     # ---- registration ------------------------------------------------------------
 
-    def register(self, name: str, config: AnyAdapterConfig) -> int:
-        """Give a new adapter (either kind) the lowest free slot in PENDING; returns the slot."""
+    def register(self, name: str, config: AnyAdapterConfig, priority: int = 0) -> int | None:
+        """Give a new adapter (either kind) the lowest free slot in PENDING; returns the slot.
+
+        With every slot held, a server-driven adapter is QUEUED instead (returns None): behind
+        the queued ones of its priority or higher, ahead of lower ones. `free_slot` promotes it.
+        """
         self.check_can_register(name, config)
+        self._finished.pop(name, None)
+        registration_id = uuid.uuid4().hex
+        if self._free_slots and not self._queue:
+            slot = self._take_slot(name, config, registration_id, priority)
+            logger.info("Adapter '%s' registered in slot %d", name, slot)
+            return slot
+        assert isinstance(config, AdapterRunConfig)  # check_can_register refuses to queue a client-driven one
+        entry = _Queued(name, config, registration_id, priority)
+        index = next((i for i, q in enumerate(self._queue) if q.priority < priority), len(self._queue))
+        self._queue.insert(index, entry)
+        logger.info("Adapter '%s' queued at position %d of %d (priority %d): all %d slots are held",
+                    name, index + 1, len(self._queue), priority, self.n_slots)
+        return None
+
+    def _take_slot(self, name: str, config: AnyAdapterConfig, registration_id: str, priority: int) -> int:
         slot = min(self._free_slots)
         self._free_slots.remove(slot)
-        self._finished.pop(name, None)
-        self._live[name] = _Record(name=name, config=config, slot=slot, registration_id=uuid.uuid4().hex)
-        logger.info("Adapter '%s' registered in slot %d", name, slot)
+        self._live[name] = _Record(name=name, config=config, slot=slot, registration_id=registration_id,
+                                   priority=priority)
         return slot
 
+    def _promote(self) -> list[str]:
+        """QUEUED → PENDING for the head of the queue while a slot is free (lowest slot first)."""
+        promoted = []
+        while self._free_slots and self._queue:
+            head = self._queue.pop(0)
+            slot = self._take_slot(head.name, head.config, head.registration_id, head.priority)
+            logger.info("Adapter '%s' left the registration queue for slot %d: PENDING (%d still queued)",
+                        head.name, slot, len(self._queue))
+            promoted.append(head.name)
+        return promoted
+
     def check_can_register(self, name: str, config: AnyAdapterConfig) -> None:
-        """Raise what `register` would raise now (bad or taken name, shared save
-        directory, no free slot); lets callers fail fast before slow checks."""
+        """Raise what `register` would raise now (bad or taken name, shared save directory, no
+        free slot and no room in the queue); lets callers fail fast before slow checks."""
         try:
             validate_adapter_name(name)
         except AdapterConfigError as exc:
             raise AdapterValidationError(str(exc)) from None
         self._check_name_free(name)
         self._check_save_free(name, config)
-        if not self._free_slots:
+        if self._free_slots and not self._queue:
+            return
+        if isinstance(config, ClientModelConfig):
+            raise NoFreeSlotError(
+                f"No free slot for client-driven adapter '{name}': all {self.n_slots} slots are in use "
+                f"({len(self._queue)} registrations queued) and client models are not queued; retry after an "
+                "adapter completes (delete one, or unload a model) or raise --multi-lora-n-adapters"
+            )
+        if self.queue_size == 0:
             raise NoFreeSlotError(
                 f"No free slot for adapter '{name}': all {self.n_slots} slots are in use; "
-                "retry after an adapter completes or raise --multi-lora-n-adapters"
+                "retry after an adapter completes, raise --multi-lora-n-adapters, or let registrations wait "
+                "with --multi-lora-queue-size"
+            )
+        if len(self._queue) >= self.queue_size:
+            raise QueueFullError(
+                f"No free slot for adapter '{name}' and the registration queue is full ({len(self._queue)} "
+                f"waiting for {self.n_slots} slots); retry after queued adapters have started, delete some, "
+                "or raise --multi-lora-queue-size or --multi-lora-n-adapters"
             )
 
+    def _queued(self, name: str) -> tuple[int, _Queued] | None:
+        """The queue index and entry of a QUEUED registration of `name`, else None."""
+        return next(((i, q) for i, q in enumerate(self._queue) if q.name == name), None)
+
     def _check_name_free(self, name: str) -> None:
+        queued = self._queued(name)
+        if queued is not None:
+            raise AdapterAlreadyRegisteredError(
+                f"Adapter '{name}' is already registered (QUEUED, position {queued[0] + 1}); pick another name"
+            )
         record = self._live.get(name)
         if record is None:
             return
@@ -233,15 +337,25 @@ class AdapterRegistry:
         if config.save is None:
             return
         save = Path(config.save).resolve()
-        for other in self._live.values():
-            if other.config.save is not None and Path(other.config.save).resolve() == save:
+        others: list[tuple[str, str, AnyAdapterConfig]] = [("live", r.name, r.config) for r in self._live.values()]
+        others += [("queued", q.name, q.config) for q in self._queue]
+        for what, other, other_config in others:
+            if other_config.save is not None and Path(other_config.save).resolve() == save:
                 raise AdapterValidationError(
-                    f"Adapter '{name}': save directory {save} is already used by live adapter "
-                    f"'{other.name}'; set a different 'save'"
+                    f"Adapter '{name}': save directory {save} is already used by {what} adapter "
+                    f"'{other}'; set a different 'save'"
                 )
 
-    def deregister(self, name: str) -> AdapterState:
-        """PENDING/ACTIVE → RETIRING; a no-op in other states. Returns the state after."""
+    def deregister(self, name: str) -> AdapterState | None:
+        """PENDING/ACTIVE → RETIRING; a no-op in other states. Returns the state after.
+
+        A QUEUED one is taken out of the queue and forgotten (None): it never held a slot, so
+        nothing was trained or saved, no slot changes, and the name is free at once."""
+        queued = self._queued(name)
+        if queued is not None:
+            del self._queue[queued[0]]
+            logger.info("Adapter '%s' deregistered while QUEUED: removed from the queue", name)
+            return None
         record = self._record(name)
         if record.state in (AdapterState.PENDING, AdapterState.ACTIVE):
             record.state = AdapterState.RETIRING
@@ -274,7 +388,8 @@ class AdapterRegistry:
 
     def free_slot(self, name: str) -> int:
         """CLEANUP → COMPLETED (FAILED if `fail` sent it there); returns the freed slot, or -1
-        if not in CLEANUP."""
+        if not in CLEANUP. The head of the queue, if any, takes the slot (PENDING) in the same
+        change, so the trainer's next reconcile loads it."""
         record = self._live.get(name)
         if record is None or record.state is not AdapterState.CLEANUP:
             return -1
@@ -286,6 +401,7 @@ class AdapterRegistry:
             self._finished.popitem(last=False)
         logger.info("Adapter '%s' %s at step %d; slot %d freed", name, record.state.value.lower(), record.step,
                     record.slot)
+        self._promote()
         return record.slot
 
     # ---- weights and batches -----------------------------------------------------
@@ -339,7 +455,8 @@ class AdapterRegistry:
         nothing to save or clean up: that reconcile would only free the slot, once the
         engines are up, and until then a registration or a Tinker `create_model` would find
         the slot taken (a model unloaded just before the previous trainer stopped holds it).
-        Returns the names requeued.
+        A slot freed so goes to the head of the registration queue (PENDING); the others stay
+        QUEUED in their order. Returns the names requeued.
         """
         self.retire_adapters()
         for name in sorted(n for n, r in self._live.items() if r.state is AdapterState.CLEANUP):
@@ -465,21 +582,44 @@ class AdapterRegistry:
         return record
 
     def state(self, name: str) -> AdapterState | None:
+        if self._queued(name) is not None:
+            return AdapterState.QUEUED
         try:
             return self._record(name).state
         except AdapterNotFoundError:
             return None
 
     def step(self, name: str) -> int:
-        return self._record(name).step
+        return 0 if self._queued(name) is not None else self._record(name).step
 
     def status(self, name: str) -> AdapterStatus:
+        queued = self._queued(name)
+        if queued is not None:
+            return self._queued_status(*queued)
         return self._status(self._record(name))
 
     def statuses(self) -> list[AdapterStatus]:
-        """Every known adapter, live ones first (by slot), then finished (COMPLETED, FAILED) ones."""
+        """Every known adapter: live ones first (by slot), then QUEUED ones (head first), then
+        finished (COMPLETED, FAILED) ones."""
         live = sorted(self._live.values(), key=lambda r: r.slot)
-        return [self._status(r) for r in [*live, *self._finished.values()]]
+        return [*(self._status(r) for r in live), *(self._queued_status(i, q) for i, q in enumerate(self._queue)),
+                *(self._status(r) for r in self._finished.values())]
+
+    def queue_position(self, name: str) -> int | None:
+        """1 for the head of the registration queue; None unless `name` is QUEUED."""
+        queued = self._queued(name)
+        return None if queued is None else queued[0] + 1
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    def _queued_status(self, index: int, entry: _Queued) -> AdapterStatus:
+        return AdapterStatus(
+            name=entry.name, state=AdapterState.QUEUED, slot=None, version=None, step=0, accumulated_groups=0,
+            registration_id=entry.registration_id, kind=AdapterKind.SERVER, queue_position=index + 1,
+            priority=entry.priority, **entry.config.to_dict(),
+        )
 
     def _status(self, record: _Record) -> AdapterStatus:
         return AdapterStatus(
@@ -487,7 +627,7 @@ class AdapterRegistry:
             version=None if record.state.terminal else self._slot_versions[record.slot],
             step=record.step, accumulated_groups=record.accumulated_groups,
             registration_id=record.registration_id, kind=record.kind, last_error=record.failure,
-            **record.config.to_dict(),
+            priority=record.priority, **record.config.to_dict(),
         )
 
     def snapshot(self) -> MultiLoRASnapshot:
@@ -514,7 +654,7 @@ class AdapterRegistry:
             retiring=views[AdapterState.RETIRING], cleanup=frozenset(cleanup),
             completed=frozenset(n for n, r in self._finished.items() if r.state is AdapterState.COMPLETED),
             failed=frozenset(n for n, r in self._finished.items() if r.state is AdapterState.FAILED),
-            clients=clients,
+            clients=clients, queued=tuple(q.name for q in self._queue),
         )
 
     # ---- persistence (the store does the I/O; these only convert) ---------------------
@@ -529,6 +669,7 @@ class AdapterRegistry:
         return RegistryState(
             n_slots=self.n_slots, slot_versions=list(self._slot_versions), live=live, finished=finished,
             batches=[(rollout_id, _batch_to_json(b)) for rollout_id, b in self._batches.items()],
+            queued=[q.as_json for q in self._queue],
         )
 
     def _json(self, record: _Record) -> dict[str, Any]:
@@ -545,7 +686,8 @@ class AdapterRegistry:
     @classmethod
     def from_state(cls, state: RegistryState, n_slots: int, **kwargs: Any) -> AdapterRegistry:
         """A registry holding what `state` recorded, with `n_slots` slots (the table may grow,
-        but never drop a slot a live adapter holds)."""
+        but never drop a slot a live adapter holds). Queued registrations stay QUEUED in their
+        order, all of them even beyond `queue_size`; slots a larger table adds go to them."""
         registry = cls(n_slots, **kwargs)
         live = [_record_from_json(r) for r in state.live]
         too_high = sorted(r.name for r in live if r.slot >= n_slots)
@@ -564,6 +706,12 @@ class AdapterRegistry:
             registry._finished[record.name] = record
         for rollout_id, raw in state.batches:
             registry._batches[rollout_id] = _batch_from_json(raw)
+        registry._queue = [_queued_from_json(raw) for raw in state.queued]
+        if len(registry._queue) > registry.queue_size:
+            logger.warning("The saved registry has %d queued registrations, over --multi-lora-queue-size=%d: "
+                           "all are kept, and new ones are refused until the queue is shorter",
+                           len(registry._queue), registry.queue_size)
+        registry._promote()
         return registry
 
     @property
@@ -578,6 +726,8 @@ class AdapterRegistry:
         return {name: record.slot for name, record in self._live.items()}
 
     def kind(self, name: str) -> AdapterKind | None:
+        if self._queued(name) is not None:
+            return AdapterKind.SERVER  # client-driven adapters are never queued
         try:
             return self._record(name).kind
         except AdapterNotFoundError:

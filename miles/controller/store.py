@@ -15,8 +15,9 @@ operating system when `save` returns, so a process killed at any point (SIGKILL,
 actor crash) leaves the last committed state; a power cut may lose the last few changes
 but never corrupts the file. One write costs well under a millisecond (no fsync per
 change), so the control plane's loop is never held up by the disk.
-Rows: one per adapter (live and finished), one per recorded batch, and a few `meta`
-keys (slot versions, slot count, the control plane's bound port).
+Rows: one per adapter (live, QUEUED and finished; a queued row's `position` keeps the
+queue's order), one per recorded batch, and a few `meta` keys (slot versions, slot count,
+the control plane's bound port).
 
 The Tinker gateway (DESIGN §11) keeps its state here too, one row per change: `sessions`
 (a client's session and its last heartbeat) and `futures`, the command log: every call of
@@ -169,11 +170,13 @@ class RegistryStore:
         adapters = self._db.execute("SELECT record FROM adapters ORDER BY position").fetchall()
         records = [json.loads(r[0]) for r in adapters]
         batches = self._db.execute("SELECT rollout_id, record FROM batches ORDER BY position").fetchall()
+        states = [AdapterState(r["state"]) for r in records]
         return RegistryState(
             n_slots=n_slots, slot_versions=self.get_meta("slot_versions"),
-            live=[r for r in records if not AdapterState(r["state"]).terminal],
-            finished=[r for r in records if AdapterState(r["state"]).terminal],
+            live=[r for r, state in zip(records, states) if state.holds_slot],
+            finished=[r for r, state in zip(records, states) if state.terminal],
             batches=[(rollout_id, json.loads(text)) for rollout_id, text in batches],
+            queued=[r for r, state in zip(records, states) if state is AdapterState.QUEUED],
         )
 
     def save(self, state: RegistryState) -> None:
@@ -227,7 +230,7 @@ class RegistryStore:
             ("meta", "slot_versions"): json.dumps(state.slot_versions),
         }
         texts: dict[tuple[int, int], tuple[dict[str, Any], str]] = {}
-        for position, record in enumerate([*state.live, *state.finished]):
+        for position, record in enumerate([*state.live, *state.queued, *state.finished]):
             key = (id(record), position)
             cached = self._texts.get(key)
             if cached is None or cached[0] is not record:

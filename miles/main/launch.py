@@ -117,7 +117,8 @@ async def register_initial_adapters(cfg: MilesConfig, controller: Any) -> None:
     """Register the adapters named on the command line; a bad one stops the run."""
     for name, yaml_path in cfg.initial_adapters:
         slot = await controller.register_adapter.remote(name, yaml_path=yaml_path)
-        logger.info("Registered adapter %r from %s in slot %d", name, yaml_path, slot)
+        where = f"in slot {slot}" if slot is not None else "QUEUED (every slot is held)"
+        logger.info("Registered adapter %r from %s %s", name, yaml_path, where)
 
 
 async def shutdown(components: Components) -> None:

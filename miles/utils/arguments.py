@@ -33,6 +33,7 @@ from pydantic import TypeAdapter, ValidationError
 from miles.utils.loss_settings import LOSS_FLAGS, LossSettings
 from miles.utils.plugins import plugin_module
 from miles.utils.safe_yaml import load_yaml
+from miles.utils.types.lifecycle import DEFAULT_QUEUE_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +245,7 @@ class MilesConfig:
     multi_lora_n_adapters: int = _flag(0, "Slots of the LoRA page table (0: multi-LoRA off).")
     multi_lora_adapter: list[tuple[str, str]] = _flag([], "NAME PATH of an adapter YAML to register at start (repeatable).", nargs=2, action="append", metavar=("NAME", "PATH"))
     multi_lora_adapters: list[str] = _flag([], "Adapter YAMLs to register at start (name = file stem).", nargs="+")
+    multi_lora_queue_size: int = _flag(DEFAULT_QUEUE_SIZE, "Registrations that may wait for a slot when every slot is held: they are QUEUED and take freed slots by priority, then in arrival order (0: refuse them with 409, as Miles does).")
     multi_lora_idle_poll_s: float = _flag(5.0, "Service mode: seconds between polls while no adapter is live.")
     multi_lora_api_host: str = _flag("127.0.0.1", "Bind address of the control plane.")
     multi_lora_api_port: int = _flag(8068, "Port of the control plane (0: ephemeral).")
@@ -364,6 +366,8 @@ class MilesConfig:
                 raise ConfigError(f"--{_flag_name(name)} must be > 0, got {getattr(self, name)}")
         if self.multi_lora_n_adapters < 0:
             raise ConfigError("--multi-lora-n-adapters must be >= 0 (0 turns multi-LoRA off)")
+        if self.multi_lora_queue_size < 0:
+            raise ConfigError("--multi-lora-queue-size must be >= 0 (0 refuses a registration that finds no free slot)")
         if self.lora_alpha <= 0:
             raise ConfigError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
         if (self.sglang_router_ip is None) != (self.sglang_router_port is None):
@@ -428,8 +432,11 @@ class MilesConfig:
             raise ConfigError(f"adapter names given at start must be unique, got {names}")
         if names and self.multi_lora_n_adapters == 0:
             raise ConfigError("adapters were given but --multi-lora-n-adapters is 0: set it to the number of slots")
-        if len(names) > self.multi_lora_n_adapters > 0:
-            raise ConfigError(f"{len(names)} adapters given at start but only {self.multi_lora_n_adapters} slots: raise --multi-lora-n-adapters")
+        room = self.multi_lora_n_adapters + self.multi_lora_queue_size
+        if len(names) > room and self.multi_lora_n_adapters > 0:
+            raise ConfigError(f"{len(names)} adapters given at start but only {self.multi_lora_n_adapters} slots and "
+                              f"{self.multi_lora_queue_size} queue places: raise --multi-lora-n-adapters "
+                              "or --multi-lora-queue-size")
 
     @property
     def plugin_modules(self) -> tuple[str, ...]:

@@ -5,9 +5,11 @@ uvicorn, dataset checks) serves on 127.0.0.1 from its own thread, with a stand-i
 the trainer's calls on the same loop (push, retire, free slots, record and commit
 batches) so slots churn as in a run. The client sends `--requests` requests with
 `--concurrency` in flight: 60% reads (health, list, state, status, metrics), 25%
-registrations of small datasets, 15% deletions. Afterwards the registry's invariants
-are checked (no slot held twice, every live adapter holds a slot, free and held slots
-partition the table, counts match the accepted requests).
+registrations of small datasets, 15% deletions. A registration that finds every slot held
+is QUEUED (a 200 with `"state": "QUEUED"`, counted apart) unless `--queue-size 0`, when it
+is a 409. Afterwards the registry's invariants are checked (no slot held twice, every live
+adapter holds a slot, free and held slots partition the table, queued adapters hold none
+and wait only while every slot is held, counts match the accepted requests).
 
     python scripts/bench/control_plane_load.py --requests 2000 --concurrency 32
     python scripts/bench/control_plane_load.py --requests 300 --json out.json   # as the test runs it
@@ -49,7 +51,7 @@ from miles.controller.http_server import HTTPServerConfig  # noqa: E402
 from miles.rollout.datasets import validate_dataset  # noqa: E402
 from miles.rollout.rewards import validate_reward_spec  # noqa: E402
 from miles.utils.adapter_config import AdapterDefaults  # noqa: E402
-from miles.utils.types import AdapterState  # noqa: E402
+from miles.utils.types import DEFAULT_QUEUE_SIZE, AdapterState  # noqa: E402
 
 TOKEN = "load-test-token"
 
@@ -65,12 +67,12 @@ def write_datasets(data: Path, n: int = 4, rows: int = 64) -> list[Path]:
     return paths
 
 
-def make_controller(workdir: Path, n_slots: int) -> MultiLoRAController:
+def make_controller(workdir: Path, n_slots: int, queue_size: int = DEFAULT_QUEUE_SIZE) -> MultiLoRAController:
     write_datasets(workdir / "data")
     defaults = AdapterDefaults(lora_rank=8, rollout_batch_size=4, n_samples_per_prompt=2, save=str(workdir / "save"),
                                rm_type="math", max_adapter_global_batch_size=64)
     config = ControllerConfig(
-        n_slots=n_slots, defaults=defaults,
+        n_slots=n_slots, defaults=defaults, queue_size=queue_size,
         server=HTTPServerConfig(host="127.0.0.1", port=0, token=TOKEN, allowed_roots=(workdir.resolve(),)),
         hooks=ControllerHooks(validate_dataset=validate_dataset, validate_reward=validate_reward_spec),
         registry_path=workdir / "controller" / "registry.sqlite",
@@ -103,6 +105,13 @@ def check_invariants(controller: MultiLoRAController, accepted: int, n_slots: in
     backend = controller.backend
     registry = backend.registry
     problems = []
+    queued = backend.snapshot().queued
+    if queued and registry.free_slots:
+        problems.append(f"{list(queued)} wait in the queue while slots {registry.free_slots} are free")
+    if set(queued) & set(registry.live_slots()):
+        problems.append(f"a queued adapter holds a slot: {sorted(set(queued) & set(registry.live_slots()))}")
+    if len(queued) > registry.queue_size:
+        problems.append(f"{len(queued)} adapters queued, over the queue size {registry.queue_size}")
     live = registry.live_slots()
     held = list(live.values())
     if len(held) != len(set(held)):
@@ -117,7 +126,8 @@ def check_invariants(controller: MultiLoRAController, accepted: int, n_slots: in
     n_live = len(snapshot.live) + len(snapshot.cleanup)
     if n_live != len(live):
         problems.append(f"snapshot has {n_live} live adapters, the slot table {len(live)}")
-    reopened = type(backend)(n_slots, backend.defaults, store=type(controller.store)(controller.store.path))
+    reopened = type(backend)(n_slots, backend.defaults, store=type(controller.store)(controller.store.path),
+                             queue_size=registry.queue_size)
     if reopened.snapshot() != snapshot:
         problems.append("the registry file does not hold the final registry")
     return problems
@@ -132,13 +142,13 @@ async def run_load(url: str, n_requests: int, concurrency: int, seed: int, datas
     names: list[str] = []
     latencies: dict[str, list[float]] = {}
     statuses: Counter[str] = Counter()
-    accepted = 0
+    accepted = queued = 0
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(n_requests):
         queue.put_nowait(i)
 
     async def one(http: httpx.AsyncClient, i: int) -> None:
-        nonlocal accepted
+        nonlocal accepted, queued
         roll = rng.random()
         if roll < 0.25:
             kind, name = "register", f"{name_prefix}{i}"
@@ -163,6 +173,7 @@ async def run_load(url: str, n_requests: int, concurrency: int, seed: int, datas
         if kind == "register" and response.status_code == 200:
             names.append(name)
             accepted += 1
+            queued += response.json().get("state") == AdapterState.QUEUED.value
 
     async def worker(http: httpx.AsyncClient) -> None:
         while not queue.empty():
@@ -183,7 +194,7 @@ async def run_load(url: str, n_requests: int, concurrency: int, seed: int, datas
                     for k, v in sorted(latencies.items())},
         "statuses": dict(sorted(statuses.items())),
         "server_errors": sum(n for key, n in statuses.items() if key.split()[1].startswith("5")),
-        "accepted_registrations": accepted, "registered_names": names,
+        "accepted_registrations": accepted, "queued_registrations": queued, "registered_names": names,
     }
 
 
@@ -211,6 +222,13 @@ def check_http_invariants(url: str, token: str, n_slots: int, registrations: int
     problems = []
     holding = {r["name"]: r["slot"] for r in runs if AdapterState(r["state"]).holds_slot}
     held = list(holding.values())
+    queued = [r for r in runs if r["state"] == AdapterState.QUEUED.value]
+    if any(r["slot"] is not None for r in queued):
+        problems.append(f"a queued adapter lists a slot: {[(r['name'], r['slot']) for r in queued]}")
+    if queued and len(held) < n_slots:
+        problems.append(f"{len(queued)} adapters queued while only {len(held)} of {n_slots} slots are held")
+    if sorted(r["queue_position"] for r in queued) != list(range(1, len(queued) + 1)):
+        problems.append(f"queue positions are not 1..{len(queued)}: {[r['queue_position'] for r in queued]}")
     if len(held) != len(set(held)):
         problems.append(f"a slot is held twice: {holding}")
     if any(not 0 <= slot < n_slots for slot in held):
@@ -220,6 +238,10 @@ def check_http_invariants(url: str, token: str, n_slots: int, registrations: int
     by_state = Counter(r["state"] for r in runs)
     if any(counted.get(state, 0.0) != n for state, n in by_state.items()):
         problems.append(f"/metrics counts {counted}, /adapter_runs lists {dict(by_state)}")
+    queue_length = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                    if line.startswith("miles_adapter_queue_length ")]
+    if queue_length != [float(len(queued))]:
+        problems.append(f"/metrics says {queue_length} queued, /adapter_runs lists {len(queued)}")
     if registrations is not None:
         total = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                  if line.startswith("miles_controller_registrations_total ")]
@@ -238,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE_SIZE,
+                        help="registrations that may wait for a slot (0: a full table answers 409)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--url", help="load a control plane that is already serving (e.g. a running trainer's)")
@@ -249,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         return load_running(args)
 
     workdir = Path(tempfile.mkdtemp(prefix="control_plane_load_"))
-    controller = make_controller(workdir, args.slots)
+    controller = make_controller(workdir, args.slots, args.queue_size)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="controller-loop", daemon=True)
     thread.start()
@@ -300,7 +324,7 @@ def print_result(result: dict[str, Any]) -> None:
           f"5xx: {result['server_errors']}")
     for kind, row in result["by_kind"].items():
         print(f"  {kind:9s} n={row['n']:5d}  p50 {row['p50_ms']:7.1f} ms  p99 {row['p99_ms']:7.1f} ms")
-    print(f"  statuses: {result['statuses']}")
+    print(f"  statuses: {result['statuses']} ({result['queued_registrations']} registrations were queued)")
 
 
 if __name__ == "__main__":

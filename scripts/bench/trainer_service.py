@@ -36,7 +36,7 @@ ratio per iteration or repetition, median with min..max:
    checked: the trainer kept stepping during the load, the registry over HTTP is
    consistent (`check_http_invariants`: slots unique and valid, counters match the
    registrations answered 200), no slot leaked (the free slots take exactly that many
-   new registrations, the next gets 409), and once the trainer has stopped, the
+   new registrations, the next is QUEUED), and once the trainer has stopped, the
    registry file it leaves has free and held slots partitioning the slot table.
 
 Exits 1 when a check fails (a 5xx, a leaked slot, a broken invariant, no step during the
@@ -270,8 +270,9 @@ def registration(trainer: Trainer, name: str, config: dict[str, Any], timeout: f
 
 
 def holding(trainer: Trainer, prefix: str | None = None) -> list[dict[str, Any]]:
+    """Adapters that hold a slot or wait in the queue for one (neither COMPLETED nor FAILED)."""
     return [a for a in trainer.adapters()
-            if a["state"] != "COMPLETED" and (prefix is None or a["name"].startswith(prefix))]
+            if a["state"] not in ("COMPLETED", "FAILED") and (prefix is None or a["name"].startswith(prefix))]
 
 
 def load_phase(trainer: Trainer, workdir: Path, args: Any, n_slots: int,
@@ -297,16 +298,17 @@ def load_phase(trainer: Trainer, workdir: Path, args: Any, n_slots: int,
     for adapter in holding(trainer, "load"):
         trainer.http.delete(f"/adapter_runs/{adapter['name']}")
     trainer.wait_until("every load adapter to be cleaned up", lambda: not holding(trainer, "load"), args.timeout)
-    free = n_slots - len(holding(trainer))
-    answers = [trainer.register(f"fill{i}", {**LOAD_ADAPTER, "data": datasets[0], "num_step": 1}).status_code
-               for i in range(free + 1)]
-    if answers != [200] * free + [409]:
+    free = n_slots - len([a for a in holding(trainer) if a["slot"] is not None])
+    responses = [trainer.register(f"fill{i}", {**LOAD_ADAPTER, "data": datasets[0], "num_step": 1})
+                 for i in range(free + 1)]
+    answers = [(r.status_code, r.json().get("state")) for r in responses]
+    if answers != [(200, "PENDING")] * free + [(200, "QUEUED")]:
         problems.append(f"{free} slot(s) should be free: registering {free + 1} answered {answers}")
     for i in range(free + 1):
         trainer.http.delete(f"/adapter_runs/fill{i}")
     trainer.wait_until("the fill adapters to be cleaned up", lambda: not holding(trainer, "fill"), args.timeout)
     problems += load_test.check_http_invariants(trainer.url, TOKEN, n_slots,
-                                                registrations_before + result["accepted_registrations"] + free)
+                                                registrations_before + result["accepted_registrations"] + free + 1)
     return result, problems
 
 

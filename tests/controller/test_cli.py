@@ -55,7 +55,7 @@ def test_register_list_get_retire(control_plane):
     yaml_file = root / "other.yaml"
     yaml_file.write_text(f"data: {data}\nrank: 2\n")
     code, out, _ = cli(url, "--json", "register", "other", "--yaml", str(yaml_file))
-    assert code == 0 and json.loads(out) == {"name": "other", "slot": 1}
+    assert code == 0 and json.loads(out) == {"name": "other", "slot": 1, "state": "PENDING", "queue_position": None}
 
     code, out, _ = cli(url, "list")
     header, first, second = out.splitlines()
@@ -113,6 +113,35 @@ def test_errors_have_messages_and_exit_codes(control_plane, tmp_path):
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
         code, _, err = cli(closed, "list")
     assert code == 3 and f"cannot reach the control plane at {closed}" in err
+
+
+def test_a_queued_registration_in_register_list_get_watch_and_retire(control_plane):
+    url, root = control_plane
+    data = root / "data" / "train.jsonl"
+    for i in range(3):  # fill the two slots (whatever the tests before left), then one waits
+        code, out, _ = cli(url, "register", f"wait{i}", "--set", f"data={data}")
+        assert code == 0
+        if out.startswith("Queued"):
+            break
+    waiting = f"wait{i}"
+    assert out.startswith(f"Queued '{waiting}' at position 1: every slot is held. It takes the next free slot")
+    code, out, _ = cli(url, "--json", "register", "vip", "--set", f"data={data}", "--priority", "3")
+    assert code == 0 and json.loads(out) == {"name": "vip", "slot": None, "state": "QUEUED", "queue_position": 1}
+
+    code, out, _ = cli(url, "list")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert rows["vip"][1:4] == ["QUEUED", "#1", "-"] and rows[waiting][1:4] == ["QUEUED", "#2", "-"]
+    code, out, _ = cli(url, "get", waiting)
+    assert code == 0 and {"state: QUEUED", "queue_position: 2", "slot: None", "priority: 0"} <= set(out.splitlines())
+    code, out, _ = cli(url, "watch", "--count", "1", "--interval", "0.05")
+    assert code == 0 and any(line.split()[:3] == ["vip", "QUEUED", "#1"] for line in out.splitlines())
+
+    code, out, _ = cli(url, "retire", waiting)
+    assert code == 0 and out.startswith(f"Removed '{waiting}' from the queue: it never held a slot")
+    assert cli(url, "get", waiting)[0] == 4  # forgotten
+    code, out, _ = cli(url, "--json", "retire", "vip")
+    assert code == 0 and json.loads(out) == {"name": "vip", "status": "removed from the queue"}
+    assert "QUEUED" not in cli(url, "list")[1]
 
 
 def test_console_script_is_installed(control_plane):

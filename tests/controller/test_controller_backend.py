@@ -20,11 +20,12 @@ from miles.rollout.engines.process import ServerProcess, free_port, on_probed_po
 from miles.rollout.engines.router import build_router_command
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig
 from miles.utils.router_workers import abort_on_workers, discover_workers
-from miles.utils.types import AdapterState
+from miles.utils.types import DEFAULT_QUEUE_SIZE, AdapterState
 
 
-def make_backend(defaults: AdapterDefaults, router_url: str | None = None, n_slots: int = 2) -> MultiLoRABackend:
-    return MultiLoRABackend(n_slots, defaults, router_url, ROLLOUT_HOOKS)
+def make_backend(defaults: AdapterDefaults, router_url: str | None = None, n_slots: int = 2,
+                 queue_size: int = DEFAULT_QUEUE_SIZE) -> MultiLoRABackend:
+    return MultiLoRABackend(n_slots, defaults, router_url, ROLLOUT_HOOKS, queue_size=queue_size)
 
 
 async def test_register_resolves_and_validates(data_root: Path, defaults: AdapterDefaults) -> None:
@@ -162,7 +163,7 @@ async def test_a_full_registry_refuses_with_a_runtime_error_as_in_miles(data_roo
                                                                        defaults: AdapterDefaults) -> None:
     from miles.controller.registry import NoFreeSlotError
 
-    backend = make_backend(defaults, n_slots=1)
+    backend = make_backend(defaults, n_slots=1, queue_size=0)
     data = str(data_root / "data" / "train.jsonl")
     await backend.register("a", config={"data": data})
     try:

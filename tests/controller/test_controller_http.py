@@ -164,7 +164,8 @@ def test_register_from_yaml_path_and_yaml_body(client: ControlPlaneClient, raw: 
     assert (client.status("y").num_step, client.status("y").lr) == (4, 2e-5)
     body = f"name: z\nconfig:\n  data: {data_path(data_root)}\n  rank: 1\n  lr: 1e-3\n"
     response = raw.post("/adapter_runs", content=body, headers={"Content-Type": "application/yaml"})
-    assert response.status_code == 200 and response.json() == {"name": "z", "slot": 1}
+    assert response.status_code == 200 and response.json() == {"name": "z", "slot": 1, "state": "PENDING",
+                                                                "queue_position": None}
     assert (client.status("z").rank, client.status("z").lr) == (1, 1e-3)
 
 
@@ -239,14 +240,82 @@ def test_rejected_registrations_change_nothing(plane: ThreadedController, client
         assert raw.get("/health").json() == {"status": "healthy"}
 
 
-def test_no_free_slot_is_409(plane: ThreadedController, client: ControlPlaneClient, data_root: Path) -> None:
-    client.register("a", config={"data": data_path(data_root)})
-    client.register("b", config={"data": data_path(data_root)})
-    before = plane.fingerprint()
-    with pytest.raises(ControlPlaneError) as err:
-        client.register("c", config={"data": data_path(data_root)})
-    assert err.value.status_code == 409 and "No free slot for adapter 'c'" in err.value.detail
-    assert plane.fingerprint() == before
+def test_no_free_slot_is_409_with_the_queue_off(data_root: Path, defaults: AdapterDefaults) -> None:
+    plane = ThreadedController(controller_config(data_root, defaults, n_slots=2, queue_size=0))
+    try:
+        with ControlPlaneClient(plane.url) as client:
+            client.register("a", config={"data": data_path(data_root)})
+            client.register("b", config={"data": data_path(data_root)})
+            before = plane.fingerprint()
+            with pytest.raises(ControlPlaneError) as err:
+                client.register("c", config={"data": data_path(data_root)})
+            assert err.value.status_code == 409 and "No free slot for adapter 'c'" in err.value.detail
+            assert "--multi-lora-queue-size" in err.value.detail
+            assert plane.fingerprint() == before
+    finally:
+        plane.close()
+
+
+def test_a_registration_with_every_slot_held_is_queued(plane: ThreadedController, client: ControlPlaneClient,
+                                                       raw: httpx.Client, data_root: Path) -> None:
+    data = data_path(data_root)
+    for name in ["a", "b"]:
+        client.register(name, config={"data": data})
+    slots_before = [s for s in client.list() if s.state.holds_slot]
+    answers = [raw.post("/adapter_runs", json={"name": name, "config": {"data": data}, "priority": priority})
+               for name, priority in [("q1", 0), ("q2", 0), ("urgent", 7)]]
+    assert [r.status_code for r in answers] == [200, 200, 200]
+    assert [r.json() for r in answers] == [
+        {"name": "q1", "slot": None, "state": "QUEUED", "queue_position": 1},
+        {"name": "q2", "slot": None, "state": "QUEUED", "queue_position": 2},
+        {"name": "urgent", "slot": None, "state": "QUEUED", "queue_position": 1},  # ahead of priority 0
+    ]
+    status = raw.get("/adapter_runs/q1").json()
+    assert (status["state"], status["slot"], status["version"], status["queue_position"], status["priority"]) == (
+        "QUEUED", None, None, 2, 0)
+    assert raw.get("/adapter_runs/a").json()["queue_position"] is None
+    assert [(s.name, s.queue_position) for s in client.list()] == [
+        ("a", None), ("b", None), ("urgent", 1), ("q1", 2), ("q2", 3)]
+    assert client.states(["q2"]) == {"q2": AdapterState.QUEUED}
+    text = client.metrics()
+    assert re.search(r"^miles_adapter_queue_length 3\.0$", text, flags=re.M)
+    assert re.search(r'^miles_controller_adapters\{state="QUEUED"\} 3\.0$', text, flags=re.M)
+    assert 'miles_adapter_step{adapter="q1"}' not in text  # no slot, no per-adapter series
+
+    # Registering a queued name again is refused as for a live one.
+    again = raw.post("/adapter_runs", json={"name": "q1", "config": {"data": data}})
+    assert again.status_code == 400 and "already registered (QUEUED, position 2)" in again.json()["detail"]
+
+    # DELETE of a queued adapter takes it out of the queue (forgotten), every slot as it was.
+    assert raw.delete("/adapter_runs/q1").json() == {"status": "ok", "name": "q1", "state": None}
+    assert raw.get("/adapter_runs/q1").status_code == 404
+    assert [s for s in client.list() if s.state.holds_slot] == slots_before
+    assert client.status("q2").queue_position == 2
+    assert re.search(r"^miles_adapter_queue_length 2\.0$", client.metrics(), flags=re.M)
+
+    # A slot that frees goes to the head of the queue.
+    client.deregister("a")
+    plane.call(plane.controller.retire_adapters())
+    snapshot = plane.call(plane.controller.free_slots(["a"]))
+    assert snapshot.pending["urgent"].slot == 0 and snapshot.queued == ("q2",)
+    assert raw.get("/adapter_runs/urgent").json()["queue_position"] is None
+
+
+def test_a_full_queue_is_409_and_says_what_to_do(data_root: Path, defaults: AdapterDefaults) -> None:
+    plane = ThreadedController(controller_config(data_root, defaults, n_slots=1, queue_size=1))
+    try:
+        with ControlPlaneClient(plane.url) as client:
+            assert client.register("a", config={"data": data_path(data_root)}) == 0
+            assert client.register("b", config={"data": data_path(data_root)}) is None
+            before = plane.fingerprint()
+            with pytest.raises(ControlPlaneError) as err:
+                client.register("c", config={"data": data_path(data_root)}, priority=5)
+            assert err.value.status_code == 409
+            assert "registration queue is full (1 waiting for 1 slots)" in err.value.detail
+            assert "raise --multi-lora-queue-size" in err.value.detail
+            assert plane.fingerprint() == before
+    finally:
+        plane.close()
 
 
 def test_unknown_adapter_is_404(plane: ThreadedController, raw: httpx.Client) -> None:
@@ -260,9 +329,9 @@ def test_unknown_adapter_is_404(plane: ThreadedController, raw: httpx.Client) ->
 def test_delete_is_a_noop_after_retiring(plane: ThreadedController, client: ControlPlaneClient,
                                          raw: httpx.Client, data_root: Path) -> None:
     client.register("a", config={"data": data_path(data_root)})
-    assert raw.delete("/adapter_runs/a").json() == {"status": "ok", "name": "a"}
+    assert raw.delete("/adapter_runs/a").json() == {"status": "ok", "name": "a", "state": "RETIRING"}
     before = plane.fingerprint()
-    assert raw.delete("/adapter_runs/a").json() == {"status": "ok", "name": "a"}
+    assert raw.delete("/adapter_runs/a").json() == {"status": "ok", "name": "a", "state": "RETIRING"}
     assert plane.fingerprint() == before
 
 
@@ -398,7 +467,12 @@ def test_openapi_lists_the_routes(raw: httpx.Client) -> None:
     assert spec["info"]["title"] == "Miles Multi-LoRA Controller"
     assert {"/health", "/adapter_runs", "/adapter_runs/state", "/adapter_runs/{name}", "/metrics"} <= set(spec["paths"])
     schema = spec["paths"]["/adapter_runs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert set(schema["properties"]) == {"name", "config", "yaml_path"}
+    assert set(schema["properties"]) == {"name", "config", "yaml_path", "priority"}
+    assert (schema["properties"]["priority"]["type"], schema["properties"]["priority"]["default"]) == ("integer", 0)
+    answer = spec["paths"]["/adapter_runs"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert answer == {"$ref": "#/components/schemas/RegisterAdapterResponse"}
+    assert {"name", "slot", "state", "queue_position"} == set(
+        spec["components"]["schemas"]["RegisterAdapterResponse"]["properties"])
     config_schema = next(s for s in schema["properties"]["config"]["anyOf"] if s.get("type") == "object")
     assert set(config_schema["properties"]) == set(ADAPTER_CONFIG_KEYS)
     assert config_schema["required"] == ["data"] and config_schema["additionalProperties"] is False
@@ -497,7 +571,7 @@ def test_server_answers_while_a_dataset_is_validated(data_root: Path, defaults: 
             assert plane.call(plane.controller.snapshot()).all_adapters_cleaned_up  # an actor call, meanwhile
             release.set()
             response = pending.result(timeout=30)
-        assert response.status_code == 200 and response.json() == {"name": "a", "slot": 0}
+        assert response.status_code == 200 and response.json()["slot"] == 0
         assert plane.call(plane.controller.adapter_status("a")).num_step == 1
     finally:
         release.set()

@@ -70,7 +70,8 @@ def test_health_answers_as_fast_as_idle_during_a_slow_dataset_read(
             assert http.get("/adapter_runs").json() == {"adapters": []}
             assert not pending.done()  # the registration was in its dataset read all along
             slow.release.set()
-            assert pending.result(timeout=30).json() == {"name": "big", "slot": 0}
+            assert pending.result(timeout=30).json() == {"name": "big", "slot": 0, "state": "PENDING",
+                                                             "queue_position": None}
             idle += health_latencies(http)  # idle before and after: the machine's load may change meanwhile
         idle_ms, median_ms, worst_ms = (statistics.median(idle) * 1e3, statistics.median(latencies) * 1e3,
                                         max(latencies) * 1e3)
@@ -109,6 +110,6 @@ def test_read_timeout_size_limit_and_busy_checks_are_4xx(
                 return None if answer.status_code == 429 else answer
 
             response = wait_until(registered, 30, "the freed worker to take a registration")
-            assert response.json() == {"name": "next", "slot": 0}
+            assert response.json() == {"name": "next", "slot": 0, "state": "PENDING", "queue_position": None}
     finally:
         plane.close()

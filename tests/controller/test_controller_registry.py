@@ -244,11 +244,11 @@ def test_retiring_adapter_stays_sampleable_until_retired() -> None:
     assert registry.snapshot().sampleable == {}
 
 
-def test_no_free_slot() -> None:
-    registry = AdapterRegistry(n_slots=1)
+def test_no_free_slot_with_the_queue_off() -> None:
+    registry = AdapterRegistry(n_slots=1, queue_size=0)
     registry.register("a", make_config("a"))
     before = (registry.snapshot(), registry.free_slots)
-    with pytest.raises(NoFreeSlotError, match="all 1 slots are in use"):
+    with pytest.raises(NoFreeSlotError, match="all 1 slots are in use.*--multi-lora-queue-size"):
         registry.register("b", make_config("b"))
     assert (registry.snapshot(), registry.free_slots) == before
     assert registry.state("b") is None

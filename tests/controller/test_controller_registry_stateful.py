@@ -3,7 +3,10 @@
 Invariants checked after every step: each live adapter owns a distinct slot; free and
 live slots partition the table; slot versions never decrease; COMPLETED and FAILED adapters
 own no slot, and only FAILED ones carry an error; `step` and `accumulated_groups` change only
-in `mark_batch_trained` (or a resume via `set_step`).
+in `mark_batch_trained` (or a resume via `set_step`). The registration queue follows a model
+kept here (priority first, then arrival; the head takes each freed slot in the same call;
+DELETE takes one out), holds no slot, is empty whenever a slot is free, and comes back
+unchanged from the exported state.
 """
 
 from __future__ import annotations
@@ -13,17 +16,26 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from miles.controller.registry import AdapterNotFoundError, AdapterRegistry, AdapterValidationError, NoFreeSlotError
+from miles.controller.registry import (
+    AdapterAlreadyRegisteredError,
+    AdapterNotFoundError,
+    AdapterRegistry,
+    AdapterValidationError,
+    QueueFullError,
+)
 from miles.utils.types import AdapterFailure, AdapterState, FailureReason
 
-N_SLOTS = 3
-NAMES = st.sampled_from(["a", "b", "c", "d", "e"])
+N_SLOTS = 2
+QUEUE_SIZE = 2
+NAMES = st.sampled_from(["a", "b", "c", "d", "e", "f"])
 
 
 class RegistryMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.registry = AdapterRegistry(n_slots=N_SLOTS, completed_retention=4)
+        self.registry = AdapterRegistry(n_slots=N_SLOTS, completed_retention=4, queue_size=QUEUE_SIZE)
+        self.queue: list[tuple[str, int]] = []
+        """The model of the registration queue: (name, priority), head first."""
         self.versions = [0] * N_SLOTS
         self.progress = self._progress()
         self.rollout_id = 0
@@ -41,31 +53,49 @@ class RegistryMachine(RuleBasedStateMachine):
                 assert value == (0, 0), f"new registration {key} starts at step 0"
         self.progress = after
 
-    @rule(name=NAMES, batch=st.sampled_from([1, 2, 4]), num_step=st.none() | st.integers(1, 3))
-    def register(self, name: str, batch: int, num_step: int | None) -> None:
+    @rule(name=NAMES, batch=st.sampled_from([1, 2, 4]), num_step=st.none() | st.integers(1, 3),
+          priority=st.integers(-1, 1))
+    def register(self, name: str, batch: int, num_step: int | None, priority: int) -> None:
         state = self.registry.state(name)
-        live = {AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP}
+        taken = {AdapterState.QUEUED, AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING,
+                 AdapterState.CLEANUP}
         free_before = self.registry.free_slots
         try:
-            slot = self.registry.register(name, make_config(name, rollout_batch_size=batch, num_step=num_step))
+            slot = self.registry.register(name, make_config(name, rollout_batch_size=batch, num_step=num_step),
+                                          priority=priority)
+        except AdapterAlreadyRegisteredError:
+            assert state in (AdapterState.QUEUED, AdapterState.PENDING, AdapterState.ACTIVE)
         except AdapterValidationError:
-            assert state in live
-        except NoFreeSlotError:
-            assert not free_before and state not in live
+            assert state in taken
+        except QueueFullError:
+            assert not free_before and state not in taken and len(self.queue) == QUEUE_SIZE
         else:
-            assert state not in live and slot == free_before[0]
+            assert state not in taken
+            if free_before:
+                assert slot == free_before[0]
+            else:  # queued behind every entry of its priority or higher
+                assert slot is None and self.registry.state(name) is AdapterState.QUEUED
+                index = next((i for i, (_, p) in enumerate(self.queue) if p < priority), len(self.queue))
+                self.queue.insert(index, (name, priority))
         self._expect_no_progress()
 
     @rule(name=NAMES)
     def deregister(self, name: str) -> None:
         before = self.registry.state(name)
+        slots_before = (self.registry.live_slots(), self.registry.free_slots, self.registry.slot_versions)
         try:
             after = self.registry.deregister(name)
         except AdapterNotFoundError:
             assert before is None
         else:
-            moved = before in (AdapterState.PENDING, AdapterState.ACTIVE)
-            assert after is (AdapterState.RETIRING if moved else before)
+            if before is AdapterState.QUEUED:  # out of the queue and forgotten; no slot changes
+                assert after is None and self.registry.state(name) is None
+                assert (self.registry.live_slots(), self.registry.free_slots,
+                        self.registry.slot_versions) == slots_before
+                self.queue = [(n, p) for n, p in self.queue if n != name]
+            else:
+                moved = before in (AdapterState.PENDING, AdapterState.ACTIVE)
+                assert after is (AdapterState.RETIRING if moved else before)
         self._expect_no_progress()
 
     @rule()
@@ -75,12 +105,31 @@ class RegistryMachine(RuleBasedStateMachine):
         assert all(self.registry.state(n) is AdapterState.CLEANUP for n in retiring)
         self._expect_no_progress()
 
+    @rule(data=st.data())
+    def free_one_in_cleanup(self, data: st.DataObject) -> None:
+        """The trainer's own call: `free` below mostly draws names that are not in CLEANUP."""
+        cleanup = sorted(self.registry.snapshot().cleanup)
+        if cleanup:
+            self.free(data.draw(st.sampled_from(cleanup)))
+
     @rule(name=NAMES)
     def free(self, name: str) -> None:
         in_cleanup = self.registry.state(name) is AdapterState.CLEANUP
         slot = self.registry.live_slots().get(name)
         assert self.registry.free_slot(name) == (slot if in_cleanup else -1)
+        if in_cleanup and self.queue:  # the head took the slot in that same call
+            head, _ = self.queue.pop(0)
+            assert self.registry.state(head) is AdapterState.PENDING
+            assert self.registry.live_slots()[head] == slot
         self._expect_no_progress()
+
+    @rule()
+    def restore(self) -> None:
+        """What a restarted controller rebuilds from the store: the same registry, queue order included."""
+        before = (self.registry.statuses(), self.registry.snapshot(), self.registry.free_slots)
+        self.registry = AdapterRegistry.from_state(self.registry.export_state(), N_SLOTS, completed_retention=4,
+                                                   queue_size=QUEUE_SIZE)
+        assert (self.registry.statuses(), self.registry.snapshot(), self.registry.free_slots) == before
 
     @rule(name=NAMES, stale=st.booleans())
     def fail(self, name: str, stale: bool) -> None:
@@ -148,7 +197,18 @@ class RegistryMachine(RuleBasedStateMachine):
         for name in snapshot.completed | snapshot.failed:
             status = self.registry.status(name)
             assert status.version is None and (status.last_error is None) == (status.state is AdapterState.COMPLETED)
-        assert snapshot.all_adapters_cleaned_up == (not self.registry.live_slots())
+        assert snapshot.all_adapters_cleaned_up == (not self.registry.live_slots() and not self.queue)
+
+    @invariant()
+    def the_queue_follows_its_model_and_holds_no_slot(self) -> None:
+        queued = self.registry.snapshot().queued
+        assert list(queued) == [name for name, _ in self.queue]
+        assert not (queued and self.registry.free_slots), "a slot is free while registrations wait"
+        assert set(queued).isdisjoint(self.registry.live_slots())
+        for position, (name, priority) in enumerate(self.queue, start=1):
+            status = self.registry.status(name)
+            assert (status.state, status.slot, status.version, status.queue_position, status.priority) == (
+                AdapterState.QUEUED, None, None, position, priority)
 
 
 TestRegistryStateMachine = RegistryMachine.TestCase

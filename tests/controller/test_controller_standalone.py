@@ -83,7 +83,7 @@ def stop(process: subprocess.Popen, sig: int, lines: queue.Queue) -> str:
 def test_serves_and_stops_cleanly(sig: int, data_root: Path) -> None:
     args = ["--multi-lora-n-adapters", "1", "--multi-lora-api-port", "0", "--save", str(data_root / "save"),
             "--rm-type", "math", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-            "--lora-rank", "4", "--multi-lora-allowed-roots", str(data_root)]
+            "--lora-rank", "4", "--multi-lora-allowed-roots", str(data_root), "--multi-lora-queue-size", "1"]
     process, url, lines = start(args, env={"MILES_API_TOKEN": "tok"})
     tail = ""
     try:
@@ -101,9 +101,12 @@ def test_serves_and_stops_cleanly(sig: int, data_root: Path) -> None:
             status = client.status("a")
             assert (status.state, status.rank, status.rollout_batch_size) == (AdapterState.PENDING, 4, 2)
             assert status.num_step == 2  # the dataset was read: 4 rows, 2 groups a step
+            # The one slot is held: b waits in the queue, and c finds it full (--multi-lora-queue-size 1).
+            assert client.register("b", config={"data": str(data_root / "data" / "train.jsonl")}) is None
+            assert (client.status("b").state, client.status("b").queue_position) == (AdapterState.QUEUED, 1)
             with pytest.raises(ControlPlaneError) as err:
-                client.register("b", config={"data": str(data_root / "data" / "train.jsonl")})
-            assert err.value.status_code == 409
+                client.register("c", config={"data": str(data_root / "data" / "train.jsonl")})
+            assert err.value.status_code == 409 and "registration queue is full" in err.value.detail
         with ControlPlaneClient(url) as anonymous, pytest.raises(ControlPlaneError) as err:
             anonymous.list()
         assert err.value.status_code == 401

@@ -260,3 +260,35 @@ async def test_a_failed_adapter_is_aborted_and_stays_failed_with_its_error_after
     assert reopened.requeue_for_new_trainer() == [] and reopened.snapshot().failed == {"bad"}
     await reopened.register("bad", config={"data": str(data_root / "data" / "train.jsonl")})
     assert reopened.adapter_status("bad").state is AdapterState.PENDING
+
+
+async def test_the_registration_queue_is_on_disk_in_its_order_after_every_change(
+        tmp_path: Path, defaults: AdapterDefaults, data_root: Path) -> None:
+    path = tmp_path / "controller" / "registry.sqlite"
+    backend = open_backend(path, defaults, n_slots=1)
+    data = str(data_root / "data" / "train.jsonl")
+
+    def on_disk() -> AdapterRegistry:
+        return AdapterRegistry.from_state(RegistryStore(path).load(), 1)
+
+    assert await backend.register("a", config={"data": data}) == 0
+    for name, priority in [("q1", 0), ("q2", 0), ("urgent", 2), ("q3", 0)]:
+        assert await backend.register(name, config={"data": data}, priority=priority) is None
+    assert on_disk().snapshot().queued == ("urgent", "q1", "q2", "q3")
+    assert backend.deregister("q2") is None  # out of the queue: its row goes
+    assert on_disk().snapshot().queued == ("urgent", "q1", "q3") and on_disk().state("q2") is None
+    before = full_picture(backend)
+    backend.store.close()
+
+    reopened = open_backend(path, defaults, n_slots=1)
+    assert full_picture(reopened) == before
+    assert reopened.adapter_status("urgent").priority == 2
+    # A slot that frees is taken by the head of the queue in the same write.
+    reopened.record_weight_update(["a"])
+    reopened.deregister("a")
+    await reopened.retire_adapters()
+    assert await reopened.free_slot("a") == 0
+    disk = on_disk()
+    assert (disk.state("a"), disk.state("urgent"), disk.snapshot().queued) == (
+        AdapterState.COMPLETED, AdapterState.PENDING, ("q1", "q3"))
+    assert disk.snapshot() == reopened.snapshot()

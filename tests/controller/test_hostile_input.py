@@ -24,7 +24,7 @@ from miles.controller.registry import AdapterValidationError
 from miles.utils.adapter_config import AdapterDefaults
 
 TOKEN = "hostile-test-token"
-HOSTILE_CASES = 84
+HOSTILE_CASES = 93
 """Requests in `cases()`; docs/RELIABILITY.md ("Hostile and malformed input") states this number."""
 RELIABILITY = Path(__file__).resolve().parents[2] / "docs" / "RELIABILITY.md"
 CANARY = "tests.controller.plugin_canary"
@@ -83,6 +83,9 @@ def cases(root: Path, paths: dict[str, str]) -> list[tuple[str, dict[str, Any], 
     def reg(name: Any = "x", **config: Any) -> dict[str, Any]:
         return {"json": {"name": name, "config": {"data": data, **config}}}
 
+    def prio(priority: Any) -> dict[str, Any]:
+        return {"json": {"name": "x", "config": {"data": data}, "priority": priority}}
+
     def from_yaml(file_name: str) -> dict[str, Any]:
         return {"json": {"name": "x", "yaml_path": f"{d}/{file_name}"}}
 
@@ -108,6 +111,16 @@ def cases(root: Path, paths: dict[str, str]) -> list[tuple[str, dict[str, Any], 
         ("config a string", {"json": {"name": "x", "config": "data.jsonl"}}, 422, "valid dictionary"),
         ("config without data", {"json": {"name": "x", "config": {"rank": 4}}}, 422,
          "'loc': ['body', 'config', 'data']"),
+        # -- the queue priority: a whole number in -1,000,000..1,000,000, top-level only
+        ("priority as string", prio("5"), 422, "'loc': ['body', 'priority']"),
+        ("priority as float", prio(1.5), 422, "'loc': ['body', 'priority']"),
+        ("priority as bool", prio(True), 422, "'loc': ['body', 'priority']"),
+        ("priority null", prio(None), 422, "'loc': ['body', 'priority']"),
+        ("priority a list", prio([1]), 422, "'loc': ['body', 'priority']"),
+        ("priority over the bound", prio(1_000_001), 422, "less than or equal to 1000000"),
+        ("priority under the bound", prio(-1_000_001), 422, "greater than or equal to -1000000"),
+        ("huge priority", prio(10**30), 422, "less than or equal to 1000000"),
+        ("priority inside config", reg(priority=5), 422, "'loc': ['body', 'config', 'priority']"),
         # -- field types and ranges
         ("unknown config key", reg(rnak=4), 422, "'loc': ['body', 'config', 'rnak']"),
         ("rank as string", reg(rank="8"), 422, "'loc': ['body', 'config', 'rank']"),

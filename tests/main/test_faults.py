@@ -15,6 +15,8 @@
   `tests/backends/torch/fault_injection.py` (`--train-actor-path`, `MILES_TEST_FAULT_TRAIN_CALLS`).
   A Tinker SDK client's model lives through the same restart: it comes back from its latest
   `save_state` with its optimizer, and the client goes on with the same `TrainingClient`.
+  Registrations QUEUED while every slot was held come back QUEUED in the same order, and the
+  head takes the slot the client's model frees when it is unloaded.
 """
 
 from __future__ import annotations
@@ -237,7 +239,8 @@ class SdkModel:
 def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_registry(
         tiny_model_dir, tmp_path, monkeypatch):
     """Two server-driven adapters and a Tinker SDK client's model: each resumes from its latest
-    checkpoint (the client's: its latest `save_state`, optimizer included)."""
+    checkpoint (the client's: its latest `save_state`, optimizer included). Two registrations
+    queued behind them (every slot held) are still queued, in order, after the restart."""
     from urllib.parse import urlparse
 
     from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
@@ -274,6 +277,11 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
         assert after_lost_step != pytest.approx(at_save, abs=1e-3)
         model = next(s for s in client.list() if s.model_id == sdk.model.model_id)
         assert (model.kind, model.step) == (AdapterKind.CLIENT, 3)
+        # Every slot is held now: these two wait, the later one ahead (its priority is higher).
+        assert client.register("late", config={"data": str(datasets["add"])}) is None
+        assert client.register("urgent", config={"data": str(datasets["sub"])}, priority=1) is None
+        queued = [client.status(n) for n in ("urgent", "late")]
+        assert [(s.state, s.queue_position) for s in queued] == [(AdapterState.QUEUED, 1), (AdapterState.QUEUED, 2)]
         before = {n: client.status(n) for n in datasets}
         first.kill()  # SIGKILL to the driver and every process of its session (its Ray cluster)
     finally:
@@ -299,8 +307,11 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
         client = ControlPlaneClient(url)
         # The registry is back from {save}/controller/registry.sqlite: nothing is re-POSTed.
         listed = {s.name: s for s in client.list()}
-        assert set(listed) == {*datasets, model.name}
+        assert set(listed) == {*datasets, model.name, "urgent", "late"}
         assert all(listed[n].registration_id == before[n].registration_id for n in datasets)
+        assert [(listed[s.name].state, listed[s.name].queue_position, listed[s.name].registration_id)
+                for s in queued] == [(AdapterState.QUEUED, 1, queued[0].registration_id),
+                                     (AdapterState.QUEUED, 2, queued[1].registration_id)]
         resumed = {}
         for name in datasets:
             ckpt = read_checkpoint(latest[name])
@@ -334,8 +345,14 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
         assert sdk.step() == pytest.approx(lost_loss, rel=1e-5)
         assert sdk.held_out() == pytest.approx(after_lost_step, abs=1e-5)
         assert client.status(model.name).step == 3
+        # Still queued after the resumes; the slot the unloaded model frees goes to the head.
+        assert [client.status(s.name).queue_position for s in queued] == [1, 2]
         sdk.service.close("success").result(timeout=120)  # its session ends: the model is unloaded
         client.wait_for_state(model.name, AdapterState.COMPLETED, timeout=120)
+        client.wait_for_state("urgent", AdapterState.ACTIVE, timeout=120)
+        urgent, late = client.status("urgent"), client.status("late")
+        assert (urgent.slot, urgent.registration_id) == (client.status(model.name).slot, queued[0].registration_id)
+        assert (late.state, late.queue_position, late.slot) == (AdapterState.QUEUED, 1, None)
         assert second.terminate() == 0, second.log_tail()
     finally:
         second.kill()

@@ -176,6 +176,42 @@ async def test_register_train_retire_reregister_resume(tmp_path, caplog):
         ("load", "a"), ("load", "b"), ("cleanup", "a"), ("cleanup", "b"), ("load", "a"), ("cleanup", "a")]
 
 
+async def test_a_queued_adapter_is_active_in_the_iteration_that_frees_its_slot(tmp_path, monkeypatch):
+    """One slot: 'b' waits in the registration queue while 'a' trains. The loop iteration whose
+    reconcile frees a's slot also loads 'b' there and pushes it (ACTIVE) before it generates:
+    0 iterations from the slot freeing to the queued adapter being ACTIVE."""
+    t = Trainer(tmp_path, n_slots=1)
+    await t.register("a", num_step=2)
+    await t.register("b", num_step=1)
+    assert (t.status("b").state, t.status("b").slot, t.status("b").queue_position) == (AdapterState.QUEUED, None, 1)
+    backend = t.controller.backend
+    events: list[tuple[str, str, int]] = []  # (what, adapter, generate calls so far)
+    free_slot, record_weight_update = backend.free_slot, backend.record_weight_update
+
+    async def free_and_note(name):
+        slot = await free_slot(name)
+        events.append(("freed", name, t.rollout.snapshots_given))
+        return slot
+
+    def record_and_note(names):
+        versions = record_weight_update(names)
+        events.extend(("active", n, t.rollout.snapshots_given) for n in names
+                      if backend.registry.state(n) is AdapterState.ACTIVE)
+        return versions
+
+    monkeypatch.setattr(backend, "free_slot", free_and_note)
+    monkeypatch.setattr(backend, "record_weight_update", record_and_note)
+    await t.run_until_idle()
+
+    freed = next(generated for what, name, generated in events if (what, name) == ("freed", "a"))
+    active = next(generated for what, name, generated in events if (what, name) == ("active", "b"))
+    assert (freed, active - freed) == (2, 0)  # a trained 2 batches; b ACTIVE before the next generate
+    b = t.status("b")
+    assert (b.state, b.slot, b.step) == (AdapterState.COMPLETED, 0, 1)
+    assert [c for c in t.backend.calls if c[0] in ("load", "cleanup")] == [
+        ("load", "a"), ("cleanup", "a"), ("load", "b"), ("cleanup", "b")]
+
+
 async def test_a_new_trainer_resumes_from_the_disk_and_saves_at_shutdown(tmp_path):
     first = Trainer(tmp_path)
     await first.register("a", num_step=5)

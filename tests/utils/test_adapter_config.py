@@ -211,7 +211,8 @@ def test_path_within_roots(tmp_path: Path) -> None:
 
 
 def test_status_carries_every_config_field() -> None:
-    lifecycle = {"name", "state", "slot", "version", "step", "accumulated_groups", "registration_id", "last_error"}
+    lifecycle = {"name", "state", "slot", "version", "step", "accumulated_groups", "registration_id", "last_error",
+                 "queue_position", "priority"}
     # A Tinker model's own fields (its config has no data etc.): its id, seed and LoRA layout.
     client_driven = {"kind", "model_id", "seed", "train_attn", "train_mlp", "train_unembed"}
     assert set(AdapterStatus.model_fields) == lifecycle | set(ADAPTER_CONFIG_KEYS) | client_driven

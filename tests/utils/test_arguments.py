@@ -67,7 +67,11 @@ def test_config_file_unknown_key_is_rejected(tmp_path):
     ({"lora_rank": 0}, "--lora-rank must be > 0"),
     ({"sglang_router_ip": "127.0.0.1"}, "--sglang-router-port"),
     ({"multi_lora_adapter": [("a", "a.yaml")]}, "--multi-lora-n-adapters"),
-    ({"multi_lora_n_adapters": 1, "multi_lora_adapters": ["a.yaml", "b.yaml"]}, "only 1 slots"),
+    ({"multi_lora_n_adapters": 1, "multi_lora_queue_size": 0, "multi_lora_adapters": ["a.yaml", "b.yaml"]},
+     "only 1 slots and 0 queue places"),
+    ({"multi_lora_n_adapters": 1, "multi_lora_queue_size": 1, "multi_lora_adapters": ["a.yaml", "b.yaml", "c.yaml"]},
+     "raise --multi-lora-n-adapters or --multi-lora-queue-size"),
+    ({"multi_lora_queue_size": -1}, "--multi-lora-queue-size must be >= 0"),
     ({"multi_lora_n_adapters": 2, "multi_lora_adapters": ["x/a.yaml", "y/a.yaml"]}, "unique"),
     ({"save_interval": 0}, "--save-interval"),
     ({"use_dynamic_batch_size": True}, "give it with --max-tokens-per-gpu"),
@@ -177,3 +181,9 @@ def test_lora_unembed_puts_lm_head_in_every_slot_the_trainer_and_engines_hold(tm
     assert TrainActorConfig.from_config(on).target_modules == "all-linear,lm_head"
     assert ControllerConfig.from_config(on).gateway.lora_unembed is True
     assert ControllerConfig.from_config(off).gateway.lora_unembed is False
+
+
+def test_start_up_adapters_beyond_the_slots_wait_in_the_queue():
+    cfg = MilesConfig(multi_lora_n_adapters=1, multi_lora_adapters=["a.yaml", "b.yaml"])
+    assert cfg.multi_lora_queue_size == 1024 and [name for name, _ in cfg.initial_adapters] == ["a", "b"]
+    assert parse_args(["--multi-lora-n-adapters", "2", "--multi-lora-queue-size", "0"]).multi_lora_queue_size == 0

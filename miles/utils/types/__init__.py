@@ -41,10 +41,12 @@ from miles.utils.types.client_commands import (
     WeightsResult,
 )
 from miles.utils.types.control_plane import (
+    MAX_PRIORITY,
     AdapterFailure,
     AdapterStatus,
     FailureReason,
     RegisterAdapterRequest,
+    RegisterAdapterResponse,
 )
 from miles.utils.types.engine_api import (
     AbortRequest,
@@ -60,6 +62,7 @@ from miles.utils.types.engine_api import (
     UnloadLoraRequest,
 )
 from miles.utils.types.lifecycle import (
+    DEFAULT_QUEUE_SIZE,
     ENGINE_LORA_PREFIX,
     AdapterRun,
     AdapterState,
@@ -139,6 +142,7 @@ __all__ = [
     "AdapterRolloutStats",
     "AdapterRun",
     "AdapterState",
+    "DEFAULT_QUEUE_SIZE",
     "AdapterFailure",
     "AdapterStatus",
     "FailureReason",
@@ -157,7 +161,9 @@ __all__ = [
     "LoraUpdateMode",
     "MultiLoRASnapshot",
     "PromptGroup",
+    "MAX_PRIORITY",
     "RegisterAdapterRequest",
+    "RegisterAdapterResponse",
     "RolloutBatch",
     "RolloutStats",
     "Sample",

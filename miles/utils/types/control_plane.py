@@ -5,20 +5,39 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from miles.utils.types.client_commands import AdapterKind
 from miles.utils.types.lifecycle import AdapterState
 
+MAX_PRIORITY = 1_000_000
+"""A registration's `priority` lies in -MAX_PRIORITY..MAX_PRIORITY."""
+
 
 class RegisterAdapterRequest(BaseModel):
-    """`POST /adapter_runs`: exactly one of `config` (inline fields) or `yaml_path`."""
+    """`POST /adapter_runs`: exactly one of `config` (inline fields) or `yaml_path`, and an
+    optional queue `priority`."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str
     config: dict[str, Any] | None = None
     yaml_path: str | None = None
+    priority: StrictInt = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    """Only matters when every slot is held: the registration is QUEUED, and the queue hands
+    free slots to higher priorities first (equal ones in arrival order). A whole number."""
+
+
+class RegisterAdapterResponse(BaseModel):
+    """The answer to `POST /adapter_runs`."""
+
+    name: str
+    slot: int | None
+    """The slot it was given (PENDING), or None when it was QUEUED."""
+    state: AdapterState
+    """PENDING, or QUEUED when every slot was held."""
+    queue_position: int | None = None
+    """QUEUED only: 1 is the head of the queue (the next slot that frees is its)."""
 
 
 MAX_ERROR_TYPE_CHARS = 200
@@ -89,14 +108,19 @@ class AdapterStatus(BaseModel):
 
     name: str
     state: AdapterState
-    slot: int
-    """The slot it holds, or held last once COMPLETED."""
+    slot: int | None
+    """The slot it holds, or held last once COMPLETED; None while QUEUED."""
     version: int | None
     """Slot version; None once COMPLETED (the slot may serve another adapter)."""
     step: int
     accumulated_groups: int
     registration_id: str
     kind: AdapterKind = AdapterKind.SERVER
+    queue_position: int | None = None
+    """QUEUED only: its place in the registration queue, 1 for the head (the next slot that
+    frees is its); None in every other state."""
+    priority: int = 0
+    """The priority it was registered with (the queue's order: higher first, then arrival)."""
     last_error: AdapterFailure | None = None
     """Why it failed: set when the producer gave up on it (it then leaves through CLEANUP
     and ends FAILED); None otherwise."""

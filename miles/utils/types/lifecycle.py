@@ -15,10 +15,24 @@ if TYPE_CHECKING:
     from miles.utils.types.client_commands import ClientAdapterRun
 
 
+DEFAULT_QUEUE_SIZE = 1024
+"""Registrations that may wait for a slot when every slot is held (`--multi-lora-queue-size`)."""
+
+
 class AdapterState(str, enum.Enum):
     """Lifecycle of one adapter; PENDING, ACTIVE, RETIRING and CLEANUP hold a slot, COMPLETED
-    and FAILED are terminal (the name may be registered again)."""
+    and FAILED are terminal (the name may be registered again). QUEUED comes before PENDING
+    when no slot was free at registration; it holds none.
 
+        QUEUED --(a slot frees; head of the queue)--> PENDING --(first push)--> ACTIVE
+        PENDING/ACTIVE --(DELETE or num_step)--> RETIRING --> CLEANUP --> COMPLETED (or FAILED)
+        QUEUED --(DELETE)--> forgotten (no record kept; the name is free at once)
+    """
+
+    QUEUED = "QUEUED"
+    """Registered while every slot was held: waiting, in priority then arrival order, for one
+    to free. Holds no slot, is never loaded or sampled; `free_slot` hands the head of the queue
+    the slot it frees (PENDING) in the same registry change. Not a Miles state."""
     PENDING = "PENDING"
     """Registered and given a slot; its weights are not on the engines yet."""
     ACTIVE = "ACTIVE"
@@ -36,7 +50,8 @@ class AdapterState(str, enum.Enum):
 
     @property
     def holds_slot(self) -> bool:
-        return not self.terminal
+        """PENDING, ACTIVE, RETIRING or CLEANUP: a row of the page table is this adapter's."""
+        return not (self.terminal or self is AdapterState.QUEUED)
 
     @property
     def terminal(self) -> bool:
@@ -151,6 +166,9 @@ class MultiLoRASnapshot:
     """FAILED adapters (of either kind) still kept for status queries."""
     clients: dict[str, ClientAdapterRun] = field(default_factory=dict)
     """Live client-driven adapters (PENDING, ACTIVE or RETIRING), by name."""
+    queued: tuple[str, ...] = ()
+    """QUEUED adapters in the order they will take slots (head first). The loop never acts on
+    them: a slot that frees goes to the head inside the registry, which shows it as PENDING."""
 
     @property
     def sampleable(self) -> dict[str, AdapterRun]:
@@ -164,5 +182,5 @@ class MultiLoRASnapshot:
 
     @property
     def all_adapters_cleaned_up(self) -> bool:
-        """True when no adapter of either kind holds a slot any more."""
-        return not (self.pending or self.active or self.retiring or self.cleanup or self.clients)
+        """True when no adapter of either kind holds a slot, and none waits for one."""
+        return not (self.pending or self.active or self.retiring or self.cleanup or self.clients or self.queued)
