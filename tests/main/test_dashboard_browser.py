@@ -2,7 +2,8 @@
 on the `/ui` of a running tiny trainer.
 
 It logs in with the API token, sees each adapter's row update while it trains (a Tinker
-client's model too), registers one from the YAML box, opens a curve, the loop and a rollout whose prompt is hostile HTML
+client's model too), registers one from the YAML box (and one more that waits in the queue
+until a slot frees), opens a curve, the loop and a rollout whose prompt is hostile HTML
 (shown as text, never run), retires an adapter and sees it complete; the page calls no host
 but the control plane and logs no error.
 """
@@ -27,6 +28,8 @@ TOKEN = "tml-browser-test-token"  # the Tinker SDK wants its keys to start so
 HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
 TIMEOUT_MS = 120_000
 TIMEOUT_S = TIMEOUT_MS / 1000
+FOREVER = 100_000
+"""`num_step` of the adapters that must train until they are retired (one epoch would end them)."""
 REFUSED = re.compile(r"status of (401|422)")
 """The browser logs the calls the test makes fail on purpose (a wrong token, a bad body)."""
 
@@ -61,7 +64,7 @@ def test_the_dashboard_follows_a_running_trainer(tiny_model_dir: Path, tmp_path:
     try:
         url = driver.wait_for_api_url()
         client = ControlPlaneClient(url, token=TOKEN)
-        client.register("plain", config={"data": str(add)})
+        client.register("plain", config={"data": str(add), "num_step": FOREVER})
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=chromium_path, args=LAUNCH_ARGS)
             page = browser.new_page(viewport={"width": 1400, "height": 900})
@@ -87,7 +90,7 @@ def test_the_dashboard_follows_a_running_trainer(tiny_model_dir: Path, tmp_path:
             page.fill("#register-yaml", "name: hostile\nconfig:\n  num_step: -1\n")
             page.click("#register-button")
             expect(page.locator("#register-result")).to_contain_text("num_step")
-            page.fill("#register-yaml", f"name: hostile\nconfig:\n  data: {hostile}\n")
+            page.fill("#register-yaml", f"name: hostile\nconfig:\n  data: {hostile}\n  num_step: {FOREVER}\n")
             page.click("#register-button")
             expect(page.locator("#register-result")).to_contain_text("slot")
 
@@ -108,6 +111,12 @@ def test_the_dashboard_follows_a_running_trainer(tiny_model_dir: Path, tmp_path:
                 model.forward_backward([cycle_datum(0)], "cross_entropy").result(timeout=TIMEOUT_S)
                 model.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=TIMEOUT_S)
                 expect(row.locator(".step")).to_have_text(re.compile(r"^\s*1\b"))
+
+                # While the model holds the last slot, a registration waits in the queue, its place shown.
+                page.fill("#register-yaml", f"name: waiting\nconfig:\n  data: {add}\n")
+                page.click("#register-button")
+                expect(page.locator("#register-result")).to_contain_text("Queued waiting at position 1")
+                expect(page.locator('tr[data-adapter="waiting"] .state')).to_have_text("QUEUED #1")
 
             # A curve of both adapters, with a hover value.
             page.click("#tab-curves")
@@ -144,6 +153,8 @@ def test_the_dashboard_follows_a_running_trainer(tiny_model_dir: Path, tmp_path:
             page.click("#confirm-retire")
             expect(row.locator(".state")).to_have_text(re.compile("completed", re.I))
             assert client.status("plain").state is AdapterState.COMPLETED
+            # Its slot went to the queued registration.
+            expect(page.locator('tr[data-adapter="waiting"] .state')).to_have_text(re.compile("PENDING|ACTIVE"))
 
             browser.close()
         foreign = [u for u in requests if not u.startswith(url + "/")]

@@ -4,7 +4,7 @@ import { AuthError, request } from "./api.js";
 import { sparkline } from "./charts.js";
 import { adapterColour, el, formatNumber, setText, swatch } from "./dom.js";
 
-const RETIRABLE = new Set(["PENDING", "ACTIVE"]);
+const RETIRABLE = new Set(["QUEUED", "PENDING", "ACTIVE"]);
 
 /** The curve shown in a row: the reward for RL adapters, the summed loss for client (Tinker) ones. */
 function sparkMetric(kind) {
@@ -84,7 +84,9 @@ export class AdaptersView {
     const kind = status?.kind ?? series?.kind ?? "server";
     const state = status?.state ?? "";
     setText(cells.kind, kind);
-    setText(cells.state, state || "—");
+    // A queued registration shows its place: #1 takes the next slot that frees.
+    const position = state === "QUEUED" && status?.queue_position ? ` #${status.queue_position}` : "";
+    setText(cells.state, state ? `${state}${position}` : "—");
     entry.row.dataset.state = state;
     cells.state.dataset.state = state;
     setText(cells.slot, status ? formatNumber(status.slot) : "—");
@@ -150,7 +152,9 @@ export class AdaptersView {
     try {
       const answer = await request("/adapter_runs", { method: "POST", body: yaml, contentType: "application/yaml" });
       result.dataset.outcome = "ok";
-      setText(result, `Registered ${answer.name} in slot ${answer.slot}.`);
+      setText(result, answer.state === "QUEUED"
+        ? `Queued ${answer.name} at position ${answer.queue_position}: every slot is held; it takes the next one that frees.`
+        : `Registered ${answer.name} in slot ${answer.slot}.`);
       this.refresh();
     } catch (error) {
       result.dataset.outcome = "error";
