@@ -32,7 +32,7 @@ test: install
 	$(PY) tests/main/cookbook_venv.py > .cache/cookbook-venv.log 2>&1 &
 	$(PY) tests/main/chromium.py > .cache/chromium.log 2>&1 &
 	$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=25 tests
 
 # The tiny multi-adapter run: pretrain the tiny base (cached), train three adapters at
 # once, evaluate base and adapters on every task's held-out split, then draw each

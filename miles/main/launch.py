@@ -81,17 +81,25 @@ class Components:
 
 
 async def launch(cfg: MilesConfig) -> Components:
-    """Controller first (it owns the adapter registry), then engines + router, then trainers."""
+    """The controller (it owns the adapter registry) and the train ranks start while the
+    rollout manager's process starts; once the controller serves, the engines and router."""
     from miles.controller.actor import create_multilora_controller
     from miles.rollout.manager import RolloutManager
 
-    controller = create_multilora_controller(cfg, router_url=None, hooks=controller_hooks(cfg))  # logs its URL
-    # A registry restored from --save: nothing is sampled before this trainer pushed it.
-    await controller.requeue_for_new_trainer.remote()
     rollout_manager: Any = RolloutManager.options(name="miles_rollout_manager").remote(cfg)  # a Ray handle
     backend = build_backend(cfg)
-    # Engines and train ranks load the base model in parallel.
-    await asyncio.gather(rollout_manager.start.remote(controller), backend.start())
+    # Train ranks load the base model meanwhile, and later while the engines load it.
+    backend_start = asyncio.ensure_future(backend.start())
+    try:
+        controller = await asyncio.to_thread(create_multilora_controller, cfg, router_url=None,
+                                             hooks=controller_hooks(cfg))  # logs its URL
+        # A registry restored from --save: nothing is sampled before this trainer pushed it.
+        await controller.requeue_for_new_trainer.remote()
+        await asyncio.gather(rollout_manager.start.remote(controller), backend_start)
+    except BaseException:
+        backend_start.cancel()
+        await asyncio.gather(backend_start, return_exceptions=True)
+        raise
     router_url = await rollout_manager.get_router_address.remote()
     await controller.set_router_url.remote(router_url)
     pusher = EnginePusher(backend, await rollout_manager.engines.remote(), rollout_manager,

@@ -58,9 +58,19 @@ class LocalRolloutManager:
             raise RolloutNotStartedError("this rollout manager was disposed; create a new one")
         if self._fleet is not None:
             return self._fleet.router_url
-        tokenizer = await asyncio.to_thread(_load_tokenizer, self.cfg.hf_checkpoint)
-        self._fleet = await EngineFleet.start(EngineFleetConfig.from_config(self.cfg,
-                                                                        lora_update=self.cfg.engine_lora_update))
+        # The tokenizer loads (importing transformers) while the engines start; if either fails,
+        # the other is stopped too.
+        tokenizer_load = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, self.cfg.hf_checkpoint))
+        fleet_start = asyncio.ensure_future(EngineFleet.start(EngineFleetConfig.from_config(
+            self.cfg, lora_update=self.cfg.engine_lora_update)))
+        try:
+            tokenizer, self._fleet = await asyncio.gather(tokenizer_load, fleet_start)
+        except BaseException:
+            fleet_start.cancel()  # a fleet half started stops its engines
+            await asyncio.gather(tokenizer_load, fleet_start, return_exceptions=True)
+            if not fleet_start.cancelled() and fleet_start.exception() is None:
+                await fleet_start.result().shutdown()
+            raise
         buffers = AdapterBuffers()
         self._source = MultiLoRADataSource(DataSourceConfig.from_config(self.cfg), tokenizer)
         self._producer = RolloutProducer(

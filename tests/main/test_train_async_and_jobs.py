@@ -158,7 +158,7 @@ def test_ray_job_submit_to_a_local_head(tiny_model_dir, tmp_path):
                                alive=head_alive)
         assert submitted.returncode == 0, submitted.stdout[-4000:] + submitted.stderr[-4000:]
         client = JobSubmissionClient(address)
-        status = wait_until(lambda: finished(client.get_job_status("tiny-run")), 600, "the job to finish", poll_s=2,
+        status = wait_until(lambda: finished(client.get_job_status("tiny-run")), 600, "the job to finish", poll_s=0.5,
                             alive=head_alive)
         assert status == JobStatus.SUCCEEDED, client.get_job_logs("tiny-run")[-4000:]
     finally:

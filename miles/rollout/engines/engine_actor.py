@@ -46,14 +46,12 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import ray
-import torch
 from pydantic import BaseModel
 
-from miles.lora import write_peft_dir
 from miles.rollout.engines.process import ServerProcess, free_port, on_probed_ports
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import (
@@ -75,12 +73,27 @@ from miles.utils.types import (
     engine_lora_slot,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
 SUPERVISE_INTERVAL_S = 0.5
+
+
+def _import_push_modules() -> None:
+    """Import what pushes use (torch, through `miles.lora`): the actor itself starts without
+    it, so that it launches its server sooner (`EngineServer.start` imports it meanwhile)."""
+    import miles.lora  # noqa: F401
+
+
+def _write_peft_dir(path: Path, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any]) -> None:
+    from miles.lora import write_peft_dir
+
+    write_peft_dir(path, tensors, peft_config)
 
 
 @dataclass(frozen=True)
@@ -156,7 +169,12 @@ class EngineServer:
             return self._url
         self.host = self.host or cluster_host()
         await asyncio.to_thread(self._stop_leftover_server)
-        self._url = await self._launch()
+        # torch, which only pushes need here, loads while the server starts.
+        push_modules = asyncio.ensure_future(asyncio.to_thread(_import_push_modules))
+        try:
+            self._url = await self._launch()
+        finally:
+            await push_modules
         self._supervisor = asyncio.create_task(self._supervise(), name="engine-supervisor")
         return self._url
 
@@ -325,7 +343,7 @@ class EngineServer:
                                     "it cannot be reloaded after a restart")
         tensors = await weights.weights_ref[0]
         weights.path = self._slot_dir(slot, weights.version)
-        await asyncio.to_thread(write_peft_dir, weights.path, tensors, weights.peft_config)
+        await asyncio.to_thread(_write_peft_dir, weights.path, tensors, weights.peft_config)
         return weights.path
 
     # ---- LoRA pushes -----------------------------------------------------------------
@@ -356,7 +374,7 @@ class EngineServer:
 
         async def load() -> str:
             # Written under the lock: a concurrent `sync_slots` prunes the slot's directories.
-            await asyncio.to_thread(write_peft_dir, path, tensors, peft_config)
+            await asyncio.to_thread(_write_peft_dir, path, tensors, peft_config)
             return await self._load_version(slot, version, path)
 
         return await self._push(slot, _SlotWeights(version, peft_config, path=path), load)

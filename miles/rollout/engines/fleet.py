@@ -6,9 +6,9 @@
     fleet.record_push(SlotPush(...))      # what a restarted engine loads (the pusher records each push)
     await fleet.shutdown()
 
-Engines start in parallel (one `EngineActor` each); then the fleet launches
-`sglang_router.launch_router` over their URLs, or attaches to the router given by
-`--sglang-router-ip/--sglang-router-port` and adds the engines to it. Used inside the
+Engines start in parallel (one `EngineActor` each) while the fleet launches
+`sglang_router.launch_router`, or attaches to the router given by
+`--sglang-router-ip/--sglang-router-port`; the engines are added to it once they serve. Used inside the
 rollout manager actor and by tests; plain Python, no Ray actor of its own. Pushes go to the
 engine actors from `miles.main.engine_push.EnginePusher`, the one push path; the fleet keeps
 what each push recorded.
@@ -137,11 +137,19 @@ class EngineFleet:
                 host=cfg.engine_host)
             for i in range(cfg.num_engines)
         ]
+        # The router starts (or is attached to) while the engines start; they join it once they serve.
+        router_start = asyncio.ensure_future(cls._router(cfg))
         try:
             urls = list(await asyncio.gather(*[e.start.remote() for e in engines]))
-            router = await cls._router(cfg, urls)
+            router = await router_start
+            await router.add_workers(urls)
+            await router.wait_for_workers(urls, timeout_s=cfg.start_timeout_s)
             await asyncio.gather(*[e.set_router.remote(router.url) for e in engines])
         except BaseException:
+            router_start.cancel()
+            started = (await asyncio.gather(router_start, return_exceptions=True))[0]
+            if isinstance(started, Router):
+                await started.shutdown()
             await asyncio.gather(*[e.shutdown.remote() for e in engines], return_exceptions=True)
             placement.remove(pg)
             raise
@@ -152,10 +160,11 @@ class EngineFleet:
         return fleet
 
     @staticmethod
-    async def _router(cfg: EngineFleetConfig, urls: list[str]) -> Router:
+    async def _router(cfg: EngineFleetConfig) -> Router:
+        """The router, with no worker of this fleet yet."""
         if cfg.router_ip is not None:
-            return await Router.attach(f"http://{cfg.router_ip}:{cfg.router_port}", urls)
-        return await Router.launch(urls, log_path=Path(cfg.work_dir) / "router.log", policy=cfg.router_policy,
+            return await Router.attach(f"http://{cfg.router_ip}:{cfg.router_port}", [])
+        return await Router.launch([], log_path=Path(cfg.work_dir) / "router.log", policy=cfg.router_policy,
                                    host=cluster_host())
 
     # ---- live slots (what a restarted engine loads) -------------------------------------
