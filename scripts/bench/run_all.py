@@ -19,7 +19,9 @@ the default list: it needs a virtualenv of SkyRL (6.7 GB), so it runs only when 
 --script-args 'tiny-random:tinker_vs_skyrl=--skyrl-venv PATH'`. `control_plane_scale` (the
 control plane with 10 to 10,000 registrations in its registry; no model, so it runs once,
 under `tiny`) takes several minutes on 2 cores, so it too runs only when named:
-`--only control_plane_scale --models tiny --merge`.
+`--only control_plane_scale --models tiny --merge`. `dashboard_cost` (the demo trainer with the
+dashboard open in Chromium, then closed, alternating) needs Chromium and runs only when named:
+`--only dashboard_cost --models tiny --merge`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SCRIPTS = ("train_mixed", "peft_vs_mixed", "memory", "decode", "trainer_service")
-SCRIPT_MODELS = {"trainer_service": ("tiny", "smollm2"), "control_plane_scale": ("tiny",)}
+SCRIPT_MODELS = {"trainer_service": ("tiny", "smollm2"), "control_plane_scale": ("tiny",), "dashboard_cost": ("tiny",)}
 
 
 def machine() -> dict:
