@@ -738,8 +738,8 @@ class AdapterRegistry:
     def _json(self, record: _Record) -> dict[str, Any]:
         """A record as JSON values; the same object while the record is unchanged, so the
         store can tell unchanged rows apart cheaply (a registry keeps ~1,000 records)."""
-        key = (record.registration_id, record.state, record.slot, record.step, record.start_step, record.accumulated_groups,
-               record.resume_from, record.failure)
+        key = (record.registration_id, record.state, record.slot, record.step, record.start_step,
+               record.accumulated_groups, record.resume_from, record.failure)
         cached = self._json_cache.get(record.name)
         if cached is None or cached[0] != key:
             cached = (key, _record_to_json(record))
