@@ -117,7 +117,12 @@ class AdapterSlots:
             if run is None or entry is None or entry.registration_id != run.registration_id or run.config.save is None:
                 continue
             directory = str(Path(run.config.save) / PAGED_DIR)
-            await self.backend.save_client_state(name, directory, pending=True)
+            try:
+                await self.backend.save_client_state(name, directory, pending=True)
+            except Exception as exc:  # it stays in its slot, untouched; the next reconcile tries again
+                logger.warning("Client model '%s' could not be paged out (%s: %s); it keeps its slot", name,
+                               type(exc).__name__, exc)
+                continue
             await self.backend.cleanup_adapter(name)
             del self.loaded[name]
             if await self.controller.page_out_client.remote(name, directory):

@@ -615,3 +615,18 @@ async def test_a_command_that_comes_while_its_model_is_paged_out_keeps_it_in_its
     assert t.backend.slots == {0: d.model} and t.backend.pending[d.model] == 2
     await d.run()
     assert t.status(d.model).step == 1 and t.backend.weights[d.model] == 1.0
+
+
+async def test_a_page_out_that_cannot_be_written_keeps_the_model_in_its_slot(tmp_path, caplog):
+    d = ClientDriver(Trainer(tmp_path, n_slots=1), idle_evict_s=60)
+    d.submit(ClientCommandKind.FORWARD_BACKWARD)
+    await d.run()
+
+    async def full_disk(name: str, directory: str, *, pending: bool = False):
+        raise OSError("No space left on device")
+
+    d.t.backend.save_client_state = full_disk  # type: ignore[method-assign]
+    await d.reconcile(after_s=600)
+    assert d.t.status(d.model).state is AdapterState.ACTIVE and d.t.backend.slots == {0: d.model}
+    assert d.t.backend.pending[d.model] == 2
+    assert "could not be paged out (OSError: No space left on device); it keeps its slot" in caplog.text
