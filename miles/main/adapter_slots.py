@@ -205,7 +205,8 @@ class AdapterSlots:
                     logger.warning("Client model '%s' resumed from %s at step %d: its %d optim_step(s) after "
                                    "that save are lost", run.name, run.resume_from, step, run.step - step)
                 else:
-                    logger.info("Client model '%s' resumed from %s (step %d)", run.name, run.resume_from, step)
+                    how = "paged in" if Path(run.resume_from).name == PAGED_DIR else "resumed"
+                    logger.info("Client model '%s' %s from %s (step %d)", run.name, how, run.resume_from, step)
             self.loaded[run.name] = LoadedAdapter(
                 registration_id=run.registration_id, slot=run.slot, saves=False, samples_per_group=1,
                 step=step, accumulated_groups=0, saved=(step, 0), client=True)
