@@ -134,7 +134,7 @@ class AdapterSlots:
             logger.info("Client model '%s' got a command while being paged out; it keeps its slot", name)
         if not paged:
             return snapshot
-        logger.info("Paged out client models idle for %.0f s: %s", self.idle_evict_s, ", ".join(paged))
+        logger.info("Paged out client models idle for %g s or more: %s", self.idle_evict_s, ", ".join(paged))
         return await self.controller.snapshot.remote()
 
     async def _cleanup(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
