@@ -270,14 +270,17 @@ class TrainingBackend(Protocol):
         given an `AdamStep` (a client's `optim_step`) steps with its settings and an unscaled
         gradient; the others with their schedule, batch scale and `--clip-grad`."""
 
-    async def save_client_state(self, name: str, directory: str) -> Path:
+    async def save_client_state(self, name: str, directory: str, *, pending: bool = False) -> Path:
         """A client's `save_state`: the adapter's weights (PEFT) and optimizer state written to
-        `directory` itself, atomically (its pending gradient is not saved)."""
+        `directory` itself, atomically (its pending gradient is not saved). With `pending` (a
+        page-out of an idle model, `--multi-lora-idle-evict-s`) the gradient of its
+        forward_backward calls not yet stepped and its LR clock are written too."""
 
     async def load_client_state(self, name: str, directory: str, *, optimizer: bool = True) -> None:
         """A client's `load_state`: weights from a `save_client_state` directory into the loaded
         adapter's slot, with its optimizer state when `optimizer` (else fresh moments); any
-        pending gradient is dropped."""
+        pending gradient is dropped, unless the directory is a page-out's: then the model is
+        back exactly as it was paged out (weights, moments, pending gradient, clock)."""
 
     async def save_adapter(self, request: SaveRequest) -> Path:
         """Write a checkpoint of a loaded adapter, with the gradient of its accumulated groups

@@ -351,6 +351,17 @@ class MultiLoRAController:
         self.backend.activate_clients(names)
         return self.backend.snapshot()
 
+    async def idle_client_models(self, idle_s: float) -> list[str]:
+        """The ACTIVE client-driven models with no command in flight, idle for `idle_s` or more
+        (`--multi-lora-idle-evict-s`): the trainer may page them out of their slots."""
+        return self.gateway.idle_models(idle_s)
+
+    async def page_out_client(self, name: str, directory: str) -> bool:
+        """The trainer wrote the model's whole state to `directory` and emptied its slot: PAGED,
+        the slot free. False (nothing changes) if a command of it came in meanwhile: the trainer
+        loads it back from `directory`."""
+        return self.gateway.page_out(name, directory)
+
     async def fail_client_command(self, future_id: str, error: str, user_error: bool = False) -> None:
         """A command failed; its client's `.result()` raises with `error` (`user_error`: the
         client's input was at fault, e.g. a token out of the vocabulary)."""

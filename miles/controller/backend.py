@@ -260,6 +260,21 @@ class MultiLoRABackend:
         self._registered = asyncio.Event()
         return slot
 
+    def page_out_client(self, name: str, directory: str) -> int:
+        """The trainer wrote the idle client-driven adapter's whole state to `directory` and
+        emptied its slot: ACTIVE -> PAGED, the slot freed (-1: it was not ACTIVE; nothing changed)."""
+        slot = self.registry.page_out(name, directory)
+        if slot >= 0:
+            self._persist()
+        return slot
+
+    def page_in_client(self, name: str) -> int:
+        """PAGED -> PENDING in a free slot (the trainer's next reconcile loads it from where it was
+        paged out to); returns the slot. `NoSlotToPageInError` when no slot is free."""
+        slot = self.registry.page_in(name)
+        self._persist()
+        return slot
+
     def record_client_checkpoint(self, name: str, directory: str) -> None:
         if self.registry.record_client_checkpoint(name, directory):
             self._persist()

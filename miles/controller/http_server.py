@@ -141,6 +141,9 @@ class _BackendCollector:
         yield adapters
         yield GaugeMetricFamily("miles_adapter_queue_length", "Registrations QUEUED for a slot (every slot is held)",
                                 value=counts[AdapterState.QUEUED])
+        yield GaugeMetricFamily("miles_adapter_client_paged", "Client-driven models PAGED out of their slots while "
+                                "idle (--multi-lora-idle-evict-s); the next command pages one back in",
+                                value=counts[AdapterState.PAGED])
         info = GaugeMetricFamily("miles_adapter_info", "1 per adapter holding a slot; kind: server (RL on its "
                                  "dataset) or client (a Tinker model)", labels=["adapter", "kind"])
         step = GaugeMetricFamily("miles_adapter_step", "Optimizer steps the adapter has taken", labels=["adapter"])

@@ -28,6 +28,13 @@ A client-driven adapter (a Tinker model, DESIGN §11) takes a `ClientModelConfig
 the same slots, names and lifecycle, but no batches and no `num_step` (it never retires by
 itself); its step advances with `record_client_step` when its client's `optim_step` ran.
 It is never queued: its client waits on the answer, so with no free slot it is refused.
+
+An idle client-driven adapter may be paged out of its slot (`--multi-lora-idle-evict-s`):
+the trainer writes its whole state to a directory, then the registry frees the slot; its
+next command pages it back in, into any free slot, resumed from that directory:
+
+    registry.page_out("s.train.0", "/save/adapters/s.train.0/paged")   # ACTIVE -> PAGED, slot freed
+    registry.page_in("s.train.0")                                       # PAGED -> PENDING in a free slot
 """
 
 from __future__ import annotations
@@ -92,6 +99,11 @@ class NoFreeSlotError(AdapterRegistryError, RuntimeError):
     as in Miles, whose callers catch it as one."""
 
 
+class NoSlotToPageInError(NoFreeSlotError):
+    """A PAGED client-driven adapter got a command while every slot is held: retry shortly (a
+    slot frees when an adapter completes or another idle model is paged out)."""
+
+
 class QueueFullError(NoFreeSlotError):
     """Every slot is held and the registration queue is full (HTTP 409, as `NoFreeSlotError`)."""
 
@@ -109,6 +121,7 @@ class _Record:
     name: str
     config: AnyAdapterConfig
     slot: int
+    """The slot it holds; while PAGED, the one it held last (it holds none)."""
     registration_id: str
     state: AdapterState = AdapterState.PENDING
     step: int = 0
@@ -327,6 +340,8 @@ class AdapterRegistry:
         record = self._live.get(name)
         if record is None:
             return
+        if record.state is AdapterState.PAGED:
+            raise AdapterAlreadyRegisteredError(f"Adapter '{name}' is already registered (PAGED); pick another name")
         if record.state in (AdapterState.PENDING, AdapterState.ACTIVE):
             raise AdapterAlreadyRegisteredError(
                 f"Adapter '{name}' is already registered ({record.state.value}, slot {record.slot}); pick another name"
@@ -360,6 +375,9 @@ class AdapterRegistry:
         if record.state in (AdapterState.PENDING, AdapterState.ACTIVE):
             record.state = AdapterState.RETIRING
             logger.info("Adapter '%s' deregistered: RETIRING", name)
+        elif record.state is AdapterState.PAGED:  # no slot and nothing loaded: nothing to clean up
+            self._finish(record, AdapterState.COMPLETED)
+            logger.info("Adapter '%s' deregistered while PAGED: COMPLETED at step %d", name, record.step)
         return record.state
 
     def retire_adapters(self) -> list[str]:
@@ -393,16 +411,60 @@ class AdapterRegistry:
         record = self._live.get(name)
         if record is None or record.state is not AdapterState.CLEANUP:
             return -1
-        del self._live[name]
-        record.state = AdapterState.COMPLETED if record.failure is None else AdapterState.FAILED
+        self._finish(record, AdapterState.COMPLETED if record.failure is None else AdapterState.FAILED)
         self._free_slots.add(record.slot)
-        self._finished[name] = record
-        while len(self._finished) > self.completed_retention:
-            self._finished.popitem(last=False)
         logger.info("Adapter '%s' %s at step %d; slot %d freed", name, record.state.value.lower(), record.step,
                     record.slot)
         self._promote()
         return record.slot
+
+    def _finish(self, record: _Record, state: AdapterState) -> None:
+        del self._live[record.name]
+        record.state = state
+        self._finished[record.name] = record
+        while len(self._finished) > self.completed_retention:
+            self._finished.popitem(last=False)
+
+    # ---- paging idle client-driven adapters ---------------------------------------
+
+    def page_out(self, name: str, directory: str) -> int:
+        """ACTIVE → PAGED for a client-driven adapter whose whole state the trainer has written
+        to `directory` and taken out of its slot: `directory` becomes its resume point and the
+        slot is freed (the head of the registration queue takes it). Returns the slot, or -1
+        (nothing changes) unless it is a live, ACTIVE client-driven adapter."""
+        record = self._live.get(name)
+        if record is None or record.kind is not AdapterKind.CLIENT or record.state is not AdapterState.ACTIVE:
+            return -1
+        record.state = AdapterState.PAGED
+        record.resume_from, record.resume_step = directory, record.step
+        self._free_slots.add(record.slot)
+        logger.info("Client model '%s' paged out at step %d to %s; slot %d freed", name, record.step, directory,
+                    record.slot)
+        self._promote()
+        return record.slot
+
+    def page_in(self, name: str) -> int:
+        """PAGED → PENDING in the lowest free slot (the trainer loads it from its resume point,
+        the directory it was paged out to); returns the slot. `NoSlotToPageInError` when every
+        slot is held or a registration is queued for the next free one."""
+        record = self._live.get(name)
+        if record is None or record.state is not AdapterState.PAGED:
+            raise AdapterValidationError(f"Adapter '{name}' is not PAGED (state "
+                                         f"{'unknown' if record is None else record.state.value})")
+        if not self._free_slots or self._queue:
+            raise NoSlotToPageInError(
+                f"Client model '{name}' was paged out while idle and no slot is free to page it back in "
+                f"(all {self.n_slots} slots held, {len(self._queue)} registrations queued); retry shortly, "
+                "or raise --multi-lora-n-adapters")
+        record.slot = min(self._free_slots)
+        self._free_slots.remove(record.slot)
+        record.state = AdapterState.PENDING
+        logger.info("Client model '%s' paged in to slot %d (from %s)", name, record.slot, record.resume_from)
+        return record.slot
+
+    @property
+    def paged_count(self) -> int:
+        return sum(1 for r in self._live.values() if r.state is AdapterState.PAGED)
 
     # ---- weights and batches -----------------------------------------------------
 
@@ -622,9 +684,10 @@ class AdapterRegistry:
         )
 
     def _status(self, record: _Record) -> AdapterStatus:
+        paged = record.state is AdapterState.PAGED
         return AdapterStatus(
-            name=record.name, state=record.state, slot=record.slot,
-            version=None if record.state.terminal else self._slot_versions[record.slot],
+            name=record.name, state=record.state, slot=None if paged else record.slot,
+            version=None if record.state.terminal or paged else self._slot_versions[record.slot],
             step=record.step, accumulated_groups=record.accumulated_groups,
             registration_id=record.registration_id, kind=record.kind, last_error=record.failure,
             priority=record.priority, **record.config.to_dict(),
@@ -636,7 +699,7 @@ class AdapterRegistry:
         cleanup = {r.name for r in self._live.values() if r.state is AdapterState.CLEANUP}
         for record in self._live.values():
             if isinstance(record.config, ClientModelConfig):
-                if record.state is not AdapterState.CLEANUP:
+                if record.state.holds_slot and record.state is not AdapterState.CLEANUP:
                     clients[record.name] = ClientAdapterRun(
                         name=record.name, config=record.config, state=record.state, slot=record.slot,
                         version=self._slot_versions[record.slot], step=record.step,
@@ -675,8 +738,8 @@ class AdapterRegistry:
     def _json(self, record: _Record) -> dict[str, Any]:
         """A record as JSON values; the same object while the record is unchanged, so the
         store can tell unchanged rows apart cheaply (a registry keeps ~1,000 records)."""
-        key = (record.registration_id, record.state, record.step, record.start_step, record.accumulated_groups,
-               record.resume_from, record.failure)
+        key = (record.registration_id, record.state, record.slot, record.step, record.start_step,
+               record.accumulated_groups, record.resume_from, record.failure)
         cached = self._json_cache.get(record.name)
         if cached is None or cached[0] != key:
             cached = (key, _record_to_json(record))
@@ -690,17 +753,19 @@ class AdapterRegistry:
         order, all of them even beyond `queue_size`; slots a larger table adds go to them."""
         registry = cls(n_slots, **kwargs)
         live = [_record_from_json(r) for r in state.live]
-        too_high = sorted(r.name for r in live if r.slot >= n_slots)
+        holding = [r for r in live if r.state.holds_slot]
+        too_high = sorted(r.name for r in holding if r.slot >= n_slots)
         if too_high:
             raise ValueError(
                 f"The saved registry has adapters {too_high} in slots beyond --multi-lora-n-adapters={n_slots}; "
-                f"start with at least {max(r.slot for r in live) + 1} slots"
+                f"start with at least {max(r.slot for r in holding) + 1} slots"
             )
         for index, version in enumerate(state.slot_versions[:n_slots]):
             registry._slot_versions[index] = version
         for record in live:
             registry._live[record.name] = record
-            registry._free_slots.discard(record.slot)
+            if record.state.holds_slot:
+                registry._free_slots.discard(record.slot)
         for raw in state.finished:
             record = _record_from_json(raw)
             registry._finished[record.name] = record
@@ -723,7 +788,7 @@ class AdapterRegistry:
         return list(self._slot_versions)
 
     def live_slots(self) -> dict[str, int]:
-        return {name: record.slot for name, record in self._live.items()}
+        return {name: record.slot for name, record in self._live.items() if record.state.holds_slot}
 
     def kind(self, name: str) -> AdapterKind | None:
         if self._queued(name) is not None:

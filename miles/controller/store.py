@@ -173,7 +173,7 @@ class RegistryStore:
         states = [AdapterState(r["state"]) for r in records]
         return RegistryState(
             n_slots=n_slots, slot_versions=self.get_meta("slot_versions"),
-            live=[r for r, state in zip(records, states) if state.holds_slot],
+            live=[r for r, state in zip(records, states) if state.holds_slot or state is AdapterState.PAGED],
             finished=[r for r, state in zip(records, states) if state.terminal],
             batches=[(rollout_id, json.loads(text)) for rollout_id, text in batches],
             queued=[r for r, state in zip(records, states) if state is AdapterState.QUEUED],

@@ -1,6 +1,7 @@
 """Reconcile and saves: the adapters the training backend holds in its slots.
 
-    snapshot = await slots.reconcile(snapshot)   # retire -> save and clean up those that left -> load new ones
+    snapshot = await slots.reconcile(snapshot)   # retire -> save and clean up those that left -> page out
+                                                 # idle client models -> load new (and paged-in) ones
     await slots.save(snapshot)                   # on each adapter's --save-interval
     await slots.save_all()                       # at shutdown
 
@@ -14,13 +15,19 @@ weights (`EarlyActivation.claim`).
 
 Client-driven adapters (Tinker models, `snapshot.clients`) are loaded and cleaned up here
 too, but never pushed and never saved on a cadence or at shutdown: their client saves them
-(`save_state`), and a restarted trainer loads each from its latest such save.
+(`save_state`), and a restarted trainer loads each from its latest such save. With
+`idle_evict_s` (`--multi-lora-idle-evict-s`), one idle that long with no command in flight is
+paged out: its whole state (weights, moments, pending gradient, clock) is written to
+`{save}/paged`, its slot emptied and freed (PAGED); its next command pages it back in (the
+gateway gives it a free slot, PENDING) and it is loaded from there like a resumed model, so it
+goes on exactly where it stopped, in this trainer or a restarted one.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from miles.backends.base import AdapterSpec, SaveRequest, TrainingBackend
 from miles.main.early_activation import EarlyActivation
@@ -30,6 +37,9 @@ from miles.utils.adapter_config import resolved_field
 from miles.utils.types import DataPosition, MultiLoRASnapshot
 
 logger = logging.getLogger(__name__)
+
+PAGED_DIR = "paged"
+"""Where, under a client model's save directory, its state goes while it is paged out."""
 
 
 @dataclass
@@ -58,13 +68,16 @@ class LoadedAdapter:
 
 class AdapterSlots:
     def __init__(self, backend: TrainingBackend, controller: ControllerHandle, rollout_manager: RolloutManagerHandle,
-                 push: WeightPush, activation: EarlyActivation, *, save_interval: int | None = None) -> None:
+                 push: WeightPush, activation: EarlyActivation, *, save_interval: int | None = None,
+                 idle_evict_s: float = 0.0) -> None:
         self.backend = backend
         self.controller = controller
         self.rollout_manager = rollout_manager
         self.push = push
         self.activation = activation
         self.save_interval = save_interval
+        self.idle_evict_s = idle_evict_s
+        """Page out a client model idle this long (0: never)."""
         self.loaded: dict[str, LoadedAdapter] = {}
 
     def loaded_clients(self) -> list[str]:
@@ -84,11 +97,45 @@ class AdapterSlots:
     # ---- reconcile ----------------------------------------------------------------------
 
     async def reconcile(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
-        """Retire RETIRING adapters, save and clean up those that left, load the new ones."""
+        """Retire RETIRING adapters, save and clean up those that left, page out idle client
+        models, load the new (and paged-in) ones."""
         self._observe(await self.push.settle(snapshot))  # not None: a snapshot went in
         snapshot = await self.controller.retire_adapters.remote()
         snapshot = await self._cleanup(snapshot)
+        snapshot = await self._page_out_idle(snapshot)
         return await self._load(snapshot)
+
+    async def _page_out_idle(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
+        """Write each idle client model's whole state to `{save}/paged`, empty its slot, and have
+        the controller free it (PAGED). One whose command came in meanwhile is loaded back from
+        what was just written, exactly as it was."""
+        if self.idle_evict_s <= 0:
+            return snapshot
+        paged = []
+        for name in await self.controller.idle_client_models.remote(self.idle_evict_s):
+            run, entry = snapshot.clients.get(name), self.loaded.get(name)
+            if run is None or entry is None or entry.registration_id != run.registration_id or run.config.save is None:
+                continue
+            directory = str(Path(run.config.save) / PAGED_DIR)
+            try:
+                await self.backend.save_client_state(name, directory, pending=True)
+            except Exception as exc:  # it stays in its slot, untouched; the next reconcile tries again
+                logger.warning("Client model '%s' could not be paged out (%s: %s); it keeps its slot", name,
+                               type(exc).__name__, exc)
+                continue
+            await self.backend.cleanup_adapter(name)
+            del self.loaded[name]
+            if await self.controller.page_out_client.remote(name, directory):
+                paged.append(name)
+                continue
+            await self.backend.load_adapter(AdapterSpec.for_client(run))
+            await self.backend.load_client_state(name, directory, optimizer=True)
+            self.loaded[name] = entry
+            logger.info("Client model '%s' got a command while being paged out; it keeps its slot", name)
+        if not paged:
+            return snapshot
+        logger.info("Paged out client models idle for %g s or more: %s", self.idle_evict_s, ", ".join(paged))
+        return await self.controller.snapshot.remote()
 
     async def _cleanup(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
         live = {name: run.registration_id for name, run in snapshot.live.items()}
@@ -158,7 +205,8 @@ class AdapterSlots:
                     logger.warning("Client model '%s' resumed from %s at step %d: its %d optim_step(s) after "
                                    "that save are lost", run.name, run.resume_from, step, run.step - step)
                 else:
-                    logger.info("Client model '%s' resumed from %s (step %d)", run.name, run.resume_from, step)
+                    how = "paged in" if Path(run.resume_from).name == PAGED_DIR else "resumed"
+                    logger.info("Client model '%s' %s from %s (step %d)", run.name, how, run.resume_from, step)
             self.loaded[run.name] = LoadedAdapter(
                 registration_id=run.registration_id, slot=run.slot, saves=False, samples_per_group=1,
                 step=step, accumulated_groups=0, saved=(step, 0), client=True)

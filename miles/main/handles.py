@@ -39,6 +39,8 @@ class ControllerHandle(Protocol):
     wait_for_client_commands: Remote[bool]
     complete_client_command: Remote[None]
     fail_client_command: Remote[None]
+    idle_client_models: Remote[list[str]]
+    page_out_client: Remote[bool]
 
 
 class RolloutManagerHandle(Protocol):

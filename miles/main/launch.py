@@ -105,7 +105,8 @@ async def launch(cfg: MilesConfig) -> Components:
     pusher = EnginePusher(backend, await rollout_manager.engines.remote(), rollout_manager,
                           mode=cfg.engine_lora_update)
     stages = Stages.build(backend, controller, rollout_manager, pusher=pusher, save_interval=cfg.save_interval,
-                          overlap_push=cfg.overlap_weight_push, client_wait_s=cfg.multi_lora_idle_poll_s)
+                          overlap_push=cfg.overlap_weight_push, client_wait_s=cfg.multi_lora_idle_poll_s,
+                          idle_evict_s=cfg.multi_lora_idle_evict_s)
     logger.info("Router at %s", router_url)
     return Components(controller, rollout_manager, backend, stages)
 

@@ -33,10 +33,11 @@ class Stages:
     @classmethod
     def build(cls, backend: TrainingBackend, controller: ControllerHandle, rollout_manager: RolloutManagerHandle, *,
               pusher: Pusher | None = None, save_interval: int | None = None, overlap_push: bool = False,
-              max_train_failures: int = 3, client_wait_s: float = 1.0) -> Stages:
+              max_train_failures: int = 3, client_wait_s: float = 1.0, idle_evict_s: float = 0.0) -> Stages:
         push = WeightPush(backend, controller, pusher, overlap=overlap_push)
         activation = EarlyActivation(backend, controller, push, loaded=lambda: slots.loaded)
-        slots = AdapterSlots(backend, controller, rollout_manager, push, activation, save_interval=save_interval)
+        slots = AdapterSlots(backend, controller, rollout_manager, push, activation, save_interval=save_interval,
+                             idle_evict_s=idle_evict_s)
         train = TrainStep(backend, controller, push, max_failures=max_train_failures)
         clients = ClientCommands(backend, controller, loaded=lambda: slots.loaded_clients(), wait_s=client_wait_s)
         return cls(slots, push, activation, train, clients)

@@ -246,6 +246,7 @@ class MilesConfig:
     multi_lora_adapter: list[tuple[str, str]] = _flag([], "NAME PATH of an adapter YAML to register at start (repeatable).", nargs=2, action="append", metavar=("NAME", "PATH"))
     multi_lora_adapters: list[str] = _flag([], "Adapter YAMLs to register at start (name = file stem).", nargs="+")
     multi_lora_queue_size: int = _flag(DEFAULT_QUEUE_SIZE, "Registrations that may wait for a slot when every slot is held: they are QUEUED and take freed slots by priority, then in arrival order (0: refuse them with 409, as Miles does).")
+    multi_lora_idle_evict_s: float = _flag(0.0, "Page a Tinker client's model out of its slot once it has had no command for this many seconds: its weights, optimizer moments, pending gradient and clock go to its save directory and the slot is freed; its next command pages it back in (0: never).")
     multi_lora_idle_poll_s: float = _flag(5.0, "Service mode: seconds between polls while no adapter is live.")
     multi_lora_api_host: str = _flag("127.0.0.1", "Bind address of the control plane.")
     multi_lora_api_port: int = _flag(8068, "Port of the control plane (0: ephemeral).")
@@ -368,6 +369,8 @@ class MilesConfig:
             raise ConfigError("--multi-lora-n-adapters must be >= 0 (0 turns multi-LoRA off)")
         if self.multi_lora_queue_size < 0:
             raise ConfigError("--multi-lora-queue-size must be >= 0 (0 refuses a registration that finds no free slot)")
+        if self.multi_lora_idle_evict_s < 0:
+            raise ConfigError("--multi-lora-idle-evict-s must be >= 0 (0 never pages an idle client model out)")
         if self.lora_alpha <= 0:
             raise ConfigError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
         if (self.sglang_router_ip is None) != (self.sglang_router_port is None):

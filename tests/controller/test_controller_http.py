@@ -462,6 +462,40 @@ def test_client_driven_adapters_are_told_apart_with_their_loss_and_pending_comma
         text, "miles_adapter_groups_buffered")
 
 
+def test_a_paged_client_model_is_shown_paged_and_its_command_is_retried_while_no_slot_is_free(
+        plane: ThreadedController, client: ControlPlaneClient, raw: httpx.Client, data_root: Path) -> None:
+    gateway = plane.controller.gateway
+
+    async def create_model_and_page_it_out() -> tuple[str, str]:
+        created = gateway.create_model(gateway.create_session(SessionInfo()), 0, "base",
+                                       LoraLayout(rank=4, train_unembed=False), {})
+        assert created.model is not None and created.model_id is not None
+        plane.controller.backend.activate_clients([created.model])
+        assert gateway.idle_models(0.0) == [created.model]
+        assert gateway.page_out(created.model, str(data_root / "paged"))
+        return created.model, created.model_id
+
+    model, model_id = plane.call(create_model_and_page_it_out())
+    status = client.status(model)
+    assert (status.state, status.slot, status.step) == (AdapterState.PAGED, None, 0)
+    text = client.metrics()
+    assert re.search(r"^miles_adapter_client_paged 1\.0$", text, flags=re.M)
+    assert re.search(r'^miles_controller_adapters{state="PAGED"} 1\.0$', text, flags=re.M)
+    assert f'adapter="{model}"' not in text  # no per-adapter series without a slot
+    client.register("a", config={"data": data_path(data_root)})
+    client.register("b", config={"data": data_path(data_root)})  # every slot held
+    step = {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 0.1}}
+    refused = raw.post("/api/v1/optim_step", json=step)
+    assert refused.status_code == 429 and "no slot is free" in refused.json()["detail"]
+    assert "x-should-retry" not in refused.headers and refused.headers["retry-after"] == "1"  # the SDK retries it
+    assert client.status(model).state is AdapterState.PAGED
+    client.deregister("b")  # the lifecycle frees its slot as the trainer would
+    plane.call(plane.controller.retire_adapters())
+    plane.call(plane.controller.free_slots(["b"]))
+    assert raw.post("/api/v1/optim_step", json=step).status_code == 200  # the same call again pages it in
+    assert client.status(model).state is AdapterState.PENDING and client.status(model).slot == 1
+
+
 def test_openapi_lists_the_routes(raw: httpx.Client) -> None:
     spec = raw.get("/openapi.json").json()
     assert spec["info"]["title"] == "Miles Multi-LoRA Controller"

@@ -248,3 +248,49 @@ def test_layouts_are_part_of_the_model_and_survive_a_restart(defaults: AdapterDe
     head = restarted.create_model(session, 2, "tiny-base", LoraLayout(rank=4), {}).model_id
     assert head is not None and restarted.model(head)[1].frozen_groups() == frozenset()
     store.close()
+
+
+def test_a_paged_model_stays_paged_over_a_restart_and_its_next_command_pages_it_in(
+        defaults: AdapterDefaults, clock: Clock, tmp_path: Path) -> None:
+    """The page-out is written through to the registry's store: a controller restarted over it
+    (as after a SIGKILL of the whole trainer) knows the model PAGED, and its next command puts it
+    in a slot to be loaded from where it was paged out to."""
+    from miles.utils.types import AdamStep, OptimStepCommand, OptimStepResult
+
+    store = RegistryStore(tmp_path / "registry.sqlite")
+    gateway = TinkerGateway(MultiLoRABackend(1, defaults, store=store), GatewayConfig(base_model="/m/tiny-base"),
+                            store, clock=clock)
+    session = gateway.create_session(SessionInfo())
+    created = gateway.create_model(session, 0, "tiny-base", LAYOUT, {})
+    model, model_id = created.model, created.model_id
+    assert model is not None and model_id is not None
+    gateway.backend.activate_clients([model])
+    step = gateway.submit(model_id, 1, ClientCommandKind.OPTIM_STEP,
+                          lambda: OptimStepCommand(AdamStep(learning_rate=0.1)))
+    clock.now += 30
+    assert gateway.idle_models(10) == []  # a command in flight (logged, not taken)
+    gateway.take_commands()
+    assert gateway.idle_models(10) == []  # running
+    clock.now += 30
+    assert gateway.idle_models(10) == []  # running: its future is not completed
+    gateway.complete(step.future_id, OptimStepResult({}))
+    assert gateway.idle_models(10) == []  # it just finished
+    clock.now += 10
+    assert gateway.idle_models(10) == [model]
+    paged_dir = str(tmp_path / "paged")
+    assert gateway.page_out(model, paged_dir) and gateway.paged_count() == 1
+    assert not gateway.page_out(model, paged_dir)  # PAGED already
+    store.close()
+
+    store = RegistryStore(tmp_path / "registry.sqlite")
+    backend = MultiLoRABackend(1, defaults, store=store)
+    backend.requeue_for_new_trainer()
+    restarted = TinkerGateway(backend, GatewayConfig(base_model="/m/tiny-base"), store, clock=clock)
+    assert restarted.model_state(model_id) is AdapterState.PAGED and backend.registry.free_slots == [0]
+    assert restarted.idle_models(0) == []  # only a model in a slot pages out
+    restarted.submit(model_id, 2, ClientCommandKind.OPTIM_STEP, lambda: OptimStepCommand(AdamStep(learning_rate=0.1)))
+    run = backend.snapshot().clients[model]
+    assert (run.state, run.slot, run.step, run.resume_from, run.resume_step) == (
+        AdapterState.PENDING, 0, 1, paged_dir, 1)
+    restarted.unload_model(model_id)
+    assert restarted.model_state(model_id) is AdapterState.RETIRING

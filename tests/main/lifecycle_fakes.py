@@ -93,7 +93,8 @@ class FakeBackend:
     calls: list[tuple[str, str]] = field(default_factory=list)
     client_calls: list[tuple[int, list[str]]] = field(default_factory=list)
     """(rollout id, the adapters of its client work in order) of every train call with client work."""
-    client_disk: dict[str, float] = field(default_factory=dict)
+    client_disk: dict[str, tuple[float, int | None]] = field(default_factory=dict)
+    """directory -> (weights, pending count: only a page-out writes it)."""
     """Client `save_state` directory -> the weights saved there."""
     fail_train: bool = False
     fail_client: bool = False
@@ -190,14 +191,15 @@ class FakeBackend:
             self.pending[name] = 0
         return out
 
-    async def save_client_state(self, name: str, directory: str) -> Path:
+    async def save_client_state(self, name: str, directory: str, *, pending: bool = False) -> Path:
         self.calls.append(("save_client_state", name))
-        self.client_disk[directory] = self.weights[name]
+        self.client_disk[directory] = (self.weights[name], self.pending[name] if pending else None)
         return Path(directory)
 
     async def load_client_state(self, name: str, directory: str, *, optimizer: bool = True) -> None:
         self.calls.append(("load_client_state", name))
-        self.weights[name], self.pending[name] = self.client_disk[directory], 0
+        weights, pending = self.client_disk[directory]
+        self.weights[name], self.pending[name] = weights, (pending or 0) if optimizer else 0
 
     async def save_adapter(self, request: SaveRequest) -> Path:
         spec = self.specs[request.name]

@@ -500,3 +500,133 @@ async def test_each_stage_returns_the_registrys_own_snapshot(tmp_path):
     assert snapshot == t.snapshot()
     assert (snapshot.active["a"].step, snapshot.active["a"].start_step, snapshot.active["a"].final_step) == (1, 1, 3)
     assert snapshot.active["a"].version == 2  # slot 0 was pushed once before
+
+
+class ClientDriver:
+    """One Tinker model on a `Trainer`, driven command by command through the real stages:
+    `reconcile` (which pages idle models out) and `run_alone` (which runs what is logged)."""
+
+    def __init__(self, t: Trainer, idle_evict_s: float = 0.0) -> None:
+        self.t, self.now, self.seq_id, self.rollout = t, 1000.0, 1, 0
+        t.stages.slots.idle_evict_s = idle_evict_s
+        self.gateway = t.controller.gateway
+        self.gateway.clock = lambda: self.now
+        self.session = self.gateway.create_session(SessionInfo())
+        created = self.gateway.create_model(self.session, 0, "base", LoraLayout(rank=4, train_unembed=False), {})
+        assert created.model is not None and created.model_id is not None
+        self.model, self.model_id = created.model, created.model_id
+
+    def submit(self, kind: ClientCommandKind):
+        datum = ClientDatum(tokens=[5, 6, 7], inputs={"target_tokens": [6, 7, 5]})
+        build = ((lambda: OptimStepCommand(AdamStep(learning_rate=0.5))) if kind is ClientCommandKind.OPTIM_STEP
+                 else (lambda: ForwardCommand([datum, datum], ClientLoss("cross_entropy"))))
+        future = self.gateway.submit(self.model_id, self.seq_id, kind, build)
+        self.seq_id += 1
+        return future
+
+    async def reconcile(self, after_s: float = 0.0) -> None:
+        self.now += after_s
+        self.gateway.heartbeat(self.session)  # the SDK's heartbeats go on while the model is idle
+        await self.t.stages.slots.reconcile(self.t.snapshot())
+
+    async def run(self) -> None:
+        """Load what is due, then run every logged command of the model."""
+        await self.reconcile()
+        while self.gateway.log.busy(self.model):
+            assert await self.t.stages.clients.run_alone(self.rollout, self.t.stages.train)
+            self.rollout += 1
+
+    def result(self, future):
+        return self.gateway.log.get(future.future_id).result
+
+
+async def test_an_idle_client_model_is_paged_out_and_its_next_command_pages_it_back_in_exactly(tmp_path):
+    """Idle for --multi-lora-idle-evict-s with nothing in flight: its state (weights, pending
+    gradient) goes to {save}/paged and its slot to whoever needs it; its next command is refused
+    retryably while no slot is free, then pages it in, and it goes on as a model never paged out."""
+    from miles.controller.tinker.gateway import GatewayBusyError
+
+    for sub in ("kept", "paged"):
+        (tmp_path / sub).mkdir()
+    kept, paged = ClientDriver(Trainer(tmp_path / "kept", n_slots=1)), \
+        ClientDriver(Trainer(tmp_path / "paged", n_slots=1), idle_evict_s=60)
+    for d in (kept, paged):
+        d.submit(ClientCommandKind.FORWARD_BACKWARD)
+        await d.run()
+    t, model = paged.t, paged.model
+    await paged.reconcile(after_s=59)
+    assert t.status(model).state is AdapterState.ACTIVE  # not idle long enough yet
+    pending = paged.submit(ClientCommandKind.FORWARD_BACKWARD)
+    await paged.reconcile(after_s=3600)
+    assert t.status(model).state is AdapterState.ACTIVE  # a command in flight: never paged out
+    await paged.run()
+    kept.submit(ClientCommandKind.FORWARD_BACKWARD)
+    await kept.run()
+    assert paged.result(pending) == kept.result(kept.gateway.log.commands(kept.model)[-1])
+
+    await paged.reconcile(after_s=60)
+    status = t.status(model)
+    assert (status.state, status.slot, status.version) == (AdapterState.PAGED, None, None)
+    assert t.backend.slots == {} and t.controller.backend.registry.free_slots == [0]
+    directory = str(tmp_path / "paged" / "save" / "adapters" / model / "paged")
+    assert t.backend.client_disk[directory] == (0.0, 4)  # its weights and the gradient of 4 datums not stepped
+    assert t.snapshot().clients == {}  # the trainer neither loads nor runs it
+
+    await t.register("a")  # the freed slot serves an RL adapter
+    logged = len(paged.gateway.log.commands(model))
+    with pytest.raises(GatewayBusyError, match="no slot is free to page it back in") as refused:
+        paged.submit(ClientCommandKind.OPTIM_STEP)
+    assert refused.value.status == 429 and refused.value.retryable
+    assert len(paged.gateway.log.commands(model)) == logged and t.status(model).state is AdapterState.PAGED
+    t.controller.backend.deregister("a")
+    await paged.reconcile()  # "a" retires: its slot is free again
+    # the client sends the refused call again (at the same seq_id)
+    for d in (kept, paged):
+        d.submit(ClientCommandKind.OPTIM_STEP)
+        d.submit(ClientCommandKind.FORWARD_BACKWARD)
+    assert t.status(model).state is AdapterState.PENDING  # paged in by the command
+    for d in (kept, paged):
+        await d.run()
+    assert ("load_client_state", model) in t.backend.calls
+    assert t.status(model).state is AdapterState.ACTIVE and t.status(model).step == 1
+    assert t.backend.weights[model] == kept.t.backend.weights[kept.model] == 2.0  # 4 datums at lr 0.5
+    want, got = (d.gateway.log.commands(d.model)[-1] for d in (kept, paged))
+    assert paged.result(got) == kept.result(want)
+    assert t.backend.pending[model] == kept.t.backend.pending[kept.model] == 2
+
+
+async def test_a_command_that_comes_while_its_model_is_paged_out_keeps_it_in_its_slot(tmp_path):
+    """The page-out is checked again after the state is written: a command logged meanwhile keeps
+    the model ACTIVE, loaded back exactly as it was, and the command runs."""
+    d = ClientDriver(Trainer(tmp_path, n_slots=1), idle_evict_s=60)
+    d.submit(ClientCommandKind.FORWARD_BACKWARD)
+    await d.run()
+    t = d.t
+    save = t.backend.save_client_state
+    late = []
+
+    async def save_while_a_command_comes(name: str, directory: str, *, pending: bool = False):
+        late.append(d.submit(ClientCommandKind.OPTIM_STEP))
+        return await save(name, directory, pending=pending)
+
+    t.backend.save_client_state = save_while_a_command_comes  # type: ignore[method-assign]
+    await d.reconcile(after_s=600)
+    assert late and t.status(d.model).state is AdapterState.ACTIVE and t.status(d.model).slot == 0
+    assert t.backend.slots == {0: d.model} and t.backend.pending[d.model] == 2
+    await d.run()
+    assert t.status(d.model).step == 1 and t.backend.weights[d.model] == 1.0
+
+
+async def test_a_page_out_that_cannot_be_written_keeps_the_model_in_its_slot(tmp_path, caplog):
+    d = ClientDriver(Trainer(tmp_path, n_slots=1), idle_evict_s=60)
+    d.submit(ClientCommandKind.FORWARD_BACKWARD)
+    await d.run()
+
+    async def full_disk(name: str, directory: str, *, pending: bool = False):
+        raise OSError("No space left on device")
+
+    d.t.backend.save_client_state = full_disk  # type: ignore[method-assign]
+    await d.reconcile(after_s=600)
+    assert d.t.status(d.model).state is AdapterState.ACTIVE and d.t.backend.slots == {0: d.model}
+    assert d.t.backend.pending[d.model] == 2
+    assert "could not be paged out (OSError: No space left on device); it keeps its slot" in caplog.text

@@ -6,7 +6,7 @@ two SFT clients, each alone, then both at once beside a server-driven RL adapter
 over the control plane (each equal to its run alone), each client step shown in the run's
 metrics records and the control plane's `/metrics`. On the tiny pretrained base: an SDK RL
 loop that raises the held-out reward of additions while sampling, from the engines, exactly
-the snapshots it trains.
+the snapshots it trains, its model paged out of its slot and back in whenever it idles.
 """
 
 from __future__ import annotations
@@ -275,8 +275,11 @@ def test_an_sdk_rl_loop_raises_the_reward_and_samples_the_snapshots_it_trains(ti
     greedy reward rises, each round samples the snapshot the round before wrote, and the engines
     serve exactly the trainer's weights. The trainer runs with `--lora-unembed` and the model
     takes the SDK's default layout (`train_unembed=True`, as the cookbook's recipes create
-    theirs): its lm_head LoRA trains, is snapshotted and served."""
-    flags = [*tiny_run_flags(tiny_base_dir, tmp_path / "save", n_adapters=2), "--lora-unembed"]
+    theirs): its lm_head LoRA trains, is snapshotted and served. The model is paged out of its
+    slot whenever it idles half a second (while the client samples) and paged back in by its
+    next call: the numbers are those of a model that never left (paging is exact)."""
+    flags = [*tiny_run_flags(tiny_base_dir, tmp_path / "save", n_adapters=2), "--lora-unembed",
+             "--multi-lora-idle-evict-s", "0.5"]
     driver = DriverProcess(TRAINER, flags, tmp_path / "trainer.log")
     try:
         url = driver.wait_for_api_url()
@@ -304,5 +307,8 @@ def test_an_sdk_rl_loop_raises_the_reward_and_samples_the_snapshots_it_trains(ti
             tensors, config = read_peft_dir(max(snapshot.iterdir(), key=lambda p: p.stat().st_mtime))
             assert "lm_head" in config["target_modules"]
             assert tensors["base_model.model.lm_head.lora_B.weight"].abs().max() > 1e-3
+            log = driver.log_path.read_text()
+            paged = "Paged out client models idle for 0.5 s or more" in log and " paged in from " in log
+            assert paged, driver.log_tail()
     finally:
         driver.kill()

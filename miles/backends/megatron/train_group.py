@@ -81,9 +81,13 @@ class MegatronTrainGroup(TrainGroup):
         """Every rank takes part in the TP gather; rank 0's whole tensors stay in the object store."""
         return await self._export_from_rank_0(name, *(actor.export_adapter.remote(name) for actor in self._actors[1:]))
 
-    async def save_client_state(self, name: str, directory: str) -> Path:
-        """Every rank takes part in the TP gathers; rank 0 writes."""
-        return Path((await self._all("save_client_state", name, directory))[0])
+    async def save_client_state(self, name: str, directory: str, *, pending: bool = False) -> Path:
+        """Every rank takes part in the TP gathers; rank 0 writes (with `pending`, also the
+        gradient not yet stepped, summed over DP and TP)."""
+        import ray
+
+        grad = ray.put(await self._pending_grad(name)) if pending else None  # one copy for every rank
+        return Path((await self._all("save_client_state", name, directory, grad))[0])
 
     async def save_adapter(self, request: SaveRequest) -> Path:
         """Every rank takes part in the gathers (gradient over DP and TP, weights over TP); rank 0 writes."""

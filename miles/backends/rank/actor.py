@@ -228,8 +228,8 @@ class TrainRank:
     def accumulated_grad(self, name: str) -> GradShare:
         return self.core.accumulated_grad(name)
 
-    def save_client_state(self, name: str, directory: str) -> str:
-        return self.core.save_client_state(name, directory)
+    def save_client_state(self, name: str, directory: str, pending: dict[str, Tensor] | None = None) -> str:
+        return self.core.save_client_state(name, directory, pending)
 
     def load_client_state(self, name: str, directory: str, optimizer: bool = True) -> None:
         self.core.load_client_state(name, directory, optimizer)

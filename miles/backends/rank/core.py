@@ -56,6 +56,7 @@ from miles.backends.torch.checkpoint import (
     TrainerState,
     checkpoint_step,
     read_checkpoint,
+    read_pending_grad,
     write_checkpoint,
     write_checkpoint_dir,
 )
@@ -111,6 +112,15 @@ class GradShare:
     (the train group sums them); Megatron: the replicas' sum on global rank 0, none elsewhere."""
     samples: int
     """The samples of all ranks trained toward that step (the LR clock's count, the same on every rank)."""
+
+
+def sum_grad_shares(shares: Sequence[GradShare]) -> dict[str, Tensor]:
+    """The whole gradient from the ranks' shares (a Megatron rank past 0 holds none)."""
+    tensors: dict[str, Tensor] = {}
+    for share in shares:
+        for key, value in share.tensors.items():
+            tensors[key] = tensors[key] + value if key in tensors else value
+    return tensors
 
 
 @dataclass
@@ -659,10 +669,11 @@ class TrainCore:
         )
         return str(path)
 
-    def save_client_state(self, name: str, directory: str) -> str:
+    def save_client_state(self, name: str, directory: str, pending: dict[str, Tensor] | None = None) -> str:
         """A client's `save_state`: weights and optimizer state written to `directory` (the
         trainer state records the adapter's optimizer step count); '' on a rank that does not
-        write. Every rank that `gathers` must call."""
+        write. Every rank that `gathers` must call. `pending`: a page-out, which also writes the
+        gradient of the calls not yet stepped (summed over every rank: `accumulated_grad`)."""
         a = self.loaded(name)
         spec = a.spec
         if not self.model.gathers:
@@ -675,13 +686,15 @@ class TrainCore:
                              alpha=spec.alpha)
         path = write_checkpoint_dir(
             directory, write_adapter=lambda p: write_peft_dir(p, tensors, self.peft_config(spec)),
-            optimizer=optimizer, scheduler=a.schedule.state_dict(), trainer_state=state)
+            optimizer=optimizer, scheduler=a.schedule.state_dict(), trainer_state=state, pending_grad=pending)
         return str(path)
 
     def load_client_state(self, name: str, directory: str, optimizer: bool = True) -> None:
         """A client's `load_state`: the checkpoint's weights into the adapter's slot, and its
         moments and step count when `optimizer` (else fresh ones); the pending gradient is
-        dropped. ValueError when it holds another rank or alpha than the adapter's."""
+        dropped, unless the checkpoint is a page-out's: then its pending gradient and LR clock
+        come back too, so the model goes on exactly where it left its slot. ValueError when it
+        holds another rank or alpha than the adapter's."""
         spec = self.loaded(name).spec
         path = Path(directory)
         ckpt = read_checkpoint(path)
@@ -697,8 +710,22 @@ class TrainCore:
             exp_avg_sq = self.model.pad_slot_tensors(ckpt.optimizer.exp_avg_sq, spec.slot, spec.rank, path,
                                                      "optimizer state")
             self.optimizer.load_slot_state(spec.slot, exp_avg, exp_avg_sq, ckpt.optimizer.step)
+            pending = read_pending_grad(path)
+            if pending is not None:
+                self._restore_pending(name, path, pending, ckpt.scheduler)
         self._configure_slot(spec)  # after the loads: a frozen layer stays the base's whatever they held
         self._undo = None
+
+    def _restore_pending(self, name: str, path: Path, pending: dict[str, Tensor], scheduler: dict[str, Any]) -> None:
+        """A page-out's gradient back into the slot (the first DP replica holds the whole sum, the
+        others zeros, as `_restore_accumulated_grad`) and its LR clock."""
+        a = self.loaded(name)
+        if self.model.dp_rank == 0:
+            grads = self.model.pad_slot_tensors(pending, a.spec.slot, a.spec.rank, path, "pending gradient")
+            torch._foreach_copy_(self.optimizer.slot_grads(a.spec.slot), grads)
+        saved = LRSchedule.from_state_dict(scheduler)
+        a.schedule = replace(a.schedule, samples_seen=saved.samples_seen,
+                             samples_at_last_step=saved.samples_at_last_step)
 
     def _checkpoint_state(self, name: str, step: int, data_position: DataPosition | None,
                           accumulated: AccumulatedGrad | None) -> tuple[TrainerState, dict[str, Any]]:

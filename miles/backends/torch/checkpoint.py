@@ -45,6 +45,9 @@ OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_SCALARS = "optimizer.json"
 SCHEDULER = "scheduler.json"
 ACCUMULATED_GRAD = "accumulated_grad.safetensors"
+PENDING_GRAD = "pending_grad.safetensors"
+"""A client-driven model paged out of its slot: the gradient of its forward_backward calls not
+yet stepped (a client's own `save_state` never writes it)."""
 PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 COMPLETE_MARKERS = (TRAINER_STATE, OPTIMIZER_TENSORS, OPTIMIZER_SCALARS, SCHEDULER, *PEFT_FILES)
 
@@ -141,9 +144,11 @@ def write_checkpoint_dir(
     scheduler: dict[str, Any],
     trainer_state: TrainerState,
     accumulated_grad: AccumulatedGrad | None = None,
+    pending_grad: dict[str, Tensor] | None = None,
 ) -> Path:
     """Write a checkpoint to the directory `final` atomically (replacing one there): what
-    `write_checkpoint` writes under its step's name, and a client's `save_state` where it asks."""
+    `write_checkpoint` writes under its step's name, and a client's `save_state` where it asks;
+    with `pending_grad`, a client model's page-out (`PENDING_GRAD`)."""
     covered = (0, 0) if accumulated_grad is None else (accumulated_grad.groups, accumulated_grad.samples)
     if covered != (trainer_state.accumulated_groups, trainer_state.accumulated_samples):
         raise ValueError(f"the trainer state records {trainer_state.accumulated_groups} accumulated groups, "
@@ -162,6 +167,8 @@ def write_checkpoint_dir(
         save_file(tensors, str(tmp / OPTIMIZER_TENSORS))
         if accumulated_grad is not None:
             save_file({k: v.contiguous() for k, v in accumulated_grad.tensors.items()}, str(tmp / ACCUMULATED_GRAD))
+        if pending_grad is not None:
+            save_file({k: v.contiguous() for k, v in pending_grad.items()}, str(tmp / PENDING_GRAD))
         _write_json(tmp / OPTIMIZER_SCALARS, {"step": optimizer.step, "hyper": optimizer.hyper})
         _write_json(tmp / SCHEDULER, scheduler)
         _write_json(tmp / TRAINER_STATE, asdict(trainer_state))
@@ -170,6 +177,12 @@ def write_checkpoint_dir(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def read_pending_grad(path: str | Path) -> dict[str, Tensor] | None:
+    """The pending gradient a page-out wrote in the checkpoint `path`; None: it holds none."""
+    file = Path(path) / PENDING_GRAD
+    return load_file(str(file)) if file.is_file() else None
 
 
 def _step_dirs(save_dir: str | Path) -> list[Path]:

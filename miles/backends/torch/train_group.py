@@ -43,7 +43,7 @@ from miles.backends.base import (
 )
 from miles.backends.rank.actor import ExportDescription, TrainRank
 from miles.backends.rank.config import TrainActorConfig
-from miles.backends.rank.core import GradShare, LossSums, RankTrainResult
+from miles.backends.rank.core import GradShare, LossSums, RankTrainResult, sum_grad_shares
 from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.batching import Advantage
 from miles.backends.torch.checkpoint import AccumulatedGrad, latest_checkpoint, latest_miles_checkpoint
@@ -303,9 +303,16 @@ class TrainGroup:
 
     # ---- checkpoints -------------------------------------------------------------------
 
-    async def save_client_state(self, name: str, directory: str) -> Path:
-        """Rank 0 writes it (every rank holds the same weights and moments)."""
-        return Path(await self._actors[0].save_client_state.remote(name, directory))
+    async def save_client_state(self, name: str, directory: str, *, pending: bool = False) -> Path:
+        """Rank 0 writes it (every rank holds the same weights and moments); with `pending`, the
+        gradient not yet stepped, summed over every rank's share."""
+        grad = await self._pending_grad(name) if pending else None
+        return Path(await self._actors[0].save_client_state.remote(name, directory, grad))
+
+    async def _pending_grad(self, name: str) -> dict[str, torch.Tensor]:
+        shares: list[GradShare] = await asyncio.gather(*(actor.accumulated_grad.remote(name)
+                                                         for actor in self._actors))
+        return sum_grad_shares(shares)
 
     async def load_client_state(self, name: str, directory: str, *, optimizer: bool = True) -> None:
         """Every rank loads it."""
@@ -348,11 +355,8 @@ class TrainGroup:
                            "group(s) (%d samples) toward the next step; the gradient is not saved", request.name,
                            samples, request.accumulated_groups, request.accumulated_samples)
             return None
-        tensors: dict[str, torch.Tensor] = {}
-        for share in shares:  # each rank's share of the sum (a Megatron rank past 0 returns none)
-            for key, value in share.tensors.items():
-                tensors[key] = tensors[key] + value if key in tensors else value
-        return AccumulatedGrad(tensors, groups=request.accumulated_groups, samples=samples)
+        whole = sum_grad_shares([share for share in shares if isinstance(share, GradShare)])
+        return AccumulatedGrad(whole, groups=request.accumulated_groups, samples=samples)
 
     async def shutdown(self) -> None:
         import ray

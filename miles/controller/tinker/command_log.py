@@ -402,6 +402,12 @@ class CommandLog:
         model_log = self._models.get(model)
         return 0 if model_log is None else len(model_log.pending)
 
+    def busy(self, model: str) -> bool:
+        """The model has a command in flight: logged and not taken, or RUNNING (its future not
+        completed yet). A busy model is never paged out."""
+        model_log = self._models.get(model)
+        return model_log is not None and bool(model_log.pending or model_log.running)
+
     def commands(self, model: str) -> list[Future]:
         """The model's logged commands in seq_id order."""
         model_log = self._models.get(model)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.controller.backend import MultiLoRABackend
-from miles.controller.registry import AdapterValidationError, NoFreeSlotError
+from miles.controller.registry import AdapterValidationError, NoFreeSlotError, NoSlotToPageInError
 from miles.controller.store import RegistryStore
 from miles.controller.tinker.checkpoints import (
     CHECKPOINT_NAME,
@@ -76,9 +76,11 @@ prefix and the call's seq_id."""
 
 
 class GatewayError(Exception):
-    """A request the gateway refuses; `status` is its HTTP status. The SDK retries none of them."""
+    """A request the gateway refuses; `status` is its HTTP status. The SDK retries none of them,
+    except those marked `retryable` (sent without `x-should-retry: false`)."""
 
     status = 400
+    retryable = False
 
 
 class GatewayNotFoundError(GatewayError):
@@ -106,6 +108,15 @@ class GatewayCapacityError(GatewayError):
     """No free slot for a new model (HTTP 409, marked not to be retried)."""
 
     status = 409
+
+
+class GatewayBusyError(GatewayError):
+    """A paged-out model's command found no free slot to page it back into (HTTP 429, which
+    the SDK retries with backoff, as it does 408/409/5xx): nothing was logged, and the same
+    call sent again pages the model in once a slot frees."""
+
+    status = 429
+    retryable = True
 
 
 @dataclass(frozen=True)
@@ -220,6 +231,9 @@ class TinkerGateway:
         for status in backend.statuses():
             if status.kind is AdapterKind.CLIENT and status.model_id is not None:
                 self._models[status.model_id] = status.name
+        self._last_active: dict[str, float] = {}
+        """Registry name -> when a command of the model was last logged or finished (its
+        creation, or this gateway's start, before that): how long it has been idle."""
 
     # ---- sessions -------------------------------------------------------------------------
 
@@ -391,7 +405,8 @@ class TinkerGateway:
 
     def _unload(self, model_id: str) -> bool:
         name = self._models.get(model_id)
-        if name is None or self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE):
+        if name is None or self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE,
+                                                                      AdapterState.PAGED):
             return False
         self.backend.deregister(name)
         failed = self.log.fail_model(name, f"model {model_id} was unloaded before this command ran")
@@ -414,8 +429,12 @@ class TinkerGateway:
             found = self.log.retry_of(name, model_id, seq_id, kind)
             if found is not None:
                 return found
-            if self.backend.registry.state(name) not in (AdapterState.PENDING, AdapterState.ACTIVE):
+            state = self.backend.registry.state(name)
+            if state is AdapterState.PAGED:
+                self._page_in(name)
+            elif state not in (AdapterState.PENDING, AdapterState.ACTIVE):
                 raise GatewayNotFoundError(f"Model {model_id} was unloaded; create a new training client")
+            self._last_active[name] = self.clock()
             try:
                 request = build()
             except GatewayError as exc:  # the model itself was found above: this is about the body
@@ -424,6 +443,34 @@ class TinkerGateway:
             return self.log.submit_command(name, model_id, seq_id, kind, request)
         except CommandLogError as exc:
             raise GatewayError(str(exc)) from None
+
+    def _page_in(self, name: str) -> None:
+        try:
+            slot = self.backend.page_in_client(name)
+        except NoSlotToPageInError as exc:
+            raise GatewayBusyError(str(exc)) from None
+        logger.info("Tinker model '%s' was paged out while idle; its command pages it back in (slot %d)", name, slot)
+
+    # ---- paging idle models (the driver, through the controller actor) ---------------------
+
+    def idle_models(self, idle_s: float) -> list[str]:
+        """The ACTIVE client-driven models with no command in flight (none logged and not
+        taken, none running) whose last command was logged or finished `idle_s` or more ago."""
+        now = self.clock()
+        return sorted(name for name, run in self.backend.snapshot().clients.items()
+                      if run.state is AdapterState.ACTIVE and not self.log.busy(name)
+                      and now - self._last_active.setdefault(name, now) >= idle_s)
+
+    def page_out(self, name: str, directory: str) -> bool:
+        """The trainer wrote the model's whole state to `directory` and emptied its slot: PAGED,
+        its slot free. False (nothing changes; the trainer loads it back) if a command of it came
+        in meanwhile, or it is not ACTIVE any more."""
+        if self.log.busy(name):
+            return False
+        return self.backend.page_out_client(name, directory) >= 0
+
+    def paged_count(self) -> int:
+        return self.backend.registry.paged_count
 
     def save_state_command(self, model_id: str, name: str | None, overwrite: bool) -> SaveStateCommand:
         checkpoint = self._checkpoint_name(name)
@@ -707,6 +754,7 @@ class TinkerGateway:
         future = self.log.complete(future_id, result)
         if future.model is None:
             return future
+        self._last_active[future.model] = self.clock()
         if future.kind is FutureKind.OPTIM_STEP:
             self.backend.record_client_step(future.model)
         elif isinstance(future.request, SaveStateCommand | LoadStateCommand):
@@ -717,7 +765,10 @@ class TinkerGateway:
         return future
 
     def fail(self, future_id: str, error: str, category: ErrorCategory = ErrorCategory.SERVER) -> Future:
-        return self.log.fail(future_id, error, category)
+        future = self.log.fail(future_id, error, category)
+        if future.model is not None:
+            self._last_active[future.model] = self.clock()
+        return future
 
     def fail_running(self, error: str) -> list[str]:
         return self.log.fail_running(error)

@@ -109,7 +109,9 @@ def install_tinker_routes(app: FastAPI, gateway: TinkerGateway) -> None:
         status = (exc.status if isinstance(exc, GatewayError)
                   else 404 if isinstance(exc, UnknownFutureError | CheckpointFileNotFoundError)
                   else 401 if isinstance(exc, CheckpointFileError) else 400)
-        return JSONResponse(status_code=status, content={"detail": str(exc)}, headers=NO_RETRY)
+        retry = isinstance(exc, GatewayError) and exc.retryable
+        return JSONResponse(status_code=status, content={"detail": str(exc)},
+                            headers={"retry-after": "1"} if retry else NO_RETRY)
 
     # NoRouterError is a 400, not a 503: the SDK retries 5xx for minutes, and a trainer without
     # engines will not get any.

@@ -4,7 +4,7 @@ import { AuthError, request } from "./api.js";
 import { sparkline } from "./charts.js";
 import { adapterColour, el, formatNumber, setText, swatch } from "./dom.js";
 
-const RETIRABLE = new Set(["QUEUED", "PENDING", "ACTIVE"]);
+const RETIRABLE = new Set(["QUEUED", "PENDING", "ACTIVE", "PAGED"]);
 
 /** The curve shown in a row: the reward for RL adapters, the summed loss for client (Tinker) ones. */
 function sparkMetric(kind) {

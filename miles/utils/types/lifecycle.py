@@ -27,6 +27,7 @@ class AdapterState(str, enum.Enum):
         QUEUED --(a slot frees; head of the queue)--> PENDING --(first push)--> ACTIVE
         PENDING/ACTIVE --(DELETE or num_step)--> RETIRING --> CLEANUP --> COMPLETED (or FAILED)
         QUEUED --(DELETE)--> forgotten (no record kept; the name is free at once)
+        ACTIVE (client-driven, idle) --(page out)--> PAGED --(its next command)--> PENDING
     """
 
     QUEUED = "QUEUED"
@@ -43,6 +44,11 @@ class AdapterState(str, enum.Enum):
     """No longer sampled; waiting for the trainer's final save and slot release."""
     COMPLETED = "COMPLETED"
     """Done; holds no slot. Kept for status queries (bounded retention)."""
+    PAGED = "PAGED"
+    """A client-driven model idle for `--multi-lora-idle-evict-s`: its state (weights, moments,
+    pending gradient, clock) was written to its save directory and its slot freed. Live: its
+    name, step and commands are kept; its next command pages it back into a free slot
+    (PENDING, resumed from that state). Not a Miles state."""
     FAILED = "FAILED"
     """Its plug-ins failed prompt group after prompt group: it left like a retired adapter
     (requests aborted, saved, slot freed) and its status keeps the last error. Terminal like
@@ -51,7 +57,7 @@ class AdapterState(str, enum.Enum):
     @property
     def holds_slot(self) -> bool:
         """PENDING, ACTIVE, RETIRING or CLEANUP: a row of the page table is this adapter's."""
-        return not (self.terminal or self is AdapterState.QUEUED)
+        return not (self.terminal or self in (AdapterState.QUEUED, AdapterState.PAGED))
 
     @property
     def terminal(self) -> bool:

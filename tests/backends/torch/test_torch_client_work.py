@@ -212,3 +212,39 @@ def test_a_client_seed_fixes_the_fresh_adapter_whatever_its_name(tiny_model_dir)
     actor.load_adapter(spec("s3", 2, seed=8))
     assert max_abs_diff(actor.export_adapter("s1"), actor.export_adapter("s2")) == 0.0
     assert max_abs_diff(actor.export_adapter("s1"), actor.export_adapter("s3")) > 1e-3
+
+
+def test_a_paged_out_model_comes_back_bit_for_bit_and_trains_on_as_if_never_paged(tiny_model_dir, tmp_path):
+    """A page-out (`--multi-lora-idle-evict-s`) writes weights, moments, the gradient of the calls
+    not yet stepped and the clock; loaded into another slot it is the same model exactly."""
+    kept, paged = new_actor(tiny_model_dir), new_actor(tiny_model_dir)
+    for actor in (kept, paged):
+        actor.load_adapter(spec("c", 0, seed=5))
+        actor.train_batch([], [], {}, client=[client_work("c", 0, client_datums("ppo", 3, seed=60), "ppo")])
+        actor.step_adapters(["c"], adam={"c": ADAM})
+        actor.train_batch([], [], {}, client=[client_work("c", 0, client_datums("ppo", 2, seed=61), "ppo")])
+    before = (paged.export_adapter("c"), paged.optimizer_state("c"), slot_grads(paged, 0), paged.schedule_state("c"))
+    assert any(torch.count_nonzero(g) for g in before[2])  # a gradient is pending
+    path = paged.save_client_state("c", str(tmp_path / "paged"), paged.accumulated_grad("c").tensors)
+    paged.cleanup_adapter("c")
+    paged.load_adapter(spec("other", 0))  # its slot goes to another model meanwhile
+    paged.load_adapter(spec("c", 2, seed=5))
+    paged.load_client_state("c", path)
+
+    weights, moments, grads, clock = (paged.export_adapter("c"), paged.optimizer_state("c"), slot_grads(paged, 2),
+                                      paged.schedule_state("c"))
+    assert all(torch.equal(weights[k], before[0][k]) for k in weights) and weights.keys() == before[0].keys()
+    assert moments.step == before[1].step == 1
+    for got, want in ((moments.exp_avg, before[1].exp_avg), (moments.exp_avg_sq, before[1].exp_avg_sq)):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert all(torch.equal(a, b) for a, b in zip(grads, before[2], strict=True))
+    assert clock == before[3]
+
+    data = client_datums("cispo", 3, seed=62)
+    outputs = []
+    for actor, slot in ((kept, 0), (paged, 2)):
+        outputs.append(actor.train_batch([], [], {}, client=[client_work("c", slot, data, "cispo")]).client[0])
+        actor.step_adapters(["c"], adam={"c": ADAM})
+    for got, want in zip(outputs[1], outputs[0], strict=True):
+        assert got.loss == want.loss and got.outputs["logprobs"] == want.outputs["logprobs"]
+    assert max_abs_diff(paged.export_adapter("c"), kept.export_adapter("c")) == 0.0

@@ -98,6 +98,18 @@ async def test_dp2_mixed_calls_equal_dp1_alone_and_a_failed_call_counts_nowhere(
         path = await dp2.save_client_state("c1", str(tmp_path / "c1-state"))
         await dp1.load_client_state("c1", str(path), optimizer=True)
         assert max_abs_diff(await _weights(dp2, "c1"), await _weights(dp1, "c1")) == 0.0
+
+        # A page-out on the DP=2 group writes the pending gradient summed over its ranks: paged
+        # in on the DP=1 group, the next step there is the DP=2 group's own.
+        pending = client_datums("cispo", 4, seed=15)
+        await dp2.train(4, _rollout(4, []), client=[client_work("c1", 1, pending, "cispo")])
+        paged = await dp2.save_client_state("c1", str(tmp_path / "c1-paged"), pending=True)
+        await dp1.cleanup_adapter("c1")
+        await dp1.load_adapter(spec("c1", 0))
+        await dp1.load_client_state("c1", str(paged))
+        await dp2.step_adapters(["c1"], adam={"c1": ADAM})
+        await dp1.step_adapters(["c1"], adam={"c1": ADAM})
+        assert max_abs_diff(await _weights(dp2, "c1"), await _weights(dp1, "c1")) <= 1e-5
     finally:
         await dp2.shutdown()
         await dp1.shutdown()
