@@ -8,7 +8,8 @@ measures); its figures, the exact command, the machine and the date are collecte
 `docs/benchmarks.json`, and `docs/BENCHMARKS.md` gets one table row per figure. With
 `--before`, an earlier `benchmarks.json` adds a "before" column for the same figures.
 With `--merge`, the figures of this run replace those of the same script and model in
-the existing `benchmarks.json` and every other figure is kept as it was (its date too),
+the existing `benchmarks.json` (all those of the same command, and those of the same
+name from another command) and every other figure is kept as it was (its date too),
 so one script can be rerun without rerunning the rest.
 
 Scripts run on the models they support (`SCRIPT_MODELS`; the others on every model):
@@ -21,7 +22,9 @@ control plane with 10 to 10,000 registrations in its registry; no model, so it r
 under `tiny`) takes several minutes on 2 cores, so it too runs only when named:
 `--only control_plane_scale --models tiny --merge`. `dashboard_cost` (the demo trainer with the
 dashboard open in Chromium, then closed, alternating) needs Chromium and runs only when named:
-`--only dashboard_cost --models tiny --merge`.
+`--only dashboard_cost --models tiny --merge`. `push_throughput` (the weight push against a
+loopback TCP copy; it starts a train rank and two engine fleets) runs only when named too:
+`--only push_throughput --models llama60m --merge`.
 """
 
 from __future__ import annotations
@@ -147,10 +150,19 @@ def script_of(figure: dict) -> str:
 def merge(old: dict, new: dict) -> dict:
     """`old` with the figures of `new` in place of those of the same script and model (new
     ones after the rest), and `new`'s notes per script in place of the old ones; the date
-    line names this run's date for its scripts."""
+    line names this run's date for its scripts. An old figure of such a script and model
+    is kept if another command produced it and this run has no figure of its name (e.g. the
+    `--recompute` figures when only the plain run is rerun)."""
     replaced = {(script_of(f), f["model"]) for f in new["figures"]}
+    commands = {(f["command"], f["model"]) for f in new["figures"]}
+    names = {(f["figure"], f["model"]) for f in new["figures"]}
+
+    def superseded(f: dict) -> bool:
+        return (script_of(f), f["model"]) in replaced and (
+            (f["command"], f["model"]) in commands or (f["figure"], f["model"]) in names)
+
     stamp = {"date": new["date"], "load_avg_1m_at_start": new["machine"]["load_avg_1m_at_start"]}
-    figures = [f for f in old["figures"] if (script_of(f), f["model"]) not in replaced]
+    figures = [f for f in old["figures"] if not superseded(f)]
     figures += [{**f, **stamp} for f in new["figures"]]
     scripts = ", ".join(sorted({Path(s).stem for s, _ in replaced}))
     dates = [d for d in old["date"].split(" / ") if not d.endswith(f"({scripts})")]

@@ -9,7 +9,9 @@ One `TorchTrainActor` with 8 slots of rank 16 (all linears) holds 8 adapters. Ea
 repetition trains the same 32 samples once with every sample on adapter 0 (K = 1) and
 once spread round-robin over K adapters, then steps every adapter present, alternating
 the order. The figure is time(K) / time(1): what mixing adapters in a batch costs.
-Target: <= 1.10 at K = 8. With `--recompute [full|selective]` (bare: full), a second actor
+Target: <= 1.10 at K = 8, <= 1.15 past it (`--ks 8,32,64`: one actor with 64 slots, so
+the slot page table is as large for K = 1 as for K = 64; give `--batch` at least the largest
+K, or only that many adapters get samples). With `--recompute [full|selective]` (bare: full), a second actor
 built with `--recompute-granularity` of that value trains the largest K's batch too,
 alternating with the first: time(recompute) / time(keeping every activation), what the
 memory saving costs; `--recompute-modules` is the trainer's flag for `selective`.
@@ -121,9 +123,9 @@ def main() -> None:
         Figure(
             figure=f"train step, batch mixed over K={k} adapters ÷ K=1", model=args.model,
             ours_label=f"K={k}", baseline_label="K=1", ours=times[f"K={k}"], baseline=times["K=1"], unit="s/step",
-            ratio_of="ours/baseline", target="<= 1.10",
+            ratio_of="ours/baseline", target="<= 1.10" if k <= 8 else "<= 1.15",
             params={"batch": args.batch, "prompt_len": args.prompt_len, "response_len": args.response_len,
-                    "rank": args.rank, "k": k},
+                    "rank": args.rank, "k": k, "slots": n_slots},
         )
         for k in ks
     ]

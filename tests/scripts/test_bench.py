@@ -98,6 +98,14 @@ def test_merge_replaces_one_scripts_figures_and_keeps_the_rest():
     assert merged["script_notes"] == {"decode": "decode notes", "trainer_service": "service notes"}
     again = merge(merged, {**new, "date": "D2"})  # a rerun replaces its own date, not the others'
     assert again["date"] == "D0 / D2 (trainer_service)" and len(again["figures"]) == 3
+    # A figure of the same script from another command is kept unless this run has its name.
+    other = {**figure("decode", "tiny", 0.7), "figure": "decode other figure",
+             "command": "python scripts/bench/decode.py --model tiny --torch-decode"}
+    same_name = {**figure("decode", "tiny", 0.6), "command": "python scripts/bench/decode.py --model tiny --reps 3"}
+    kept = merge({**old, "figures": [*old["figures"], other, same_name]},
+                 {**new, "figures": [figure("decode", "tiny", 0.8)]})
+    assert sorted((f["figure"], f["ratio"]) for f in kept["figures"]) == [
+        ("decode figure", 0.8), ("decode other figure", 0.7), ("trainer_service figure", 9.0)]
     doc = markdown(merged, None)
     rows = [line for line in doc.splitlines() if line.startswith("| trainer_service")]
     assert rows[0].endswith("| <= 1.0 | yes |") and rows[1].endswith("| – | – |")
@@ -122,3 +130,18 @@ def test_control_plane_scale_quick_writes_its_figures(tmp_path):
         assert f["ours_median"] > 0 and f["baseline_median"] > 0 and f["ratio_min"] <= f["ratio"] <= f["ratio_max"]
     snapshot = figures[-1]["params"]["bytes"]
     assert snapshot["64"] > snapshot["8"] > 0
+
+
+def test_push_throughput_loopback_copies_every_byte_over_one_connection():
+    """push_throughput's baseline: each copy sends exactly `n` bytes and waits for the answer,
+    repeatedly over the one kept connection (its full run needs engines: not in the quick suite)."""
+    from push_throughput import LoopbackCopy
+
+    loopback = LoopbackCopy(3 << 20)
+    try:
+        assert len(loopback.payload) == 3 << 20 and loopback.client.getpeername()[0] == "127.0.0.1"
+        for _ in range(3):
+            loopback.copy()
+    finally:
+        loopback.close()
+    assert not loopback._thread.is_alive()  # the server saw the connection close after the last copy
