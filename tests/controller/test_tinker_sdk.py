@@ -102,8 +102,8 @@ class FakeDriver:
     def _loop(self) -> None:
         while not self._stop.is_set():
             for command in self.plane.call(self.plane.controller.take_client_commands()).commands:
+                self.ran.append(command)  # before its future completes: the client reads `ran` once it has
                 run(self.plane, command)
-                self.ran.append(command)
             self.plane.call(self.plane.controller.wait_for_client_commands(0.2))
 
     def close(self) -> None:

@@ -140,8 +140,9 @@ class TrainerStandIn:
         controller = self.plane.controller
         while not self._stop.is_set():
             for command in self.plane.call(controller.take_client_commands()).commands:
-                self.plane.call(controller.complete_client_command(command.future_id, self._run(command)))
-                self.ran.append(command)
+                result = self._run(command)
+                self.ran.append(command)  # before its future completes: the client reads `ran` once it has
+                self.plane.call(controller.complete_client_command(command.future_id, result))
             self.plane.call(controller.wait_for_client_commands(0.2))
 
     def _run(self, command: ClientCommand) -> ForwardBackwardResult | OptimStepResult | WeightsResult:

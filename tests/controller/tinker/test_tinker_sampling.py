@@ -67,8 +67,8 @@ class SnapshotDriver:
                     shutil.copytree(self.adapter, request.directory)
                 elif isinstance(request, OptimStepCommand):
                     result = OptimStepResult(metrics={})
+                self.ran.append(command)  # before its future completes: the client reads `ran` once it has
                 self.plane.call(controller.complete_client_command(command.future_id, result))
-                self.ran.append(command)
             self.plane.call(controller.wait_for_client_commands(0.2))
 
     def close(self) -> None:
