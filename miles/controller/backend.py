@@ -483,8 +483,9 @@ class MultiLoRABackend:
     def adapter_status(self, name: str) -> AdapterStatus:
         return self.registry.status(name)
 
-    def statuses(self) -> list[AdapterStatus]:
-        return self.registry.statuses()
+    def statuses(self, offset: int = 0, limit: int | None = None) -> list[AdapterStatus]:
+        """Every adapter the registry holds, or a page of that list (`AdapterRegistry.statuses`)."""
+        return self.registry.statuses(offset, limit)
 
     def states(self, names: list[str]) -> dict[str, AdapterState | None]:
         return {name: self.registry.state(name) for name in names}
@@ -495,7 +496,7 @@ class MultiLoRABackend:
     def observe_rollout(self, gauges: dict[str, AdapterGauges]) -> None:
         """Keep the driver's latest numbers of the adapters that hold a slot (bounded by the slots)."""
         self.rollout_gauges.update(gauges)
-        live = {s.name: s.registration_id for s in self.registry.statuses() if s.state.holds_slot}
+        live = {s.name: s.registration_id for s in self.registry.slot_statuses()}
         self.rollout_gauges = {name: g for name, g in self.rollout_gauges.items()
                                if live.get(name) == g.registration_id}
 

@@ -85,8 +85,15 @@ class ControlPlaneClient:
     def status(self, name: str) -> AdapterStatus:
         return AdapterStatus.model_validate(self._request("GET", f"/adapter_runs/{name}"))
 
-    def list(self) -> builtins.list[AdapterStatus]:
-        return [AdapterStatus.model_validate(a) for a in self._request("GET", "/adapter_runs")["adapters"]]
+    def list(self, page_size: int = 1000) -> builtins.list[AdapterStatus]:
+        """Every adapter, read a page of `page_size` (at most 1,000) at a time."""
+        statuses: builtins.list[AdapterStatus] = []
+        offset: int | None = 0
+        while offset is not None:
+            page = self._request("GET", "/adapter_runs", params={"limit": page_size, "offset": offset})
+            statuses += [AdapterStatus.model_validate(a) for a in page["adapters"]]
+            offset = page["next_offset"]
+        return statuses
 
     def states(self, names: builtins.list[str]) -> dict[str, AdapterState | None]:
         raw = self._request("GET", "/adapter_runs/state", params={"names": list(names)})["states"]

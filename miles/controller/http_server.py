@@ -67,6 +67,8 @@ UNAUTHENTICATED_PATHS = frozenset({"/health", "/api/v1/healthz"})
 SIGNED_PATH_PREFIX = FILES_ROUTE + "/"
 """Checkpoint downloads: each URL carries its own signature (checked by its route), not the token."""
 MAX_BODY_BYTES = 1024 * 1024
+MAX_PAGE = 1000
+"""The most adapters one page of `GET /adapter_runs?limit=` holds."""
 
 
 class RequestBodyTooLargeError(Exception):
@@ -132,10 +134,8 @@ class _BackendCollector:
 
     def collect(self) -> Iterator[Any]:
         adapters = GaugeMetricFamily("miles_controller_adapters", "Adapters per lifecycle state", labels=["state"])
-        counts = {state: 0 for state in AdapterState}
-        statuses = self.backend.statuses()
-        for status in statuses:
-            counts[status.state] += 1
+        counts = self.backend.registry.state_counts()
+        statuses = self.backend.registry.slot_statuses()  # a scrape costs the same with 10,000 records kept
         for state, count in counts.items():
             adapters.add_metric([state.value], count)
         yield adapters
@@ -273,8 +273,19 @@ class MultiLoRAHTTPServer:
             return {"status": "healthy"}
 
         @app.get("/adapter_runs")
-        async def list_adapters() -> dict[str, Any]:
-            return {"adapters": [s.model_dump(mode="json") for s in backend.statuses()]}
+        async def list_adapters(limit: int | None = Query(default=None, ge=1, le=MAX_PAGE),
+                                offset: int = Query(default=0, ge=0)) -> Response:
+            """Every adapter (Miles' answer), or with `limit` one page of that list: live ones
+            by slot, then QUEUED ones, then finished ones; `next_offset` is the next page's
+            `offset`, null after the last. A page costs the same whatever the registry holds."""
+            total = backend.registry.record_count
+            page = backend.registry.status_texts(offset, limit)  # JSON texts, cached per status
+            tail: dict[str, int | None] = {"total": total}
+            if limit is not None:
+                more = offset + len(page) < total
+                tail.update(offset=offset, next_offset=offset + len(page) if more else None)
+            return Response('{"adapters":[' + ",".join(page) + "]," + json.dumps(tail)[1:],
+                            media_type="application/json")
 
         @app.get("/adapter_runs/state")
         async def adapter_states(names: list[str] = Query(default=[])) -> dict[str, Any]:

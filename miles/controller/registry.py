@@ -40,10 +40,12 @@ next command pages it back in, into any free slot, resumed from that directory:
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -246,6 +248,8 @@ class AdapterRegistry:
     _slot_versions: list[int] = field(init=False)
     _batches: OrderedDict[int, _BatchRecord] = field(default_factory=OrderedDict, init=False)
     _json_cache: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict, init=False)
+    _status_texts: dict[str, tuple[tuple[Any, ...], str]] = field(default_factory=dict, init=False)
+    """Each adapter's status as JSON text while its status is unchanged (`status_texts`)."""
 
     def __post_init__(self) -> None:
         if self.n_slots <= 0:
@@ -660,12 +664,64 @@ class AdapterRegistry:
             return self._queued_status(*queued)
         return self._status(self._record(name))
 
-    def statuses(self) -> list[AdapterStatus]:
+    def statuses(self, offset: int = 0, limit: int | None = None) -> list[AdapterStatus]:
         """Every known adapter: live ones first (by slot), then QUEUED ones (head first), then
-        finished (COMPLETED, FAILED) ones."""
+        finished (COMPLETED, FAILED) ones, least recently read first; with `offset` and `limit`,
+        that list's page (only its statuses are built: a page costs the same whatever the
+        registry holds)."""
         live = sorted(self._live.values(), key=lambda r: r.slot)
-        return [*(self._status(r) for r in live), *(self._queued_status(i, q) for i, q in enumerate(self._queue)),
-                *(self._status(r) for r in self._finished.values())]
+        views: Iterator[Callable[[], AdapterStatus]] = itertools.chain(
+            (functools.partial(self._status, r) for r in live),
+            (functools.partial(self._queued_status, i, q) for i, q in enumerate(self._queue)),
+            (functools.partial(self._status, r) for r in self._finished.values()))
+        return [view() for view in itertools.islice(views, offset, None if limit is None else offset + limit)]
+
+    def status_texts(self, offset: int = 0, limit: int | None = None) -> list[str]:
+        """`statuses(offset, limit)` as JSON texts (each `AdapterStatus.model_dump(mode="json")`),
+        built once per change of an adapter's status: a page of the list costs little more than
+        copying its text, however many adapters the registry holds."""
+        live = sorted(self._live.values(), key=lambda r: r.slot)
+        keyed: Iterator[tuple[str, tuple[Any, ...], Callable[[], AdapterStatus]]] = itertools.chain(
+            ((r.name, self._status_key(r), functools.partial(self._status, r)) for r in live),
+            ((q.name, (q.registration_id, i), functools.partial(self._queued_status, i, q))
+             for i, q in enumerate(self._queue)),
+            ((r.name, self._status_key(r), functools.partial(self._status, r)) for r in self._finished.values()))
+        texts = []
+        for name, key, status in itertools.islice(keyed, offset, None if limit is None else offset + limit):
+            cached = self._status_texts.get(name)
+            if cached is None or cached[0] != key:
+                cached = (key, json.dumps(status().model_dump(mode="json"), ensure_ascii=False, allow_nan=False,
+                                          separators=(",", ":")))
+                self._status_texts[name] = cached
+            texts.append(cached[1])
+        if len(self._status_texts) > 2 * self.record_count:  # forget those of adapters no longer held
+            known = self._live.keys() | self._finished.keys() | {q.name for q in self._queue}
+            self._status_texts = {n: v for n, v in self._status_texts.items() if n in known}
+        return texts
+
+    def _status_key(self, record: _Record) -> tuple[Any, ...]:
+        """What `_status(record)` depends on besides the record's fixed config."""
+        slotless = record.state.terminal or record.state is AdapterState.PAGED
+        version = None if slotless else self._slot_versions[record.slot]
+        return (record.registration_id, record.state, record.slot, version, record.step, record.accumulated_groups,
+                record.failure, record.priority)
+
+    @property
+    def record_count(self) -> int:
+        """The adapters `statuses()` lists: live, QUEUED and kept finished ones."""
+        return len(self._live) + len(self._queue) + len(self._finished)
+
+    def state_counts(self) -> dict[AdapterState, int]:
+        """How many adapters of each state the registry holds (every state, 0 where none)."""
+        counts = dict.fromkeys(AdapterState, 0)
+        for record in itertools.chain(self._live.values(), self._finished.values()):
+            counts[record.state] += 1
+        counts[AdapterState.QUEUED] += len(self._queue)
+        return counts
+
+    def slot_statuses(self) -> list[AdapterStatus]:
+        """The statuses of the adapters holding a slot, by slot (at most `n_slots`)."""
+        return [self._status(r) for r in sorted(self._live.values(), key=lambda r: r.slot) if r.state.holds_slot]
 
     def queue_position(self, name: str) -> int | None:
         """1 for the head of the registration queue; None unless `name` is QUEUED."""

@@ -103,6 +103,12 @@ class RegistryStore:
                                      f"this build reads {SCHEMA_VERSION}")
         self._written: dict[tuple[str, Any], str] = self._read_rows()
         self._texts: dict[tuple[int, int], tuple[dict[str, Any], str]] = {}
+        self._positions: dict[tuple[str, Any], int] = {
+            key: json.loads(text)["position"] for key, text in self._written.items() if key[0] != "meta"}
+        """Each adapter's and batch's written `position`; the order of queued, finished and
+        batch rows, kept by each row for as long as its place in that order holds."""
+        self._top = max(self._positions.values(), default=0)
+        """The highest position ever handed out: a row that must move after others gets the next."""
 
     def close(self) -> None:
         self._db.close()
@@ -173,7 +179,8 @@ class RegistryStore:
         states = [AdapterState(r["state"]) for r in records]
         return RegistryState(
             n_slots=n_slots, slot_versions=self.get_meta("slot_versions"),
-            live=[r for r, state in zip(records, states) if state.holds_slot or state is AdapterState.PAGED],
+            live=sorted((r for r, state in zip(records, states) if state.holds_slot or state is AdapterState.PAGED),
+                        key=lambda r: r["slot"]),
             finished=[r for r, state in zip(records, states) if state.terminal],
             batches=[(rollout_id, json.loads(text)) for rollout_id, text in batches],
             queued=[r for r, state in zip(records, states) if state is AdapterState.QUEUED],
@@ -181,7 +188,7 @@ class RegistryStore:
 
     def save(self, state: RegistryState) -> None:
         """Write `state` in one transaction, touching only the rows that changed."""
-        rows = self._rows(state)
+        rows, positions = self._rows(state)
         changed = {key: text for key, text in rows.items() if self._written.get(key) != text}
         removed = [key for key in self._written if key not in rows]
         if not changed and not removed:
@@ -210,6 +217,7 @@ class RegistryStore:
         for key in removed:
             del self._written[key]
         self._written.update(changed)
+        self._positions = positions
 
     def _read_rows(self) -> dict[tuple[str, Any], str]:
         rows: dict[tuple[str, Any], str] = {}
@@ -222,22 +230,44 @@ class RegistryStore:
         return rows
 
 
-    def _rows(self, state: RegistryState) -> dict[tuple[str, Any], str]:
-        """Each row's stored text; a record's `position` keeps the registry's order. The
-        registry hands back the same dict for an unchanged record, so its text is reused."""
+    def _rows(self, state: RegistryState) -> tuple[dict[tuple[str, Any], str], dict[tuple[str, Any], int]]:
+        """Each row's stored text, and each adapter's and batch's position. Rows are read back
+        in `position` order: queued, finished and batch rows keep the registry's order; live
+        rows need none (they are read back by slot). A row keeps its position while it stays
+        after the previous row of its list, so a registration, a finished adapter or a record
+        read (moved to the end of the retention order) rewrites that one row, not every row
+        after it. The registry hands back the same dict for an unchanged record, so its text
+        is reused."""
         rows: dict[tuple[str, Any], str] = {
             ("meta", "n_slots"): json.dumps(state.n_slots),
             ("meta", "slot_versions"): json.dumps(state.slot_versions),
         }
+        positions: dict[tuple[str, Any], int] = {}
         texts: dict[tuple[int, int], tuple[dict[str, Any], str]] = {}
-        for position, record in enumerate([*state.live, *state.queued, *state.finished]):
-            key = (id(record), position)
-            cached = self._texts.get(key)
-            if cached is None or cached[0] is not record:
-                cached = (record, json.dumps({**record, "position": position}, sort_keys=True))
-            texts[key] = cached
-            rows[("adapters", record["name"])] = cached[1]
+        for records, ordered in ((state.live, False), (state.queued, True), (state.finished, True)):
+            for record, position in zip(records, self._place("adapters", [r["name"] for r in records], ordered,
+                                                             positions), strict=True):
+                key = (id(record), position)
+                cached = self._texts.get(key)
+                if cached is None or cached[0] is not record:
+                    cached = (record, json.dumps({**record, "position": position}, sort_keys=True))
+                texts[key] = cached
+                rows[("adapters", record["name"])] = cached[1]
         self._texts = texts
-        for position, (rollout_id, batch) in enumerate(state.batches):
+        batch_positions = self._place("batches", [rollout_id for rollout_id, _ in state.batches], True, positions)
+        for (rollout_id, batch), position in zip(state.batches, batch_positions, strict=True):
             rows[("batches", rollout_id)] = json.dumps({**batch, "position": position}, sort_keys=True)
-        return rows
+        return rows, positions
+
+    def _place(self, table: str, keys: list[Any], ordered: bool, positions: dict[tuple[str, Any], int]) -> list[int]:
+        """The positions of a list's rows: each its written one, unless it has none or (when
+        `ordered`) it is not after the previous row's; then the next one past every other."""
+        placed, last = [], 0
+        for key in keys:
+            position = self._positions.get((table, key))
+            if position is None or (ordered and position <= last):
+                self._top += 1
+                position = self._top
+            positions[(table, key)] = last = position
+            placed.append(position)
+        return placed

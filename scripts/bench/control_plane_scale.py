@@ -70,10 +70,13 @@ T = TypeVar("T")
 LIVE = 32
 """Adapters left ACTIVE in every registry (of 64 slots); the rest are finished."""
 SLOTS = 64
-OPS = ("register", "status", "list", "metrics")
-OP_PATHS = {"register": "POST /adapter_runs", "status": "GET /adapter_runs/{name}", "list": "GET /adapter_runs",
+OPS = ("register", "status", "list", "list_all", "metrics")
+PAGE = 100
+"""Adapters per page of the paginated list (`GET /adapter_runs?limit=`)."""
+OP_PATHS = {"register": "POST /adapter_runs", "status": "GET /adapter_runs/{name}",
+            "list": f"GET /adapter_runs?limit={PAGE} (a page)", "list_all": "GET /adapter_runs (every record)",
             "metrics": "GET /metrics"}
-TARGETS = {"register": "<= 2", "status": "<= 2", "list": "<= 2", "metrics": "report"}
+TARGETS = {"register": "<= 2", "status": "<= 2", "list": "<= 2", "list_all": "report", "metrics": "<= 2"}
 """The control plane's latency should not depend on how long the service has run."""
 
 
@@ -179,7 +182,9 @@ def request_once(plane: Plane, http: httpx.Client, loop: LoopThread, op: str, da
         response.raise_for_status()
         loop.call(release_probe(plane.controller))
         return elapsed
-    path = {"status": f"/adapter_runs/{rng.choice(plane.names)}", "list": "/adapter_runs", "metrics": "/metrics"}[op]
+    path = {"status": f"/adapter_runs/{rng.choice(plane.names)}", "list_all": "/adapter_runs",
+            "list": f"/adapter_runs?limit={PAGE}&offset={rng.randrange(0, len(plane.names), PAGE)}",
+            "metrics": "/metrics"}[op]
     start = time.perf_counter()
     response = http.get(path)
     elapsed = time.perf_counter() - start
@@ -320,8 +325,8 @@ def main() -> None:
     cases = [Case(n, COMPLETED_RETENTION) for n in sizes]
     if big > COMPLETED_RETENTION:
         cases.append(Case(big, big))
-    per_rep = ({"register": 3, "status": 10, "list": 2, "metrics": 2} if args.quick
-               else {"register": 8, "status": 50, "list": 10, "metrics": 10})
+    per_rep = ({"register": 3, "status": 10, "list": 2, "list_all": 2, "metrics": 2} if args.quick
+               else {"register": 8, "status": 50, "list": 20, "list_all": 10, "metrics": 10})
     save_reps, snapshot_reps = ((3, 1), 3) if args.quick else ((30, 2), 20)
     snapshot_sizes = [8, 64] if args.quick else [8, 1000]
 

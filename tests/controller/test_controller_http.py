@@ -154,7 +154,7 @@ def test_status_flattens_run_and_config(client: ControlPlaneClient, raw: httpx.C
     assert (body["rank"], body["rollout_batch_size"], body["metadata"]) == (2, 4, {"src": "t"})
     assert body["save"] == str((data_root / "save" / "adapters" / "a").resolve())
     assert len(body["registration_id"]) == 32
-    assert raw.get("/adapter_runs").json() == {"adapters": [body]}
+    assert raw.get("/adapter_runs").json() == {"adapters": [body], "total": 1}
 
 
 def test_register_from_yaml_path_and_yaml_body(client: ControlPlaneClient, raw: httpx.Client, data_root: Path) -> None:
@@ -299,6 +299,41 @@ def test_a_registration_with_every_slot_held_is_queued(plane: ThreadedController
     snapshot = plane.call(plane.controller.free_slots(["a"]))
     assert snapshot.pending["urgent"].slot == 0 and snapshot.queued == ("q2",)
     assert raw.get("/adapter_runs/urgent").json()["queue_position"] is None
+
+
+def test_the_list_comes_in_pages_that_follow_every_change(plane: ThreadedController, client: ControlPlaneClient,
+                                                          raw: httpx.Client, data_root: Path) -> None:
+    """`?limit=&offset=` pages through the same list as the whole answer (live by slot, queued,
+    finished), `next_offset` null after the last page; a page shows each status as it is now."""
+    data = data_path(data_root)
+    for name in ["a", "b", "q1", "q2", "q3"]:
+        client.register(name, config={"data": data})
+    assert [a["queue_position"] for a in raw.get("/adapter_runs").json()["adapters"]] == [None, None, 1, 2, 3]
+    client.deregister("b")
+    plane.call(plane.controller.retire_adapters())
+    plane.call(plane.controller.free_slots(["b"]))  # q1 takes slot 1; b is COMPLETED
+    whole = raw.get("/adapter_runs").json()
+    assert [a["name"] for a in whole["adapters"]] == ["a", "q1", "q2", "q3", "b"] and whole["total"] == 5
+    pages, offset = [], 0
+    while offset is not None:
+        page = raw.get("/adapter_runs", params={"limit": 2, "offset": offset}).json()
+        assert page["offset"] == offset and page["total"] == 5
+        pages.append(page["adapters"])
+        offset = page["next_offset"]
+    assert [len(p) for p in pages] == [2, 2, 1] and sum(pages, []) == whole["adapters"]
+    assert [s.name for s in client.list(page_size=3)] == ["a", "q1", "q2", "q3", "b"]
+    assert raw.get("/adapter_runs", params={"limit": 2, "offset": 9}).json() == {
+        "adapters": [], "total": 5, "offset": 9, "next_offset": None}
+
+    plane.call(plane.controller.record_weight_update(["a"]))  # a's version and state change
+    (first,) = raw.get("/adapter_runs", params={"limit": 1}).json()["adapters"]
+    assert first == raw.get("/adapter_runs/a").json() and (first["state"], first["version"]) == ("ACTIVE", 1)
+    assert [a["queue_position"] for a in whole["adapters"]] == [None, None, 1, 2, None]  # moved up the queue
+
+    for params, field in (({"limit": 0}, "limit"), ({"limit": 1001}, "limit"), ({"offset": -1}, "offset"),
+                          ({"limit": "ten"}, "limit")):
+        refused = raw.get("/adapter_runs", params=params)
+        assert refused.status_code == 422 and field in refused.text, (params, refused.text)
 
 
 def test_a_full_queue_is_409_and_says_what_to_do(data_root: Path, defaults: AdapterDefaults) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,42 @@ async def test_the_registration_queue_is_on_disk_in_its_order_after_every_change
     assert (disk.state("a"), disk.state("urgent"), disk.snapshot().queued) == (
         AdapterState.COMPLETED, AdapterState.PENDING, ("q1", "q3"))
     assert disk.snapshot() == reopened.snapshot()
+
+
+def test_a_change_rewrites_only_its_own_rows_however_many_records_are_kept(tmp_path: Path) -> None:
+    """A registration, an adapter finishing and a finished record read (moved to the end of the
+    retention order) each write a row or two, not every record after them; the file read back
+    keeps the queue's and the retention's order."""
+    from controller_fakes import make_config
+
+    registry = AdapterRegistry(n_slots=2, completed_retention=200)
+    store = RegistryStore(tmp_path / "r.sqlite")
+
+    def retire(name: str) -> None:
+        registry.deregister(name)
+        registry.retire_adapters()
+        registry.free_slot(name)
+
+    for i in range(150):
+        registry.register(f"done{i}", make_config(f"done{i}"))
+        retire(f"done{i}")
+    store.save(registry.export_state())
+
+    def rows_written(change: Callable[[], object]) -> int:
+        before = store._db.total_changes
+        change()
+        store.save(registry.export_state())
+        return store._db.total_changes - before
+
+    assert rows_written(lambda: registry.register("live", make_config("live"))) == 1
+    assert rows_written(lambda: registry.register("other", make_config("other"))) == 1
+    assert rows_written(lambda: registry.register("q1", make_config("q1"))) == 1  # QUEUED
+    assert rows_written(lambda: registry.register("q2", make_config("q2"))) == 1
+    assert rows_written(lambda: registry.status("done3")) == 1  # kept longer: moved to the end
+    assert rows_written(lambda: retire("live")) <= 3  # live COMPLETED, q1 takes its slot (slot versions)
+    assert rows_written(lambda: retire("other")) <= 3
+    restored = AdapterRegistry.from_state(RegistryStore(tmp_path / "r.sqlite").load(), 2, completed_retention=200)
+    assert [s.model_dump() for s in restored.statuses()] == [s.model_dump() for s in registry.statuses()]
+    finished = [s.name for s in restored.statuses() if s.state is AdapterState.COMPLETED]
+    assert finished[-3:] == ["done3", "live", "other"]
+    assert [s.name for s in restored.statuses() if s.state is AdapterState.PENDING] == ["q1", "q2"]

@@ -42,8 +42,10 @@ export class AdaptersView {
     this.controls = Boolean(ctx.info.controls);
     document.getElementById("register-panel").hidden = !this.controls;
     document.getElementById("read-only-note").hidden = this.controls;
+    const hidden = ctx.adapterRunsTotal - ctx.adapterRuns.length;
     setText(document.getElementById("adapter-runs-error"),
-      ctx.adapterRunsError ? `Adapter list unavailable: ${ctx.adapterRunsError}` : "");
+      ctx.adapterRunsError ? `Adapter list unavailable: ${ctx.adapterRunsError}`
+        : hidden > 0 ? `${hidden} older finished adapters not shown (GET /adapter_runs?offset= lists them)` : "");
 
     // The control plane's adapters in its order, then any adapter known only from the records.
     const statuses = new Map(ctx.adapterRuns.map((s) => [s.name, s]));

@@ -15,12 +15,15 @@ import { RolloutsView } from "./rollouts.js";
 import { RecordStore } from "./store.js";
 
 const DEFAULT_POLL_MS = 1000;
+/** Adapters read per poll: every live and queued one first; finished ones past it are not shown. */
+const ADAPTER_PAGE = 200;
 const TABS = ["adapters", "curves", "loop", "rollouts"];
 
 const ctx = {
   info: null, // /ui/api/info
   store: new RecordStore(),
-  adapterRuns: [], // GET /adapter_runs
+  adapterRuns: [], // GET /adapter_runs: its first page (live, then queued, then finished adapters)
+  adapterRunsTotal: 0, // every adapter the control plane holds
   adapterRunsError: null,
 };
 
@@ -140,7 +143,9 @@ async function tick() {
 
 async function pollAdapterRuns() {
   try {
-    ctx.adapterRuns = (await request("/adapter_runs")).adapters ?? [];
+    const page = await request(`/adapter_runs?limit=${ADAPTER_PAGE}`);
+    ctx.adapterRuns = page.adapters ?? [];
+    ctx.adapterRunsTotal = page.total ?? ctx.adapterRuns.length;
     ctx.adapterRunsError = null;
   } catch (error) {
     if (error instanceof AuthError) throw error;
