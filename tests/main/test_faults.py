@@ -16,7 +16,9 @@
   A Tinker SDK client's model lives through the same restart: it comes back from its latest
   `save_state` with its optimizer, and the client goes on with the same `TrainingClient`.
   Registrations QUEUED while every slot was held come back QUEUED in the same order, and the
-  head takes the slot the client's model frees when it is unloaded.
+  head takes the slot the client's model frees when it is unloaded. A client's model paged
+  out while idle (`--multi-lora-idle-evict-s`) with a gradient not yet stepped comes back
+  PAGED after a SIGKILL and restart, and its next call pages it in with nothing lost.
 """
 
 from __future__ import annotations
@@ -353,6 +355,68 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
         urgent, late = client.status("urgent"), client.status("late")
         assert (urgent.slot, urgent.registration_id) == (client.status(model.name).slot, queued[0].registration_id)
         assert (late.state, late.queue_position, late.slot) == (AdapterState.QUEUED, 1, None)
+        assert second.terminate() == 0, second.log_tail()
+    finally:
+        second.kill()
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_trainer_holding_a_paged_model_then_restart_pages_it_in_with_nothing_lost(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """A client's model steps once, runs a forward_backward it has not stepped yet and idles:
+    the trainer pages it out (PAGED, its slot free). SIGKILL, restart on the same port: it is
+    still PAGED, and its client's optim_step pages it back in and steps the gradient it left
+    with. Its held-out logprobs then equal those of a model of the same seed that ran the same
+    calls without a pause: weights, moments, pending gradient and clock all came back."""
+    from urllib.parse import urlparse
+
+    from driver_harness import DriverProcess, cycle_datum, tiny_run_flags
+    from tinker import types
+
+    from miles.controller.client import ControlPlaneClient
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    save = tmp_path / "save"
+    flags = [*tiny_run_flags(tiny_model_dir, save, n_adapters=2), "--multi-lora-idle-evict-s", "1"]
+    datums = [cycle_datum(0), cycle_datum(2)]
+    adam = types.AdamParams(learning_rate=SdkModel.LR)
+
+    first = DriverProcess(TRAINER, flags, tmp_path / "first.log")
+    try:
+        url = first.wait_for_api_url()
+        client = ControlPlaneClient(url)
+        paged = SdkModel(url, tiny_model_dir)
+        paged.step()
+        paged.model.forward_backward(datums, "cross_entropy").result(timeout=120)  # not stepped yet
+        before = paged.held_out()
+        name = next(s.name for s in client.list() if s.model_id == paged.model.model_id)
+        client.wait_for_state(name, AdapterState.PAGED, timeout=120)
+        status = client.status(name)
+        assert (status.slot, status.step) == (None, 1)
+        assert (save / "adapters" / name / "paged" / "pending_grad.safetensors").is_file()
+        first.kill()  # SIGKILL to the driver and every process of its session
+    finally:
+        first.kill()
+
+    port = urlparse(url).port
+    assert port is not None
+    flags[flags.index("--multi-lora-api-port") + 1] = str(port)
+    second = DriverProcess(TRAINER, flags, tmp_path / "second.log")
+    try:
+        assert second.wait_for_api_url() == url
+        client = ControlPlaneClient(url)
+        assert client.status(name).state is AdapterState.PAGED
+        paged.model.optim_step(adam).result(timeout=120)  # pages it in, then steps what it left pending
+        assert " paged in from " in second.log_path.read_text()
+        assert client.status(name).step == 2
+        after = paged.held_out()
+
+        alone = SdkModel(url, tiny_model_dir)  # the same seed, the same calls, never paged
+        alone.step()
+        alone.model.forward_backward(datums, "cross_entropy").result(timeout=120)
+        alone.model.optim_step(adam).result(timeout=120)
+        assert after == pytest.approx(alone.held_out(), abs=1e-5)
+        assert after != pytest.approx(before, abs=1e-4)  # the step moved the weights
         assert second.terminate() == 0, second.log_tail()
     finally:
         second.kill()
