@@ -162,7 +162,7 @@ def load_costs(paths: list[Path]) -> Costs:
     for key, prefix in (("write_through", "registry write-through (export_state + RegistryStore.save) after one"),
                         ("register", "control plane p99 latency of POST /adapter_runs,"),
                         ("release", "registry write-through (export_state + RegistryStore.save) after a slot"),
-                        ("listing", "control plane p99 latency of GET /adapter_runs,"),
+                        ("listing", "control plane p99 latency of GET /adapter_runs (every record),"),
                         ("metrics", "control plane p99 latency of GET /metrics,")):
         f = _largest(figures, prefix)
         if f is None:

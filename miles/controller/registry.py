@@ -101,6 +101,13 @@ class NoFreeSlotError(AdapterRegistryError, RuntimeError):
     as in Miles, whose callers catch it as one."""
 
 
+@functools.lru_cache(maxsize=8192)
+def _resolved(path: str) -> Path:
+    """`Path(path).resolve()`, once per path: every registration compares its save directory
+    with those of every live and queued adapter."""
+    return Path(path).resolve()
+
+
 class NoSlotToPageInError(NoFreeSlotError):
     """A PAGED client-driven adapter got a command while every slot is held: retry shortly (a
     slot frees when an adapter completes or another idle model is paged out)."""
@@ -355,11 +362,11 @@ class AdapterRegistry:
     def _check_save_free(self, name: str, config: AnyAdapterConfig) -> None:
         if config.save is None:
             return
-        save = Path(config.save).resolve()
+        save = _resolved(str(config.save))
         others: list[tuple[str, str, AnyAdapterConfig]] = [("live", r.name, r.config) for r in self._live.values()]
         others += [("queued", q.name, q.config) for q in self._queue]
         for what, other, other_config in others:
-            if other_config.save is not None and Path(other_config.save).resolve() == save:
+            if other_config.save is not None and _resolved(str(other_config.save)) == save:
                 raise AdapterValidationError(
                     f"Adapter '{name}': save directory {save} is already used by {what} adapter "
                     f"'{other}'; set a different 'save'"
@@ -681,13 +688,17 @@ class AdapterRegistry:
         built once per change of an adapter's status: a page of the list costs little more than
         copying its text, however many adapters the registry holds."""
         live = sorted(self._live.values(), key=lambda r: r.slot)
-        keyed: Iterator[tuple[str, tuple[Any, ...], Callable[[], AdapterStatus]]] = itertools.chain(
-            ((r.name, self._status_key(r), functools.partial(self._status, r)) for r in live),
-            ((q.name, (q.registration_id, i), functools.partial(self._queued_status, i, q))
-             for i, q in enumerate(self._queue)),
-            ((r.name, self._status_key(r), functools.partial(self._status, r)) for r in self._finished.values()))
+        listed: Iterator[_Record | tuple[int, _Queued]] = itertools.chain(
+            live, enumerate(self._queue), self._finished.values())
         texts = []
-        for name, key, status in itertools.islice(keyed, offset, None if limit is None else offset + limit):
+        for item in itertools.islice(listed, offset, None if limit is None else offset + limit):
+            if isinstance(item, _Record):
+                name, key = item.name, self._status_key(item)
+                status: Callable[[], AdapterStatus] = functools.partial(self._status, item)
+            else:
+                index, queued = item
+                name, key, status = queued.name, (queued.registration_id, index), functools.partial(
+                    self._queued_status, index, queued)
             cached = self._status_texts.get(name)
             if cached is None or cached[0] != key:
                 cached = (key, json.dumps(status().model_dump(mode="json"), ensure_ascii=False, allow_nan=False,

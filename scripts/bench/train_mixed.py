@@ -24,6 +24,7 @@ budget (`--activation-budget-mb`, 1024 MiB; a small model's batch stays whole). 
 from __future__ import annotations
 
 import sys
+import time
 
 import benchlib
 from benchlib import Figure
@@ -47,12 +48,22 @@ def build_actor(path, n_slots: int, rank: int, micro_batch_size: int | None = No
                                             recompute_modules=tuple(recompute_modules) if recompute_modules else None))
 
 
-def step_fn(actor: TorchTrainActor, samples, advantages, names: list[str]):
+def step_fn(actor: TorchTrainActor, samples, advantages, names: list[str],
+            parts: dict[str, list[float]] | None = None):
+    """One train call and the optimizer step of every adapter in it; `parts` gets each one's
+    seconds under "train" and "step"."""
     counts = {n: sum(1 for s in samples if s.adapter == n) for n in names}
 
     def run() -> None:
+        start = time.perf_counter()
         actor.train(samples, advantages, counts)
+        benchlib.synchronize()
+        trained = time.perf_counter()
         actor.step_adapters(names)
+        benchlib.synchronize()
+        if parts is not None:
+            parts["train"].append(trained - start)
+            parts["step"].append(time.perf_counter() - trained)
 
     return run
 
@@ -91,10 +102,12 @@ def main() -> None:
                                        global_batch_size=args.batch, lr=1e-4))
     vocab = benchlib.vocab_size(path)
     cases = {}
+    parts: dict[str, dict[str, list[float]]] = {}
     for k in [1, *ks]:
         samples, adv = benchlib.make_samples(args.batch, [(names[i], i) for i in range(k)], args.prompt_len,
                                              args.response_len, vocab)
-        cases[f"K={k}"] = step_fn(actor, samples, adv, names[:k])
+        parts[f"K={k}"] = {"train": [], "step": []}
+        cases[f"K={k}"] = step_fn(actor, samples, adv, names[:k], parts[f"K={k}"])
     if args.recompute:
         k = max(ks)
         recompute = build_actor(path, n_slots, args.rank, recompute_granularity=args.recompute,
@@ -129,6 +142,17 @@ def main() -> None:
         )
         for k in ks
     ]
+    # The two parts of the largest K's step, each against K = 1's: the train call (forward and
+    # backward of the mixed batch) and the optimizer step (AdamW over every adapter stepped:
+    # K adapters' weights, moments and gradients instead of one's). Warm-up calls excluded.
+    k = max(ks)
+    for part, what in (("train", "train call (forward + backward)"), ("step", "optimizer step of every adapter")):
+        ours, base = (parts[f"K={n}"][part][-args.reps:] for n in (k, 1))
+        figures.append(Figure(
+            figure=f"{what}, batch mixed over K={k} adapters ÷ K=1", model=args.model,
+            ours_label=f"K={k}", baseline_label="K=1", ours=ours, baseline=base, unit="s",
+            ratio_of="ours/baseline", target="report",
+            params={"batch": args.batch, "rank": args.rank, "k": k, "slots": n_slots, "part": part}))
     if args.recompute:
         k = max(ks)
         recomputed = {"full": "recomputing every decoder layer",

@@ -35,11 +35,11 @@ def test_run_all_quick_writes_every_figure(tmp_path):
     figures = results["figures"]
     commands = {f["command"].split()[1] for f in figures}
     assert commands == {f"scripts/bench/{name}.py" for name in SCRIPTS}
-    # train K=8, train with recompute ÷ without, PEFT loop, memory, decode vs base, decode with the
-    # row-wise kernel vs the torch paths, decode vs PEFT; trainer_service: push ÷ train,
-    # bytes pushed ÷ stepped, loop overhead, POST -> ACTIVE, POST -> first step, 5xx under load, iteration
-    # during the load ÷ before
-    assert len(figures) == 7 + 7
+    # train K=8, its train call and its optimizer step each ÷ K=1's, train with recompute ÷ without,
+    # PEFT loop, memory, decode vs base, decode with the row-wise kernel vs the torch paths, decode
+    # vs PEFT; trainer_service: push ÷ train, bytes pushed ÷ stepped, loop overhead, POST -> ACTIVE,
+    # POST -> first step, 5xx under load, iteration during the load ÷ before
+    assert len(figures) == 9 + 7
     for f in figures:
         assert f["model"] == "tiny" and f["reps"] >= 1
         assert f["baseline_median"] > 0 and f["ratio_min"] <= f["ratio"] <= f["ratio_max"]
@@ -121,9 +121,10 @@ def test_control_plane_scale_quick_writes_its_figures(tmp_path):
                     "--json", str(out)], check=True, cwd=ROOT, timeout=120)
     figures = json.loads(out.read_text())["figures"]
     names = [f["figure"] for f in figures]
-    # p99 of POST, status, list, metrics; write-through after a change, a registration, a
-    # release; the snapshot
-    assert len(figures) == 4 + 3 + 1
+    # p99 of POST, status, a page of the list, the whole list, metrics; write-through after a
+    # change, a registration, a release; the snapshot
+    assert len(figures) == 5 + 3 + 1
+    assert any("GET /adapter_runs?limit=" in n for n in names)
     assert names[0].startswith("control plane p99 latency of POST /adapter_runs")
     assert any("POST /adapter_runs" in n for n in names) and names[-1].startswith("driver snapshot")
     for f in figures:
