@@ -6,10 +6,15 @@ own no slot, and only FAILED ones carry an error; `step` and `accumulated_groups
 in `mark_batch_trained` (or a resume via `set_step`). The registration queue follows a model
 kept here (priority first, then arrival; the head takes each freed slot in the same call;
 DELETE takes one out), holds no slot, is empty whenever a slot is free, and comes back
-unchanged from the exported state.
+unchanged from the exported state. The registry is written through to a SQLite store after
+every step (only the rows that changed), and a second connection reads back the same
+registry, every record and the queue's and the retention's order included.
 """
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 from controller_fakes import make_config
 from hypothesis import HealthCheck, settings
@@ -23,6 +28,7 @@ from miles.controller.registry import (
     AdapterValidationError,
     QueueFullError,
 )
+from miles.controller.store import RegistryStore
 from miles.utils.types import AdapterFailure, AdapterState, FailureReason
 
 N_SLOTS = 2
@@ -34,6 +40,9 @@ class RegistryMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.registry = AdapterRegistry(n_slots=N_SLOTS, completed_retention=4, queue_size=QUEUE_SIZE)
+        self.directory = tempfile.TemporaryDirectory()
+        self.path = Path(self.directory.name) / "registry.sqlite"
+        self.store = RegistryStore(self.path)
         self.queue: list[tuple[str, int]] = []
         """The model of the registration queue: (name, priority), head first."""
         self.versions = [0] * N_SLOTS
@@ -209,6 +218,23 @@ class RegistryMachine(RuleBasedStateMachine):
             status = self.registry.status(name)
             assert (status.state, status.slot, status.version, status.queue_position, status.priority) == (
                 AdapterState.QUEUED, None, None, position, priority)
+
+
+    @invariant()
+    def the_store_reads_back_as_the_registry(self) -> None:
+        self.store.save(self.registry.export_state())
+        reader = RegistryStore(self.path)
+        try:
+            state = reader.load()
+        finally:
+            reader.close()
+        assert state is not None
+        restored = AdapterRegistry.from_state(state, N_SLOTS, completed_retention=4, queue_size=QUEUE_SIZE)
+        assert restored.export_state() == self.registry.export_state()
+
+    def teardown(self) -> None:
+        self.store.close()
+        self.directory.cleanup()
 
 
 TestRegistryStateMachine = RegistryMachine.TestCase
