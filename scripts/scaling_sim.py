@@ -159,9 +159,9 @@ def load_costs(paths: list[Path]) -> Costs:
                                          snap["command"])
         nbytes = snap["params"]["bytes"]
         found["snapshot_bytes"] = Line.through(n0, nbytes[str(n0)], n1, nbytes[str(n1)], snap["command"])
-    for key, prefix in (("write_through", "registry write-through (export_state + RegistryStore.save) after one"),
+    for key, prefix in (("write_through", "registry write-through (RegistryStore.write_through) after one"),
                         ("register", "control plane p99 latency of POST /adapter_runs,"),
-                        ("release", "registry write-through (export_state + RegistryStore.save) after a slot"),
+                        ("release", "registry write-through (RegistryStore.write_through) after a slot"),
                         ("listing", "control plane p99 latency of GET /adapter_runs (every record),"),
                         ("metrics", "control plane p99 latency of GET /metrics,")):
         f = _largest(figures, prefix)

@@ -206,9 +206,9 @@ class MultiLoRABackend:
         """Called when the control plane stops (Miles' hook: close what `init` opened)."""
 
     def _persist(self) -> None:
-        """Write the registry through to the store (one transaction) after a change."""
+        """Write the registry through to the store (one transaction, the rows that changed)."""
         if self.store is not None:
-            self.store.save(self.registry.export_state())
+            self.store.write_through(self.registry)
 
     # ---- registration ------------------------------------------------------------
 

@@ -279,7 +279,7 @@ class MultiLoRAHTTPServer:
             by slot, then QUEUED ones, then finished ones; `next_offset` is the next page's
             `offset`, null after the last. A page costs the same whatever the registry holds."""
             total = backend.registry.record_count
-            page = backend.registry.status_texts(offset, limit)  # JSON texts, cached per status
+            page = backend.registry.status_texts(min(offset, total), limit)  # JSON texts, cached per status
             tail: dict[str, int | None] = {"total": total}
             if limit is not None:
                 more = offset + len(page) < total

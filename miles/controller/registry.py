@@ -153,6 +153,14 @@ class _Record:
     priority: int = 0
     """The priority it was registered with (it ordered the queue, if it waited in it)."""
 
+    def __setattr__(self, field_name: str, value: Any) -> None:
+        """Every change of a record held by a registry names it in the registry's changes, so
+        the store writes that one row (`AdapterRegistry.take_changes`)."""
+        object.__setattr__(self, field_name, value)
+        changes = self.__dict__.get("_changes")
+        if changes is not None:
+            changes.add(self.name)
+
     @property
     def kind(self) -> AdapterKind:
         return adapter_kind(self.config)
@@ -203,6 +211,26 @@ class RegistryState:
     """Recorded, not yet trained batches, oldest first."""
     queued: list[dict[str, Any]] = field(default_factory=list)
     """QUEUED registrations, head of the queue first."""
+
+
+@dataclass(frozen=True)
+class RegistryChanges:
+    """What changed in a registry since its last `take_changes`, for the store to write only
+    those rows: the records that changed or moved, the names it no longer holds, and the
+    small parts whole (slot versions, the queue in its order, the recorded batches)."""
+
+    n_slots: int
+    slot_versions: list[int]
+    live: list[dict[str, Any]]
+    """Live records that changed (their order does not matter)."""
+    finished: list[dict[str, Any]]
+    """Terminal records that changed or were read since: the last ones of the retention order, in it."""
+    removed: list[str]
+    """Names no longer held (forgotten, or dropped past the retention)."""
+    queued: list[dict[str, Any]]
+    """Every QUEUED registration, head first."""
+    batches: list[tuple[int, dict[str, Any]]]
+    """Every recorded batch, oldest first."""
 
 
 def _record_to_json(record: _Record) -> dict[str, Any]:
@@ -256,6 +284,9 @@ class AdapterRegistry:
     _batches: OrderedDict[int, _BatchRecord] = field(default_factory=OrderedDict, init=False)
     _json_cache: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict, init=False)
     _status_texts: dict[str, tuple[tuple[Any, ...], str]] = field(default_factory=dict, init=False)
+    _changes: set[str] = field(default_factory=set, init=False)
+    """Names whose stored row changed since `take_changes`: a field of the record (its hook),
+    its place (queued, live, finished, read and so kept longer), or it was forgotten."""
     """Each adapter's status as JSON text while its status is unchanged (`status_texts`)."""
 
     def __post_init__(self) -> None:
@@ -277,6 +308,7 @@ class AdapterRegistry:
         """
         self.check_can_register(name, config)
         self._finished.pop(name, None)
+        self._changes.add(name)
         registration_id = uuid.uuid4().hex
         if self._free_slots and not self._queue:
             slot = self._take_slot(name, config, registration_id, priority)
@@ -293,9 +325,15 @@ class AdapterRegistry:
     def _take_slot(self, name: str, config: AnyAdapterConfig, registration_id: str, priority: int) -> int:
         slot = min(self._free_slots)
         self._free_slots.remove(slot)
-        self._live[name] = _Record(name=name, config=config, slot=slot, registration_id=registration_id,
-                                   priority=priority)
+        self._live[name] = self._held(_Record(name=name, config=config, slot=slot, registration_id=registration_id,
+                                              priority=priority))
         return slot
+
+    def _held(self, record: _Record) -> _Record:
+        """`record`, its changes from now on named in `_changes` (and it, as a new row)."""
+        object.__setattr__(record, "_changes", self._changes)
+        self._changes.add(record.name)
+        return record
 
     def _promote(self) -> list[str]:
         """QUEUED → PENDING for the head of the queue while a slot is free (lowest slot first)."""
@@ -380,6 +418,7 @@ class AdapterRegistry:
         queued = self._queued(name)
         if queued is not None:
             del self._queue[queued[0]]
+            self._changes.add(name)
             logger.info("Adapter '%s' deregistered while QUEUED: removed from the queue", name)
             return None
         record = self._record(name)
@@ -434,7 +473,7 @@ class AdapterRegistry:
         record.state = state
         self._finished[record.name] = record
         while len(self._finished) > self.completed_retention:
-            self._finished.popitem(last=False)
+            self._changes.add(self._finished.popitem(last=False)[0])
 
     # ---- paging idle client-driven adapters ---------------------------------------
 
@@ -651,7 +690,9 @@ class AdapterRegistry:
         record = self._finished.get(name)
         if record is None:
             raise AdapterNotFoundError(f"Adapter '{name}' not registered")
-        self._finished.move_to_end(name)  # reading a finished record keeps it longer
+        if next(reversed(self._finished)) != name:  # reading a finished record keeps it longer
+            self._finished.move_to_end(name)
+            self._changes.add(name)
         return record
 
     def state(self, name: str) -> AdapterState | None:
@@ -802,6 +843,27 @@ class AdapterRegistry:
             queued=[q.as_json for q in self._queue],
         )
 
+    def take_changes(self) -> RegistryChanges | None:
+        """What changed since the last call (or since this registry was built): the rows a
+        store must write to hold `export_state()`, without going over every record. None when
+        a finished record changed in place rather than at the end of the retention order (the
+        store then writes the whole state)."""
+        changed = set(self._changes)
+        self._changes.clear()
+        finished = [name for name in changed if name in self._finished]
+        tail = list(itertools.islice(reversed(self._finished), len(finished)))[::-1]
+        if set(tail) != set(finished):
+            return None
+        queued = [q.as_json for q in self._queue]
+        held = self._live.keys() | self._finished.keys() | {q["name"] for q in queued}
+        return RegistryChanges(
+            n_slots=self.n_slots, slot_versions=list(self._slot_versions),
+            live=[self._json(self._live[name]) for name in changed if name in self._live],
+            finished=[self._json(self._finished[name]) for name in tail],
+            removed=sorted(changed - held), queued=queued,
+            batches=[(rollout_id, _batch_to_json(b)) for rollout_id, b in self._batches.items()],
+        )
+
     def _json(self, record: _Record) -> dict[str, Any]:
         """A record as JSON values; the same object while the record is unchanged, so the
         store can tell unchanged rows apart cheaply (a registry keeps ~1,000 records)."""
@@ -830,12 +892,12 @@ class AdapterRegistry:
         for index, version in enumerate(state.slot_versions[:n_slots]):
             registry._slot_versions[index] = version
         for record in live:
-            registry._live[record.name] = record
+            registry._live[record.name] = registry._held(record)
             if record.state.holds_slot:
                 registry._free_slots.discard(record.slot)
         for raw in state.finished:
             record = _record_from_json(raw)
-            registry._finished[record.name] = record
+            registry._finished[record.name] = registry._held(record)
         for rollout_id, raw in state.batches:
             registry._batches[rollout_id] = _batch_from_json(raw)
         registry._queue = [_queued_from_json(raw) for raw in state.queued]

@@ -1,14 +1,16 @@
 """The registry on disk: one SQLite file, written through after every change.
 
-The registry stays a pure state machine; the backend hands its `export_state()` to
-`RegistryStore.save` after each successful change, and a controller that starts (a
-fresh trainer with the same run directory, or the controller actor restarted by Ray)
-rebuilds the registry from `load()`:
+The registry stays a pure state machine; after each successful change the backend calls
+`RegistryStore.write_through(registry)`, which writes the rows of the records the registry
+says changed (`take_changes`), so a change costs the same however many records are kept,
+and a controller that starts (a fresh trainer with the same run directory, or the
+controller actor restarted by Ray) rebuilds the registry from `load()`:
 
     store = RegistryStore(run_dir / "controller" / "registry.sqlite")
     state = store.load()                      # None on first start
     registry = AdapterRegistry.from_state(state, n_slots) if state else AdapterRegistry(n_slots)
-    ...; store.save(registry.export_state())  # one transaction, only the rows that changed
+    ...; store.write_through(registry)        # one transaction, only the rows that changed
+    store.save(registry.export_state())       # the whole state (what a first write_through does)
 
 The database runs in WAL mode with `synchronous=NORMAL`: a change has reached the
 operating system when `save` returns, so a process killed at any point (SIGKILL, an
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles.controller.registry import RegistryState
+from miles.controller.registry import AdapterRegistry, RegistryChanges, RegistryState
 from miles.utils.types import AdapterState
 
 logger = logging.getLogger(__name__)
@@ -109,6 +111,11 @@ class RegistryStore:
         batch rows, kept by each row for as long as its place in that order holds."""
         self._top = max(self._positions.values(), default=0)
         """The highest position ever handed out: a row that must move after others gets the next."""
+        self._batch_ids = {key[1] for key in self._written if key[0] == "batches"}
+        """The batches with a row."""
+        self._synced: int | None = None
+        """id() of the registry whose every row this file holds, as of its last `take_changes`
+        (None: the next `write_through` writes the whole state)."""
 
     def close(self) -> None:
         self._db.close()
@@ -186,11 +193,66 @@ class RegistryStore:
             queued=[r for r, state in zip(records, states) if state is AdapterState.QUEUED],
         )
 
+    def write_through(self, registry: AdapterRegistry) -> None:
+        """Write what changed in `registry` since the last call, in one transaction: only its
+        changed rows (`take_changes`), so a change costs the same however many records are
+        kept. The first call for a registry, and any after a failed write or a change the
+        registry cannot describe row by row, writes its whole state (`save`)."""
+        changes = registry.take_changes()
+        if changes is None or self._synced != id(registry):
+            self._synced = None
+            self.save(registry.export_state())
+            self._synced = id(registry)
+            return
+        self._synced = None  # until this write is in
+        self._save_changes(changes)
+        self._synced = id(registry)
+
     def save(self, state: RegistryState) -> None:
         """Write `state` in one transaction, touching only the rows that changed."""
         rows, positions = self._rows(state)
         changed = {key: text for key, text in rows.items() if self._written.get(key) != text}
         removed = [key for key in self._written if key not in rows]
+        self._commit(changed, removed)
+        self._positions = positions
+        self._batch_ids = {rollout_id for rollout_id, _ in state.batches}
+
+    def _save_changes(self, changes: RegistryChanges) -> None:
+        """The rows `changes` names: each changed live record where it was (or at a new
+        position), each changed finished one after every other row, the queue and the batches
+        in their order (few rows, rewritten only where their text changed), forgotten names
+        deleted."""
+        rows: dict[tuple[str, Any], str] = {
+            ("meta", "n_slots"): json.dumps(changes.n_slots),
+            ("meta", "slot_versions"): json.dumps(changes.slot_versions),
+        }
+        positions: dict[tuple[str, Any], int] = {}
+        placed = [(r, p) for r, p in zip(changes.live, self._place("adapters", [r["name"] for r in changes.live],
+                                                                    False, positions), strict=True)]
+        queue_names = [r["name"] for r in changes.queued]
+        placed += zip(changes.queued, self._place("adapters", queue_names, True, positions), strict=True)
+        for record in changes.finished:  # the end of the retention order: after every row so far
+            self._top += 1
+            positions[("adapters", record["name"])] = self._top
+            placed.append((record, self._top))
+        for record, position in placed:
+            rows[("adapters", record["name"])] = json.dumps({**record, "position": position}, sort_keys=True)
+        batch_ids = [rollout_id for rollout_id, _ in changes.batches]
+        for (rollout_id, batch), position in zip(changes.batches, self._place("batches", batch_ids, True, positions),
+                                                 strict=True):
+            rows[("batches", rollout_id)] = json.dumps({**batch, "position": position}, sort_keys=True)
+        removed = [("adapters", name) for name in changes.removed if ("adapters", name) in self._written]
+        kept_batches = set(batch_ids)
+        removed += [("batches", rollout_id) for rollout_id in self._batch_ids if rollout_id not in kept_batches]
+        changed = {key: text for key, text in rows.items() if self._written.get(key) != text}
+        self._commit(changed, removed)
+        for key in removed:
+            self._positions.pop(key, None)
+        self._positions.update(positions)
+        self._batch_ids = kept_batches
+
+    def _commit(self, changed: dict[tuple[str, Any], str], removed: list[tuple[str, Any]]) -> None:
+        """Write `changed` rows and delete `removed` ones in one transaction."""
         if not changed and not removed:
             return
         try:
@@ -217,7 +279,6 @@ class RegistryStore:
         for key in removed:
             del self._written[key]
         self._written.update(changed)
-        self._positions = positions
 
     def _read_rows(self) -> dict[tuple[str, Any], str]:
         rows: dict[tuple[str, Any], str] = {}

@@ -22,8 +22,9 @@ Measured, in one process, sizes alternating (forward, then reversed) in every re
   registry keeps its size), `GET /adapter_runs/{name}` (a random kept record),
   `GET /adapter_runs` (every record) and `GET /metrics` (a Prometheus scrape); figures: p99
   at 10,000 registrations ÷ p99 at 10, per repetition;
-- the registry's write-through (`RegistryStore.save(registry.export_state())` after one
-  record changed, what every registry change costs the control plane's loop): saves/s;
+- the registry's write-through (`RegistryStore.write_through(registry)`, what every registry
+  change costs the control plane's loop: the rows the change touched) after one record
+  changed, a registration and a slot freed: saves/s;
 - the snapshot the driver takes every iteration (`controller.snapshot.remote()`, a
   `MultiLoRASnapshot` serialised by Ray): its size and the time to build and serialise it
   with 8 and 1,000 live adapters (and 1,024 finished names).
@@ -223,10 +224,10 @@ def time_http(planes: list[Plane], loop: LoopThread, data: str, per_rep: dict[st
     return out
 
 
-WRITES = ("export_state", "save", "register", "free")
-"""The write-through's parts: after one record's step changed, `export_state` and `save`;
-`register` and `free`: export_state + save after a registration, and after that adapter's
-slot was freed (the change moves a record between the live and the finished lists)."""
+WRITES = ("change", "register", "free")
+"""The write-through (`RegistryStore.write_through`, what the backend calls after every change)
+after one record's step changed, after a registration, and after that adapter's slot was
+freed (the change moves a record between the live and the finished lists)."""
 
 
 def time_saves(planes: list[Plane], loop: LoopThread, per_rep: tuple[int, int],
@@ -241,22 +242,16 @@ def time_saves(planes: list[Plane], loop: LoopThread, per_rep: tuple[int, int],
         assert store is not None
         times: dict[str, list[float]] = {part: [] for part in WRITES}
 
-        def write(*parts: str) -> None:
+        def write(part: str) -> None:
             start = time.perf_counter()
-            state = registry.export_state()
-            middle = time.perf_counter()
-            store.save(state)
-            end = time.perf_counter()
-            if len(parts) == 2:
-                times[parts[0]].append(middle - start)
-                times[parts[1]].append(end - middle)
-            else:
-                times[parts[0]].append(end - start)
+            store.write_through(registry)
+            times[part].append(time.perf_counter() - start)
 
+        store.write_through(registry)  # in step with this registry (a replaced one is written whole once)
         name = next(iter(registry.live_slots()))
         for _ in range(per_rep[0]):
             registry.set_step(name, registry.step(name) + 1)
-            write("export_state", "save")
+            write("change")
         config = resolve_adapter_config("probe", {"data": plane.data, "num_step": 1}, backend.defaults)
         for _ in range(per_rep[1]):
             registry.register("probe", config)
@@ -364,18 +359,16 @@ def main() -> None:
                         "retention": plane.case.retention,
                         **{f"p{q}_ms": {str(planes[j].case.kept): percentile(pooled(latencies[(op, j)]), q)
                                         for j in (0, i)} for q in (50, 99)}}))
-        for parts, what in ((("export_state", "save"), "one record changed"),
-                            (("register",), "a registration"), (("free",), "a slot freed")):
-            ms = {j: [sum(rep[part] for part in parts) * 1e3 for rep in saves[j]] for j in (0, i)}
+        for part, what in (("change", "one record changed"), ("register", "a registration"),
+                           ("free", "a slot freed")):
+            ms = {j: [rep[part] * 1e3 for rep in saves[j]] for j in (0, i)}
             figures.append(Figure(
-                figure=f"registry write-through (export_state + RegistryStore.save) after {what}, "
+                figure=f"registry write-through (RegistryStore.write_through) after {what}, "
                        f"{plane.case.label} ÷ {small:,} registrations",
                 model=args.model, ours_label=f"{plane.case.kept:,} records", baseline_label=f"{small:,} records",
                 ours=ms[i], baseline=ms[0], unit="ms", ratio_of="ours/baseline", target="report",
                 params={"records_kept": plane.case.kept, "retention": plane.case.retention,
-                        "saves_per_s": {str(planes[j].case.kept): 1e3 / statistics.median(ms[j]) for j in ms},
-                        **({"save_ms": {str(planes[j].case.kept): statistics.median(
-                            rep["save"] for rep in saves[j]) * 1e3 for j in ms}} if len(parts) == 2 else {})}))
+                        "saves_per_s": {str(planes[j].case.kept): 1e3 / statistics.median(ms[j]) for j in ms}}))
     lo, hi = snapshot_sizes
     figures.append(Figure(
         figure=f"driver snapshot (build + Ray's cloudpickle + unpickle), {hi:,} live adapters ÷ {lo:,}",
@@ -400,9 +393,9 @@ def print_table(planes: list[Plane], latencies: dict[tuple[str, int], list[list[
         print(f"{plane.case.label}: p50/p99 ms " + ", ".join(cells))
     for i, plane in enumerate(planes):
         ms = {part: statistics.median(rep[part] for rep in saves[i]) * 1e3 for part in WRITES}
-        print(f"registry write-through, {plane.case.kept:,} records kept: one record changed: export_state "
-              f"{ms['export_state']:.2f} ms + save {ms['save']:.2f} ms ({1e3 / (ms['export_state'] + ms['save']):.0f}"
-              f" saves/s); a registration {ms['register']:.2f} ms; a slot freed {ms['free']:.2f} ms")
+        print(f"registry write-through, {plane.case.kept:,} records kept: one record changed {ms['change']:.2f} ms "
+              f"({1e3 / ms['change']:.0f} saves/s); a registration {ms['register']:.2f} ms; a slot freed "
+              f"{ms['free']:.2f} ms")
     for n, size in nbytes.items():
         print(f"snapshot with {n:,} live adapters and {COMPLETED_RETENTION:,} finished names: {size:,} bytes, "
               f"build + serialise + deserialise {statistics.median(snapshot_times[n]) * 1e3:.2f} ms")

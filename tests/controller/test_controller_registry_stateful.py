@@ -222,7 +222,7 @@ class RegistryMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_store_reads_back_as_the_registry(self) -> None:
-        self.store.save(self.registry.export_state())
+        self.store.write_through(self.registry)
         reader = RegistryStore(self.path)
         try:
             state = reader.load()

@@ -296,12 +296,13 @@ async def test_the_registration_queue_is_on_disk_in_its_order_after_every_change
 
 
 def test_a_change_rewrites_only_its_own_rows_however_many_records_are_kept(tmp_path: Path) -> None:
-    """A registration, an adapter finishing and a finished record read (moved to the end of the
-    retention order) each write a row or two, not every record after them; the file read back
-    keeps the queue's and the retention's order."""
+    """Written through (`write_through`: the registry names what changed), a registration,
+    an adapter finishing, one dropped past the retention and a finished record read (moved to
+    the end of the retention order) each write a row or two, not every record kept; the file
+    read back is the registry, the queue's and the retention's order included."""
     from controller_fakes import make_config
 
-    registry = AdapterRegistry(n_slots=2, completed_retention=200)
+    registry = AdapterRegistry(n_slots=2, completed_retention=150)
     store = RegistryStore(tmp_path / "r.sqlite")
 
     def retire(name: str) -> None:
@@ -312,23 +313,33 @@ def test_a_change_rewrites_only_its_own_rows_however_many_records_are_kept(tmp_p
     for i in range(150):
         registry.register(f"done{i}", make_config(f"done{i}"))
         retire(f"done{i}")
-    store.save(registry.export_state())
+    store.write_through(registry)  # the first write of a registry: every row
 
     def rows_written(change: Callable[[], object]) -> int:
         before = store._db.total_changes
         change()
-        store.save(registry.export_state())
+        store.write_through(registry)
         return store._db.total_changes - before
+
+    def read_back() -> AdapterRegistry:
+        return AdapterRegistry.from_state(RegistryStore(tmp_path / "r.sqlite").load(), 2, completed_retention=150)
 
     assert rows_written(lambda: registry.register("live", make_config("live"))) == 1
     assert rows_written(lambda: registry.register("other", make_config("other"))) == 1
     assert rows_written(lambda: registry.register("q1", make_config("q1"))) == 1  # QUEUED
     assert rows_written(lambda: registry.register("q2", make_config("q2"))) == 1
     assert rows_written(lambda: registry.status("done3")) == 1  # kept longer: moved to the end
-    assert rows_written(lambda: retire("live")) <= 3  # live COMPLETED, q1 takes its slot (slot versions)
-    assert rows_written(lambda: retire("other")) <= 3
-    restored = AdapterRegistry.from_state(RegistryStore(tmp_path / "r.sqlite").load(), 2, completed_retention=200)
-    assert [s.model_dump() for s in restored.statuses()] == [s.model_dump() for s in registry.statuses()]
+    assert rows_written(lambda: registry.status("done3")) == 0  # already the last one
+    assert rows_written(lambda: retire("live")) <= 4  # live COMPLETED, done0 dropped, q1 takes the slot
+    assert rows_written(lambda: retire("other")) <= 4
+    assert rows_written(lambda: registry.deregister("q2")) == 1  # q2 took other's slot; RETIRING now
+    restored = read_back()
+    assert restored.export_state() == registry.export_state()
     finished = [s.name for s in restored.statuses() if s.state is AdapterState.COMPLETED]
-    assert finished[-3:] == ["done3", "live", "other"]
-    assert [s.name for s in restored.statuses() if s.state is AdapterState.PENDING] == ["q1", "q2"]
+    assert finished[-3:] == ["done3", "live", "other"] and "done0" not in finished and len(finished) == 150
+    assert [s.name for s in restored.statuses() if s.state.holds_slot] == ["q1", "q2"]
+
+    registry.register("q3", make_config("q3"))
+    registry.register("q4", make_config("q4"))
+    assert rows_written(lambda: registry.deregister("q3")) == 1  # out of the queue: its row deleted
+    assert read_back().export_state() == registry.export_state()
