@@ -855,12 +855,14 @@ class AdapterRegistry:
         if set(tail) != set(finished):
             return None
         queued = [q.as_json for q in self._queue]
-        held = self._live.keys() | self._finished.keys() | {q["name"] for q in queued}
+        queued_names = {q["name"] for q in queued}
+        removed = sorted(n for n in changed
+                         if n not in self._live and n not in self._finished and n not in queued_names)
         return RegistryChanges(
             n_slots=self.n_slots, slot_versions=list(self._slot_versions),
             live=[self._json(self._live[name]) for name in changed if name in self._live],
             finished=[self._json(self._finished[name]) for name in tail],
-            removed=sorted(changed - held), queued=queued,
+            removed=removed, queued=queued,
             batches=[(rollout_id, _batch_to_json(b)) for rollout_id, b in self._batches.items()],
         )
 

@@ -208,6 +208,26 @@ def _plant_partial_checkpoints(save_dir: Path, latest: Path) -> None:
     (partial / TRAINER_STATE).unlink()
 
 
+def restart_on_the_same_port(url: str, flags: list[str], log: Path):
+    """A trainer started with `flags` on the port of `url` (an SDK client has only its
+    base_url), once its control plane answers there."""
+    from urllib.parse import urlparse
+
+    from driver_harness import DriverProcess
+
+    port = urlparse(url).port
+    assert port is not None
+    flags = list(flags)
+    flags[flags.index("--multi-lora-api-port") + 1] = str(port)
+    trainer = DriverProcess(TRAINER, flags, log)
+    try:
+        assert trainer.wait_for_api_url() == url
+    except BaseException:
+        trainer.kill()
+        raise
+    return trainer
+
+
 class SdkModel:
     """A Tinker SDK client's model that lives through a trainer's restart (the client process
     keeps running; the trainer comes back on the same port)."""
@@ -243,7 +263,6 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
     """Two server-driven adapters and a Tinker SDK client's model: each resumes from its latest
     checkpoint (the client's: its latest `save_state`, optimizer included). Two registrations
     queued behind them (every slot held) are still queued, in order, after the restart."""
-    from urllib.parse import urlparse
 
     from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
 
@@ -299,13 +318,8 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
 
     monkeypatch.delenv(FAULT_TRAIN_CALLS_ENV)
     started = time.monotonic()
-    # The same port: the SDK client has only its base_url.
-    port = urlparse(url).port
-    assert port is not None
-    flags[flags.index("--multi-lora-api-port") + 1] = str(port)
-    second = DriverProcess(TRAINER, flags, tmp_path / "second.log")
+    second = restart_on_the_same_port(url, flags, tmp_path / "second.log")
     try:
-        assert second.wait_for_api_url() == url
         client = ControlPlaneClient(url)
         # The registry is back from {save}/controller/registry.sqlite: nothing is re-POSTed.
         listed = {s.name: s for s in client.list()}
@@ -368,7 +382,6 @@ def test_sigkill_of_a_trainer_holding_a_paged_model_then_restart_pages_it_in_wit
     still PAGED, and its client's optim_step pages it back in and steps the gradient it left
     with. Its held-out logprobs then equal those of a model of the same seed that ran the same
     calls without a pause: weights, moments, pending gradient and clock all came back."""
-    from urllib.parse import urlparse
 
     from driver_harness import DriverProcess, cycle_datum, tiny_run_flags
     from tinker import types
@@ -398,12 +411,8 @@ def test_sigkill_of_a_trainer_holding_a_paged_model_then_restart_pages_it_in_wit
     finally:
         first.kill()
 
-    port = urlparse(url).port
-    assert port is not None
-    flags[flags.index("--multi-lora-api-port") + 1] = str(port)
-    second = DriverProcess(TRAINER, flags, tmp_path / "second.log")
+    second = restart_on_the_same_port(url, flags, tmp_path / "second.log")
     try:
-        assert second.wait_for_api_url() == url
         client = ControlPlaneClient(url)
         assert client.status(name).state is AdapterState.PAGED
         paged.model.optim_step(adam).result(timeout=120)  # pages it in, then steps what it left pending
