@@ -190,6 +190,8 @@ class LoraExport:
     shapes: list[list[int]] = field(default_factory=list)
     nbytes: int = 0
     """Bytes of the tensors: what one push sends to each engine."""
+    export_id: str = ""
+    """Names the export on the train rank that made it (which keeps it to broadcast)."""
 
 
 @dataclass(frozen=True)

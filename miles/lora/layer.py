@@ -497,8 +497,9 @@ class MultiLoRALinear(nn.Module):
                 f"B [{self.out_features}, rank], got A {list(a.shape)} and B {list(b.shape)}"
             )
         check_rank(rank, self.max_rank)
-        self.lora_A[slot].zero_()
-        self.lora_B[slot].zero_()
+        if rank < self.max_rank:  # only the padding past the rank: the copies write the rest
+            self.lora_A[slot, rank:].zero_()
+            self.lora_B[slot, :, rank:].zero_()
         self.lora_A[slot, :rank].copy_(a)
         self.lora_B[slot, :, :rank].copy_(b)
         self.scaling[slot] = alpha / rank

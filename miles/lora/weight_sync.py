@@ -125,11 +125,22 @@ def broadcast_tensors(group: dist.ProcessGroup, tensors: Mapping[str, torch.Tens
     `device`: where the tensors go before sending (`cuda` for NCCL); default where they are.
     `bucketed`: one flat tensor per dtype, dtypes in the order they first occur.
     """
+    return broadcast_wire(group, wire_tensors(tensors, device=device, bucketed=bucketed))
+
+
+def wire_tensors(tensors: Mapping[str, torch.Tensor] | Iterable[torch.Tensor], *,
+                 device: str | torch.device | None = None, bucketed: bool = False) -> list[torch.Tensor]:
+    """The tensors as `broadcast_tensors` sends them: contiguous (LoRA B slices are strided),
+    on `device`, and with `bucketed` one flat tensor per dtype. Keep them to send them again."""
     values = list(tensors.values()) if isinstance(tensors, Mapping) else list(tensors)
-    # Contiguous copies (LoRA B slices are strided), kept alive until every send is done.
     ready = [(t if device is None else t.to(device)).contiguous() for t in values]
     if bucketed:
         ready = [torch.cat([ready[i].reshape(-1) for i in rows]) for rows in _buckets([t.dtype for t in ready])]
+    return ready
+
+
+def broadcast_wire(group: dist.ProcessGroup, ready: list[torch.Tensor]) -> int:
+    """Broadcast `wire_tensors` from rank 0, in order; returns the bytes sent."""
     works = [_broadcast(group, t) for t in ready]
     for work in works:
         work.wait()

@@ -86,3 +86,55 @@ def test_a_listening_store_holds_its_port_until_the_group_meets():
         assert weight_sync.broadcast_tensors(group, {"w": sent}) == 24
 
     assert _send_to_a_receiver(spec, store, _receive, (), send) == sent.tolist()
+
+
+def _receive_several(spec: weight_sync.UpdateGroupSpec, metadata, times: int, out) -> None:
+    group = weight_sync.join_update_group(spec, 1)
+    for _ in range(times):
+        received = weight_sync.receive_tensors(group, *metadata, bucketed=True)
+        out.put({name: t.tolist() for name, t in received.items()})
+    weight_sync.leave_update_group(group)
+
+
+def test_a_kept_export_is_sent_without_reading_it_back_until_a_newer_one_replaces_it():
+    """A train rank keeps the newest export of each adapter and broadcasts it from there: the
+    object store is read only for an export it no longer keeps (replaced, or forgotten)."""
+    from miles.backends.rank.sender import UpdateGroupSender
+
+    gen = torch.Generator().manual_seed(1)
+    old = {"a.lora_A": torch.randn(2, 3, generator=gen), "a.lora_B": torch.randn(3, 2, generator=gen).t()}
+    new = {name: t * 2 for name, t in old.items()}
+    reads: list[str] = []
+
+    def read(export: dict[str, torch.Tensor], export_id: str):
+        return lambda: reads.append(export_id) or export
+
+    sender = UpdateGroupSender(torch.device("cpu"))
+    host, port = sender.endpoint()
+    spec = weight_sync.UpdateGroupSpec(master_address=host, master_port=port, world_size=2, group_name="kept",
+                                       backend="gloo", timeout_s=60)
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    receiver = context.Process(target=_receive_several, args=(spec, weight_sync.tensor_metadata(old), 5, out))
+    receiver.start()
+    try:
+        sender.join(spec)
+        sender.keep("a", "e1", old)
+        assert sender.broadcast_kept("e1", read(old, "e1"), ["kept"], bucketed=True) == {}
+        assert sender.broadcast_kept("e1", read(old, "e1"), ["kept"], bucketed=True) == {}  # laid out once
+        sender.keep("a", "e2", new)  # the adapter's newer export replaces e1
+        assert sender.broadcast_kept("e1", read(old, "e1"), ["kept"], bucketed=True) == {}
+        assert sender.broadcast_kept("e2", read(new, "e2"), ["kept"], bucketed=True) == {}
+        sender.forget("a")  # the adapter left its slot
+        assert sender.broadcast_kept("e2", read(new, "e2"), ["kept"], bucketed=True) == {}
+        received = [out.get(timeout=60) for _ in range(5)]
+        assert sender.broadcast_kept("e2", read(new, "e2"), ["gone"], bucketed=True) == {"gone": "not joined"}
+    finally:
+        sender.leave()
+        receiver.join(timeout=30)
+        if receiver.is_alive():
+            receiver.kill()
+    assert receiver.exitcode == 0
+    assert reads == ["e1", "e2"]
+    expected = [old, old, old, new, new]
+    assert received == [{name: t.tolist() for name, t in sent.items()} for sent in expected]

@@ -16,6 +16,7 @@ a plain class, so a single rank can be driven in-process as well:
 from __future__ import annotations
 
 import datetime
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -50,17 +51,19 @@ class ExportDescription:
     shapes: list[list[int]]
     nbytes: int
     """Bytes of the tensors: what one push sends to each engine."""
+    export_id: str = ""
+    """Names this export on the rank that made it, which keeps its tensors to broadcast them."""
 
     @classmethod
     def of(cls, tensors: dict[str, Tensor], peft_config: dict[str, Any]) -> ExportDescription:
         names, dtypes, shapes = tensor_metadata(tensors)
         return cls(peft_config=peft_config, names=names, dtypes=dtypes, shapes=shapes,
-                   nbytes=sum(t.numel() * t.element_size() for t in tensors.values()))
+                   nbytes=sum(t.numel() * t.element_size() for t in tensors.values()), export_id=uuid.uuid4().hex)
 
     def export(self, tensors: Any) -> LoraExport:
         """The `LoraExport` of `tensors` (a dict, or the ObjectRef of one) as described here."""
         return LoraExport(peft_config=self.peft_config, tensors=tensors, names=self.names, dtypes=self.dtypes,
-                          shapes=self.shapes, nbytes=self.nbytes)
+                          shapes=self.shapes, nbytes=self.nbytes, export_id=self.export_id)
 
 
 class RankExport(NamedTuple):
@@ -170,6 +173,14 @@ class TrainRank:
                           bucketed: bool = False) -> dict[str, str]:
         return self.sender.broadcast(tensors, group_names, bucketed)
 
+    @ray.method(concurrency_group=WEIGHT_PUSH)
+    def broadcast_export(self, export_id: str, tensors_ref: Sequence[ray.ObjectRef], group_names: Sequence[str],
+                         bucketed: bool = False) -> dict[str, str]:
+        """Broadcast an export of this rank: the tensors it kept when it made it (already laid
+        out for the wire after the first push), else read back from `tensors_ref` (a
+        one-element list, so Ray hands over the reference and reads nothing unless asked)."""
+        return self.sender.broadcast_kept(export_id, lambda: ray.get(tensors_ref[0]), group_names, bucketed)
+
     # ---- adapters, training, exports and checkpoints: the core's --------------------------
 
     def load_adapter(self, spec: AdapterSpec, checkpoint: str | None = None,
@@ -178,6 +189,7 @@ class TrainRank:
 
     def cleanup_adapter(self, name: str) -> None:
         self.core.cleanup_adapter(name)
+        self.sender.forget(name)
 
     def loaded_adapters(self) -> dict[str, int]:
         return self.core.loaded_adapters()
@@ -207,9 +219,11 @@ class TrainRank:
         return self.core.export_adapter(name)
 
     def export_for_push(self, name: str) -> RankExport:
-        """`export_adapter` and what an engine needs to receive it."""
+        """`export_adapter` and what an engine needs to receive it (the rank keeps the tensors
+        for its broadcasts: `broadcast_export`)."""
         tensors = self.core.export_adapter(name)
-        return RankExport(tensors, ExportDescription.of(tensors, self.core.peft_config(self.core.loaded(name).spec)))
+        return self._kept(name, RankExport(tensors, ExportDescription.of(
+            tensors, self.core.peft_config(self.core.loaded(name).spec))))
 
     @ray.method(concurrency_group=WEIGHT_PUSH)
     def fresh_export_for_push(self, spec: AdapterSpec) -> RankExport:
@@ -217,7 +231,12 @@ class TrainRank:
         in its slot, computed without touching the model: on the push thread, so a
         registration can reach the engines while a train call runs."""
         tensors = self.core.fresh_export(spec)
-        return RankExport(tensors, ExportDescription.of(tensors, self.core.peft_config(spec)))
+        return self._kept(spec.name, RankExport(tensors, ExportDescription.of(tensors, self.core.peft_config(spec))))
+
+    def _kept(self, adapter: str, export: RankExport) -> RankExport:
+        if export.tensors:  # a rank that does not write exports nothing to keep
+            self.sender.keep(adapter, export.description.export_id, export.tensors)
+        return export
 
     def optimizer_state(self, name: str) -> OptimizerState:
         return self.core.optimizer_state(name)

@@ -11,11 +11,17 @@ as its rank 0 and broadcasts exports over it while the engines receive
     sender.join(spec)                                  # with every engine of spec joining
     failed = sender.broadcast(tensors, [spec.group_name], bucketed=True)
     sender.leave()                                     # every group
+
+An export the rank made is kept (`keep`, the newest of each adapter) and broadcast from
+there (`broadcast_kept`): no read back from the object store, and, over gloo, laid out for
+the wire once for all its pushes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,15 +29,24 @@ from torch import Tensor
 
 from miles.lora.weight_sync import (
     UpdateGroupSpec,
-    broadcast_tensors,
+    broadcast_wire,
     join_update_group,
     leave_update_group,
     listening_store,
+    wire_tensors,
 )
 from miles.utils.network import cluster_host
 
 WEIGHT_PUSH = "weight_push"
 """The Ray concurrency group of the weights-update group's methods."""
+
+
+@dataclass
+class _Kept:
+    export_id: str
+    tensors: dict[str, Tensor]
+    wire: dict[bool, list[Tensor]] = field(default_factory=dict)
+    """Its layouts for the wire (gloo), by `bucketed`, once sent."""
 
 
 class UpdateGroupSender:
@@ -46,6 +61,21 @@ class UpdateGroupSender:
         """Joined groups: name -> (group, backend)."""
         self._rendezvous: dict[int, dist.TCPStore] = {}
         """Stores listening for a group not joined yet: port -> store."""
+        self._kept: dict[str, _Kept] = {}
+        """The newest export of each adapter this rank made, by adapter name."""
+        self._kept_lock = threading.Lock()
+        """Exports are kept from the rank's main thread, sent from its push thread."""
+
+    def keep(self, adapter: str, export_id: str, tensors: dict[str, Tensor]) -> None:
+        """Keep an export this rank made (in place of the adapter's older one), to broadcast
+        it without reading it back."""
+        with self._kept_lock:
+            self._kept = {**self._kept, adapter: _Kept(export_id, tensors)}
+
+    def forget(self, adapter: str) -> None:
+        """Drop the adapter's kept export (it left its slot)."""
+        with self._kept_lock:
+            self._kept = {name: kept for name, kept in self._kept.items() if name != adapter}
 
     def endpoint(self) -> tuple[str, int]:
         """Host and port for a group's rendezvous on this node; the port is held from now
@@ -77,6 +107,33 @@ class UpdateGroupSender:
         """Send `tensors` over each named group in turn (`bucketed`: one flat tensor per dtype);
         returns the groups whose broadcast failed, with the error (one dead engine does not
         stop the others' pushes)."""
+        return self._send(lambda backend: wire_tensors(tensors, device=self._device_for(backend), bucketed=bucketed),
+                          group_names)
+
+    def broadcast_kept(self, export_id: str, read: Callable[[], dict[str, Tensor]], group_names: Sequence[str],
+                       bucketed: bool = False) -> dict[str, str]:
+        """`broadcast` of the export `export_id`: from the tensors `keep` kept, laid out for the
+        wire once; `read()` gives them when this rank did not keep them (made before a restart,
+        or replaced by a newer export of its adapter)."""
+        with self._kept_lock:
+            kept = next((k for k in self._kept.values() if k.export_id == export_id), None)
+
+        def wire(backend: str) -> list[Tensor]:
+            device = self._device_for(backend)
+            if kept is None:
+                return wire_tensors(read(), device=device, bucketed=bucketed)
+            if device is not None:  # a device copy per push: none kept in accelerator memory
+                return wire_tensors(kept.tensors, device=device, bucketed=bucketed)
+            if bucketed not in kept.wire:
+                kept.wire[bucketed] = wire_tensors(kept.tensors, bucketed=bucketed)
+            return kept.wire[bucketed]
+
+        return self._send(wire, group_names)
+
+    def _device_for(self, backend: str) -> torch.device | None:
+        return self.device if backend == "nccl" else None
+
+    def _send(self, wire: Callable[[str], list[Tensor]], group_names: Sequence[str]) -> dict[str, str]:
         failed = {}
         for name in group_names:
             if name not in self._groups:
@@ -84,7 +141,7 @@ class UpdateGroupSender:
                 continue
             group, backend = self._groups[name]
             try:
-                broadcast_tensors(group, tensors, device=self.device if backend == "nccl" else None, bucketed=bucketed)
+                broadcast_wire(group, wire(backend))
             except RuntimeError as exc:  # gloo/nccl: the peer is gone
                 failed[name] = str(exc)
         return failed

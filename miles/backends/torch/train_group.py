@@ -213,8 +213,12 @@ class TrainGroup:
 
     async def broadcast_adapter(self, export: LoraExport, group_names: Sequence[str], *,
                                 bucketed: bool = False) -> dict[str, str]:
-        """Rank 0 sends the exported tensors (read back from its own object store) over each group."""
-        return await self._actors[0].broadcast_tensors.remote(export.tensors, list(group_names), bucketed)
+        """Rank 0 sends the exported tensors over each group: those it kept when it exported
+        them, else read back from the object store (an export given as tensors is sent as is)."""
+        if isinstance(export.tensors, dict):
+            return await self._actors[0].broadcast_tensors.remote(export.tensors, list(group_names), bucketed)
+        return await self._actors[0].broadcast_export.remote(export.export_id, [export.tensors], list(group_names),
+                                                             bucketed)
 
     # ---- training --------------------------------------------------------------------
 
