@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,9 +148,12 @@ def broadcast_wire(group: dist.ProcessGroup, ready: list[torch.Tensor]) -> int:
 
 
 def receive_tensors(group: dist.ProcessGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                    *, device: str | torch.device = "cpu", bucketed: bool = False) -> dict[str, torch.Tensor]:
+                    *, device: str | torch.device = "cpu", bucketed: bool = False,
+                    buffer: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Receive what `broadcast_tensors` sends, described by (names, dtypes, shapes) and
-    whether it was `bucketed`."""
+    whether it was `bucketed`. `buffer(numel, dtype)` gives each bucket's flat tensor (one
+    kept from an earlier push: a fresh one costs its page faults, several times the copy);
+    default a new one."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
     if len(set(names)) != len(names):
@@ -166,7 +169,8 @@ def receive_tensors(group: dist.ProcessGroup, names: list[str], dtypes: list[str
     sizes = [math.prod(shape) for shape in shapes]
     received: dict[int, torch.Tensor] = {}
     for rows in _buckets(torch_dtypes):
-        flat = torch.empty(sum(sizes[i] for i in rows), dtype=torch_dtypes[rows[0]], device=device)
+        numel, dtype = sum(sizes[i] for i in rows), torch_dtypes[rows[0]]
+        flat = torch.empty(numel, dtype=dtype, device=device) if buffer is None else buffer(numel, dtype)
         _broadcast(group, flat).wait()
         for i, piece in zip(rows, flat.split([sizes[i] for i in rows])):
             received[i] = piece.view(shapes[i])

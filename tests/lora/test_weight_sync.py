@@ -138,3 +138,33 @@ def test_a_kept_export_is_sent_without_reading_it_back_until_a_newer_one_replace
     assert reads == ["e1", "e2"]
     expected = [old, old, old, new, new]
     assert received == [{name: t.tolist() for name, t in sent.items()} for sent in expected]
+
+
+def _receive_into_given_buffers(spec: weight_sync.UpdateGroupSpec, metadata, out) -> None:
+    group = weight_sync.join_update_group(spec, 1)
+    given: list[torch.Tensor] = []
+
+    def buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        given.append(torch.full((numel,), -1.0).to(dtype))
+        return given[-1]
+
+    received = weight_sync.receive_tensors(group, *metadata, bucketed=True, buffer=buffer)
+    pointers = {t.data_ptr() for t in given}
+    out.put(({name: t.tolist() for name, t in received.items()},
+             all(t.untyped_storage().data_ptr() in pointers for t in received.values()), len(given)))
+    weight_sync.leave_update_group(group)
+
+
+def test_a_receiver_can_give_the_flat_buckets_it_receives_into():
+    """An engine keeps its receive buffers between pushes (a fresh one faults in its pages):
+    `buffer(numel, dtype)` gives each bucket's tensor, and what arrives are views of it."""
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16),
+               "c": torch.arange(4, dtype=torch.float32)}
+    store = weight_sync.listening_store("127.0.0.1", timeout_s=60)
+    spec = weight_sync.UpdateGroupSpec(master_address="127.0.0.1", master_port=store.port, world_size=2,
+                                       group_name="given", backend="gloo", timeout_s=60)
+    received, views, buckets = _send_to_a_receiver(
+        spec, store, _receive_into_given_buffers, (weight_sync.tensor_metadata(tensors),),
+        lambda group: weight_sync.broadcast_tensors(group, tensors, bucketed=True))
+    assert received == {name: t.tolist() for name, t in tensors.items()}
+    assert views and buckets == 2  # one per dtype

@@ -73,6 +73,8 @@ ENGINE_VERSION = "miles-builtin-0.1"
 
 
 DISTRIBUTED_LORA_PATH = "__distributed__"
+MAX_SPARE_BUFFERS = 8
+"""Flat receive buffers kept between broadcast pushes (one per layout: dtype and size)."""
 """What `loaded_adapters` shows for an adapter received by broadcast."""
 
 
@@ -141,6 +143,9 @@ class BuiltinEngine:
         """LoRA name -> /generate prompts using it that have not finished."""
         self._uses_changed: asyncio.Condition | None = None
         self._groups: dict[str, object] = {}
+        self._spare_buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        """Flat receive buffers of earlier broadcast pushes, free to take (a push of the same
+        layout reuses one instead of faulting in fresh pages)."""
         """Weights-update groups joined, by name."""
         self.lora_loads: Counter[str] = Counter()
         """LoRA name -> times its weights were written into a slot (loads and reloads)."""
@@ -340,17 +345,30 @@ class BuiltinEngine:
                                           f"(joined: {sorted(self._groups)}); call /init_weights_update_group first")
         # Receive before any check that could refuse: a rank that skips a broadcast would
         # leave the sender and every other engine waiting on the group.
+        taken: list[torch.Tensor] = []
+
+        def buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            spare = self._spare_buffers.pop((dtype, numel), None)
+            taken.append(torch.empty(numel, dtype=dtype, device=self.device) if spare is None else spare)
+            return taken[-1]
+
         try:
-            tensors = await asyncio.to_thread(weight_sync.receive_tensors, group, request.names, request.dtypes,
-                                              request.shapes, device=self.device, bucketed=request.flattened_bucket)
-        except (RuntimeError, ValueError) as exc:
-            raise WeightsUpdateGroupError(f"receiving LoRA {request.lora_name!r} over group "
-                                          f"{request.group_name!r} failed: {exc}") from None
-        if request.added_tokens_config:
-            raise LoraRequestError(f"LoRA adapter {request.lora_name} adds tokens to the vocabulary, which the "
-                                   "slot page table does not support")
-        return await self._load(request.lora_name, tensors, request.config_dict, source=DISTRIBUTED_LORA_PATH,
-                                upsert=request.upsert, pinned=request.pinned)
+            try:
+                tensors = await asyncio.to_thread(weight_sync.receive_tensors, group, request.names, request.dtypes,
+                                                  request.shapes, device=self.device,
+                                                  bucketed=request.flattened_bucket, buffer=buffer)
+            except (RuntimeError, ValueError) as exc:
+                raise WeightsUpdateGroupError(f"receiving LoRA {request.lora_name!r} over group "
+                                              f"{request.group_name!r} failed: {exc}") from None
+            if request.added_tokens_config:
+                raise LoraRequestError(f"LoRA adapter {request.lora_name} adds tokens to the vocabulary, which the "
+                                       "slot page table does not support")
+            return await self._load(request.lora_name, tensors, request.config_dict, source=DISTRIBUTED_LORA_PATH,
+                                    upsert=request.upsert, pinned=request.pinned)
+        finally:  # the slot holds copies: the buffers are free for the next push
+            for flat in taken:
+                if len(self._spare_buffers) < MAX_SPARE_BUFFERS:
+                    self._spare_buffers[(flat.dtype, flat.numel())] = flat
 
     async def _load(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], *, source: str,
                     upsert: bool, pinned: bool) -> dict[str, Any]:
