@@ -154,9 +154,11 @@ class _Record:
     """The priority it was registered with (it ordered the queue, if it waited in it)."""
 
     def __setattr__(self, field_name: str, value: Any) -> None:
-        """Every change of a record held by a registry names it in the registry's changes, so
-        the store writes that one row (`AdapterRegistry.take_changes`)."""
+        """Every change of a record counts in its `_revision` (what its cached stored form is
+        checked against) and, for a record held by a registry, names it in the registry's
+        changes, so the store writes that one row (`AdapterRegistry.take_changes`)."""
         object.__setattr__(self, field_name, value)
+        object.__setattr__(self, "_revision", self.__dict__.get("_revision", 0) + 1)
         changes = self.__dict__.get("_changes")
         if changes is not None:
             changes.add(self.name)
@@ -869,8 +871,7 @@ class AdapterRegistry:
     def _json(self, record: _Record) -> dict[str, Any]:
         """A record as JSON values; the same object while the record is unchanged, so the
         store can tell unchanged rows apart cheaply (a registry keeps ~1,000 records)."""
-        key = (record.registration_id, record.state, record.slot, record.step, record.start_step,
-               record.accumulated_groups, record.resume_from, record.failure)
+        key = (record.registration_id, record.__dict__["_revision"])  # any field's change is a new revision
         cached = self._json_cache.get(record.name)
         if cached is None or cached[0] != key:
             cached = (key, _record_to_json(record))

@@ -343,3 +343,19 @@ def test_a_change_rewrites_only_its_own_rows_however_many_records_are_kept(tmp_p
     registry.register("q4", make_config("q4"))
     assert rows_written(lambda: registry.deregister("q3")) == 1  # out of the queue: its row deleted
     assert read_back().export_state() == registry.export_state()
+
+
+def test_the_stored_form_follows_a_push_of_a_retiring_adapter() -> None:
+    """A record's stored form is cached while the record is unchanged; a change of any field
+    (here `pushed`, by a push that reaches an adapter already RETIRING) makes a new one, so
+    the registry read back is the registry (found by the stateful test's store invariant)."""
+    from controller_fakes import make_config
+
+    registry = AdapterRegistry(n_slots=2)
+    registry.register("c", make_config("c"))
+    registry.export_state()  # its stored form, cached
+    registry.deregister("c")
+    registry.export_state()
+    registry.record_weight_update(["c"])
+    restored = AdapterRegistry.from_state(registry.export_state(), 2)
+    assert restored.snapshot() == registry.snapshot() and restored.export_state() == registry.export_state()

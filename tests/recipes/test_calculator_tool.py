@@ -46,11 +46,14 @@ def test_warm_start_trains_only_the_model_turns():
 @pytest.mark.timeout(300)
 async def test_rl_raises_the_held_out_success_rate_over_the_warm_start():
     torch.set_num_threads(1)
-    args = argparse.Namespace(base=str(BASE), seed=0, warm_steps=100, warm_until=0.25, warm_check_every=5,
+    args = argparse.Namespace(base=str(BASE), seed=0, warm_steps=100, warm_until=0.25, warm_check_every=1,
                               warm_max_steps=400, probe_rows=48, warm_lr=2e-3, batch_size=32, rl_steps=60,
                               rl_lr=3e-4, temperature=0.3, prompts=8, n=8, eval_rows=200)
     result = await _check_module().run(args)
     assert result["fresh"] == 0.0  # the base never writes a tool call by itself
     assert 0.1 < result["warm"] < 0.8  # a warm start that leaves room to learn (the probe stops it at 0.25)
-    # measured: 0.535 -> 0.730 (150 warm-start steps, one base build); 0.280 -> 0.465 (another)
+    # The warm start is probed after every step: the tool format is learnt within a few steps,
+    # and probed every 5 one CPU's base build overshot to 0.755 with no room left (RL: 0.605).
+    # measured: 0.535 -> 0.730 (150 warm-start steps, one base build); 0.280 -> 0.465 (another);
+    # warm 0.430 after 156 steps, probed every step (the build that overshot)
     assert result["rl"] >= result["warm"] + 0.10

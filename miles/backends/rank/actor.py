@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import ray
@@ -51,8 +51,9 @@ class ExportDescription:
     shapes: list[list[int]]
     nbytes: int
     """Bytes of the tensors: what one push sends to each engine."""
-    export_id: str = ""
-    """Names this export on the rank that made it, which keeps its tensors to broadcast them."""
+    export_id: str = field(default="", compare=False)
+    """Names this export on the rank that made it, which keeps its tensors to broadcast them
+    (two exports of the same tensors are equal whatever their ids)."""
 
     @classmethod
     def of(cls, tensors: dict[str, Tensor], peft_config: dict[str, Any]) -> ExportDescription:
