@@ -43,6 +43,8 @@ class RegistryMachine(RuleBasedStateMachine):
         self.directory = tempfile.TemporaryDirectory()
         self.path = Path(self.directory.name) / "registry.sqlite"
         self.store = RegistryStore(self.path)
+        self.reader = RegistryStore(self.path)
+        """A second connection: it reads what the first has committed."""
         self.queue: list[tuple[str, int]] = []
         """The model of the registration queue: (name, priority), head first."""
         self.versions = [0] * N_SLOTS
@@ -223,17 +225,14 @@ class RegistryMachine(RuleBasedStateMachine):
     @invariant()
     def the_store_reads_back_as_the_registry(self) -> None:
         self.store.write_through(self.registry)
-        reader = RegistryStore(self.path)
-        try:
-            state = reader.load()
-        finally:
-            reader.close()
+        state = self.reader.load()
         assert state is not None
         restored = AdapterRegistry.from_state(state, N_SLOTS, completed_retention=4, queue_size=QUEUE_SIZE)
         assert restored.export_state() == self.registry.export_state()
 
     def teardown(self) -> None:
         self.store.close()
+        self.reader.close()
         self.directory.cleanup()
 
 
