@@ -50,6 +50,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles.controller.registry_records import (
+    AnyAdapterConfig,
+    BatchRecord,
+    Queued,
+    Record,
+    RegistryChanges,
+    RegistryState,
+    batch_from_json,
+    batch_to_json,
+    queued_from_json,
+    record_from_json,
+    record_to_json,
+)
 from miles.utils.adapter_config import AdapterConfigError, AdapterRunConfig, resolved_field, validate_adapter_name
 from miles.utils.types import (
     DEFAULT_QUEUE_SIZE,
@@ -65,6 +78,9 @@ from miles.utils.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+StatusOf = Callable[[], AdapterStatus]
+"""An adapter's status, built when called."""
 
 COMPLETED_RETENTION = 1024
 """Terminal (COMPLETED and FAILED) records kept for status queries; the oldest go first."""
@@ -117,157 +133,6 @@ class QueueFullError(NoFreeSlotError):
     """Every slot is held and the registration queue is full (HTTP 409, as `NoFreeSlotError`)."""
 
 
-AnyAdapterConfig = AdapterRunConfig | ClientModelConfig
-"""A server-driven adapter's run config, or a client-driven one's model config."""
-
-
-def adapter_kind(config: AnyAdapterConfig) -> AdapterKind:
-    return AdapterKind.CLIENT if isinstance(config, ClientModelConfig) else AdapterKind.SERVER
-
-
-@dataclass
-class _Record:
-    name: str
-    config: AnyAdapterConfig
-    slot: int
-    """The slot it holds; while PAGED, the one it held last (it holds none)."""
-    registration_id: str
-    state: AdapterState = AdapterState.PENDING
-    step: int = 0
-    start_step: int = 0
-    """Step the adapter (re)started at; `num_step` counts from here."""
-    accumulated_groups: int = 0
-    pushed: bool = False
-    """Its weights were pushed at least once (its `start_step` is fixed from then on)."""
-    pushing_version: int | None = None
-    """The version of a push under way (`begin_weight_update`), until it is recorded; not
-    persisted: a restarted trainer pushes every adapter again."""
-    resume_from: str | None = None
-    """Client-driven only: the directory of its latest completed save_state (or load_state),
-    which a trainer that restarts over the registry loads it from."""
-    resume_step: int = 0
-    """Client-driven only: its step when `resume_from` was saved or loaded (the step a
-    restarted trainer resumes it at)."""
-    failure: AdapterFailure | None = None
-    """Set by `fail`: it leaves through CLEANUP and ends FAILED, with this as its last error."""
-    priority: int = 0
-    """The priority it was registered with (it ordered the queue, if it waited in it)."""
-
-    def __setattr__(self, field_name: str, value: Any) -> None:
-        """Every change of a record counts in its `_revision` (what its cached stored form is
-        checked against) and, for a record held by a registry, names it in the registry's
-        changes, so the store writes that one row (`AdapterRegistry.take_changes`)."""
-        object.__setattr__(self, field_name, value)
-        object.__setattr__(self, "_revision", self.__dict__.get("_revision", 0) + 1)
-        changes = self.__dict__.get("_changes")
-        if changes is not None:
-            changes.add(self.name)
-
-    @property
-    def kind(self) -> AdapterKind:
-        return adapter_kind(self.config)
-
-
-@dataclass
-class _Queued:
-    """A QUEUED registration: a server-driven adapter waiting for a slot (it holds none)."""
-
-    name: str
-    config: AdapterRunConfig
-    registration_id: str
-    """Issued when it was queued; kept when it takes a slot."""
-    priority: int = 0
-
-    @functools.cached_property
-    def as_json(self) -> dict[str, Any]:
-        """Its stored form (one dict for its whole stay, so the store reuses the row's text)."""
-        return {"name": self.name, "kind": AdapterKind.SERVER.value, "config": self.config.model_dump(mode="json"),
-                "slot": None, "registration_id": self.registration_id, "state": AdapterState.QUEUED.value,
-                "priority": self.priority}
-
-
-def _queued_from_json(raw: dict[str, Any]) -> _Queued:
-    return _Queued(name=raw["name"], config=AdapterRunConfig.model_validate_json(json.dumps(raw["config"])),
-                   registration_id=raw["registration_id"], priority=raw.get("priority", 0))
-
-
-@dataclass(frozen=True)
-class _BatchRecord:
-    groups: dict[str, int]
-    step_names: frozenset[str]
-    registrations: dict[str, str]
-    """registration_id of each adapter when recorded; a re-registered name is skipped."""
-
-
-@dataclass(frozen=True)
-class RegistryState:
-    """A registry as plain JSON-ready values (what the store writes and reads back)."""
-
-    n_slots: int
-    slot_versions: list[int]
-    live: list[dict[str, Any]]
-    """Live records by slot."""
-    finished: list[dict[str, Any]]
-    """Terminal (COMPLETED and FAILED) records, least recently used first."""
-    batches: list[tuple[int, dict[str, Any]]]
-    """Recorded, not yet trained batches, oldest first."""
-    queued: list[dict[str, Any]] = field(default_factory=list)
-    """QUEUED registrations, head of the queue first."""
-
-
-@dataclass(frozen=True)
-class RegistryChanges:
-    """What changed in a registry since its last `take_changes`, for the store to write only
-    those rows: the records that changed or moved, the names it no longer holds, and the
-    small parts whole (slot versions, the queue in its order, the recorded batches)."""
-
-    n_slots: int
-    slot_versions: list[int]
-    live: list[dict[str, Any]]
-    """Live records that changed (their order does not matter)."""
-    finished: list[dict[str, Any]]
-    """Terminal records that changed or were read since: the last ones of the retention order, in it."""
-    removed: list[str]
-    """Names no longer held (forgotten, or dropped past the retention)."""
-    queued: list[dict[str, Any]]
-    """Every QUEUED registration, head first."""
-    batches: list[tuple[int, dict[str, Any]]]
-    """Every recorded batch, oldest first."""
-
-
-def _record_to_json(record: _Record) -> dict[str, Any]:
-    return {
-        "name": record.name, "kind": record.kind.value, "config": record.config.model_dump(mode="json"),
-        "slot": record.slot,
-        "registration_id": record.registration_id, "state": record.state.value, "step": record.step,
-        "start_step": record.start_step, "accumulated_groups": record.accumulated_groups,
-        "pushed": record.pushed, "resume_from": record.resume_from, "resume_step": record.resume_step,
-        "failure": None if record.failure is None else record.failure.model_dump(mode="json"),
-        "priority": record.priority,
-    }
-
-
-def _record_from_json(raw: dict[str, Any]) -> _Record:
-    config_cls = ClientModelConfig if raw.get("kind") == AdapterKind.CLIENT.value else AdapterRunConfig
-    return _Record(
-        name=raw["name"], config=config_cls.model_validate_json(json.dumps(raw["config"])),
-        slot=raw["slot"], registration_id=raw["registration_id"], state=AdapterState(raw["state"]),
-        step=raw["step"], start_step=raw["start_step"], accumulated_groups=raw["accumulated_groups"],
-        pushed=raw.get("pushed", raw["state"] != AdapterState.PENDING.value), resume_from=raw.get("resume_from"),
-        resume_step=raw.get("resume_step", 0),
-        failure=None if raw.get("failure") is None else AdapterFailure.model_validate(raw["failure"]),
-        priority=raw.get("priority", 0),
-    )
-
-
-def _batch_to_json(batch: _BatchRecord) -> dict[str, Any]:
-    return {"groups": batch.groups, "step_names": sorted(batch.step_names), "registrations": batch.registrations}
-
-
-def _batch_from_json(raw: dict[str, Any]) -> _BatchRecord:
-    return _BatchRecord(dict(raw["groups"]), frozenset(raw["step_names"]), dict(raw["registrations"]))
-
-
 @dataclass
 class AdapterRegistry:
     n_slots: int
@@ -275,15 +140,15 @@ class AdapterRegistry:
     batch_retention: int = BATCH_RECORD_RETENTION
     queue_size: int = DEFAULT_QUEUE_SIZE
     """Registrations that may wait for a slot when all are held; 0: none (NoFreeSlotError)."""
-    _live: dict[str, _Record] = field(default_factory=dict, init=False)
-    _finished: OrderedDict[str, _Record] = field(default_factory=OrderedDict, init=False)
+    _live: dict[str, Record] = field(default_factory=dict, init=False)
+    _finished: OrderedDict[str, Record] = field(default_factory=OrderedDict, init=False)
     """Terminal records (COMPLETED and FAILED), least recently used first; at most
     `completed_retention` of them."""
-    _queue: list[_Queued] = field(default_factory=list, init=False)
+    _queue: list[Queued] = field(default_factory=list, init=False)
     """QUEUED registrations, head first: higher priority first, equal ones in arrival order."""
     _free_slots: set[int] = field(init=False)
     _slot_versions: list[int] = field(init=False)
-    _batches: OrderedDict[int, _BatchRecord] = field(default_factory=OrderedDict, init=False)
+    _batches: OrderedDict[int, BatchRecord] = field(default_factory=OrderedDict, init=False)
     _json_cache: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict, init=False)
     _status_texts: dict[str, tuple[tuple[Any, ...], str]] = field(default_factory=dict, init=False)
     _changes: set[str] = field(default_factory=set, init=False)
@@ -317,7 +182,7 @@ class AdapterRegistry:
             logger.info("Adapter '%s' registered in slot %d", name, slot)
             return slot
         assert isinstance(config, AdapterRunConfig)  # check_can_register refuses to queue a client-driven one
-        entry = _Queued(name, config, registration_id, priority)
+        entry = Queued(name, config, registration_id, priority)
         index = next((i for i, q in enumerate(self._queue) if q.priority < priority), len(self._queue))
         self._queue.insert(index, entry)
         logger.info("Adapter '%s' queued at position %d of %d (priority %d): all %d slots are held",
@@ -327,11 +192,11 @@ class AdapterRegistry:
     def _take_slot(self, name: str, config: AnyAdapterConfig, registration_id: str, priority: int) -> int:
         slot = min(self._free_slots)
         self._free_slots.remove(slot)
-        self._live[name] = self._held(_Record(name=name, config=config, slot=slot, registration_id=registration_id,
+        self._live[name] = self._held(Record(name=name, config=config, slot=slot, registration_id=registration_id,
                                               priority=priority))
         return slot
 
-    def _held(self, record: _Record) -> _Record:
+    def _held(self, record: Record) -> Record:
         """`record`, its changes from now on named in `_changes` (and it, as a new row)."""
         object.__setattr__(record, "_changes", self._changes)
         self._changes.add(record.name)
@@ -378,7 +243,7 @@ class AdapterRegistry:
                 "or raise --multi-lora-queue-size or --multi-lora-n-adapters"
             )
 
-    def _queued(self, name: str) -> tuple[int, _Queued] | None:
+    def _queued(self, name: str) -> tuple[int, Queued] | None:
         """The queue index and entry of a QUEUED registration of `name`, else None."""
         return next(((i, q) for i, q in enumerate(self._queue) if q.name == name), None)
 
@@ -470,7 +335,7 @@ class AdapterRegistry:
         self._promote()
         return record.slot
 
-    def _finish(self, record: _Record, state: AdapterState) -> None:
+    def _finish(self, record: Record, state: AdapterState) -> None:
         del self._live[record.name]
         record.state = state
         self._finished[record.name] = record
@@ -591,7 +456,7 @@ class AdapterRegistry:
             raise ValueError(f"rollout {rollout_id}: group counts must be >= 0, got {groups}")
         registrations = {n: self._live[n].registration_id for n in groups if n in self._live}
         self._batches.pop(rollout_id, None)
-        self._batches[rollout_id] = _BatchRecord(dict(groups), frozenset(step_names), registrations)
+        self._batches[rollout_id] = BatchRecord(dict(groups), frozenset(step_names), registrations)
         while len(self._batches) > self.batch_retention:
             self._batches.popitem(last=False)
 
@@ -619,7 +484,7 @@ class AdapterRegistry:
                 stepped.append(name)
         return stepped
 
-    def _step(self, record: _Record) -> None:
+    def _step(self, record: Record) -> None:
         assert isinstance(record.config, AdapterRunConfig)  # mark_batch_trained skips client-driven ones
         if record.accumulated_groups != record.config.rollout_batch_size:
             logger.warning("Adapter '%s' stepped with %d accumulated groups, expected rollout_batch_size=%s",
@@ -685,7 +550,7 @@ class AdapterRegistry:
 
     # ---- reads ------------------------------------------------------------------
 
-    def _record(self, name: str) -> _Record:
+    def _record(self, name: str) -> Record:
         record = self._live.get(name)
         if record is not None:
             return record
@@ -719,29 +584,14 @@ class AdapterRegistry:
         finished (COMPLETED, FAILED) ones, least recently read first; with `offset` and `limit`,
         that list's page (only its statuses are built: a page costs the same whatever the
         registry holds)."""
-        live = sorted(self._live.values(), key=lambda r: r.slot)
-        views: Iterator[Callable[[], AdapterStatus]] = itertools.chain(
-            (functools.partial(self._status, r) for r in live),
-            (functools.partial(self._queued_status, i, q) for i, q in enumerate(self._queue)),
-            (functools.partial(self._status, r) for r in self._finished.values()))
-        return [view() for view in itertools.islice(views, offset, None if limit is None else offset + limit)]
+        return [status() for _, _, status in self._listed(offset, limit)]
 
     def status_texts(self, offset: int = 0, limit: int | None = None) -> list[str]:
         """`statuses(offset, limit)` as JSON texts (each `AdapterStatus.model_dump(mode="json")`),
         built once per change of an adapter's status: a page of the list costs little more than
         copying its text, however many adapters the registry holds."""
-        live = sorted(self._live.values(), key=lambda r: r.slot)
-        listed: Iterator[_Record | tuple[int, _Queued]] = itertools.chain(
-            live, enumerate(self._queue), self._finished.values())
         texts = []
-        for item in itertools.islice(listed, offset, None if limit is None else offset + limit):
-            if isinstance(item, _Record):
-                name, key = item.name, self._status_key(item)
-                status: Callable[[], AdapterStatus] = functools.partial(self._status, item)
-            else:
-                index, queued = item
-                name, key, status = queued.name, (queued.registration_id, index), functools.partial(
-                    self._queued_status, index, queued)
+        for name, key, status in self._listed(offset, limit):
             cached = self._status_texts.get(name)
             if cached is None or cached[0] != key:
                 cached = (key, json.dumps(status().model_dump(mode="json"), ensure_ascii=False, allow_nan=False,
@@ -753,12 +603,22 @@ class AdapterRegistry:
             self._status_texts = {n: v for n, v in self._status_texts.items() if n in known}
         return texts
 
-    def _status_key(self, record: _Record) -> tuple[Any, ...]:
-        """What `_status(record)` depends on besides the record's fixed config."""
-        slotless = record.state.terminal or record.state is AdapterState.PAGED
-        version = None if slotless else self._slot_versions[record.slot]
-        return (record.registration_id, record.state, record.slot, version, record.step, record.accumulated_groups,
-                record.failure, record.priority)
+    def _listed(self, offset: int, limit: int | None) -> Iterator[tuple[str, tuple[Any, ...], StatusOf]]:
+        """The page `offset`, `limit` of the list `statuses` gives: per adapter its name, what
+        its status depends on (its record's revision and its slot's version; a queued one's
+        place), and its status, built only when called."""
+        live = sorted(self._live.values(), key=lambda r: r.slot)
+        listed: Iterator[Record | tuple[int, Queued]] = itertools.chain(live, enumerate(self._queue),
+                                                                        self._finished.values())
+        for item in itertools.islice(listed, offset, None if limit is None else offset + limit):
+            if isinstance(item, Record):
+                slotless = item.state.terminal or item.state is AdapterState.PAGED
+                version = None if slotless else self._slot_versions[item.slot]
+                yield item.name, (item.registration_id, item.revision, version), functools.partial(self._status, item)
+            else:
+                index, queued = item
+                yield queued.name, (queued.registration_id, index), functools.partial(self._queued_status, index,
+                                                                                       queued)
 
     @property
     def record_count(self) -> int:
@@ -786,14 +646,14 @@ class AdapterRegistry:
     def queue_length(self) -> int:
         return len(self._queue)
 
-    def _queued_status(self, index: int, entry: _Queued) -> AdapterStatus:
+    def _queued_status(self, index: int, entry: Queued) -> AdapterStatus:
         return AdapterStatus(
             name=entry.name, state=AdapterState.QUEUED, slot=None, version=None, step=0, accumulated_groups=0,
             registration_id=entry.registration_id, kind=AdapterKind.SERVER, queue_position=index + 1,
             priority=entry.priority, **entry.config.to_dict(),
         )
 
-    def _status(self, record: _Record) -> AdapterStatus:
+    def _status(self, record: Record) -> AdapterStatus:
         paged = record.state is AdapterState.PAGED
         return AdapterStatus(
             name=record.name, state=record.state, slot=None if paged else record.slot,
@@ -841,7 +701,7 @@ class AdapterRegistry:
             self._json_cache = {n: v for n, v in self._json_cache.items() if n in known}
         return RegistryState(
             n_slots=self.n_slots, slot_versions=list(self._slot_versions), live=live, finished=finished,
-            batches=[(rollout_id, _batch_to_json(b)) for rollout_id, b in self._batches.items()],
+            batches=[(rollout_id, batch_to_json(b)) for rollout_id, b in self._batches.items()],
             queued=[q.as_json for q in self._queue],
         )
 
@@ -865,16 +725,16 @@ class AdapterRegistry:
             live=[self._json(self._live[name]) for name in changed if name in self._live],
             finished=[self._json(self._finished[name]) for name in tail],
             removed=removed, queued=queued,
-            batches=[(rollout_id, _batch_to_json(b)) for rollout_id, b in self._batches.items()],
+            batches=[(rollout_id, batch_to_json(b)) for rollout_id, b in self._batches.items()],
         )
 
-    def _json(self, record: _Record) -> dict[str, Any]:
+    def _json(self, record: Record) -> dict[str, Any]:
         """A record as JSON values; the same object while the record is unchanged, so the
         store can tell unchanged rows apart cheaply (a registry keeps ~1,000 records)."""
-        key = (record.registration_id, record.__dict__["_revision"])  # any field's change is a new revision
+        key = (record.registration_id, record.revision)  # any field's change is a new revision
         cached = self._json_cache.get(record.name)
         if cached is None or cached[0] != key:
-            cached = (key, _record_to_json(record))
+            cached = (key, record_to_json(record))
             self._json_cache[record.name] = cached
         return cached[1]
 
@@ -884,7 +744,7 @@ class AdapterRegistry:
         but never drop a slot a live adapter holds). Queued registrations stay QUEUED in their
         order, all of them even beyond `queue_size`; slots a larger table adds go to them."""
         registry = cls(n_slots, **kwargs)
-        live = [_record_from_json(r) for r in state.live]
+        live = [record_from_json(r) for r in state.live]
         holding = [r for r in live if r.state.holds_slot]
         too_high = sorted(r.name for r in holding if r.slot >= n_slots)
         if too_high:
@@ -899,11 +759,11 @@ class AdapterRegistry:
             if record.state.holds_slot:
                 registry._free_slots.discard(record.slot)
         for raw in state.finished:
-            record = _record_from_json(raw)
+            record = record_from_json(raw)
             registry._finished[record.name] = registry._held(record)
         for rollout_id, raw in state.batches:
-            registry._batches[rollout_id] = _batch_from_json(raw)
-        registry._queue = [_queued_from_json(raw) for raw in state.queued]
+            registry._batches[rollout_id] = batch_from_json(raw)
+        registry._queue = [queued_from_json(raw) for raw in state.queued]
         if len(registry._queue) > registry.queue_size:
             logger.warning("The saved registry has %d queued registrations, over --multi-lora-queue-size=%d: "
                            "all are kept, and new ones are refused until the queue is shorter",

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles.controller.registry import AdapterRegistry, RegistryChanges, RegistryState
+from miles.controller.registry import AdapterRegistry
+from miles.controller.registry_records import RegistryChanges, RegistryState
 from miles.utils.types import AdapterState
 
 logger = logging.getLogger(__name__)
