@@ -83,6 +83,18 @@ export function sparkline(points, colour, { width = 120, height = 26 } = {}) {
  * Overlaid lines against a shared x axis. Hover shows the nearest point; dragging across the
  * plot zooms the x axis to that range (y fits the visible points); double-click resets.
  */
+
+/** Size a chart's SVG to its container, clear it and its hover, and return (and keep) its plot area. */
+function startFrame(chart) {
+  const width = Math.max(chart.container.clientWidth, 240);
+  chart.root.setAttribute("width", width);
+  chart.root.setAttribute("height", chart.height);
+  chart.layer.replaceChildren();
+  chart.hideHover();
+  chart.plot = { left: MARGIN.left, top: MARGIN.top, right: width - MARGIN.right,
+                 bottom: chart.height - MARGIN.bottom };
+  return chart.plot;
+}
 export class LineChart {
   constructor(container, tooltip, { height = 380, xLabel = "step", onZoom = () => {} } = {}) {
     this.container = container;
@@ -121,15 +133,10 @@ export class LineChart {
   }
 
   render() {
-    const width = Math.max(this.container.clientWidth, 240);
+    const plot = startFrame(this);
+    const width = plot.right + MARGIN.right;
     const height = this.height;
-    this.root.setAttribute("width", width);
-    this.root.setAttribute("height", height);
-    this.layer.replaceChildren();
-    this.hideHover();
     this.hoverPoints = [];
-    const plot = { left: MARGIN.left, top: MARGIN.top, right: width - MARGIN.right, bottom: height - MARGIN.bottom };
-    this.plot = plot;
     const drawn = this.series.filter((s) => s.points.length);
     this.legendBox.replaceChildren(legend(drawn.map((s) => ({ label: s.name, colour: s.colour }))));
     if (!drawn.length) {
@@ -287,14 +294,9 @@ export class StackedBars {
 
   render() {
     const { categories, series } = this.data;
-    const width = Math.max(this.container.clientWidth, 240);
+    const plot = startFrame(this);
+    const width = plot.right + MARGIN.right;
     const height = this.height;
-    this.root.setAttribute("width", width);
-    this.root.setAttribute("height", height);
-    this.layer.replaceChildren();
-    this.hideHover();
-    const plot = { left: MARGIN.left, top: MARGIN.top, right: width - MARGIN.right, bottom: height - MARGIN.bottom };
-    this.plot = plot;
     this.legendBox.replaceChildren(legend(series.map((s) => ({ label: s.name, colour: s.colour }))));
     if (!categories.length) {
       this.layer.append(svg("text", { class: "empty", x: width / 2, y: height / 2, "text-anchor": "middle",
