@@ -35,9 +35,10 @@ MAKE_RE = re.compile(r"(?:^|[\s;&|(`])make\s+([A-Za-z][\w-]*)")
 LINK_RE = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE_RE = re.compile(r"^```.*?^```", re.S | re.M)
 INLINE_CODE_RE = re.compile(r"`([^`\n]+)`")
-TREE_ENTRY_RE = re.compile(r"^( *)([\w.-]+/|[\w-]*\.[\w.-]+)(?: {2,}.*)?$")
-"""A file-tree line: indentation, then a folder (`name/`) or a file (`name.ext`) alone or
-followed by two spaces and its note (a note's continuation line never looks like this)."""
+TREE_ENTRY_RE = re.compile(r"^( *)((?:[\w.-]+/)+|[\w-]*\.[\w.-]+(?:, [\w-]*\.[\w.-]+)*)(?: {2,}.*)?$")
+"""A file-tree line: indentation, then a folder (`name/`, `a/b/`) or files (`name.ext`, or
+`a.py, b.py`) alone or followed by two spaces and its note (a note's continuation line
+never looks like this)."""
 
 
 def doc_id(doc: Path) -> str:
@@ -93,13 +94,13 @@ def tree_paths(text: str) -> set[str]:
             entry = TREE_ENTRY_RE.match(line)
             if not entry:
                 continue
-            indent, name = len(entry.group(1)), entry.group(2)
+            indent, names = len(entry.group(1)), entry.group(2).split(", ")
             while stack and stack[-1][0] >= indent:
                 stack.pop()
-            path = "".join(part for _, part in stack) + name
-            paths.add(path)
-            if name.endswith("/"):
-                stack.append((indent, name))
+            parent = "".join(part for _, part in stack)
+            paths.update(parent + name for name in names)
+            if names[0].endswith("/"):
+                stack.append((indent, names[0]))
     return paths
 
 
@@ -201,12 +202,14 @@ def test_the_checks_see_what_the_docs_write():
         "See `miles/lora/layer.py`, [the doc](docs/RELIABILITY.md) and configs/adapters/{add,sub}.yaml.\n"
         "Not https://github.com/o/r/blob/main/miles/x.py nor .cache/tiny_base/miles/y.py.\n"
         "```\nmiles/\n  lora/                 the layer\n    layer.py            notes,\n"
-        "                        continued notes.py here\nscripts/              tools\n```\n"
+        "                        continued notes.py here\n  ray/multi_lora/       paths\n"
+        "  a.py, b.py            two files\nscripts/              tools\n```\n"
         "Run `python -m miles.recipes.tiny_base` or `make demo`; `miles.backends.base.TrainingBackend`.\n"
     )
     assert named_paths(text) == {"miles/lora/layer.py", "docs/RELIABILITY.md", "configs/adapters/add.yaml",
                                  "configs/adapters/sub.yaml", "miles/", "scripts/"}
-    assert tree_paths(text) == {"miles/", "miles/lora/", "miles/lora/layer.py", "scripts/"}
+    assert tree_paths(text) == {"miles/", "miles/lora/", "miles/lora/layer.py", "miles/ray/multi_lora/",
+                                "miles/a.py", "miles/b.py", "scripts/"}
     assert set(MODULE_RE.findall(text)) == {"miles.recipes.tiny_base", "miles.backends.base.TrainingBackend"}
     assert {t for c in code_texts(text) for t in MAKE_RE.findall(c)} == {"demo"}
     assert module_problem("miles.backends.base.TrainingBackend") is None
