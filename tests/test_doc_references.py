@@ -65,7 +65,7 @@ def clean(path: str) -> str:
 
 
 def named_paths(text: str) -> set[str]:
-    paths = set()
+    paths: set[str] = set()
     for match in PATH_RE.finditer(text):
         path = clean(match.group(1))
         if "{" in path and "}" not in path:  # a brace list cut by the end of a line: not checkable
@@ -84,7 +84,7 @@ def code_texts(text: str) -> list[str]:
 def tree_paths(text: str) -> set[str]:
     """The paths of each file tree (a fenced block whose first line is a top-level folder),
     rebuilt from the indentation of its entries."""
-    paths = set()
+    paths: set[str] = set()
     for block in FENCE_RE.finditer(text):
         lines = block.group(0).splitlines()[1:-1]
         if not lines or not re.match(r"^(miles|scripts|configs|tests|docs)/(?: {2,}|$)", lines[0]):
@@ -106,7 +106,7 @@ def tree_paths(text: str) -> set[str]:
 
 @cache
 def makefile_targets() -> set[str]:
-    targets = set()
+    targets: set[str] = set()
     for line in (ROOT / "Makefile").read_text().splitlines():
         rule = re.match(r"^([\w. /$()-]+?)\s*:(?!=)", line)
         if rule and not line.startswith("\t"):
@@ -116,7 +116,7 @@ def makefile_targets() -> set[str]:
 
 @cache
 def top_level_names(module_file: Path) -> set[str]:
-    names = set()
+    names: set[str] = set()
     for node in ast.parse(module_file.read_text()).body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
