@@ -196,6 +196,13 @@ def test_relative_links_resolve(doc: Path):
     assert not broken, f"{doc_id(doc)} has links to nothing: {broken}"
 
 
+def test_the_readme_links_every_doc():
+    """The README's "Read on" list has one line per page of docs/."""
+    readme = (ROOT / "README.md").read_text()
+    unlisted = [doc_id(d) for d in DOCS[1:] if f"- [{doc_id(d)}]({doc_id(d)}):" not in readme]
+    assert not unlisted, f"README.md has no line for {unlisted}"
+
+
 def test_the_checks_see_what_the_docs_write():
     """The patterns find paths, tree entries, modules and targets as the docs write them."""
     text = (
