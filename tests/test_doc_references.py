@@ -1,7 +1,7 @@
 """README.md and docs/*.md name only what exists: every repository path (`miles/...`,
 `scripts/...`, `configs/...`, `tests/...`, `docs/...`), every entry of the README's file
 tree, every dotted `miles.` module (and the top-level name after it), every `make` target,
-and every relative link and anchor.
+and every relative link and anchor; and the README has a line for every page of docs/.
 
 Plain text and `ast` only (no import of the package, no model, no Ray): it runs in well
 under a second.
