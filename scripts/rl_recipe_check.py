@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     args, flags = parser.parse_known_args(argv)
     torch.set_num_threads(1)
     cfg = parse_args(["--config", args.config, *flags])  # any trainer flag overrides the config
-    base_dir = ensure_tiny_base(cfg.hf_checkpoint)
+    # A base built with another seed or thread count (its own recipe.json) is used as it is.
+    has_build = (Path(cfg.hf_checkpoint) / "recipe.json").exists()
+    base_dir = Path(cfg.hf_checkpoint) if has_build else ensure_tiny_base(cfg.hf_checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     tenants = load_tenants(cfg)

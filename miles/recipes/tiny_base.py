@@ -2,41 +2,13 @@
 
     python -m miles.recipes.tiny_base --out .cache/tiny_base [--force]
 
-pretrains, deterministically and without downloading anything, a small Llama with
-the project's character tokenizer (`miles.recipes.tiny_model.build_char_tokenizer`) on
-the synthetic skills of `miles.recipes.tasks`, stopping at partial accuracy so that RL
-has room to improve each skill. A second call with the same recipe returns at once:
-the directory holds `recipe.json` with the recipe's fingerprint, and a build only
-happens when that is missing or differs (or with `--force`).
-
-Output directory:
-
-    config.json, model.safetensors, generation_config.json   HF model (save_pretrained)
-    tokenizer.json, tokenizer_config.json, ...               its tokenizer
-    data/{task}_train.jsonl, data/{task}_test.jsonl          {"text": prompt, "label": answer}
-    base_accuracy.json                                       greedy accuracy per task (test split)
-    recipe.json                                              recipe, fingerprint, build time
-
-Model (`TinyBaseRecipe` defaults): Llama, hidden 128, 4 layers, 4 heads (no GQA), MLP
-256, untied embeddings, the character vocabulary of `build_char_tokenizer` (100 ids):
-682,112 parameters. AdamW (lr 2e-3 after 100 warmup steps, betas 0.9/0.98), 850 steps
-of 128 problems drawn with task weights add 1 : sub 1.35 : mul 3, loss on the answer
-tokens and EOS only. Problems come from each task's `pretrain` split only, so the
-adapters' `train` split and the `test` split are both unseen by the base model. Run
-single-threaded: bitwise repeatable on one machine (not across CPUs: a build on another
-machine scored add 0.716, sub 0.558, mul 0.332, twice), and no slower on a 2-core
-machine where other processes compete for the second core.
-
-Tasks: `add` "12+35=" -> "47", `sub` "52-17=" -> "35", `mul` "123*4=" -> "492".
-
-Measured on the development machine (2 cores, shared with other jobs at the time):
-    greedy accuracy on the 500-row test splits: add 0.300, sub 0.392, mul 0.376
-    build: 97 s wall (95.5 s of pretraining, then datasets and scoring)
-The accuracy curve is steep around this point (at 900 steps, on 300 test rows: add
-0.43, sub 0.49, mul 0.55); bases caught mid-climb gained most from GRPO in our trials.
-`scripts/rl_recipe_check.py --config configs/tiny-multi-lora.yaml` raises add
-0.300 -> 0.526, sub 0.392 -> 0.570 and mul 0.376 -> 0.498 in 40/50/80 adapter steps
-(47 CPU seconds in one process).
+pretrains, without downloading anything, a 0.68M-parameter Llama with the project's
+character tokenizer on the synthetic skills of `miles.recipes.tasks`. Each skill trains
+until every skill's greedy accuracy on its probe set (held-out rows of its pretrain
+split) reaches `target_accuracy`; each batch draws a skill in proportion to its distance
+below the target, so the skills arrive together. The base stops at a measured accuracy,
+not at a step count: float rounding on another CPU changes when it stops, not where. The build is cached by the recipe's
+fingerprint (`recipe.json`); `base_accuracy.json` holds the test-split accuracy.
 """
 
 from __future__ import annotations
@@ -66,8 +38,12 @@ logger = logging.getLogger(__name__)
 
 RECIPE_FILE = "recipe.json"
 ACCURACY_FILE = "base_accuracy.json"
+ACCURACY_BAND = (0.25, 0.50)
+"""Where the default recipe's test-split accuracy lands on any CPU (its probe target is 0.30)."""
+PROBE_NEW_TOKENS = 5
+"""The longest answer (four digits) and its EOS."""
 # Bump when the build code changes in a way the recipe fields do not capture.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -81,7 +57,17 @@ class TinyBaseRecipe:
     num_layers: int = 4
     num_heads: int = 4
     intermediate_size: int = 256
-    steps: int = 850
+    target_accuracy: float | None = 0.30
+    """Probe accuracy every skill must reach before pretraining stops (RL has the rest to
+    climb); None trains exactly `max_steps` (small builds in tests)."""
+    probe_rows: int = 300
+    """Rows per skill held out of the pretrain split to probe it."""
+    probe_every: int = 10
+    """Steps between probes: a skill overshoots its target by at most this many steps."""
+    floor_weight: float = 0.1
+    """A skill past its target is still drawn at this fraction of its recipe weight."""
+    max_steps: int = 4000
+    """A build that has not reached every target by then fails (it says which skills lag)."""
     batch_size: int = 128
     lr: float = 2e-3
     warmup_steps: int = 100
@@ -95,8 +81,10 @@ class TinyBaseRecipe:
     def __post_init__(self) -> None:
         if len(self.tasks) != len(self.task_weights):
             raise ValueError(f"give one weight per task: {len(self.tasks)} tasks, {len(self.task_weights)} weights")
-        if min(self.task_weights) <= 0 or self.steps <= 0 or self.batch_size <= 0:
-            raise ValueError("task weights, steps and batch_size must all be > 0")
+        if min(self.task_weights) <= 0 or min(self.max_steps, self.batch_size, self.probe_every, self.probe_rows) <= 0:
+            raise ValueError("task weights, max_steps, batch_size, probe_every and probe_rows must all be > 0")
+        if self.target_accuracy is not None and not 0.0 < self.target_accuracy < 1.0:
+            raise ValueError(f"target_accuracy must be in (0, 1) or None, got {self.target_accuracy}")
 
     def fingerprint(self) -> str:
         payload = json.dumps({"build_version": BUILD_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
@@ -129,7 +117,8 @@ def _build_lock(out_dir: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def ensure_tiny_base(out_dir: str | Path, recipe: TinyBaseRecipe = TinyBaseRecipe(), *, force: bool = False) -> Path:
+def ensure_tiny_base(out_dir: str | Path, recipe: TinyBaseRecipe = TinyBaseRecipe(), *, force: bool = False,
+                     threads: int = 1) -> Path:
     """Return `out_dir` holding the tiny base of `recipe`, building it only when needed."""
     out_dir = Path(out_dir).resolve()
     if not force and is_built(out_dir, recipe):
@@ -140,7 +129,7 @@ def ensure_tiny_base(out_dir: str | Path, recipe: TinyBaseRecipe = TinyBaseRecip
         _check_replaceable(out_dir)
         staging = out_dir.with_name(out_dir.name + ".building")
         shutil.rmtree(staging, ignore_errors=True)
-        build_tiny_base(staging, recipe)
+        build_tiny_base(staging, recipe, threads=threads)
         # Swap in the finished build; recipe.json is written last, so a crash never
         # leaves a directory that looks complete.
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -181,14 +170,44 @@ def _lr_at(recipe: TinyBaseRecipe, step: int) -> float:
     return recipe.lr * min(1.0, step / max(1, recipe.warmup_steps))
 
 
-def _pretrain(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, recipe: TinyBaseRecipe) -> None:
-    per_task = [_encode_examples(tokenizer, split_task(name, recipe.data_seed).pretrain) for name in recipe.tasks]
+class BaseNotReachedError(RuntimeError):
+    """Pretraining hit `max_steps` before every skill reached its target accuracy."""
+
+
+def _mixture(recipe: TinyBaseRecipe, probe: dict[str, float]) -> list[float]:
+    """Sampling weight of each skill: its recipe weight times its distance below the target,
+    never under `floor_weight` of it, so a skill past its target keeps a little practice
+    (without any it is forgotten within a few dozen steps)."""
+    target = recipe.target_accuracy
+    if target is None:
+        return list(recipe.task_weights)
+    return [w * max(recipe.floor_weight, (target - probe[name]) / target)
+            for name, w in zip(recipe.tasks, recipe.task_weights)]
+
+
+def _pretrain(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, recipe: TinyBaseRecipe) -> int:
+    """Train until every skill's probe accuracy reaches the target; returns the steps taken."""
+    splits = [split_task(name, recipe.data_seed).pretrain for name in recipe.tasks]
+    probes = [split[: recipe.probe_rows] for split in splits]
+    per_task = [_encode_examples(tokenizer, split[recipe.probe_rows:]) for split in splits]
     rng = random.Random(recipe.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=recipe.weight_decay)
-    model.train()
     start = last_report = time.monotonic()
-    for step in range(1, recipe.steps + 1):
-        picks = rng.choices(range(len(per_task)), weights=recipe.task_weights, k=recipe.batch_size)
+    probe = dict.fromkeys(recipe.tasks, 0.0)
+    next_probe = 1
+    target = recipe.target_accuracy
+    for step in range(1, recipe.max_steps + 1):
+        if step == next_probe and target is not None:
+            probe = {name: evaluate_accuracy(model, tokenizer, rows, max_new_tokens=PROBE_NEW_TOKENS)
+                     for name, rows in zip(recipe.tasks, probes)}
+            if min(probe.values()) >= target:
+                logger.info("tiny base: every skill at its target after %d steps; probe %s", step - 1, probe)
+                return step - 1
+            # Far from every target, probe less often: early probes cost more than the steps between them.
+            near = max(probe.values()) >= target / 2
+            next_probe = step + recipe.probe_every * (1 if near else 5)
+        model.train()
+        picks = rng.choices(range(len(per_task)), weights=_mixture(recipe, probe), k=recipe.batch_size)
         rows = [(t, rng.randrange(per_task[t][0].shape[0])) for t in picks]
         ids_BT, labels_BT = _gather_batch(per_task, rows)
         logits_BTV = model(input_ids=ids_BT).logits
@@ -199,9 +218,16 @@ def _pretrain(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, recipe
         loss.backward()
         optimizer.step()
         now = time.monotonic()
-        if now - last_report >= 5.0 or step == recipe.steps:
-            logger.info("tiny base: step %d/%d  loss %.3f  elapsed %.0fs", step, recipe.steps, loss.item(), now - start)
+        if now - last_report >= 5.0:
+            logger.info("tiny base: step %d  loss %.3f  probe %s  elapsed %.0fs", step, loss.item(),
+                        {k: round(v, 3) for k, v in probe.items()}, now - start)
             last_report = now
+    if target is None:
+        return recipe.max_steps
+    lagging = sorted(name for name in recipe.tasks if probe[name] < target)
+    raise BaseNotReachedError(
+        f"after {recipe.max_steps} steps {lagging} are below the target accuracy {target} "
+        f"(probe {probe}); raise max_steps or lr, or lower target_accuracy")
 
 
 TaskTensors = tuple[torch.Tensor, torch.Tensor]
@@ -221,18 +247,18 @@ def _gather_batch(per_task: list[TaskTensors], rows: list[tuple[int, int]]) -> T
 
 
 @contextmanager
-def _single_thread() -> Iterator[None]:
-    """Run single-threaded: bitwise repeatable, and immune to the slowdown that
-    multi-threaded kernels suffer on a shared, oversubscribed machine."""
+def _threads(n: int) -> Iterator[None]:
+    """Run on `n` threads (1 by default: bitwise repeatable on one machine, and immune to
+    the slowdown that multi-threaded kernels suffer on a shared, oversubscribed one)."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(previous)
 
 
-def build_tiny_base(out_dir: str | Path, recipe: TinyBaseRecipe = TinyBaseRecipe()) -> Path:
+def build_tiny_base(out_dir: str | Path, recipe: TinyBaseRecipe = TinyBaseRecipe(), threads: int = 1) -> Path:
     """Pretrain and write the tiny base, its datasets and accuracies to `out_dir` (overwrites)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -243,11 +269,12 @@ def build_tiny_base(out_dir: str | Path, recipe: TinyBaseRecipe = TinyBaseRecipe
         num_heads=recipe.num_heads, num_kv_heads=recipe.num_heads,
         intermediate_size=recipe.intermediate_size, max_position_embeddings=128,
     )
-    logger.info("tiny base: pretraining %s for %d steps into %s", "/".join(recipe.tasks), recipe.steps, out_dir)
-    with _single_thread(), torch.random.fork_rng(devices=[]):
+    logger.info("tiny base: pretraining %s to probe accuracy %.2f into %s", "/".join(recipe.tasks),
+                recipe.target_accuracy, out_dir)
+    with _threads(threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(recipe.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        _pretrain(model, tokenizer, recipe)
+        steps = _pretrain(model, tokenizer, recipe)
         train_seconds = time.monotonic() - started
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -258,7 +285,7 @@ def build_tiny_base(out_dir: str | Path, recipe: TinyBaseRecipe = TinyBaseRecipe
     total_seconds = time.monotonic() - started
     (out_dir / ACCURACY_FILE).write_text(json.dumps(accuracy, indent=2) + "\n")
     record = {"fingerprint": recipe.fingerprint(), "recipe": dataclasses.asdict(recipe),
-              "train_seconds": round(train_seconds, 1), "build_seconds": round(total_seconds, 1),
+              "steps": steps, "train_seconds": round(train_seconds, 1), "build_seconds": round(total_seconds, 1),
               "parameters": sum(p.numel() for p in model.parameters())}
     (out_dir / RECIPE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     logger.info("tiny base: built in %.0fs; greedy test accuracy %s", total_seconds, accuracy)
@@ -283,9 +310,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="Directory of the tiny base (cached).")
     parser.add_argument("--force", action="store_true", help="Rebuild even if a build of this recipe exists.")
+    parser.add_argument("--seed", type=int, default=TinyBaseRecipe.seed, help="Initialisation and batch seed.")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="Torch threads of the build (not part of the recipe: to check that numerics "
+                             "do not move the outcome).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    out = ensure_tiny_base(args.out, force=args.force)
+    recipe = dataclasses.replace(TinyBaseRecipe(), seed=args.seed)
+    out = ensure_tiny_base(args.out, recipe, force=args.force, threads=args.threads)
     print(json.dumps({"path": str(out), "base_accuracy": read_base_accuracy(out)}))
 
 
