@@ -6,7 +6,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install lint test demo demo-real tinker-smollm2 gpu-check clean
+.PHONY: install lint test test-numerics demo demo-real tinker-smollm2 gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -34,17 +34,29 @@ test: install
 	$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=25 tests
 
+# The numeric tests under float rounding other than this CPU's: torch's AVX2 and scalar kernels
+# (ATEN_CPU_CAPABILITY), MKL's AVX2 and compatible code paths (MKL_CBWR), one thread instead of
+# two. Not in `make test`: it runs them three times. NUMERIC_TESTS narrows or widens the set.
+NUMERIC_TESTS ?= tests/backends/torch tests/backends/rank tests/lora tests/recipes/test_tiny_base.py
+NUMERIC_PYTEST = $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal $(NUMERIC_TESTS)
+test-numerics: install
+	ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 $(NUMERIC_PYTEST)
+	ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE $(NUMERIC_PYTEST)
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(NUMERIC_PYTEST)
+
 # The tiny multi-adapter run: pretrain the tiny base (cached), train three adapters at
 # once, evaluate base and adapters on every task's held-out split, then draw each
-# adapter's reward and response-length curves to runs/demo/curves.png. While it trains, its
-# dashboard is at http://127.0.0.1:8068/ui.
+# adapter's reward and response-length curves to runs/demo/curves.png, and end with the
+# accuracy table (the README's is this table: scripts/results_table.py --update README.md).
+# While it trains, its dashboard is at http://127.0.0.1:8068/ui.
 demo: install
 	$(PY) -m miles.recipes.tiny_base --out .cache/tiny_base
 	rm -rf runs/demo
 	$(PY) -m miles.main.train_multi_lora_async --config configs/tiny-multi-lora.yaml
-	$(PY) scripts/eval_adapters.py --config configs/tiny-multi-lora.yaml
+	$(PY) scripts/eval_adapters.py --config configs/tiny-multi-lora.yaml --json runs/demo/eval.json > /dev/null
 	$(PY) scripts/plot_metrics.py runs/demo --title "make demo: three adapters trained at once"
 	@echo "The dashboard of this run: $(PY) -m miles.dashboard runs/demo  (while it trains: http://127.0.0.1:8068/ui)"
+	$(PY) scripts/results_table.py runs/demo/eval.json
 
 # The real-model run: convert SmolLM2-135M-Instruct from its GGUF (cached), train two
 # adapters at once on CPU, then score base and adapters on the held-out splits.

@@ -7,6 +7,7 @@ Reads the run config (the same YAML the trainer ran with), finds each adapter's 
 checkpoint under its save directory, and evaluates base and adapters on each adapter's
 held-out split (the adapter's `data` path with `_train` replaced by `_test`). Prints a
 matrix: one row per model, one column per task; `*` marks an adapter's own task.
+`--json FILE` also writes it, with each adapter's steps, for `scripts/results_table.py`.
 `--recipe` picks how a task is scored: `tiny` (text prompts of `miles.recipes.tasks`,
 numeric answer on the first line) or `smollm2` (chat prompts of `miles.recipes.smollm2`,
 the whole reply must be the bare answer).
@@ -15,6 +16,7 @@ the whole reply must be the bare answer).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", choices=sorted(EVALUATORS), default="tiny",
                         help="how tasks are prompted and scored")
     parser.add_argument("--own-tasks", action="store_true", help="score each adapter on its own task only (faster)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the accuracies and steps to this file")
     args = parser.parse_args(argv)
     base_dir, targets = eval_targets(args.config)
     missing = [t.adapter for t in targets if t.checkpoint is None]
@@ -90,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     matrix = accuracy_matrix(base_dir, targets, args.n, args.recipe, args.own_tasks)
     print("\nHeld-out greedy accuracy (* = the adapter's own task)")
     print(format_matrix(matrix), flush=True)
+    if args.json is not None:
+        steps = {t.adapter: int(t.checkpoint.name.removeprefix("step_")) for t in targets if t.checkpoint is not None}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"config": args.config, "n": args.n, "accuracy": matrix, "steps": steps},
+                                        indent=2) + "\n")
     return 0
 
 
