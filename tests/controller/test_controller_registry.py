@@ -7,7 +7,6 @@ import pickle
 from pathlib import Path
 
 import pytest
-from controller_fakes import make_config
 
 from miles.controller.registry import (
     BATCH_RECORD_RETENTION,
@@ -26,6 +25,7 @@ from miles.utils.types import (
     FailureReason,
     MultiLoRASnapshot,
 )
+from tests.helpers.controller_fakes import make_config
 
 
 def walk_to(registry: AdapterRegistry, name: str, state: AdapterState) -> None:

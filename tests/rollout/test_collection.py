@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from rollout_fakes import FakeClock, FakeController, FakeProducer, active, make_group, make_run
 
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.collection import BatchCollector, CollectionConfig, EmptyBatchTimeoutError
 from miles.utils.types import DropReason, SampleStatus
+from tests.helpers.rollout_fakes import FakeClock, FakeController, FakeProducer, active, make_group, make_run
 
 
 def collector(controller, *, target: int, dp: int = 1, staleness: int | None = None,

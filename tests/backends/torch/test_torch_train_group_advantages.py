@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from torch_backend_data import make_groups, max_abs_diff
 
 from miles.backends.base import AdapterSpec
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import RolloutBatch
+from tests.helpers.torch_backend_data import make_groups, max_abs_diff
 
 SETTINGS = {
     "a": LossSettings(advantage_estimator="reinforce_plus_plus", normalize_advantages=True, kl_coef=0.5, gamma=0.9),
