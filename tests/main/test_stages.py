@@ -11,6 +11,7 @@ prefetch of `train_async` when training fails.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +94,21 @@ async def test_a_stop_ends_a_waiting_collection_within_two_seconds_then_the_adap
 
 
 def test_fake_backend_implements_the_contract():
+    """Each method of the `TrainingBackend` Protocol, a coroutine function in both, with the
+    same parameters (names, kinds, defaults): a contract change the fake does not follow
+    fails here rather than as a loop test's puzzling error."""
     assert isinstance(FakeBackend(), TrainingBackend)
+    contract = {name: member for name, member in vars(TrainingBackend).items()
+                if inspect.isfunction(member) and not name.startswith("_")}
+    assert {"start", "train", "step_adapters", "save_adapter", "shutdown"} <= set(contract)
+
+    def parameters(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+    for name, method in contract.items():
+        fake = getattr(FakeBackend, name)
+        assert inspect.iscoroutinefunction(method) and inspect.iscoroutinefunction(fake), name
+        assert parameters(fake) == parameters(method), name
 
 
 async def test_register_train_retire_reregister_resume(tmp_path, caplog):
