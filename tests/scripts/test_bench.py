@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.scripts import load_script
+from tests.helpers.project_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("train_mixed", "peft_vs_mixed", "memory", "decode", "trainer_service")

@@ -3,7 +3,7 @@ its own with --own-tasks, with the evaluator of the chosen recipe."""
 
 from __future__ import annotations
 
-from tests.helpers.scripts import load_script
+from tests.helpers.project_scripts import load_script
 
 
 def test_own_tasks_scores_each_adapter_on_its_task_only(monkeypatch, tmp_path):

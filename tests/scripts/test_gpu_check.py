@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.scripts import load_script
+from tests.helpers.project_scripts import load_script
 from tests.helpers.sglang_flags import check_lora_limits, parser_from_flag_list
 
 ROOT = Path(__file__).resolve().parents[2]

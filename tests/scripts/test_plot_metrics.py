@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from miles.utils.tracking import MetricsLogger, read_metrics
-from tests.helpers.scripts import load_script
+from tests.helpers.project_scripts import load_script
 
 
 def write_run(run_dir: Path) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from tests.helpers.scripts import load_script
+from tests.helpers.project_scripts import load_script
 
 scaling_sim = load_script("scaling_sim.py")
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.scripts import load_script
+from tests.helpers.project_scripts import load_script
 
 tinker_vs_skyrl = load_script("bench/tinker_vs_skyrl.py")
 Case, figures, measure = tinker_vs_skyrl.Case, tinker_vs_skyrl.figures, tinker_vs_skyrl.measure

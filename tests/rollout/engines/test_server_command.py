@@ -30,7 +30,7 @@ from miles.rollout.engines.server_command import (
     server_command,
 )
 from miles.utils.arguments import parse_args
-from tests.helpers.scripts import SCRIPTS_DIR, load_script
+from tests.helpers.project_scripts import SCRIPTS_DIR, load_script
 from tests.helpers.sglang_flags import SGLANG_FLAGS, check_lora_limits, parser_from_flag_list
 
 
