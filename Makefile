@@ -29,8 +29,8 @@ lint: install
 # meanwhile: the lint and the first tests overlap them.
 test: install
 	mkdir -p .cache
-	$(PY) tests/main/cookbook_venv.py > .cache/cookbook-venv.log 2>&1 &
-	$(PY) tests/main/chromium.py > .cache/chromium.log 2>&1 &
+	$(PY) tests/helpers/cookbook_venv.py > .cache/cookbook-venv.log 2>&1 &
+	$(PY) tests/helpers/chromium.py > .cache/chromium.log 2>&1 &
 	$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=25 tests
 

@@ -23,9 +23,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-sys.path.insert(0, str(ROOT / "tests" / "main"))
-from chromium import LAUNCH_ARGS, ensure_chromium  # noqa: E402
+sys.path.insert(0, str(ROOT))
 from trainer_service import TOKEN, Trainer  # noqa: E402
+
+from tests.helpers.chromium import LAUNCH_ARGS, ensure_chromium  # noqa: E402
 
 DEMO = ROOT / "configs" / "tiny-multi-lora.yaml"
 VIEWPORT = {"width": 1360, "height": 860}

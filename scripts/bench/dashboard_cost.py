@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import ROOT, Figure, base_parser, report  # noqa: E402
 from trainer_service import TOKEN, CheckFailed, Trainer, demo_adapters, trainer_config  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "tests" / "main"))
-from chromium import LAUNCH_ARGS, ensure_chromium  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from tests.helpers.chromium import LAUNCH_ARGS, ensure_chromium  # noqa: E402
 
 VIEWS = ("#tab-adapters", "#tab-curves", "#tab-loop", "#tab-rollouts")
 VIEW_S = 2.0

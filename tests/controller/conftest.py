@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from controller_fakes import LoopbackRouter, write_dataset
 
 from miles.utils.adapter_config import AdapterDefaults
+from tests.helpers.controller_fakes import LoopbackRouter, write_dataset
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from controller_fakes import write_dataset
-from test_controller_standalone import start, stop
 from typer.testing import CliRunner
 
 from miles.controller.cli import app
+from tests.helpers.controller_fakes import write_dataset
+from tests.helpers.controller_process import start, stop
 
 TOKEN = "cli-token"
 

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from controller_fakes import ROLLOUT_HOOKS, LoopbackRouter, write_dataset
-from waiting import wait_until_async
 
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.controller.registry import AdapterValidationError
@@ -21,6 +19,8 @@ from miles.rollout.engines.router import build_router_command
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig
 from miles.utils.router_workers import abort_on_workers, discover_workers
 from miles.utils.types import DEFAULT_QUEUE_SIZE, AdapterState
+from tests.helpers.controller_fakes import ROLLOUT_HOOKS, LoopbackRouter, write_dataset
+from tests.helpers.waiting import wait_until_async
 
 
 def make_backend(defaults: AdapterDefaults, router_url: str | None = None, n_slots: int = 2,

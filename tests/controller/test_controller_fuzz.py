@@ -12,7 +12,6 @@ import itertools
 from pathlib import Path
 
 import schemathesis
-from controller_fakes import ROLLOUT_HOOKS
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
@@ -20,6 +19,7 @@ from schemathesis import GenerationMode
 from miles.controller.backend import MultiLoRABackend
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
 from miles.utils.adapter_config import AdapterDefaults
+from tests.helpers.controller_fakes import ROLLOUT_HOOKS
 
 TOKEN = "fuzz-token"
 FUZZED = ("POST /adapter_runs", "GET /adapter_runs/state", "GET /adapter_runs/{name}", "DELETE /adapter_runs/{name}")

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from controller_fakes import ROLLOUT_HOOKS, LoopbackRouter, ThreadedController, controller_config
 
 from miles.controller.actor import ControllerConfig, MultiLoRAController
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
@@ -33,6 +32,7 @@ from miles.utils.types import (
     ClientCommandKind,
     OptimStepCommand,
 )
+from tests.helpers.controller_fakes import ROLLOUT_HOOKS, LoopbackRouter, ThreadedController, controller_config
 
 TOKEN = "s3cret-token"
 
@@ -588,7 +588,7 @@ def test_plugins_written_for_miles_load_with_their_signatures(data_root: Path) -
     """A backend taking (args, router_url) and a server taking (backend, host, api_port), both
     imported from Miles' module paths: built that way, the server then given the token and the
     limits; Miles' async hooks awaited (init at start, close at stop, validate_adapter)."""
-    plugins = "tests.controller.miles_style_plugins"
+    plugins = "tests.helpers.miles_style_plugins"
     cfg = parse_args(["--multi-lora-n-adapters", "2", "--save", str(data_root / "save"), "--lora-rank", "4",
                       "--rm-type", "math", "--rollout-batch-size", "2", "--multi-lora-api-port", "0",
                       "--multi-lora-api-token", "tok", "--multi-lora-allowed-roots", str(data_root),

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from controller_fakes import ThreadedController, controller_config
-from waiting import wait_until
 
 from miles.controller.backend import ControllerHooks, DatasetLimits
 from miles.rollout.datasets import validate_dataset
 from miles.rollout.rewards import validate_reward_spec
 from miles.utils.adapter_config import AdapterDefaults
+from tests.helpers.controller_fakes import ThreadedController, controller_config
+from tests.helpers.waiting import wait_until
 
 
 class SlowReader:

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from controller_fakes import ROLLOUT_HOOKS
-from waiting import call_actor, wait_until
 
 from miles.controller.actor import (
     CONTROLLER_NAME,
@@ -22,6 +20,8 @@ from miles.controller.client import ControlPlaneClient
 from miles.controller.registry import AdapterAlreadyRegisteredError, AdapterNotFoundError, AdapterValidationError
 from miles.utils.arguments import config_from_dict
 from miles.utils.types import AdapterState, MultiLoRASnapshot
+from tests.helpers.controller_fakes import ROLLOUT_HOOKS
+from tests.helpers.waiting import call_actor, wait_until
 
 
 def test_named_actor_serves_http_and_snapshots(ray_session, data_root: Path) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import pickle
+import uuid
 from pathlib import Path
 
 import pytest
-from controller_fakes import make_config
 
 from miles.controller.registry import (
     BATCH_RECORD_RETENTION,
@@ -26,6 +26,7 @@ from miles.utils.types import (
     FailureReason,
     MultiLoRASnapshot,
 )
+from tests.helpers.controller_fakes import make_config
 
 
 def walk_to(registry: AdapterRegistry, name: str, state: AdapterState) -> None:
@@ -79,8 +80,11 @@ def test_registration_ids_are_fresh_uuid4_hex() -> None:
     first = registry.status("a").registration_id
     registry.register("a", make_config("a"))
     second = registry.status("a").registration_id
-    assert first != second and len(first) == len(second) == 32
-    int(first, 16), int(second, 16)
+    assert first != second
+    for registration_id in (first, second):
+        parsed = uuid.UUID(hex=registration_id)
+        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122, registration_id
+        assert registration_id == parsed.hex  # 32 lowercase hex digits, no dashes
 
 
 def test_lowest_free_slot_and_slot_reuse_keeps_versions_monotonic() -> None:

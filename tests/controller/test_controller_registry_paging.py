@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from controller_fakes import make_config
 
 from miles.controller.registry import (
     AdapterAlreadyRegisteredError,
@@ -16,6 +15,7 @@ from miles.controller.registry import (
     NoSlotToPageInError,
 )
 from miles.utils.types import AdapterState, ClientModelConfig
+from tests.helpers.controller_fakes import make_config
 
 MODEL = "s-1.train.0"
 PAGED_DIR = "/runs/adapters/s-1.train.0/paged"

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from controller_fakes import make_config
 
 from miles.controller.registry import (
     AdapterAlreadyRegisteredError,
@@ -17,6 +16,7 @@ from miles.controller.registry import (
     QueueFullError,
 )
 from miles.utils.types import AdapterFailure, AdapterKind, AdapterState, ClientModelConfig, FailureReason
+from tests.helpers.controller_fakes import make_config
 
 
 def full(n_slots: int = 1, **kwargs: int) -> AdapterRegistry:

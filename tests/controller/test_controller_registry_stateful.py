@@ -16,7 +16,6 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from controller_fakes import make_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -30,6 +29,7 @@ from miles.controller.registry import (
 )
 from miles.controller.store import RegistryStore
 from miles.utils.types import AdapterFailure, AdapterState, FailureReason
+from tests.helpers.controller_fakes import make_config
 
 N_SLOTS = 2
 QUEUE_SIZE = 2

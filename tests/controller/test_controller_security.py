@@ -12,7 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from controller_fakes import ThreadedController, controller_config
 from starlette.routing import Route
 
 from miles.controller.backend import MultiLoRABackend
@@ -24,6 +23,7 @@ from miles.controller.http_server import (
 )
 from miles.dashboard.routes import is_public
 from miles.utils.adapter_config import AdapterDefaults
+from tests.helpers.controller_fakes import ThreadedController, controller_config
 
 TOKEN = "security-test-token"
 

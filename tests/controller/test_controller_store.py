@@ -14,13 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from controller_fakes import ROLLOUT_HOOKS, write_dataset
 
 from miles.controller.backend import MultiLoRABackend
 from miles.controller.registry import AdapterAlreadyRegisteredError, AdapterRegistry, NoFreeSlotError
 from miles.controller.store import RegistryStore, RegistryStoreError
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import AdapterState, ClientModelConfig
+from tests.helpers.controller_fakes import ROLLOUT_HOOKS, write_dataset
 
 
 def full_picture(backend: MultiLoRABackend) -> tuple:
@@ -147,7 +147,7 @@ async def test_rejected_registration_writes_nothing(tmp_path: Path, defaults: Ad
 
 
 def test_completed_records_keep_their_order_and_retention(tmp_path: Path, defaults: AdapterDefaults) -> None:
-    from controller_fakes import make_config
+    from tests.helpers.controller_fakes import make_config
 
     registry = AdapterRegistry(n_slots=1, completed_retention=3)
     for i in range(5):
@@ -164,7 +164,7 @@ def test_completed_records_keep_their_order_and_retention(tmp_path: Path, defaul
 
 
 def test_fewer_slots_than_a_live_adapter_holds_is_a_clear_error(tmp_path: Path) -> None:
-    from controller_fakes import make_config
+    from tests.helpers.controller_fakes import make_config
 
     registry = AdapterRegistry(n_slots=4)
     for name in "abc":
@@ -300,7 +300,7 @@ def test_a_change_rewrites_only_its_own_rows_however_many_records_are_kept(tmp_p
     an adapter finishing, one dropped past the retention and a finished record read (moved to
     the end of the retention order) each write a row or two, not every record kept; the file
     read back is the registry, the queue's and the retention's order included."""
-    from controller_fakes import make_config
+    from tests.helpers.controller_fakes import make_config
 
     registry = AdapterRegistry(n_slots=2, completed_retention=150)
     store = RegistryStore(tmp_path / "r.sqlite")
@@ -349,7 +349,7 @@ def test_the_stored_form_follows_a_push_of_a_retiring_adapter() -> None:
     """A record's stored form is cached while the record is unchanged; a change of any field
     (here `pushed`, by a push that reaches an adapter already RETIRING) makes a new one, so
     the registry read back is the registry (found by the stateful test's store invariant)."""
-    from controller_fakes import make_config
+    from tests.helpers.controller_fakes import make_config
 
     registry = AdapterRegistry(n_slots=2)
     registry.register("c", make_config("c"))

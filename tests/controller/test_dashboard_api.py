@@ -13,9 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from controller_fakes import ThreadedController, controller_config, make_config
 from fastapi.testclient import TestClient
-from waiting import wait_until
 
 import miles.dashboard
 from miles.controller.registry import AdapterRegistry
@@ -24,6 +22,8 @@ from miles.dashboard.__main__ import create_app
 from miles.dashboard.data import RunFiles, UnknownRolloutError
 from miles.dashboard.routes import CONTENT_SECURITY_POLICY
 from miles.utils.adapter_config import AdapterDefaults
+from tests.helpers.controller_fakes import ThreadedController, controller_config, make_config
+from tests.helpers.waiting import wait_until
 
 TOKEN = "dashboard-token"
 

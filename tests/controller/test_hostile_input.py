@@ -17,17 +17,17 @@ from typing import Any
 
 import httpx
 import pytest
-from controller_fakes import ThreadedController, controller_config
 
 from miles.controller.backend import MultiLoRABackend
 from miles.controller.registry import AdapterValidationError
 from miles.utils.adapter_config import AdapterDefaults
+from tests.helpers.controller_fakes import ThreadedController, controller_config
 
 TOKEN = "hostile-test-token"
 HOSTILE_CASES = 93
 """Requests in `cases()`; docs/RELIABILITY.md ("Hostile and malformed input") states this number."""
 RELIABILITY = Path(__file__).resolve().parents[2] / "docs" / "RELIABILITY.md"
-CANARY = "tests.controller.plugin_canary"
+CANARY = "tests.helpers.plugin_canary"
 """A module no registration over HTTP may get imported."""
 
 
@@ -244,7 +244,7 @@ def test_every_hostile_request_is_a_4xx_naming_the_problem_and_changes_nothing(
 
 def test_plugins_in_the_allowed_modules_register(data_root: Path, defaults: AdapterDefaults) -> None:
     """`miles` by default, and what --multi-lora-allowed-plugin-modules adds."""
-    modules = ("miles", "tests.controller")
+    modules = ("miles", "tests.helpers")
     controller = ThreadedController(controller_config(data_root, defaults, n_slots=3, token=TOKEN,
                                                       plugin_modules=modules))
     data = str(data_root / "data" / "train.jsonl")
@@ -281,7 +281,7 @@ async def test_a_device_behind_a_jsonl_name_is_named_as_such_without_roots(
         tmp_path: Path, defaults: AdapterDefaults, data_root: Path) -> None:
     """The trainer's own registrations have no allowed roots: /dev/zero behind a .jsonl
     name is a character device, not a file with the wrong extension."""
-    from controller_fakes import ROLLOUT_HOOKS
+    from tests.helpers.controller_fakes import ROLLOUT_HOOKS
 
     (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
     backend = MultiLoRABackend(1, defaults, hooks=ROLLOUT_HOOKS)

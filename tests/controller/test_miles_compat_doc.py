@@ -9,11 +9,11 @@ import shlex
 from pathlib import Path
 
 import httpx
-from controller_fakes import ThreadedController, controller_config
 
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.arguments import build_parser, parse_args
-from tests.utils.miles_multi_lora_flags import BOUNDED_ARGV, WANDB_ARGV, split_flags
+from tests.helpers.controller_fakes import ThreadedController, controller_config
+from tests.helpers.miles_multi_lora_flags import BOUNDED_ARGV, WANDB_ARGV, split_flags
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "MILES_COMPAT.md"
 BASE_ARGV = ["--multi-lora-n-adapters", "4"]

@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
-from controller_fakes import ThreadedController, controller_config
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
@@ -36,6 +35,7 @@ from miles.utils.types import (
     OptimStepResult,
     WeightsResult,
 )
+from tests.helpers.controller_fakes import ThreadedController, controller_config
 
 TOKEN = "tml-gateway-test-token"
 BASE = "tiny-base"

@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-from kernel_or_skip import rowwise_kernel_or_skip
 from peft import LoraConfig, get_peft_model
 from peft.utils import get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
@@ -26,6 +25,7 @@ from miles.lora import (
     slot_parameters,
     use_slots,
 )
+from tests.helpers.kernel_or_skip import rowwise_kernel_or_skip
 
 N_SLOTS = 4
 MAX_RANK = 8

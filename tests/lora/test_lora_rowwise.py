@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_or_skip import rowwise_kernel_or_skip
 
 from miles.lora import MultiLoRALinear, rowwise, set_delta_mode, use_slots
 from miles.lora import layer as layer_module
+from tests.helpers.kernel_or_skip import rowwise_kernel_or_skip
 
 
 def test_decode_steps_take_the_torch_paths_without_the_kernel(monkeypatch, caplog, tmp_path):

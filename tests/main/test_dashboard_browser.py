@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import tinker
-from chromium import LAUNCH_ARGS, ChromiumUnavailableError, ensure_chromium
-from driver_harness import DriverProcess, cycle_datum, tiny_run_flags, write_arithmetic_dataset
 from tinker import types
 
 from miles.controller.client import ControlPlaneClient
 from miles.utils.types import AdapterKind, AdapterState
+from tests.helpers.chromium import LAUNCH_ARGS, ChromiumUnavailableError, ensure_chromium
+from tests.helpers.driver_harness import DriverProcess, cycle_datum, tiny_run_flags, write_arithmetic_dataset
 
 TRAINER = "miles.main.train_multi_lora_async"
 TOKEN = "tml-browser-test-token"  # the Tinker SDK wants its keys to start so

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
-from lifecycle_fakes import SavedAdapter
-from test_stages import Trainer
-from waiting import wait_until_async
-
 from miles.utils.types import AdapterState
+from tests.helpers.in_process_trainer import Trainer
+from tests.helpers.lifecycle_fakes import SavedAdapter
+from tests.helpers.waiting import wait_until_async
 
 
 async def _train_held_open(t: Trainer) -> tuple[asyncio.Task, asyncio.Event]:

@@ -20,8 +20,6 @@ import signal
 
 import httpx
 import pytest
-from fleet_pushes import FleetManager
-from waiting import wait_until_async
 
 from miles.backends.base import AdapterSpec
 from miles.backends.torch.actor import TrainActorConfig
@@ -30,6 +28,8 @@ from miles.main.engine_push import EnginePusher
 from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
 from miles.rollout.engines.server_command import EngineServerConfig
 from miles.utils.types import RolloutBatch, Sample
+from tests.helpers.fleet_pushes import FleetManager
+from tests.helpers.waiting import wait_until_async
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 

@@ -12,7 +12,7 @@
   after the resume is one AdamW step from exactly that checkpoint's weights, moments,
   step count and LR clock, and its data continues from where it stood. A subprocess
   trainer on the tiny model, with a train fault injected on the way by the test rank of
-  `tests/backends/torch/fault_injection.py` (`--train-actor-path`, `MILES_TEST_FAULT_TRAIN_CALLS`).
+  `tests/helpers/fault_injection.py` (`--train-actor-path`, `MILES_TEST_FAULT_TRAIN_CALLS`).
   A Tinker SDK client's model lives through the same restart: it comes back from its latest
   `save_state` with its optimizer, and the client goes on with the same `TrainingClient`.
   Registrations QUEUED while every slot was held come back QUEUED in the same order, and the
@@ -34,14 +34,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from lifecycle_fakes import (
-    FakeBackend,
-    FakeRollout,
-    InProcessController,
-    InProcessHandle,
-    RecordingPusher,
-    SavedAdapter,
-)
 from safetensors.torch import load_file
 
 from miles.backends.base import TrainRankLostError, TrainResult
@@ -53,7 +45,15 @@ from miles.main.stages import Stages
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
 from miles.utils.types import AdapterState, DataPosition, MultiLoRASnapshot, RolloutBatch
-from tests.backends.torch.fault_injection import ACTOR_PATH, FAULT_TRAIN_CALLS_ENV
+from tests.helpers.fault_injection import ACTOR_PATH, FAULT_TRAIN_CALLS_ENV
+from tests.helpers.lifecycle_fakes import (
+    FakeBackend,
+    FakeRollout,
+    InProcessController,
+    InProcessHandle,
+    RecordingPusher,
+    SavedAdapter,
+)
 
 
 class FlakyBackend(FakeBackend):
@@ -213,7 +213,7 @@ def restart_on_the_same_port(url: str, flags: list[str], log: Path):
     base_url), once its control plane answers there."""
     from urllib.parse import urlparse
 
-    from driver_harness import DriverProcess
+    from tests.helpers.driver_harness import DriverProcess
 
     port = urlparse(url).port
     assert port is not None
@@ -243,15 +243,16 @@ class SdkModel:
 
     def step(self) -> float:
         """forward_backward + optim_step on the same two datums; the loss:sum."""
-        from driver_harness import cycle_datum
         from tinker import types
+
+        from tests.helpers.driver_harness import cycle_datum
 
         out = self.model.forward_backward([cycle_datum(0), cycle_datum(2)], "cross_entropy")
         self.model.optim_step(types.AdamParams(learning_rate=self.LR)).result(timeout=120)
         return out.result(timeout=120).metrics["loss:sum"]
 
     def held_out(self) -> list[float]:
-        from driver_harness import cycle_datum
+        from tests.helpers.driver_harness import cycle_datum
 
         return self.model.forward([cycle_datum(1)], "cross_entropy").result(timeout=120).loss_fn_outputs[0][
             "logprobs"].tolist()
@@ -264,10 +265,9 @@ def test_sigkill_of_the_trainer_then_restart_resumes_every_adapter_and_the_regis
     checkpoint (the client's: its latest `save_state`, optimizer included). Two registrations
     queued behind them (every slot held) are still queued, in order, after the restart."""
 
-    from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
-
     from miles.controller.client import ControlPlaneClient
     from miles.utils.types import AdapterKind
+    from tests.helpers.driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
 
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     data = tmp_path / "data"
@@ -383,10 +383,10 @@ def test_sigkill_of_a_trainer_holding_a_paged_model_then_restart_pages_it_in_wit
     with. Its held-out logprobs then equal those of a model of the same seed that ran the same
     calls without a pause: weights, moments, pending gradient and clock all came back."""
 
-    from driver_harness import DriverProcess, cycle_datum, tiny_run_flags
     from tinker import types
 
     from miles.controller.client import ControlPlaneClient
+    from tests.helpers.driver_harness import DriverProcess, cycle_datum, tiny_run_flags
 
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     save = tmp_path / "save"

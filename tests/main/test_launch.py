@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from waiting import wait_until, wait_until_async
 
 from miles.controller.backend import MultiLoRABackend
 from miles.main import launch as launch_module
@@ -27,6 +26,7 @@ from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.data_source import DatasetCheck
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.arguments import parse_args
+from tests.helpers.waiting import wait_until, wait_until_async
 
 
 @pytest.mark.parametrize("max_len, num_step", [(None, 5), (4, 3)])

@@ -11,25 +11,20 @@ prefetch of `train_async` when training fails.
 from __future__ import annotations
 
 import asyncio
-import json
+import inspect
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from lifecycle_fakes import FakeBackend, FakeRollout, InProcessController, InProcessHandle, RecordingPusher
-from waiting import wait_until_async
 
 from miles.backends.base import TrainingBackend
 from miles.controller.tinker.gateway import LoraLayout, SessionInfo
 from miles.main import train_async, train_multi_lora_async
-from miles.main.launch import Components
-from miles.main.progress import RunProgress
-from miles.main.stages import Stages
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.collection import BatchCollector, CollectionConfig
 from miles.utils.arguments import MilesConfig
-from miles.utils.tracking import MetricsLogger, read_metrics
+from miles.utils.tracking import read_metrics
 from miles.utils.types import (
     AdamStep,
     AdapterState,
@@ -43,43 +38,13 @@ from miles.utils.types import (
     RolloutBatch,
     next_slot_version,
 )
-
-
-class Trainer:
-    """The components of one trainer process (the disk outlives it)."""
-
-    def __init__(self, tmp_path, disk=None, n_slots=2, overlap_push=False, rollout_cls=FakeRollout):
-        data = tmp_path / "data.jsonl"
-        data.write_text(json.dumps({"text": "1+1=", "label": "2"}) + "\n")
-        self.data = str(data)
-        self.controller = InProcessController(n_slots, rollout_batch_size=2, n_samples_per_prompt=2,
-                                              rm_type="math", save=str(tmp_path / "save"))
-        handle = InProcessHandle(self.controller)
-        self.rollout = rollout_cls(handle)
-        self.receiver = RecordingPusher()
-        self.backend = FakeBackend(disk={} if disk is None else disk)
-        self.stages = Stages.build(self.backend, handle, InProcessHandle(self.rollout), save_interval=1,
-                                   pusher=self.receiver, overlap_push=overlap_push)
-        self.components = Components(handle, InProcessHandle(self.rollout), self.backend, self.stages)
-        self.metrics = MetricsLogger(tmp_path / "run")
-        self.progress = RunProgress(self.metrics)
-
-    async def register(self, name, **config):
-        await self.controller.register_adapter(name, config={"data": self.data, **config})
-
-    async def run_until_idle(self):
-        cfg = MilesConfig(multi_lora_n_adapters=2, multi_lora_disable_service_mode=True)
-        await train_multi_lora_async.run_loop(cfg, self.components, asyncio.Event(), self.progress)
-
-    def pushes(self, slot):
-        return [(version, weights) for pushed_slot, version, weights in self.receiver.pushes if pushed_slot == slot]
-
-    def status(self, name):
-        return self.controller.backend.adapter_status(name)
-
-    def snapshot(self):
-        """The registry's snapshot now."""
-        return self.controller.backend.snapshot()
+from tests.helpers.in_process_trainer import Trainer
+from tests.helpers.lifecycle_fakes import (
+    FakeBackend,
+    FakeRollout,
+    InProcessHandle,
+)
+from tests.helpers.waiting import wait_until_async
 
 
 @dataclass
@@ -129,7 +94,21 @@ async def test_a_stop_ends_a_waiting_collection_within_two_seconds_then_the_adap
 
 
 def test_fake_backend_implements_the_contract():
+    """Each method of the `TrainingBackend` Protocol, a coroutine function in both, with the
+    same parameters (names, kinds, defaults): a contract change the fake does not follow
+    fails here rather than as a loop test's puzzling error."""
     assert isinstance(FakeBackend(), TrainingBackend)
+    contract = {name: member for name, member in vars(TrainingBackend).items()
+                if inspect.isfunction(member) and not name.startswith("_")}
+    assert {"start", "train", "step_adapters", "save_adapter", "shutdown"} <= set(contract)
+
+    def parameters(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+    for name, method in contract.items():
+        fake = getattr(FakeBackend, name)
+        assert inspect.iscoroutinefunction(method) and inspect.iscoroutinefunction(fake), name
+        assert parameters(fake) == parameters(method), name
 
 
 async def test_register_train_retire_reregister_resume(tmp_path, caplog):

@@ -21,17 +21,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from cookbook_venv import CookbookVenvError, ensure_cookbook_venv
-from driver_harness import DriverProcess, tiny_run_flags
 
 from miles.controller.client import ControlPlaneClient
 from miles.lora import read_peft_dir
 from miles.utils.types import AdapterKind, AdapterState
+from tests.helpers import HELPERS_DIR
+from tests.helpers.cookbook_venv import CookbookVenvError, ensure_cookbook_venv
+from tests.helpers.driver_harness import DriverProcess, tiny_run_flags
 
 pytestmark = pytest.mark.slow
 
 TRAINER = "miles.main.train_multi_lora_async"
-SL_ENTRY = Path(__file__).with_name("cookbook_sl_entry.py")
+SL_ENTRY = HELPERS_DIR / "cookbook_sl_entry.py"
 RENDERER = "role_colon"
 """`User: ...` / `Assistant: ...` turns: the only tokens it needs are the text's own, which
 the tiny base's tokenizer has. Named explicitly: the cookbook looks up a recommended

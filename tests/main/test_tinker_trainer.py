@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import tinker
-from driver_harness import DriverProcess, cycle_datum, tiny_run_flags, write_arithmetic_dataset
 from tinker import types
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -27,6 +26,7 @@ from miles.lora import read_peft_dir
 from miles.recipes.tasks import Example, answer_is_correct, read_examples
 from miles.utils.tracking import read_metrics
 from miles.utils.types import AdapterKind, AdapterState
+from tests.helpers.driver_harness import DriverProcess, cycle_datum, tiny_run_flags, write_arithmetic_dataset
 
 pytestmark = pytest.mark.slow
 

@@ -14,12 +14,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
 from ray.job_submission import JobStatus, JobSubmissionClient
-from waiting import wait_until
 
 from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.utils.types import DataPosition
+from tests.helpers.driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

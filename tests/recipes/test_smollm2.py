@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from waiting import wait_until_async
 
 from miles.recipes import smollm2
 from miles.recipes.smollm2 import (
@@ -30,6 +29,7 @@ from miles.recipes.smollm2 import (
     write_datasets,
 )
 from miles.rollout.data_source import check_rows
+from tests.helpers.waiting import wait_until_async
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from rollout_fakes import make_group, make_run
 
 from miles.rollout.buffers import MAX_BUFFERED_GROUPS, AdapterBuffers
+from tests.helpers.rollout_fakes import make_group, make_run
 
 
 def test_full_buffer_drops_the_oldest_and_counts_it():

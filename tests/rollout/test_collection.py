@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from rollout_fakes import FakeClock, FakeController, FakeProducer, active, make_group, make_run
 
-from miles.rollout.buffers import AdapterBuffers
+from miles.rollout.buffers import AdapterBuffers, GroupBuffer
 from miles.rollout.collection import BatchCollector, CollectionConfig, EmptyBatchTimeoutError
 from miles.utils.types import DropReason, SampleStatus
+from tests.helpers.rollout_fakes import FakeClock, FakeController, FakeProducer, active, make_group, make_run
 
 
 def collector(controller, *, target: int, dp: int = 1, staleness: int | None = None,
@@ -137,12 +137,23 @@ async def test_never_more_samples_than_the_global_batch():
     assert batch.groups_per_adapter == {"b": 1} and len(batch.samples) == 4
 
 
-async def test_round_robin_interleaves_adapters():
+async def test_round_robin_interleaves_adapters(monkeypatch):
+    """One unit per turn, adapter after adapter: a's first group, b's, a's next, b's next."""
+    popped = []
+    pop = GroupBuffer.pop
+
+    def recording_pop(buffer, n_groups):
+        taken = pop(buffer, n_groups)
+        popped.extend((group.adapter, group.samples[0].group_index) for group in taken)
+        return taken
+
+    monkeypatch.setattr(GroupBuffer, "pop", recording_pop)
     a, b = make_run("a", 0), make_run("b", 1)
     c, buffers, _, _ = collector(FakeController(active(a, b)), target=4)
     fill(buffers, a, range(4))
     fill(buffers, b, range(4))
     batch = await c.collect(0)
+    assert popped == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
     assert batch.groups_per_adapter == {"a": 2, "b": 2}
 
 

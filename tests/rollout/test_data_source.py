@@ -8,14 +8,14 @@ import dataclasses
 import json
 
 import pytest
-from rollout_fakes import make_run
-from waiting import wait_until_async
 
 from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.data_source import AdapterDataset, DatasetCheck, DataSourceConfig, MultiLoRADataSource
 from miles.rollout.rewards import get_reward_fn
 from miles.utils.arguments import parse_args
 from miles.utils.types import DataPosition, MultiLoRASnapshot
+from tests.helpers.rollout_fakes import make_run
+from tests.helpers.waiting import wait_until_async
 
 ROWS = [{"text": f"q{i}", "label": i, "metadata": {"k": i, "shared": "row"}} for i in range(5)]
 

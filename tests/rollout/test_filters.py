@@ -10,8 +10,6 @@ import sys
 import textwrap
 
 import pytest
-from rollout_fakes import FakeController, FakeEngineServer, active, make_run
-from waiting import wait_until_async
 
 from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.buffers import AdapterBuffers
@@ -19,6 +17,8 @@ from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
 from miles.rollout.filters import UNSPECIFIED_REASON
 from miles.rollout.producer import ProducerConfig, RolloutProducer
 from miles.utils.types import engine_lora_name
+from tests.helpers.rollout_fakes import FakeController, FakeEngineServer, active, make_run
+from tests.helpers.waiting import wait_until_async
 
 # Written as a Miles user writes them (Miles' imports, names and signatures), unchanged.
 MILES_PLUGINS = '''

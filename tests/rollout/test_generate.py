@@ -13,8 +13,6 @@ from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request
-from rollout_fakes import FakeController, active, make_run, served_url
-from waiting import wait_until_async
 
 from miles.recipes.calculator_tool import CALL_CLOSE
 from miles.recipes.tiny_model import build_char_tokenizer
@@ -24,6 +22,8 @@ from miles.rollout.generate import load_generate_function
 from miles.rollout.producer import ProducerConfig, RolloutProducer
 from miles.utils.plugins import PluginError
 from miles.utils.types import SampleStatus, engine_lora_name
+from tests.helpers.rollout_fakes import FakeController, active, make_run, served_url
+from tests.helpers.waiting import wait_until_async
 
 TOKENIZER = build_char_tokenizer()
 ASK, TOOL, ANSWER = "<calc>47*36</calc>", "<result>1692</result>", "1692"

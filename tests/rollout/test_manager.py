@@ -14,12 +14,12 @@ import signal
 import httpx
 import pytest
 import ray
-from waiting import call_actor_async
 
 from miles.lora.peft_io import read_peft_dir
 from miles.rollout.data_source import AdapterDataset
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import AdapterRolloutStats, DataPosition, SlotPush, engine_lora_name
+from tests.helpers.waiting import call_actor_async
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,6 @@ import textwrap
 
 import aiohttp
 import pytest
-from rollout_fakes import FakeController, FakeEngineServer, active, make_run
-from waiting import wait_until_async
 
 from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.adapter_health import AdapterLimits
@@ -25,6 +23,8 @@ from miles.rollout.collection import BatchCollector, CollectionConfig
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
 from miles.rollout.producer import ProducerConfig, ProducerDiedError, RolloutProducer
 from miles.utils.types import GenerationCounts, SampleStatus, engine_lora_name
+from tests.helpers.rollout_fakes import FakeController, FakeEngineServer, active, make_run
+from tests.helpers.waiting import wait_until_async
 
 
 @pytest.fixture

@@ -11,8 +11,6 @@ import sys
 
 import httpx
 import pytest
-from rollout_fakes import FakeController, active, make_run
-from waiting import wait_until_async
 
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
@@ -21,6 +19,8 @@ from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import BUILTIN_URL_LINE
 from miles.rollout.producer import ProducerConfig, RolloutProducer
 from miles.utils.types import MultiLoRASnapshot, engine_lora_name
+from tests.helpers.rollout_fakes import FakeController, active, make_run
+from tests.helpers.waiting import wait_until_async
 
 pytestmark = pytest.mark.slow
 

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from rollout_fakes import served_url
 
 from miles.controller.tinker.sampler import Sampler, SnapshotUnavailableError
 from miles.utils.types import SamplerSnapshot, SamplingRequestParams
+from tests.helpers.rollout_fakes import served_url
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 

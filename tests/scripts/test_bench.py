@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.project_scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("train_mixed", "peft_vs_mixed", "memory", "decode", "trainer_service")
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 
 @pytest.mark.timeout(900)
@@ -57,7 +58,7 @@ def test_run_all_quick_writes_every_figure(tmp_path):
 def test_lora_bytes_from_the_config_match_the_exported_slot(tiny_model_dir):
     """trainer_service's denominator (LoRA bytes from config.json) is what a slot of the
     model holds once every linear of its decoder is wrapped."""
-    from trainer_service import lora_nbytes
+    lora_nbytes = load_script("bench/trainer_service.py").lora_nbytes
     from transformers import AutoModelForCausalLM
 
     from miles.lora.layer import inject_multi_lora
@@ -72,7 +73,8 @@ def test_lora_bytes_from_the_config_match_the_exported_slot(tiny_model_dir):
 
 
 def test_merge_replaces_one_scripts_figures_and_keeps_the_rest():
-    from run_all import markdown, merge
+    run_all = load_script("bench/run_all.py")
+    markdown, merge = run_all.markdown, run_all.merge
 
     def figure(script, model, ratio, target="<= 1.0", met=True):
         return {"figure": f"{script} figure", "model": model, "ours_label": "ours", "baseline_label": "base",
@@ -136,7 +138,7 @@ def test_control_plane_scale_quick_writes_its_figures(tmp_path):
 def test_push_throughput_loopback_copies_every_byte_over_one_connection():
     """push_throughput's baseline: each copy sends exactly `n` bytes and waits for the answer,
     repeatedly over the one kept connection (its full run needs engines: not in the quick suite)."""
-    from push_throughput import LoopbackCopy
+    LoopbackCopy = load_script("bench/push_throughput.py").LoopbackCopy
 
     loopback = LoopbackCopy(3 << 20)
     try:

@@ -3,23 +3,11 @@ its own with --own-tasks, with the evaluator of the chosen recipe."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "eval_adapters.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("eval_adapters", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers.project_scripts import load_script
 
 
 def test_own_tasks_scores_each_adapter_on_its_task_only(monkeypatch, tmp_path):
-    script = load_script()
+    script = load_script("eval_adapters.py")
     calls = []
 
     def fake(base_dir, checkpoint, test_data, n):

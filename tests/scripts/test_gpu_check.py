@@ -9,7 +9,6 @@ a trainer run) is checked here without one.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,15 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.project_scripts import load_script
+from tests.helpers.sglang_flags import check_lora_limits, parser_from_flag_list
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -41,7 +36,7 @@ def test_without_cuda_it_says_so_and_fails():
 
 
 def test_gpu_plan_shares_one_gpu_only_where_it_can():
-    plan = load_script().gpu_plan
+    plan = load_script("gpu_check.py").gpu_plan
     assert plan(0, 0, "in_place") == (0, False)  # CPU rehearsal
     assert plan(2, 1, "in_place") == (2, False)  # a train rank and an engine, a GPU each
     assert plan(1, 1, "versioned") == (2, True)  # one GPU: train rank and engine share it
@@ -53,7 +48,7 @@ def test_gpu_plan_shares_one_gpu_only_where_it_can():
 def test_logprobs_the_engine_left_out_are_a_fail_not_a_pass():
     """engine-trainer compares one engine logprob per generated token: none, fewer, or no
     generated tokens at all is a reason to FAIL (a string), never a max over nothing."""
-    gap = load_script().logprob_gap
+    gap = load_script("gpu_check.py").logprob_gap
 
     def out(n_tokens: int, logprobs: list[float] | None) -> dict:
         meta = {} if logprobs is None else {"output_token_logprobs": [(lp, i, None) for i, lp in enumerate(logprobs)]}
@@ -66,7 +61,7 @@ def test_logprobs_the_engine_left_out_are_a_fail_not_a_pass():
 
 
 def test_a_check_subprocess_passes_only_with_a_pass_line_and_exit_0():
-    verdict = load_script().subprocess_verdict
+    verdict = load_script("gpu_check.py").subprocess_verdict
 
     def done(code: int, stdout: str) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess([], code, stdout, "Traceback: boom")
@@ -104,13 +99,10 @@ def test_the_megatron_check_fails_when_a_side_has_fewer_values():
 def test_gpu_trainer_flags_make_a_command_sglang_0_5_takes(tmp_path, mode, backend, tp):
     """The trainer flags of each GPU run parse, and the SGLang server command built from them
     uses only SGLang 0.5.23's flags, with the check's SGLang flags passed through."""
-    sys.path.insert(0, str(ROOT / "tests" / "rollout" / "engines"))
-    from test_server_command import check_lora_limits, parser_from_flag_list
-
     from miles.rollout.engines.server_command import EngineServerConfig, build_sglang_command
     from miles.utils.arguments import parse_args
 
-    gpu_check = load_script()
+    gpu_check = load_script("gpu_check.py")
     args = argparse.Namespace(cpu_rehearsal=False, engine="sglang", sglang_venv=str(tmp_path / "venv"),
                               sglang_args="--mem-fraction-static 0.3 --attention-backend triton --skip-server-warmup")
     flags = gpu_check.trainer_flags(args, tmp_path / "model", tmp_path / "run", tmp_path / "data", mode=mode,
@@ -129,23 +121,32 @@ def test_gpu_trainer_flags_make_a_command_sglang_0_5_takes(tmp_path, mode, backe
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1020)
 def test_cpu_rehearsal_passes_every_check(tmp_path):
-    # Skipped to keep the suite's time (a trainer run is ~30 s on 2 cores), each covered elsewhere:
-    # megatron-tp1 (Megatron against the torch backend) by tests/backends/megatron/test_megatron_vs_torch.py;
-    # service-in-place runs run_service_scenario as service-versioned does, with in_place pushes from
-    # the trainer as in tests/main/test_service_scenarios.py; megatron-engine-tp1 is the Megatron
-    # trainer run of tests/backends/megatron/test_megatron_service.py, with the command checked by
-    # test_gpu_trainer_flags_make_a_command_sglang_0_5_takes above.
-    done = run("--cpu-rehearsal", "--work", str(tmp_path), "--skip", "megatron-tp1", "service-in-place",
-               "megatron-engine-tp1", timeout=480)
+    """Every check a single GPU runs, here on CPU: the three trainer runs (service scenario in
+    both update modes, a Megatron trainer) and Megatron against the torch backend. Skipped by
+    the script itself and only those: the SGLang install (the builtin engine stands in; its
+    command line is checked by test_gpu_trainer_flags_make_a_command_sglang_0_5_takes) and the
+    TP 2 checks, which need GPUs of their own (TP 2 on CPU: tests/backends/megatron/
+    test_megatron_vs_torch.py and test_megatron_service.py). Several minutes on 2 cores: the
+    budget is the default's twice."""
+    done = run("--cpu-rehearsal", "--work", str(tmp_path), "--budget-s", "960", timeout=1000)
     verdicts = [line for line in done.stdout.splitlines() if line.split(" ", 1)[0] in ("PASS", "FAIL", "SKIP")]
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     checks = {line.split(" ", 2)[1].rstrip(":"): line.split(" ", 1)[0] for line in verdicts}
     assert checks == {"install": "SKIP", "adapters": "PASS", "engine-peft": "PASS", "engine-trainer": "PASS",
                       "push-in-flight": "PASS", "in-place": "PASS", "service-versioned": "PASS",
-                      "service-in-place": "SKIP", "megatron-tp1": "SKIP", "megatron-tp2": "SKIP",
-                      "megatron-engine-tp1": "SKIP", "megatron-engine-tp2": "SKIP"}
+                      "service-in-place": "PASS", "megatron-tp1": "PASS", "megatron-tp2": "SKIP",
+                      "megatron-engine-tp1": "PASS", "megatron-engine-tp2": "SKIP"}
     lines = {line.split(" ", 2)[1].rstrip(":"): line for line in verdicts}
+    assert "SKIP install: CPU rehearsal: the builtin engine stands in for SGLang" in lines["install"]
+    assert "SKIP megatron-tp2: CPU rehearsal" in lines["megatron-tp2"]
+    assert "SKIP megatron-engine-tp2: CPU rehearsal" in lines["megatron-engine-tp2"]
+    assert "--engine-lora-update in_place, --train-backend torch" in lines["service-in-place"]
+    assert "'first' retired" in lines["service-in-place"] and "taken by 'third'" in lines["service-in-place"]
+    assert "Megatron vs torch backend" in lines["megatron-tp1"]
+    assert "--train-backend megatron TP 1" in lines["megatron-engine-tp1"]
+    assert "two adapters trained at once" in lines["megatron-engine-tp1"]
     assert "--engine-lora-update versioned, --train-backend torch" in lines["service-versioned"]
     assert "'first' retired" in lines["service-versioned"] and "taken by 'third'" in lines["service-versioned"]
     assert (tmp_path / "service-versioned" / "save" / "adapters" / "second" / "checkpoints").is_dir()

@@ -3,19 +3,10 @@ and one PNG."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from miles.utils.tracking import MetricsLogger, read_metrics
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "plot_metrics.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("plot_metrics", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers.project_scripts import load_script
 
 
 def write_run(run_dir: Path) -> None:
@@ -29,7 +20,7 @@ def write_run(run_dir: Path) -> None:
 
 def test_curves_per_metric_and_adapter_on_each_adapters_step(tmp_path):
     write_run(tmp_path)
-    module = load_script()
+    module = load_script("plot_metrics.py")
     records = read_metrics(tmp_path / "metrics.jsonl")
     panels = module.curves(records)
     assert panels == {
@@ -41,7 +32,7 @@ def test_curves_per_metric_and_adapter_on_each_adapters_step(tmp_path):
 
 def test_run_dir_to_png(tmp_path, capsys):
     write_run(tmp_path / "run")
-    module = load_script()
+    module = load_script("plot_metrics.py")
     assert module.main([str(tmp_path / "run")]) == 0
     png = tmp_path / "run" / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -53,7 +44,7 @@ def test_run_dir_to_png(tmp_path, capsys):
 
 
 def test_nothing_to_draw_is_an_error(tmp_path, capsys):
-    module = load_script()
+    module = load_script("plot_metrics.py")
     assert module.main([str(tmp_path)]) == 1
     assert "no metrics file" in capsys.readouterr().err
     MetricsLogger(tmp_path).close()

@@ -6,12 +6,10 @@ weights-update group, sent to in turn), while a versioned one grows no faster.""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import scaling_sim  # noqa: E402
+from tests.helpers.project_scripts import load_script
+
+scaling_sim = load_script("scaling_sim.py")
 
 
 def test_tiny_grid_output_and_in_place_push_grows_with_engines(tmp_path, capsys):

@@ -4,15 +4,15 @@ the 2x target sits on the K = 8 training figure only, and a short sample is repo
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
-from tinker_vs_skyrl import Case, figures, measure  # noqa: E402
+from tests.helpers.project_scripts import load_script
+
+tinker_vs_skyrl = load_script("bench/tinker_vs_skyrl.py")
+Case, figures, measure = tinker_vs_skyrl.Case, tinker_vs_skyrl.figures, tinker_vs_skyrl.measure
 
 ARGS = SimpleNamespace(steps=2, sample_calls=3, num_samples=4, max_tokens=8, reps=3, timeout=5.0,
                        model="tiny-random")

@@ -15,14 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from miles_multi_lora_flags import (
-    BOUNDED_ARGV,
-    MILES_ADAPTER_YAMLS,
-    MODEL_ARGV,
-    SERVICE_ARGV,
-    WANDB_ARGV,
-    flag_names,
-)
 
 from miles.backends.megatron.actor import MegatronActorConfig
 from miles.backends.torch.actor import TrainActorConfig
@@ -34,6 +26,14 @@ from miles.rollout.rewards import validate_reward_spec
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig, parse_adapter_run_yaml
 from miles.utils.arguments import build_parser, inert_flag_warnings, parse_args
 from miles.utils.loss_settings import LossSettings
+from tests.helpers.miles_multi_lora_flags import (
+    BOUNDED_ARGV,
+    MILES_ADAPTER_YAMLS,
+    MODEL_ARGV,
+    SERVICE_ARGV,
+    WANDB_ARGV,
+    flag_names,
+)
 
 SGLANG_FLAGS = Path(__file__).parents[1] / "rollout" / "engines" / "sglang_0_5_23_server_flags.json"
 

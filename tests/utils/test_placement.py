@@ -2,10 +2,10 @@
 
 Two train ranks of one CPU each on two one-CPU nodes: one bundle per rank puts them on
 different nodes, they rendezvous at rank 0's node address, and a train step all-reduces
-over that process group. Then the same for the two tensor-parallel ranks of one Megatron
-replica (placed by the same `TrainGroup.start`): the step's gradient norm is summed over
-the TP shards on the two nodes. Runs in its own process: the suite's Ray session stays
-untouched.
+over that process group: both ranks hold the weights (and gradient norm) one rank alone
+reaches on the whole batch. Then the same for the two tensor-parallel ranks of one Megatron
+replica (placed by the same `TrainGroup.start`), whose gradient norm is summed over the TP
+shards on the two nodes. Runs in its own process: the suite's Ray session stays untouched.
 """
 
 from __future__ import annotations
@@ -33,27 +33,55 @@ SCRIPT = textwrap.dedent('''
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, include_dashboard=False)
 
-    async def two_ranks(group):
+    def max_diff(x, y):
+        assert sorted(x) == sorted(y), (sorted(x), sorted(y))
+        return max(float((x[k] - y[k]).abs().max()) for k in x)
+
+    async def weights(group):
+        export = await group.export_adapter("a")  # every rank takes part (Megatron's TP gather)
+        return ray.get(export.tensors) if isinstance(export.tensors, ray.ObjectRef) else export.tensors
+
+    async def train_once(group, each_rank=False):
+        """One train call and step of adapter a on two distinct prompt groups (one per rank of
+        two); a's weights before and after, and with `each_rank` every rank's own after."""
         await group.start()
         nodes = ray.util.placement_group_table(group._placement)["bundles_to_node_id"]
         address = await group.actors[0].master_address.remote()
         await group.load_adapter(AdapterSpec(name="a", slot=0, rank=2, alpha=4.0, global_batch_size=4, lr=0.1))
+        fresh = await weights(group)
         samples = [Sample(adapter="a", slot=0, group_index=g, index=i, prompt="", label=None, metadata={},
-                          prompt_ids=[5, 6, 7], response_ids=[8 + i, 9], reward=float(i))
+                          prompt_ids=[5 + g, 6, 7], response_ids=[8 + i + 3 * g, 9], reward=float(i))
                    for g in range(2) for i in range(2)]
         await group.train(0, RolloutBatch(rollout_id=0, samples=samples, prompt_group_sizes=[2, 2],
                                           groups_per_adapter={"a": 2}, step_names=["a"]))
         steps = await group.step_adapters(["a"])
+        stepped = await weights(group)
+        ranks = await asyncio.gather(*(a.export_adapter.remote("a") for a in group.actors)) if each_rank else []
         await group.shutdown()
         return {"nodes": sorted(set(nodes.values())), "n_bundles": len(nodes), "address": address,
-                "alive_nodes": sum(n["Alive"] for n in ray.nodes()), "grad_norm": steps["a"].grad_norm}
+                "alive_nodes": sum(n["Alive"] for n in ray.nodes()), "grad_norm": steps["a"].grad_norm,
+                "fresh": fresh, "stepped": stepped, "ranks": ranks}
+
+    def compared(result, alone):
+        """What the test asserts on, JSON-able: how far the ranks' weights are from each other
+        and from the weights one rank alone reached on the whole batch."""
+        ranks = result.pop("ranks")
+        result["ranks_apart"] = max((max_diff(ranks[0], r) for r in ranks[1:]), default=None)
+        result["vs_alone"] = max_diff(result.pop("stepped"), alone["stepped"])
+        result["fresh_vs_alone"] = max_diff(result.pop("fresh"), alone["fresh"])
+        result["alone_grad_norm"] = alone["grad_norm"]
+        result["alone_moved"] = max_diff(alone["stepped"], alone["fresh"])
+        return result
 
     async def main():
         actor = TrainActorConfig(hf_checkpoint=sys.argv[1], n_slots=1, lora_rank=2)
-        torch_ranks = await two_ranks(TrainGroup(TrainGroupConfig(actor=actor, n_workers=2, num_cpus_per_worker=1)))
+        alone = await train_once(TrainGroup(TrainGroupConfig(actor=actor, n_workers=1, num_cpus_per_worker=1)))
+        torch_ranks = await train_once(TrainGroup(TrainGroupConfig(actor=actor, n_workers=2, num_cpus_per_worker=1)),
+                                       each_rank=True)
         megatron = MegatronActorConfig(**actor.__dict__, tensor_model_parallel_size=2)
-        tp_ranks = await two_ranks(MegatronTrainGroup(MegatronGroupConfig(actor=megatron, n_workers=1,
-                                                                          num_cpus_per_worker=1)))
+        tp_ranks = await train_once(MegatronTrainGroup(MegatronGroupConfig(actor=megatron, n_workers=1,
+                                                                           num_cpus_per_worker=1)))
+        torch_ranks, tp_ranks = compared(torch_ranks, alone), compared(tp_ranks, alone)
         try:  # two CPUs for one rank: no node of one CPU holds it, said at once rather than waited on
             await TrainGroup(TrainGroupConfig(actor=actor, n_workers=1, num_cpus_per_worker=2)).start()
             refused = ""
@@ -83,7 +111,14 @@ def test_two_ranks_on_two_nodes_rendezvous_and_step(tiny_model_dir):
         assert len(result["nodes"]) == 2, (f"one bundle per {backend} rank should have put the two ranks "
                                            "on the two nodes")
         assert result["address"].startswith("tcp://") and not result["address"].startswith("tcp://127."), backend
-        assert result["grad_norm"] > 0, backend
+        # The step all-reduced: the weights are those one rank reaches on the whole batch (two
+        # prompt groups that differ, one per DP rank; Megatron's two TP ranks share them), far
+        # from the fresh ones; every DP rank holds them.
+        assert result["fresh_vs_alone"] == 0.0, backend
+        assert result["alone_moved"] > 1e-2, result
+        assert result["vs_alone"] < {"torch": 1e-5, "megatron": 1e-4}[backend], (backend, result)
+        assert result["grad_norm"] == pytest.approx(result["alone_grad_norm"], rel=1e-4), (backend, result)
+    assert results["torch"]["ranks_apart"] == 0.0, results["torch"]
 
 
 def test_a_placement_no_node_holds_is_refused_here_and_awaited_on_a_joined_cluster(monkeypatch, caplog):

@@ -15,8 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from megatron_scenario import RANK, broadcast_shapes, random_adapter, rendezvous
-from torch_backend_data import (
+
+from miles.utils.loss_settings import LossSettings
+from miles.utils.types.client import AdamStep
+from miles.utils.types.client_commands import LoraGroup
+from tests.helpers.megatron_scenario import RANK, broadcast_shapes, random_adapter, rendezvous
+from tests.helpers.torch_backend_data import (
     client_datums,
     client_work,
     counts,
@@ -25,10 +29,6 @@ from torch_backend_data import (
     max_abs_diff,
     spec,
 )
-
-from miles.utils.loss_settings import LossSettings
-from miles.utils.types.client import AdamStep
-from miles.utils.types.client_commands import LoraGroup
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from megatron_scenario import RANK, random_adapter
-from torch_backend_data import counts, make_groups, max_abs_diff, spec
 
 from miles.backends.torch.loss import adapter_token_advantages
 from miles.utils.loss_settings import LossSettings
+from tests.helpers.megatron_scenario import RANK, random_adapter
+from tests.helpers.torch_backend_data import counts, make_groups, max_abs_diff, spec
 
 pytestmark = pytest.mark.timeout(300)
 

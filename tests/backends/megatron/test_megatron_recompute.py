@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from megatron_scenario import RANK, random_adapter
-from torch_backend_data import counts, flatten_with_advantages, make_groups, spec
 
 from miles.backends.megatron.model import ModelShape, recompute_settings
+from tests.helpers.megatron_scenario import RANK, random_adapter
+from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, spec
 
 pytestmark = pytest.mark.timeout(300)
 

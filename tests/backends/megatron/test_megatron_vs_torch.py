@@ -14,7 +14,11 @@ import copy
 
 import pytest
 import torch
-from megatron_scenario import (
+
+from miles.backends.rank.config import TrainActorConfig
+from miles.backends.torch.actor import TorchTrainActor
+from miles.backends.torch.checkpoint import read_checkpoint
+from tests.helpers.megatron_scenario import (
     RANK,
     logit_input_ids,
     logprob_samples,
@@ -23,11 +27,7 @@ from megatron_scenario import (
     run_torch,
     step2_groups,
 )
-from torch_backend_data import counts, flatten_with_advantages, max_abs_diff, spec
-
-from miles.backends.rank.config import TrainActorConfig
-from miles.backends.torch.actor import TorchTrainActor
-from miles.backends.torch.checkpoint import read_checkpoint
+from tests.helpers.torch_backend_data import counts, flatten_with_advantages, max_abs_diff, spec
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
 
 from miles.backends.base import LoadResult
 from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.checkpoint import latest_checkpoint, latest_miles_checkpoint
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition
+from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
 
 LOSS = LossSettings(eps_clip=0.2, eps_clip_high=0.28, use_tis=True, tis_clip=2.0, use_kl_loss=True,
                     kl_loss_coef=0.05, kl_loss_type="k3")

@@ -12,11 +12,11 @@ import dataclasses
 
 import pytest
 import torch
-from helpers.numerics import AdamBound, reduction_terms, sum_tolerance, within
-from torch_backend_data import counts, make_groups, max_abs_diff, new_actor, spec
 
 from miles.backends.torch.loss import adapter_token_advantages, approx_kl, compute_advantages, needs_reward_kl
 from miles.utils.loss_settings import LossSettings
+from tests.helpers.numerics import AdamBound, reduction_terms, sum_tolerance, within
+from tests.helpers.torch_backend_data import counts, make_groups, max_abs_diff, new_actor, spec
 
 SETTINGS_A = {
     "grpo_k3_kl": LossSettings(eps_clip_high=0.28, use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=0.05),

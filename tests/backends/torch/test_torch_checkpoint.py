@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
 
 from miles.backends.base import SaveRequest
 from miles.backends.rank.core import GradShare
@@ -26,6 +25,7 @@ from miles.backends.torch.checkpoint import (
 )
 from miles.backends.torch.train_group import TrainGroup
 from miles.utils.types import DataPosition
+from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
 
 
 def _write_peft(path: Path) -> None:

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch_backend_data import (
+
+from miles.backends.rank.config import TrainActorConfig
+from miles.utils.types.client import AdamStep, ClientDatum
+from tests.helpers.fault_injection import FaultInjectingTrainActor, InjectedTrainFault
+from tests.helpers.torch_backend_data import (
     VOCAB,
     client_datums,
     client_work,
@@ -20,10 +24,6 @@ from torch_backend_data import (
     new_actor,
     spec,
 )
-
-from miles.backends.rank.config import TrainActorConfig
-from miles.utils.types.client import AdamStep, ClientDatum
-from tests.backends.torch.fault_injection import FaultInjectingTrainActor, InjectedTrainFault
 
 
 def slot_grads(actor, slot: int) -> list[torch.Tensor]:

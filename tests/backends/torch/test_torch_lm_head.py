@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 import torch
-from torch_backend_data import counts, flatten_with_advantages, make_groups, new_actor, spec
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from miles.backends.torch.lm_head import fused_head_weight, lm_head_logprobs
 from miles.utils.loss_settings import LossSettings
+from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, new_actor, spec
 
 VOCAB, HIDDEN = 50, 16
 

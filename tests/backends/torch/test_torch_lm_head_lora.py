@@ -10,15 +10,6 @@ import dataclasses
 import pytest
 import torch
 from peft import PeftModel
-from torch_backend_data import (
-    client_datums,
-    client_work,
-    counts,
-    flatten_with_advantages,
-    make_groups,
-    max_abs_diff,
-    spec,
-)
 from transformers import AutoModelForCausalLM
 
 from miles.backends.rank.config import TrainActorConfig
@@ -27,6 +18,15 @@ from miles.backends.torch.lm_head import fused_head_weight, head_lora_layer, lm_
 from miles.lora import MultiLoRALinear, use_slots, write_peft_dir
 from miles.utils.types.client import AdamStep
 from miles.utils.types.client_commands import LoraGroup
+from tests.helpers.torch_backend_data import (
+    client_datums,
+    client_work,
+    counts,
+    flatten_with_advantages,
+    make_groups,
+    max_abs_diff,
+    spec,
+)
 
 VOCAB, HIDDEN, RANK = 50, 16, 4
 HEAD_TARGETS = "all-linear,lm_head"

@@ -9,7 +9,12 @@ import json
 
 import pytest
 import torch
-from torch_backend_data import (
+
+from miles.backends.torch.lm_head import fused_head_weight
+from miles.lora import read_peft_dir
+from miles.utils.types.client import AdamStep
+from miles.utils.types.client_commands import LoraGroup
+from tests.helpers.torch_backend_data import (
     client_datums,
     client_work,
     counts,
@@ -19,11 +24,6 @@ from torch_backend_data import (
     new_actor,
     spec,
 )
-
-from miles.backends.torch.lm_head import fused_head_weight
-from miles.lora import read_peft_dir
-from miles.utils.types.client import AdamStep
-from miles.utils.types.client_commands import LoraGroup
 
 ADAM = AdamStep(learning_rate=0.02, beta1=0.8, beta2=0.9, eps=1e-4, weight_decay=0.1, grad_clip_norm=0.5)
 """Weight decay on: a frozen row must not even decay. An eps well above the rounding of a

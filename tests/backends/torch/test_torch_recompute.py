@@ -9,13 +9,13 @@ import threading
 
 import pytest
 import torch
-from torch_backend_data import counts, flatten_with_advantages, make_groups, spec
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.recompute import decoder_layers, recompute_decoder_layers, release_cheap_activations
 from miles.lora import init_slot, inject_multi_lora, lora_modules, use_slots
+from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, spec
 
 
 def _actor(model_dir, **recompute) -> TorchTrainActor:

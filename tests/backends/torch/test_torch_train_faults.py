@@ -14,14 +14,14 @@ import pytest
 import ray
 import torch
 from safetensors.torch import load_file
-from torch_backend_data import counts, flatten_with_advantages, make_groups, spec
 
 from miles.backends.base import SaveRequest, TrainRankLostError
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
 from miles.utils.types import RolloutBatch
-from tests.backends.torch.fault_injection import RANK_1_FAILS_FIRST, FaultInjectingTrainActor, InjectedTrainFault
+from tests.helpers.fault_injection import RANK_1_FAILS_FIRST, FaultInjectingTrainActor, InjectedTrainFault
+from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, spec
 
 
 def _actor(model_dir, faults=frozenset()) -> TorchTrainActor:

@@ -14,7 +14,6 @@ import json
 import pytest
 import ray
 import torch
-from torch_backend_data import make_groups, max_abs_diff, new_actor
 
 from miles.backends.base import AdapterSpec, TrainingBackend
 from miles.backends.torch.actor import TrainActorConfig
@@ -27,6 +26,7 @@ from miles.main.stages import Stages
 from miles.utils.adapter_config import AdapterDefaults, resolve_adapter_config
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import AdapterState, DataPosition, RolloutBatch
+from tests.helpers.torch_backend_data import make_groups, max_abs_diff, new_actor
 
 pytestmark = pytest.mark.slow
 

@@ -9,14 +9,14 @@ import asyncio
 import json
 
 import pytest
-from helpers.numerics import AdamBound, reduction_terms, sum_tolerance, within
-from torch_backend_data import make_groups, max_abs_diff
 
 from miles.backends.base import AdapterSpec
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import RolloutBatch
+from tests.helpers.numerics import AdamBound, reduction_terms, sum_tolerance, within
+from tests.helpers.torch_backend_data import make_groups, max_abs_diff
 
 SETTINGS = {
     "a": LossSettings(advantage_estimator="reinforce_plus_plus", normalize_advantages=True, kl_coef=0.5, gamma=0.9),

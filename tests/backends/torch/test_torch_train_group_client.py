@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-from torch_backend_data import client_datums, client_work, make_groups, max_abs_diff, spec
 
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig, deal_datums
 from miles.utils.types import RolloutBatch
 from miles.utils.types.client import AdamStep, ClientDatum
-from tests.backends.torch.fault_injection import RANK_1_FAILS_FIRST, InjectedTrainFault
+from tests.helpers.fault_injection import RANK_1_FAILS_FIRST, InjectedTrainFault
+from tests.helpers.torch_backend_data import client_datums, client_work, make_groups, max_abs_diff, spec
 
 pytestmark = pytest.mark.slow
 

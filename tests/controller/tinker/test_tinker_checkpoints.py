@@ -19,7 +19,6 @@ import httpx
 import pytest
 import tinker
 from click.testing import CliRunner
-from controller_fakes import ThreadedController, controller_config
 from tinker import types
 from tinker.cli.__main__ import main_cli
 
@@ -32,6 +31,7 @@ from miles.utils.types import (
     SaveStateCommand,
     WeightsResult,
 )
+from tests.helpers.controller_fakes import ThreadedController, controller_config
 
 TOKEN = "tml-checkpoint-test-token"
 BASE = "tiny-base"

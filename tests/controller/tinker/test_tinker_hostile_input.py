@@ -24,7 +24,6 @@ from typing import Any
 
 import httpx
 import pytest
-from controller_fakes import LoopbackRouter, ThreadedController, controller_config
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
@@ -32,6 +31,7 @@ from miles.controller.tinker.gateway import GatewayConfig, model_name
 from miles.controller.tinker.routes import MAX_FORWARD_BACKWARD_BYTES, MAX_JSON_BYTES
 from miles.controller.tinker.sample_wire import MAX_NUM_SAMPLES, MAX_SAMPLE_TOKENS
 from miles.utils.adapter_config import AdapterDefaults
+from tests.helpers.controller_fakes import LoopbackRouter, ThreadedController, controller_config
 
 TOKEN = "tml-hostile-test-token"
 BASE = "tiny-base"

@@ -3,8 +3,8 @@
 SkyRL 0.3 and upstream Miles' gateway target the 0.24-0.26 line. Each release is installed
 once with `pip install --no-deps --target .cache/tinker-sdk/<version>` (its dependencies are
 this environment's: the test checks they meet the release's declared requirements; a few
-seconds per release the first time, reused after) and `older_sdk_client.py` runs in a
-subprocess with that directory first on PYTHONPATH against a controller on loopback (port 0).
+seconds per release the first time, reused after) and `tests/helpers/older_sdk_client.py` runs
+in a subprocess with that directory first on PYTHONPATH against a controller on loopback (port 0).
 
 A test-side driver plays the trainer: it scores each datum with made-up logprobs through the
 trainer's own loss math (`miles.backends.torch.client_loss`) and writes a PEFT adapter for
@@ -32,7 +32,6 @@ from typing import Any
 
 import pytest
 import torch
-from controller_fakes import ThreadedController, controller_config
 from packaging.requirements import Requirement
 from transformers import AutoTokenizer
 
@@ -56,10 +55,12 @@ from miles.utils.types import (
     SaveStateCommand,
     WeightsResult,
 )
+from tests.helpers import HELPERS_DIR
+from tests.helpers.controller_fakes import ThreadedController, controller_config
 
 SDK_VERSIONS = ("0.24.1", "0.26.2")
 SDK_CACHE = Path(__file__).resolve().parents[3] / ".cache" / "tinker-sdk"
-CLIENT = Path(__file__).with_name("older_sdk_client.py")
+CLIENT = HELPERS_DIR / "older_sdk_client.py"
 TOKEN = "tml-older-sdk-test-token"
 BASE = "tiny-base"
 PROMPT = [3, 14, 15, 9, 26, 5]

@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
-from controller_fakes import ThreadedController, controller_config
 from tinker import types
 
 from miles.controller.tinker import sampler as tinker_sampler
@@ -34,6 +33,7 @@ from miles.utils.types import (
     SaveForSamplerCommand,
     WeightsResult,
 )
+from tests.helpers.controller_fakes import ThreadedController, controller_config
 
 TOKEN = "tml-sampling-test-token"
 BASE = "tiny-base"

@@ -6,10 +6,10 @@ import asyncio
 
 import httpx
 import pytest
-from waiting import wait_until_async
 
 from miles.rollout.engines.builtin_server import build_parser, options_from_args
 from miles.rollout.engines.lora_table import LoraRequestError, LoraSlotTable, UnknownLoraError
+from tests.helpers.waiting import wait_until_async
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 

@@ -6,12 +6,12 @@ import threading
 
 import pytest
 import torch
-from waiting import wait_until
 
 from miles import lora
 from miles.rollout.engines.sampling import RowSampling, filter_logits
 from miles.rollout.engines.scheduler import DecodeScheduler, Job, SchedulerConfig
 from miles.utils.types import SamplingParams
+from tests.helpers.waiting import wait_until
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import uuid
 import httpx
 import pytest
 import ray
-from waiting import wait_until_async
 
 from miles import lora
 from miles.lora import weight_sync
@@ -22,6 +21,7 @@ from miles.rollout.engines.process import ServerStartError
 from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
 from miles.utils.types import SlotPush
+from tests.helpers.waiting import wait_until_async
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 

@@ -11,7 +11,8 @@ import uuid
 
 import httpx
 import pytest
-from waiting import wait_until_async
+
+from tests.helpers.waiting import wait_until_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

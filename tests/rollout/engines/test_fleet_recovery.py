@@ -9,11 +9,11 @@ import asyncio
 
 import httpx
 import pytest
-from fleet_pushes import fleet_pusher, lora_export
 
 from miles import lora
 from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
 from miles.rollout.engines.server_command import EngineServerConfig
+from tests.helpers.fleet_pushes import fleet_pusher, lora_export
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 

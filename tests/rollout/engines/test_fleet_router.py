@@ -9,8 +9,6 @@ import uuid
 
 import httpx
 import pytest
-from fleet_pushes import fleet_pusher, lora_export
-from waiting import wait_until_async
 
 from miles import lora
 from miles.backends.base import LoraExport
@@ -21,6 +19,8 @@ from miles.rollout.engines.router import Router
 from miles.rollout.engines.server_command import EngineServerConfig
 from miles.utils.router_workers import abort_on_workers, discover_workers
 from miles.utils.types import engine_lora_name
+from tests.helpers.fleet_pushes import fleet_pusher, lora_export
+from tests.helpers.waiting import wait_until_async
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 

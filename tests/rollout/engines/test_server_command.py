@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -32,6 +30,8 @@ from miles.rollout.engines.server_command import (
     server_command,
 )
 from miles.utils.arguments import parse_args
+from tests.helpers.project_scripts import SCRIPTS_DIR, load_script
+from tests.helpers.sglang_flags import SGLANG_FLAGS, check_lora_limits, parser_from_flag_list
 
 
 def flag_values(argv: list[str], flag: str) -> list[str]:
@@ -109,8 +109,7 @@ def test_router_command():
     assert flag_values(argv, "--prometheus-port") == ["29001"]
 
 
-SGLANG_FLAGS = Path(__file__).with_name("sglang_0_5_23_server_flags.json")
-REFRESH_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "sglang_server_flags.py"
+REFRESH_SCRIPT = SCRIPTS_DIR / "sglang_server_flags.py"
 SGLANG_CASES = [
     ["--multi-lora-n-adapters", "6", "--lora-rank", "32", "--target-modules", "q_proj,v_proj", "--dtype", "bfloat16"],
     ["--multi-lora-n-adapters", "1", "--lora-rank", "8", "--target-modules", "all-linear", "--dtype", "float32"],
@@ -129,30 +128,6 @@ def sglang_commands() -> list[tuple[str, int, list[str]]]:
     return commands
 
 
-def parser_from_flag_list() -> argparse.ArgumentParser:
-    """An argparse parser with exactly the options (arity, choices, types) SGLang 0.5.23 defines."""
-    spec = json.loads(SGLANG_FLAGS.read_text())
-    assert spec["sglang_version"].startswith("0.5.")
-    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False, exit_on_error=False)
-    types = {"int": int, "float": float, "str": str, None: None}
-    for flag, meta in spec["flags"].items():
-        if meta["nargs"] == 0:
-            parser.add_argument(flag, action="store_true")
-        else:
-            parser.add_argument(flag, nargs=None if meta["nargs"] == 1 else meta["nargs"], choices=meta["choices"],
-                                type=types[meta["type"]])
-    return parser
-
-
-def check_lora_limits(mode: str, args: argparse.Namespace, n_slots: int) -> None:
-    """SGLang's own checks (max_loaded_loras >= max_loras_per_batch > 0) plus ours: room for every name."""
-    assert args.max_loras_per_batch > 0 and args.max_loaded_loras >= args.max_loras_per_batch
-    names = n_slots * (2 if mode == "versioned" else 1)
-    assert args.max_loaded_loras >= names + 1 and args.max_loras_per_batch >= names + 1  # + the base model
-    assert args.tokenizer_worker_num == 1
-    assert args.enable_lora and args.max_lora_rank > 0
-
-
 @pytest.mark.parametrize("mode, n_slots, argv", sglang_commands())
 def test_sglang_command_parses_with_sglang_0_5_flags(mode, n_slots, argv):
     args, unknown = parser_from_flag_list().parse_known_args(argv)
@@ -169,18 +144,11 @@ def test_flag_list_rejects_what_sglang_rejects():
         parser.parse_args(["--lora-target-modules", "all-linear"])  # SGLang spells it "all"
 
 
-def refresh_script():
-    spec = importlib.util.spec_from_file_location("sglang_server_flags", REFRESH_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_flag_list_is_what_the_refresh_script_writes():
     """Read into a parser and described again, the saved list is its own file byte for byte:
     a refresh from a real SGLang changes the lines SGLang changed and nothing else, and
     what the tests parse with is what the file says."""
-    refresh = refresh_script()
+    refresh = load_script("sglang_server_flags.py")
     text = SGLANG_FLAGS.read_text()
     version = json.loads(text)["sglang_version"]
     assert SGLANG_FLAGS.name == f"sglang_{version.replace('.', '_')}_server_flags.json"
@@ -189,7 +157,7 @@ def test_the_flag_list_is_what_the_refresh_script_writes():
 
 
 def test_the_refresh_script_describes_every_kind_of_option():
-    refresh = refresh_script()
+    refresh = load_script("sglang_server_flags.py")
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enable-lora", action="store_true")
@@ -238,7 +206,7 @@ def test_the_refresh_script_says_which_interpreter_to_run_it_with(tmp_path, caps
     """Under an interpreter without SGLang (the trainer's, on purpose) it says which one to
     use and writes nothing."""
     monkeypatch.setitem(sys.modules, "sglang", None)  # `import sglang` raises ImportError
-    assert refresh_script().main(["--out", str(tmp_path / "flags.json")]) == 2
+    assert load_script("sglang_server_flags.py").main(["--out", str(tmp_path / "flags.json")]) == 2
     assert ".venv-sglang/bin/python" in capsys.readouterr().err
     assert not (tmp_path / "flags.json").exists()
 

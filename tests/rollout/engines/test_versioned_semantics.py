@@ -15,7 +15,8 @@ import asyncio
 
 import httpx
 import pytest
-from waiting import wait_until_async
+
+from tests.helpers.waiting import wait_until_async
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 

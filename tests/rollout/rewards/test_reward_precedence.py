@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from waiting import wait_until_async
-
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
@@ -16,6 +14,7 @@ from miles.rollout.datasets import validate_dataset
 from miles.rollout.rewards import get_reward_fn, validate_reward_spec
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import MultiLoRASnapshot
+from tests.helpers.waiting import wait_until_async
 
 CLI_RM_TYPE = "math"
 

@@ -8,7 +8,7 @@ switch: a trainer runs this rank because it is told to, from the repository root
 `tests` imports), as any rank subclass:
 
     MILES_TEST_FAULT_TRAIN_CALLS=2 python -m miles.main.train_multi_lora_async ... \\
-        --train-actor-path tests.backends.torch.fault_injection.FaultInjectingTrainActor
+        --train-actor-path tests.helpers.fault_injection.FaultInjectingTrainActor
 
 A subclass with `faults` set fails those calls whatever the environment says (the rank
 actors of a Ray cluster started earlier do not see a variable set later):
@@ -29,9 +29,9 @@ from miles.utils.types import Sample
 from miles.utils.types.client import ClientWork
 
 FAULT_TRAIN_CALLS_ENV = "MILES_TEST_FAULT_TRAIN_CALLS"
-ACTOR_PATH = "tests.backends.torch.fault_injection.FaultInjectingTrainActor"
+ACTOR_PATH = "tests.helpers.fault_injection.FaultInjectingTrainActor"
 """`--train-actor-path` of the rank that fails the calls `MILES_TEST_FAULT_TRAIN_CALLS` names."""
-RANK_1_FAILS_FIRST = "tests.backends.torch.fault_injection.Rank1FailsItsFirstTrainCall"
+RANK_1_FAILS_FIRST = "tests.helpers.fault_injection.Rank1FailsItsFirstTrainCall"
 
 
 class InjectedTrainFault(RuntimeError):

@@ -10,10 +10,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from waiting import wait_until_async
 
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.types import AdapterFailure, AdapterRun, MultiLoRASnapshot, PromptGroup, Sample
+from tests.helpers.waiting import wait_until_async
 
 
 class FakeMethod:

@@ -1,6 +1,6 @@
 """Waiting in tests: for a condition, with a deadline, never for a fixed time.
 
-    from waiting import wait_until, wait_until_async, call_actor
+    from tests.helpers.waiting import wait_until, wait_until_async, call_actor
 
 Every wait names what it waits for; on time-out it fails with that name and the last value
 (or error) the condition gave, so a red test says what never happened. A condition may

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from tinker import types
-from waiting import WaitTimeout, wait_until
 
 from miles.controller.actor import API_URL_LINE
+from tests.helpers.waiting import WaitTimeout, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

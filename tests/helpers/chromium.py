@@ -4,7 +4,7 @@ Playwright (a dev dependency) drives the system's Chromium, so nothing is downlo
 the distribution's package. `make test` starts this file in the background before the lint,
 so the install overlaps the lint and the first tests; the test waits on the same lock.
 
-    python tests/main/chromium.py      # install it now (prints its path)
+    python tests/helpers/chromium.py    # install it now (prints its path)
 """
 
 from __future__ import annotations

@@ -22,17 +22,14 @@ The tests compare the two. The script:
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch"))
-from torch_backend_data import counts, flatten_with_advantages, make_groups, spec  # noqa: E402
-
-from miles.backends.torch.checkpoint import AccumulatedGrad  # noqa: E402
-from miles.utils.types import Sample  # noqa: E402
+from miles.backends.torch.checkpoint import AccumulatedGrad
+from miles.utils.types import Sample
+from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, spec
 
 N_SLOTS, RANK = 4, 4
 SLOTS = {"a": 0, "b": 2, "c": 1}

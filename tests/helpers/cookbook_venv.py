@@ -5,7 +5,7 @@ gets an environment of its own under `.cache/`, made once and reused while the p
 same. `make test` starts this file in the background before the lint, so the minute the
 install takes overlaps the lint and the first tests; the test waits on the same lock.
 
-    python tests/main/cookbook_venv.py     # make it now (prints its path)
+    python tests/helpers/cookbook_venv.py    # make it now (prints its path)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The row-wise decode kernel for the tests that exercise it.
 
-    from kernel_or_skip import rowwise_kernel_or_skip
+    from tests.helpers.kernel_or_skip import rowwise_kernel_or_skip
     kernel = rowwise_kernel_or_skip()
 
 A test of the kernel is skipped only where it cannot run: no C compiler on this machine,
