@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 
 RECIPE_FILE = "recipe.json"
 ACCURACY_FILE = "base_accuracy.json"
-ACCURACY_BAND = (0.25, 0.50)
-"""Where the default recipe's test-split accuracy lands on any CPU (its probe target is 0.30)."""
+ACCURACY_BAND = (0.25, 0.55)
+"""Where the default recipe's test-split accuracy lands on any CPU: the probe target 0.30, less the
+probe's sampling noise, plus what a skill past its target gains while the others catch up."""
 PROBE_NEW_TOKENS = 5
 """The longest answer (four digits) and its EOS."""
 # Bump when the build code changes in a way the recipe fields do not capture.
