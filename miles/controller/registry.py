@@ -41,15 +41,15 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles.controller.registry_listing import Listed, StatusListing, listed, queued_status, record_status
 from miles.controller.registry_records import (
     AnyAdapterConfig,
     BatchRecord,
@@ -78,9 +78,6 @@ from miles.utils.types import (
 )
 
 logger = logging.getLogger(__name__)
-
-StatusOf = Callable[[], AdapterStatus]
-"""An adapter's status, built when called."""
 
 COMPLETED_RETENTION = 1024
 """Terminal (COMPLETED and FAILED) records kept for status queries; the oldest go first."""
@@ -150,11 +147,10 @@ class AdapterRegistry:
     _slot_versions: list[int] = field(init=False)
     _batches: OrderedDict[int, BatchRecord] = field(default_factory=OrderedDict, init=False)
     _json_cache: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict, init=False)
-    _status_texts: dict[str, tuple[tuple[Any, ...], str]] = field(default_factory=dict, init=False)
+    _listing: StatusListing = field(default_factory=StatusListing, init=False)
     _changes: set[str] = field(default_factory=set, init=False)
     """Names whose stored row changed since `take_changes`: a field of the record (its hook),
     its place (queued, live, finished, read and so kept longer), or it was forgotten."""
-    """Each adapter's status as JSON text while its status is unchanged (`status_texts`)."""
 
     def __post_init__(self) -> None:
         if self.n_slots <= 0:
@@ -576,49 +572,26 @@ class AdapterRegistry:
     def status(self, name: str) -> AdapterStatus:
         queued = self._queued(name)
         if queued is not None:
-            return self._queued_status(*queued)
-        return self._status(self._record(name))
+            return queued_status(*queued)
+        return record_status(self._record(name), self._slot_versions)
 
     def statuses(self, offset: int = 0, limit: int | None = None) -> list[AdapterStatus]:
         """Every known adapter: live ones first (by slot), then QUEUED ones (head first), then
         finished (COMPLETED, FAILED) ones, least recently read first; with `offset` and `limit`,
         that list's page (only its statuses are built: a page costs the same whatever the
         registry holds)."""
-        return [status() for _, _, status in self._listed(offset, limit)]
+        return self._listing.statuses(self._listed(), offset, limit)
 
     def status_texts(self, offset: int = 0, limit: int | None = None) -> list[str]:
-        """`statuses(offset, limit)` as JSON texts (each `AdapterStatus.model_dump(mode="json")`),
-        built once per change of an adapter's status: a page of the list costs little more than
-        copying its text, however many adapters the registry holds."""
-        texts = []
-        for name, key, status in self._listed(offset, limit):
-            cached = self._status_texts.get(name)
-            if cached is None or cached[0] != key:
-                cached = (key, json.dumps(status().model_dump(mode="json"), ensure_ascii=False, allow_nan=False,
-                                          separators=(",", ":")))
-                self._status_texts[name] = cached
-            texts.append(cached[1])
-        if len(self._status_texts) > 2 * self.record_count:  # forget those of adapters no longer held
-            known = self._live.keys() | self._finished.keys() | {q.name for q in self._queue}
-            self._status_texts = {n: v for n, v in self._status_texts.items() if n in known}
-        return texts
+        """`statuses(offset, limit)` as JSON texts, built once per change of an adapter's status
+        (`StatusListing.texts`)."""
+        return self._listing.texts(self._listed(), offset, limit, self.record_count, self._known_names)
 
-    def _listed(self, offset: int, limit: int | None) -> Iterator[tuple[str, tuple[Any, ...], StatusOf]]:
-        """The page `offset`, `limit` of the list `statuses` gives: per adapter its name, what
-        its status depends on (its record's revision and its slot's version; a queued one's
-        place), and its status, built only when called."""
-        live = sorted(self._live.values(), key=lambda r: r.slot)
-        listed: Iterator[Record | tuple[int, Queued]] = itertools.chain(live, enumerate(self._queue),
-                                                                        self._finished.values())
-        for item in itertools.islice(listed, offset, None if limit is None else offset + limit):
-            if isinstance(item, Record):
-                slotless = item.state.terminal or item.state is AdapterState.PAGED
-                version = None if slotless else self._slot_versions[item.slot]
-                yield item.name, (item.registration_id, item.revision, version), functools.partial(self._status, item)
-            else:
-                index, queued = item
-                yield queued.name, (queued.registration_id, index), functools.partial(self._queued_status, index,
-                                                                                       queued)
+    def _listed(self) -> Iterable[Listed]:
+        return listed(self._live.values(), self._queue, self._finished.values(), self._slot_versions)
+
+    def _known_names(self) -> set[str]:
+        return self._live.keys() | self._finished.keys() | {q.name for q in self._queue}
 
     @property
     def record_count(self) -> int:
@@ -635,7 +608,8 @@ class AdapterRegistry:
 
     def slot_statuses(self) -> list[AdapterStatus]:
         """The statuses of the adapters holding a slot, by slot (at most `n_slots`)."""
-        return [self._status(r) for r in sorted(self._live.values(), key=lambda r: r.slot) if r.state.holds_slot]
+        holding = sorted((r for r in self._live.values() if r.state.holds_slot), key=lambda r: r.slot)
+        return [record_status(r, self._slot_versions) for r in holding]
 
     def queue_position(self, name: str) -> int | None:
         """1 for the head of the registration queue; None unless `name` is QUEUED."""
@@ -645,23 +619,6 @@ class AdapterRegistry:
     @property
     def queue_length(self) -> int:
         return len(self._queue)
-
-    def _queued_status(self, index: int, entry: Queued) -> AdapterStatus:
-        return AdapterStatus(
-            name=entry.name, state=AdapterState.QUEUED, slot=None, version=None, step=0, accumulated_groups=0,
-            registration_id=entry.registration_id, kind=AdapterKind.SERVER, queue_position=index + 1,
-            priority=entry.priority, **entry.config.to_dict(),
-        )
-
-    def _status(self, record: Record) -> AdapterStatus:
-        paged = record.state is AdapterState.PAGED
-        return AdapterStatus(
-            name=record.name, state=record.state, slot=None if paged else record.slot,
-            version=None if record.state.terminal or paged else self._slot_versions[record.slot],
-            step=record.step, accumulated_groups=record.accumulated_groups,
-            registration_id=record.registration_id, kind=record.kind, last_error=record.failure,
-            priority=record.priority, **record.config.to_dict(),
-        )
 
     def snapshot(self) -> MultiLoRASnapshot:
         views: dict[AdapterState, dict[str, AdapterRun]] = {s: {} for s in AdapterState}
