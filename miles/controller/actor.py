@@ -132,12 +132,12 @@ def build_backend(cls: type[MultiLoRABackend], config: ControllerConfig, router_
         if config.flags is None:
             raise PluginError(f"--multi-lora-backend-path {cls.__qualname__}: its __init__(args, router_url) "
                               "needs the trainer's flags, and this controller was built without them")
-        return cls(BackendArgs(config.flags, config.hooks, store, config.dataset_limits), router_url)
+        return cls.from_miles_args(BackendArgs(config.flags, config.hooks, store, config.dataset_limits), router_url)
     raise PluginError(
         f"--multi-lora-backend-path {cls.__qualname__}: __init__{inspect.signature(cls)} takes neither this "
         "trainer's arguments (n_slots, defaults, router_url, hooks, *, store, dataset_limits, queue_size) nor "
-        "Miles' "
-        "(args, router_url); take one of them and pass it on to super().__init__")
+        "Miles' (args, router_url) (derive from miles.ray.multi_lora.backend.MultiLoRABackend for that one); "
+        "take one of them and pass it on to super().__init__")
 
 
 def build_server(cls: type[MultiLoRAHTTPServer], backend: MultiLoRABackend, config: HTTPServerConfig,

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from miles.controller.lifecycle import AbortingTransition, Transition
 from miles.controller.registry import (
@@ -117,7 +117,7 @@ class DatasetLimits:
 
 @dataclass(frozen=True)
 class BackendArgs:
-    """The `args` a backend written in Miles' form is built with, `cls(args, router_url)`: the
+    """The `args` of Miles' form, `(args, router_url)` (`MultiLoRABackend.from_miles_args`): the
     trainer's flags under Miles' names (`args.lora_rank`, `args.save`, ...) and what the
     controller hands every backend."""
 
@@ -126,36 +126,44 @@ class BackendArgs:
     store: RegistryStore | None = None
     dataset_limits: DatasetLimits = field(default_factory=lambda: DatasetLimits())
 
+    def backend_kwargs(self, router_url: str | None) -> BackendKwargs:
+        """Our constructor's arguments, from these."""
+        return BackendKwargs(
+            n_slots=self.flags.multi_lora_n_adapters, defaults=AdapterDefaults.from_config(self.flags),
+            router_url=router_url, hooks=self.hooks, store=self.store, dataset_limits=self.dataset_limits,
+            queue_size=self.flags.multi_lora_queue_size)
+
     def __getattr__(self, name: str) -> Any:  # only for names the dataclass does not have
         if name.startswith("__") or name == "flags":
             raise AttributeError(name)
         return getattr(self.flags, name)
 
 
+class BackendKwargs(TypedDict):
+    """`MultiLoRABackend`'s constructor arguments, by name."""
+
+    n_slots: int
+    defaults: AdapterDefaults
+    router_url: str | None
+    hooks: ControllerHooks | None
+    store: RegistryStore | None
+    dataset_limits: DatasetLimits | None
+    queue_size: int
+
+
 class MultiLoRABackend:
-    """Registration, retirement and the registry around them (see the module's docstring).
+    """Registration, the lifecycle's transitions and the registry around them (see the module's
+    docstring). Miles' form, `(args, router_url)`, is `from_miles_args`; a subclass written in
+    that form derives from `miles.ray.multi_lora.backend.MultiLoRABackend`."""
 
-    Built as `cls(n_slots, defaults, router_url, hooks, store=..., dataset_limits=..., queue_size=...)`, or, for
-    a subclass written for Miles, `cls(args, router_url)` with `args` a `BackendArgs` (its
-    `__init__(self, args, router_url)` calls `super().__init__(args, router_url)`); then
-    `self.args` holds them, as in Miles.
-    """
-
-    def __init__(self, n_slots: int | BackendArgs, defaults: AdapterDefaults | str | None = None,
-                 router_url: str | None = None, hooks: ControllerHooks | None = None, *,
-                 store: RegistryStore | None = None, dataset_limits: DatasetLimits | None = None,
-                 queue_size: int = DEFAULT_QUEUE_SIZE) -> None:
-        self.args: BackendArgs | None = None
-        if isinstance(n_slots, BackendArgs):  # Miles' form: (args, router_url)
-            self.args = args = n_slots
-            if not (defaults is None or isinstance(defaults, str)):
-                raise TypeError("a backend built from BackendArgs takes (args, router_url)")
-            router_url = defaults
-            n_slots, defaults = args.flags.multi_lora_n_adapters, AdapterDefaults.from_config(args.flags)
-            hooks, store, dataset_limits = args.hooks, args.store, args.dataset_limits
-            queue_size = args.flags.multi_lora_queue_size
+    def __init__(self, n_slots: int, defaults: AdapterDefaults, router_url: str | None = None,
+                 hooks: ControllerHooks | None = None, *, store: RegistryStore | None = None,
+                 dataset_limits: DatasetLimits | None = None, queue_size: int = DEFAULT_QUEUE_SIZE) -> None:
         if not isinstance(defaults, AdapterDefaults):
-            raise TypeError(f"defaults must be AdapterDefaults, got {type(defaults).__name__}")
+            raise TypeError(f"defaults must be AdapterDefaults, got {type(defaults).__name__}; Miles' form "
+                            "(args, router_url) is MultiLoRABackend.from_miles_args(args, router_url)")
+        self.args: BackendArgs | None = None
+        """Miles' `args`, when built in Miles' form."""
         self.store = store
         state = store.load() if store is not None else None
         self.registry = (AdapterRegistry.from_state(state, n_slots, queue_size=queue_size) if state
@@ -179,10 +187,12 @@ class MultiLoRABackend:
         self._persist()
 
     @classmethod
-    def from_config(cls, cfg: MilesConfig, router_url: str | None = None,
-                    hooks: ControllerHooks | None = None) -> MultiLoRABackend:
-        return cls(cfg.multi_lora_n_adapters, AdapterDefaults.from_config(cfg), router_url, hooks,
-                   queue_size=cfg.multi_lora_queue_size)
+    def from_miles_args(cls, args: BackendArgs, router_url: str | None) -> MultiLoRABackend:
+        """Miles' form: built from the trainer's flags and what the controller hands every
+        backend; `self.args` holds them, as in Miles."""
+        backend = cls(**args.backend_kwargs(router_url))
+        backend.args = args
+        return backend
 
     async def init(self) -> None:
         """Called once before the control plane serves (Miles' hook: open clients here)."""
