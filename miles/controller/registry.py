@@ -1,40 +1,15 @@
 """The adapter lifecycle state machine (DESIGN §2): plain Python, no Ray, no HTTP.
 
-`AdapterRegistry` owns the slots of the LoRA page table, the adapters' states and their
-batch accounting. The controller actor and the HTTP server only delegate to it, so every
-rule here is testable alone:
+`AdapterRegistry` owns the slots, the adapters' states (QUEUED, PENDING ... COMPLETED or
+FAILED, PAGED for idle client-driven ones) and their batch accounting. Each transition is a
+`@transition` method whose body answers `Changed(result, names)`: callers get the result, and
+the names are the rows the store writes next. The typed ops of `lifecycle.py` name them.
 
     registry = AdapterRegistry(n_slots=4)
     slot = registry.register("math", resolved_config)     # PENDING, lowest free slot
-    registry.begin_weight_update(["math"])                # the push will be slot version + 1
-    registry.record_weight_update(["math"])               # pushed: ACTIVE at that version
-    registry.record_batch_adapters(0, {"math": 8}, ["math"])
-    registry.mark_batch_trained(0)                        # step 1
-    registry.deregister("math"); registry.retire_adapters(); registry.free_slot("math")  # COMPLETED
-
-An adapter whose plug-ins fail group after group leaves the same way, and ends FAILED:
-
-    registry.fail("math", registration_id, AdapterFailure(...))   # ACTIVE/RETIRING -> CLEANUP
-    registry.free_slot("math")                                      # CLEANUP -> FAILED, last error kept
-
-A registration that finds every slot held waits in a bounded queue instead (`queue_size`,
-`--multi-lora-queue-size`; 0 refuses it with `NoFreeSlotError` as Miles does):
-
-    registry.register("late", config, priority=5)   # None: QUEUED (higher priority first, then FIFO)
-    registry.free_slot("math")                      # math COMPLETED, and late PENDING in its slot
-    registry.deregister("late")                     # a QUEUED one is taken out and forgotten
-
-A client-driven adapter (a Tinker model, DESIGN §11) takes a `ClientModelConfig` instead:
-the same slots, names and lifecycle, but no batches and no `num_step` (it never retires by
-itself); its step advances with `record_client_step` when its client's `optim_step` ran.
-It is never queued: its client waits on the answer, so with no free slot it is refused.
-
-An idle client-driven adapter may be paged out of its slot (`--multi-lora-idle-evict-s`):
-the trainer writes its whole state to a directory, then the registry frees the slot; its
-next command pages it back in, into any free slot, resumed from that directory:
-
-    registry.page_out("s.train.0", "/save/adapters/s.train.0/paged")   # ACTIVE -> PAGED, slot freed
-    registry.page_in("s.train.0")                                       # PAGED -> PENDING in a free slot
+    registry.record_weight_update(["math"])               # pushed: ACTIVE
+    registry.record_batch_adapters(0, {"math": 8}, ["math"]); registry.mark_batch_trained(0)   # step 1
+    registry.deregister("math"); registry.retire_adapters(); registry.free_slot("math")       # COMPLETED
 """
 
 from __future__ import annotations
