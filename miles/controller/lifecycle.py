@@ -8,6 +8,7 @@ answers the snapshot after it) and the driver's handle forward any of them uncha
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
@@ -18,15 +19,15 @@ from miles.utils.types import AdapterFailure, AdapterState
 R = TypeVar("R")
 
 
-class Transition(Generic[R]):
+class Transition(ABC, Generic[R]):
     """One lifecycle operation: `run` applies it to the registry and answers what the registry's
     transition answers; the backend writes the rows it changed through to the store."""
 
     persisted: ClassVar[bool] = True
     """False for a transition whose change is not stored (the backend writes nothing)."""
 
-    def run(self, registry: AdapterRegistry) -> R:
-        raise NotImplementedError
+    @abstractmethod
+    def run(self, registry: AdapterRegistry) -> R: ...
 
 
 class AbortingTransition(Transition[R]):
