@@ -116,8 +116,8 @@ class Load:
     """Finished records kept (miles/controller/registry.py COMPLETED_RETENTION)."""
     driver_calls: int = 6
     """Controller calls of one iteration that return a snapshot and write the registry through
-    (snapshot, retire_adapters, begin_weight_update, record_weight_update, record_batch_adapters,
-    mark_batch_trained: miles/main/*.py, miles/rollout/collection.py)."""
+    (snapshot, and `apply` of RetireAdapters, BeginWeightUpdate, RecordWeightUpdate, RecordBatch,
+    MarkBatchTrained: miles/main/*.py, miles/rollout/collection.py)."""
 
 
 def load_costs(paths: list[Path]) -> Costs:

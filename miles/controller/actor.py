@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.controller.backend import BackendArgs, ControllerHooks, DatasetLimits, MultiLoRABackend
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
+from miles.controller.lifecycle import RequeueForNewTrainer, Transition
 from miles.controller.registry import AdapterAlreadyRegisteredError
 from miles.controller.store import RegistryStore
 from miles.controller.tinker.command_log import ErrorCategory
@@ -42,7 +43,6 @@ from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.plugins import PluginError, load_subclass
 from miles.utils.types import (
     DEFAULT_QUEUE_SIZE,
-    AdapterFailure,
     AdapterGauges,
     AdapterState,
     AdapterStatus,
@@ -132,12 +132,12 @@ def build_backend(cls: type[MultiLoRABackend], config: ControllerConfig, router_
         if config.flags is None:
             raise PluginError(f"--multi-lora-backend-path {cls.__qualname__}: its __init__(args, router_url) "
                               "needs the trainer's flags, and this controller was built without them")
-        return cls(BackendArgs(config.flags, config.hooks, store, config.dataset_limits), router_url)
+        return cls.from_miles_args(BackendArgs(config.flags, config.hooks, store, config.dataset_limits), router_url)
     raise PluginError(
         f"--multi-lora-backend-path {cls.__qualname__}: __init__{inspect.signature(cls)} takes neither this "
         "trainer's arguments (n_slots, defaults, router_url, hooks, *, store, dataset_limits, queue_size) nor "
-        "Miles' "
-        "(args, router_url); take one of them and pass it on to super().__init__")
+        "Miles' (args, router_url) (derive from miles.ray.multi_lora.backend.MultiLoRABackend for that one); "
+        "take one of them and pass it on to super().__init__")
 
 
 def build_server(cls: type[MultiLoRAHTTPServer], backend: MultiLoRABackend, config: HTTPServerConfig,
@@ -256,42 +256,10 @@ class MultiLoRAController:
         """PENDING/ACTIVE -> RETIRING; a QUEUED one is removed from the queue and forgotten (None)."""
         return self.backend.deregister(name)
 
-    # ---- the driver's lifecycle calls: each answers with the registry's snapshot after it ----
-
-    async def retire_adapters(self) -> MultiLoRASnapshot:
-        """RETIRING -> CLEANUP (their in-flight requests aborted)."""
-        await self.backend.retire_adapters()
-        return self.backend.snapshot()
-
-    async def fail_adapter(self, name: str, registration_id: str, failure: AdapterFailure) -> bool:
-        """The rollout producer gave up on this registration of `name` (its plug-ins failed group
-        after group): it leaves through CLEANUP, its requests aborted, and ends FAILED with
-        `failure` as its last error. False for a registration that is not live any more."""
-        return await self.backend.fail_adapter(name, registration_id, failure)
-
-    async def free_slots(self, names: list[str]) -> MultiLoRASnapshot:
-        """CLEANUP -> COMPLETED (FAILED if it failed) for each of `names` in CLEANUP (the others are
-        left as they are)."""
-        for name in names:
-            await self.backend.free_slot(name)
-        return self.backend.snapshot()
-
-    async def begin_weight_update(self, names: list[str]) -> MultiLoRASnapshot:
-        """A push of `names` starts: each shows the version it will become as `pushing_version`."""
-        self.backend.begin_weight_update(names)
-        return self.backend.snapshot()
-
-    async def record_weight_update(self, names: list[str]) -> MultiLoRASnapshot:
-        """The push of `names` landed: new slot versions, PENDING -> ACTIVE."""
-        self.backend.record_weight_update(names)
-        return self.backend.snapshot()
-
-    async def record_batch_adapters(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
-        self.backend.record_batch_adapters(rollout_id, groups, step_names)
-
-    async def mark_batch_trained(self, rollout_id: int) -> MultiLoRASnapshot:
-        """The batch trained: its groups count, adapters step (and retire at `num_step`)."""
-        self.backend.mark_batch_trained(rollout_id)
+    async def apply(self, op: Transition[Any]) -> MultiLoRASnapshot:
+        """Apply one lifecycle transition (`miles.controller.lifecycle`: retire, free, push,
+        batch, resume, ...); answers the registry's snapshot after it."""
+        await self.backend.apply(op)
         return self.backend.snapshot()
 
     async def requeue_for_new_trainer(self) -> list[str]:
@@ -302,12 +270,7 @@ class MultiLoRAController:
                                            "the model resumes from its last saved state, send it again")
         if failed:
             logger.warning("%d client commands were running in the previous trainer; failed", len(failed))
-        return self.backend.requeue_for_new_trainer()
-
-    async def set_adapter_step(self, name: str, step: int, accumulated_groups: int = 0) -> MultiLoRASnapshot:
-        """A resume: the adapter continues at its checkpoint's step."""
-        self.backend.set_adapter_step(name, step, accumulated_groups)
-        return self.backend.snapshot()
+        return self.backend.apply_now(RequeueForNewTrainer())
 
     async def adapter_step(self, name: str) -> int:
         return self.backend.adapter_step(name)
@@ -345,11 +308,6 @@ class MultiLoRAController:
         step call), and a completed `save_state` / `load_state` becomes its resume point
         (`ClientAdapterRun.resume_from`)."""
         self.gateway.complete(future_id, result)
-
-    async def activate_clients(self, names: list[str]) -> MultiLoRASnapshot:
-        """The trainer loaded these client-driven models: PENDING -> ACTIVE (no engine push needed)."""
-        self.backend.activate_clients(names)
-        return self.backend.snapshot()
 
     async def idle_client_models(self, idle_s: float) -> list[str]:
         """The ACTIVE client-driven models with no command in flight, idle for `idle_s` or more

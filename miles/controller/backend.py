@@ -1,28 +1,11 @@
-"""The multi-LoRA backend: the registry plus everything around it that has side effects.
+"""The multi-LoRA backend: the registry plus what has side effects around it.
 
-`register` resolves an adapter's config against the process defaults, runs the
-`validate_adapter` hook (the reward spec by default), reads the dataset once off the
-event loop (its row count fixes `num_step` when unset) and hands the result to the
-`AdapterRegistry`; `retire_adapters` and `free_slot` also abort the adapter's in-flight
-requests on every inference worker behind the router (prefix abort on `"{name}::"`).
-
-The controller knows no dataset format, reward or engine: the checks and the abort are
-`ControllerHooks` handed in at launch (`miles/main/launch.py` passes the rollout side's
-`validate_dataset` and `validate_reward_spec`). Without a dataset hook the dataset is
-only checked to exist and an unset `num_step` stays unset (train until deregistered).
-
-Subclass it to add checks or side effects and select the subclass with
-`--multi-lora-backend-path my_pkg.my_module.MyBackend`:
-
-    class QuotaBackend(MultiLoRABackend):
-        async def validate_adapter(self, name, config):
-            await super().validate_adapter(name, config)
-            if config.rank > 8:
-                raise ValueError(f"Adapter '{name}': rank > 8 needs a quota")
-
-The hook may be `async def` (as Miles declares it) or a plain `def`; either way it is
-finished before the registration goes on, and a `ValueError` it raises refuses the
-registration with a 400 that carries its message.
+`register` resolves and validates an adapter (config, `validate_adapter` hook, the dataset
+read once off the event loop) before the registry takes it; `apply(op)` runs any other
+lifecycle transition (`miles/controller/lifecycle.py`), aborting the requests it names on
+every worker behind the router, and writes the rows it changed through to the store.
+Subclass it (`--multi-lora-backend-path`) to add checks: override `validate_adapter`,
+`async def` or plain, raising `ValueError` to refuse a registration with a 400.
 """
 
 from __future__ import annotations
@@ -33,12 +16,13 @@ import inspect
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
+from miles.controller.lifecycle import AbortingTransition, Transition
 from miles.controller.registry import (
     DEFAULT_QUEUE_SIZE,
     AdapterRegistry,
@@ -61,7 +45,6 @@ from miles.utils.adapter_config import (
 )
 from miles.utils.router_workers import abort_on_workers
 from miles.utils.types import (
-    AdapterFailure,
     AdapterGauges,
     AdapterState,
     AdapterStatus,
@@ -74,6 +57,8 @@ if TYPE_CHECKING:
     from miles.utils.arguments import MilesConfig
 
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 DatasetValidator = Callable[[str, str, "str | None"], int]
 """`(path, input_key, label_key) -> row count`; ValueError saying what is wrong with the file."""
@@ -132,7 +117,7 @@ class DatasetLimits:
 
 @dataclass(frozen=True)
 class BackendArgs:
-    """The `args` a backend written in Miles' form is built with, `cls(args, router_url)`: the
+    """The `args` of Miles' form, `(args, router_url)` (`MultiLoRABackend.from_miles_args`): the
     trainer's flags under Miles' names (`args.lora_rank`, `args.save`, ...) and what the
     controller hands every backend."""
 
@@ -141,36 +126,44 @@ class BackendArgs:
     store: RegistryStore | None = None
     dataset_limits: DatasetLimits = field(default_factory=lambda: DatasetLimits())
 
+    def backend_kwargs(self, router_url: str | None) -> BackendKwargs:
+        """Our constructor's arguments, from these."""
+        return BackendKwargs(
+            n_slots=self.flags.multi_lora_n_adapters, defaults=AdapterDefaults.from_config(self.flags),
+            router_url=router_url, hooks=self.hooks, store=self.store, dataset_limits=self.dataset_limits,
+            queue_size=self.flags.multi_lora_queue_size)
+
     def __getattr__(self, name: str) -> Any:  # only for names the dataclass does not have
         if name.startswith("__") or name == "flags":
             raise AttributeError(name)
         return getattr(self.flags, name)
 
 
+class BackendKwargs(TypedDict):
+    """`MultiLoRABackend`'s constructor arguments, by name."""
+
+    n_slots: int
+    defaults: AdapterDefaults
+    router_url: str | None
+    hooks: ControllerHooks | None
+    store: RegistryStore | None
+    dataset_limits: DatasetLimits | None
+    queue_size: int
+
+
 class MultiLoRABackend:
-    """Registration, retirement and the registry around them (see the module's docstring).
+    """Registration, the lifecycle's transitions and the registry around them (see the module's
+    docstring). Miles' form, `(args, router_url)`, is `from_miles_args`; a subclass written in
+    that form derives from `miles.ray.multi_lora.backend.MultiLoRABackend`."""
 
-    Built as `cls(n_slots, defaults, router_url, hooks, store=..., dataset_limits=..., queue_size=...)`, or, for
-    a subclass written for Miles, `cls(args, router_url)` with `args` a `BackendArgs` (its
-    `__init__(self, args, router_url)` calls `super().__init__(args, router_url)`); then
-    `self.args` holds them, as in Miles.
-    """
-
-    def __init__(self, n_slots: int | BackendArgs, defaults: AdapterDefaults | str | None = None,
-                 router_url: str | None = None, hooks: ControllerHooks | None = None, *,
-                 store: RegistryStore | None = None, dataset_limits: DatasetLimits | None = None,
-                 queue_size: int = DEFAULT_QUEUE_SIZE) -> None:
-        self.args: BackendArgs | None = None
-        if isinstance(n_slots, BackendArgs):  # Miles' form: (args, router_url)
-            self.args = args = n_slots
-            if not (defaults is None or isinstance(defaults, str)):
-                raise TypeError("a backend built from BackendArgs takes (args, router_url)")
-            router_url = defaults
-            n_slots, defaults = args.flags.multi_lora_n_adapters, AdapterDefaults.from_config(args.flags)
-            hooks, store, dataset_limits = args.hooks, args.store, args.dataset_limits
-            queue_size = args.flags.multi_lora_queue_size
+    def __init__(self, n_slots: int, defaults: AdapterDefaults, router_url: str | None = None,
+                 hooks: ControllerHooks | None = None, *, store: RegistryStore | None = None,
+                 dataset_limits: DatasetLimits | None = None, queue_size: int = DEFAULT_QUEUE_SIZE) -> None:
         if not isinstance(defaults, AdapterDefaults):
-            raise TypeError(f"defaults must be AdapterDefaults, got {type(defaults).__name__}")
+            raise TypeError(f"defaults must be AdapterDefaults, got {type(defaults).__name__}; Miles' form "
+                            "(args, router_url) is MultiLoRABackend.from_miles_args(args, router_url)")
+        self.args: BackendArgs | None = None
+        """Miles' `args`, when built in Miles' form."""
         self.store = store
         state = store.load() if store is not None else None
         self.registry = (AdapterRegistry.from_state(state, n_slots, queue_size=queue_size) if state
@@ -194,10 +187,12 @@ class MultiLoRABackend:
         self._persist()
 
     @classmethod
-    def from_config(cls, cfg: MilesConfig, router_url: str | None = None,
-                    hooks: ControllerHooks | None = None) -> MultiLoRABackend:
-        return cls(cfg.multi_lora_n_adapters, AdapterDefaults.from_config(cfg), router_url, hooks,
-                   queue_size=cfg.multi_lora_queue_size)
+    def from_miles_args(cls, args: BackendArgs, router_url: str | None) -> MultiLoRABackend:
+        """Miles' form: built from the trainer's flags and what the controller hands every
+        backend; `self.args` holds them, as in Miles."""
+        backend = cls(**args.backend_kwargs(router_url))
+        backend.args = args
+        return backend
 
     async def init(self) -> None:
         """Called once before the control plane serves (Miles' hook: open clients here)."""
@@ -259,38 +254,6 @@ class MultiLoRABackend:
         self._registered.set()
         self._registered = asyncio.Event()
         return slot
-
-    def page_out_client(self, name: str, directory: str) -> int:
-        """The trainer wrote the idle client-driven adapter's whole state to `directory` and
-        emptied its slot: ACTIVE -> PAGED, the slot freed (-1: it was not ACTIVE; nothing changed)."""
-        slot = self.registry.page_out(name, directory)
-        if slot >= 0:
-            self._persist()
-        return slot
-
-    def page_in_client(self, name: str) -> int:
-        """PAGED -> PENDING in a free slot (the trainer's next reconcile loads it from where it was
-        paged out to); returns the slot. `NoSlotToPageInError` when no slot is free."""
-        slot = self.registry.page_in(name)
-        self._persist()
-        return slot
-
-    def record_client_checkpoint(self, name: str, directory: str) -> None:
-        if self.registry.record_client_checkpoint(name, directory):
-            self._persist()
-
-    def activate_clients(self, names: list[str]) -> list[str]:
-        activated = self.registry.activate_clients(names)
-        if activated:
-            self._persist()
-        return activated
-
-    def record_client_step(self, name: str) -> int | None:
-        """A client-driven adapter's optim_step ran; its new step (None if it is not live)."""
-        step = self.registry.record_client_step(name)
-        if step is not None:
-            self._persist()
-        return step
 
     async def wait_for_registration(self, after: int, timeout_s: float) -> int:
         """`registrations_total` once it exceeds `after`, or after `timeout_s` (a long poll: the
@@ -405,38 +368,33 @@ class MultiLoRABackend:
             self.deregistrations_total += 1
         return after
 
-    # ---- retirement (with aborts) --------------------------------------------------
+    # ---- the lifecycle's other transitions -----------------------------------------
 
-    async def retire_adapters(self) -> list[str]:
-        """RETIRING → CLEANUP, then abort each one's in-flight requests."""
-        names = self.registry.retire_adapters()
-        if names:
+    async def apply(self, op: Transition[R]) -> R:
+        """Apply one lifecycle transition (`miles.controller.lifecycle`): abort the requests it
+        names first, run it on the registry, write the rows it changed through to the store,
+        then abort the requests it names after. Answers what the transition answers."""
+        if not isinstance(op, AbortingTransition):
+            return self._run(op)
+        await self._abort(op.aborts_before(self.registry))
+        result = self._run(op)
+        await self._abort(op.aborts_after(result))
+        return result
+
+    def apply_now(self, op: Transition[R]) -> R:
+        """`apply` for a transition that aborts nothing, where nothing can be awaited."""
+        if isinstance(op, AbortingTransition):
+            raise TypeError(f"{type(op).__name__} aborts in-flight requests: use `await backend.apply(op)`")
+        return self._run(op)
+
+    def _run(self, op: Transition[R]) -> R:
+        result = op.run(self.registry)
+        if op.persisted:
             self._persist()
-        await asyncio.gather(*(self.abort_adapter_requests(n) for n in names))
-        return names
+        return result
 
-    async def fail_adapter(self, name: str, registration_id: str, failure: AdapterFailure) -> bool:
-        """The producer gave up on this registration: ACTIVE/RETIRING → CLEANUP with `failure`
-        kept, then abort its in-flight requests (the trainer saves it and frees the slot, and it
-        ends FAILED). False, and nothing changes, for a registration that is not live any more."""
-        if not self.registry.fail(name, registration_id, failure):
-            return False
-        self._persist()
-        # The producer has logged why (its one line per failure episode); this is the transition.
-        logger.info("Adapter '%s' failed (%s): CLEANUP, then FAILED once the trainer saved it and freed its slot",
-                    name, failure.summary())
-        await self.abort_adapter_requests(name)
-        return True
-
-    async def free_slot(self, name: str) -> int:
-        """CLEANUP → COMPLETED (or FAILED) after one more abort round; the slot, or -1 if not in
-        CLEANUP. The head of the registration queue takes the slot in the same change."""
-        if self.registry.state(name) is not AdapterState.CLEANUP:
-            return -1
-        await self.abort_adapter_requests(name)
-        slot = self.registry.free_slot(name)
-        self._persist()
-        return slot
+    async def _abort(self, names: Sequence[str]) -> None:
+        await asyncio.gather(*(self.abort_adapter_requests(name) for name in names))
 
     async def abort_adapter_requests(self, name: str) -> list[str]:
         """Prefix-abort `"{name}::"` on every worker; returns the worker URLs reached."""
@@ -444,38 +402,6 @@ class MultiLoRABackend:
             logger.info("No router known yet; no requests of adapter '%s' to abort", name)
             return []
         return await self.hooks.abort_prefix(self.router_url, adapter_rid_prefix(name))
-
-    # ---- delegation to the registry ---------------------------------------------------
-
-    def begin_weight_update(self, names: list[str]) -> dict[str, int]:
-        return self.registry.begin_weight_update(names)  # transient: nothing to persist
-
-    def record_weight_update(self, names: list[str]) -> dict[str, int]:
-        versions = self.registry.record_weight_update(names)
-        self._persist()
-        return versions
-
-    def record_batch_adapters(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
-        self.registry.record_batch_adapters(rollout_id, groups, step_names)
-        self._persist()
-
-    def mark_batch_trained(self, rollout_id: int) -> list[str]:
-        stepped = self.registry.mark_batch_trained(rollout_id)
-        self._persist()
-        return stepped
-
-    def requeue_for_new_trainer(self) -> list[str]:
-        """A new trainer over a restored registry: live adapters wait for its first push, and
-        those the previous trainer was retiring are completed (their slots free at once)."""
-        requeued = self.registry.requeue_for_new_trainer()
-        self._persist()
-        if requeued:
-            logger.info("Restored adapters wait for this trainer's first push: %s", ", ".join(requeued))
-        return requeued
-
-    def set_adapter_step(self, name: str, step: int, accumulated_groups: int = 0) -> None:
-        self.registry.set_step(name, step, accumulated_groups)
-        self._persist()
 
     def adapter_step(self, name: str) -> int:
         return self.registry.step(name)

@@ -1,58 +1,34 @@
 """The adapter lifecycle state machine (DESIGN §2): plain Python, no Ray, no HTTP.
 
-`AdapterRegistry` owns the slots of the LoRA page table, the adapters' states and their
-batch accounting. The controller actor and the HTTP server only delegate to it, so every
-rule here is testable alone:
+`AdapterRegistry` owns the slots, the adapters' states (QUEUED, PENDING ... COMPLETED or
+FAILED, PAGED for idle client-driven ones) and their batch accounting. Each transition is a
+`@transition` method whose body answers `Changed(result, names)`: callers get the result, and
+the names are the rows the store writes next. The typed ops of `lifecycle.py` name them.
 
     registry = AdapterRegistry(n_slots=4)
     slot = registry.register("math", resolved_config)     # PENDING, lowest free slot
-    registry.begin_weight_update(["math"])                # the push will be slot version + 1
-    registry.record_weight_update(["math"])               # pushed: ACTIVE at that version
-    registry.record_batch_adapters(0, {"math": 8}, ["math"])
-    registry.mark_batch_trained(0)                        # step 1
-    registry.deregister("math"); registry.retire_adapters(); registry.free_slot("math")  # COMPLETED
-
-An adapter whose plug-ins fail group after group leaves the same way, and ends FAILED:
-
-    registry.fail("math", registration_id, AdapterFailure(...))   # ACTIVE/RETIRING -> CLEANUP
-    registry.free_slot("math")                                      # CLEANUP -> FAILED, last error kept
-
-A registration that finds every slot held waits in a bounded queue instead (`queue_size`,
-`--multi-lora-queue-size`; 0 refuses it with `NoFreeSlotError` as Miles does):
-
-    registry.register("late", config, priority=5)   # None: QUEUED (higher priority first, then FIFO)
-    registry.free_slot("math")                      # math COMPLETED, and late PENDING in its slot
-    registry.deregister("late")                     # a QUEUED one is taken out and forgotten
-
-A client-driven adapter (a Tinker model, DESIGN §11) takes a `ClientModelConfig` instead:
-the same slots, names and lifecycle, but no batches and no `num_step` (it never retires by
-itself); its step advances with `record_client_step` when its client's `optim_step` ran.
-It is never queued: its client waits on the answer, so with no free slot it is refused.
-
-An idle client-driven adapter may be paged out of its slot (`--multi-lora-idle-evict-s`):
-the trainer writes its whole state to a directory, then the registry frees the slot; its
-next command pages it back in, into any free slot, resumed from that directory:
-
-    registry.page_out("s.train.0", "/save/adapters/s.train.0/paged")   # ACTIVE -> PAGED, slot freed
-    registry.page_in("s.train.0")                                       # PAGED -> PENDING in a free slot
+    registry.record_weight_update(["math"])               # pushed: ACTIVE
+    registry.record_batch_adapters(0, {"math": 8}, ["math"]); registry.mark_batch_trained(0)   # step 1
+    registry.deregister("math"); registry.retire_adapters(); registry.free_slot("math")       # COMPLETED
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import json
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from miles.controller.registry_listing import Listed, StatusListing, listed, queued_status, record_status
 from miles.controller.registry_records import (
     AnyAdapterConfig,
     BatchRecord,
+    Changed,
     Queued,
     Record,
     RegistryChanges,
@@ -79,8 +55,8 @@ from miles.utils.types import (
 
 logger = logging.getLogger(__name__)
 
-StatusOf = Callable[[], AdapterStatus]
-"""An adapter's status, built when called."""
+P = ParamSpec("P")
+R = TypeVar("R")
 
 COMPLETED_RETENTION = 1024
 """Terminal (COMPLETED and FAILED) records kept for status queries; the oldest go first."""
@@ -133,6 +109,20 @@ class QueueFullError(NoFreeSlotError):
     """Every slot is held and the registration queue is full (HTTP 409, as `NoFreeSlotError`)."""
 
 
+def transition(method: Callable[Concatenate[AdapterRegistry, P], Changed[R]]
+               ) -> Callable[Concatenate[AdapterRegistry, P], R]:
+    """A registry method that changes adapters: it answers `Changed(result, names)`; the caller
+    gets `result`, and the names are the rows the store writes next (`take_changes`)."""
+
+    @functools.wraps(method)
+    def run(registry: AdapterRegistry, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        changed = method(registry, *args, **kwargs)
+        registry._note(changed.names)
+        return changed.result
+
+    return run
+
+
 @dataclass
 class AdapterRegistry:
     n_slots: int
@@ -150,11 +140,11 @@ class AdapterRegistry:
     _slot_versions: list[int] = field(init=False)
     _batches: OrderedDict[int, BatchRecord] = field(default_factory=OrderedDict, init=False)
     _json_cache: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict, init=False)
-    _status_texts: dict[str, tuple[tuple[Any, ...], str]] = field(default_factory=dict, init=False)
+    _listing: StatusListing = field(default_factory=StatusListing, init=False)
     _changes: set[str] = field(default_factory=set, init=False)
-    """Names whose stored row changed since `take_changes`: a field of the record (its hook),
-    its place (queued, live, finished, read and so kept longer), or it was forgotten."""
-    """Each adapter's status as JSON text while its status is unchanged (`status_texts`)."""
+    """Names whose stored row changed since `take_changes`: those each transition answered
+    with (a field of the record, its place, or it was forgotten), and finished ones read (so
+    kept longer)."""
 
     def __post_init__(self) -> None:
         if self.n_slots <= 0:
@@ -165,45 +155,49 @@ class AdapterRegistry:
         self._free_slots = set(range(self.n_slots))
         self._slot_versions = [0] * self.n_slots
 
+    def _note(self, names: Iterable[str]) -> None:
+        """The rows of `names` changed: the store writes them next, and each record's revision
+        (what its cached stored form and status text are checked against) counts the change."""
+        for name in names:
+            self._changes.add(name)
+            record = self._live.get(name) or self._finished.get(name)
+            if record is not None:
+                record.revision += 1
+
     # ---- registration ------------------------------------------------------------
 
-    def register(self, name: str, config: AnyAdapterConfig, priority: int = 0) -> int | None:
+    @transition
+    def register(self, name: str, config: AnyAdapterConfig, priority: int = 0) -> Changed[int | None]:
         """Give a new adapter (either kind) the lowest free slot in PENDING; returns the slot.
 
         With every slot held, a server-driven adapter is QUEUED instead (returns None): behind
         the queued ones of its priority or higher, ahead of lower ones. `free_slot` promotes it.
         """
         self.check_can_register(name, config)
-        self._finished.pop(name, None)
-        self._changes.add(name)
+        self._finished.pop(name, None)  # a COMPLETED or FAILED run of the name is replaced
         registration_id = uuid.uuid4().hex
         if self._free_slots and not self._queue:
             slot = self._take_slot(name, config, registration_id, priority)
             logger.info("Adapter '%s' registered in slot %d", name, slot)
-            return slot
+            return Changed(slot, {name})
         assert isinstance(config, AdapterRunConfig)  # check_can_register refuses to queue a client-driven one
         entry = Queued(name, config, registration_id, priority)
         index = next((i for i, q in enumerate(self._queue) if q.priority < priority), len(self._queue))
         self._queue.insert(index, entry)
         logger.info("Adapter '%s' queued at position %d of %d (priority %d): all %d slots are held",
                     name, index + 1, len(self._queue), priority, self.n_slots)
-        return None
+        return Changed(None, {name})
 
     def _take_slot(self, name: str, config: AnyAdapterConfig, registration_id: str, priority: int) -> int:
         slot = min(self._free_slots)
         self._free_slots.remove(slot)
-        self._live[name] = self._held(Record(name=name, config=config, slot=slot, registration_id=registration_id,
-                                              priority=priority))
+        self._live[name] = Record(name=name, config=config, slot=slot, registration_id=registration_id,
+                                  priority=priority)
         return slot
 
-    def _held(self, record: Record) -> Record:
-        """`record`, its changes from now on named in `_changes` (and it, as a new row)."""
-        object.__setattr__(record, "_changes", self._changes)
-        self._changes.add(record.name)
-        return record
-
     def _promote(self) -> list[str]:
-        """QUEUED → PENDING for the head of the queue while a slot is free (lowest slot first)."""
+        """QUEUED → PENDING for the head of the queue while a slot is free (lowest slot first);
+        returns the names promoted (each a new live row)."""
         promoted = []
         while self._free_slots and self._queue:
             head = self._queue.pop(0)
@@ -277,7 +271,8 @@ class AdapterRegistry:
                     f"'{other}'; set a different 'save'"
                 )
 
-    def deregister(self, name: str) -> AdapterState | None:
+    @transition
+    def deregister(self, name: str) -> Changed[AdapterState | None]:
         """PENDING/ACTIVE → RETIRING; a no-op in other states. Returns the state after.
 
         A QUEUED one is taken out of the queue and forgotten (None): it never held a slot, so
@@ -285,26 +280,29 @@ class AdapterRegistry:
         queued = self._queued(name)
         if queued is not None:
             del self._queue[queued[0]]
-            self._changes.add(name)
             logger.info("Adapter '%s' deregistered while QUEUED: removed from the queue", name)
-            return None
+            return Changed(None, {name})
         record = self._record(name)
         if record.state in (AdapterState.PENDING, AdapterState.ACTIVE):
             record.state = AdapterState.RETIRING
             logger.info("Adapter '%s' deregistered: RETIRING", name)
-        elif record.state is AdapterState.PAGED:  # no slot and nothing loaded: nothing to clean up
-            self._finish(record, AdapterState.COMPLETED)
+            return Changed(record.state, {name})
+        if record.state is AdapterState.PAGED:  # no slot and nothing loaded: nothing to clean up
+            changed = self._finish(record, AdapterState.COMPLETED)
             logger.info("Adapter '%s' deregistered while PAGED: COMPLETED at step %d", name, record.step)
-        return record.state
+            return Changed(record.state, changed)
+        return Changed(record.state)
 
-    def retire_adapters(self) -> list[str]:
+    @transition
+    def retire_adapters(self) -> Changed[list[str]]:
         """RETIRING → CLEANUP for every retiring adapter; returns their names (sorted)."""
         names = sorted(n for n, r in self._live.items() if r.state is AdapterState.RETIRING)
         for name in names:
             self._live[name].state = AdapterState.CLEANUP
-        return names
+        return Changed(names, names)
 
-    def fail(self, name: str, registration_id: str, failure: AdapterFailure) -> bool:
+    @transition
+    def fail(self, name: str, registration_id: str, failure: AdapterFailure) -> Changed[bool]:
         """ACTIVE/RETIRING → CLEANUP with `failure` kept: the producer gave up on the adapter.
 
         It leaves as a retired adapter does (its requests aborted by the caller, the trainer
@@ -316,51 +314,59 @@ class AdapterRegistry:
         record = self._live.get(name)
         if (record is None or record.registration_id != registration_id or record.kind is not AdapterKind.SERVER
                 or record.state not in (AdapterState.ACTIVE, AdapterState.RETIRING)):
-            return False
+            return Changed(False)
         record.state = AdapterState.CLEANUP
         record.failure = failure
-        return True
+        # The producer has logged why (its one line per failure episode); this is the transition.
+        logger.info("Adapter '%s' failed (%s): CLEANUP, then FAILED once the trainer saved it and freed its slot",
+                    name, failure.summary())
+        return Changed(True, {name})
 
-    def free_slot(self, name: str) -> int:
+    @transition
+    def free_slot(self, name: str) -> Changed[int]:
         """CLEANUP → COMPLETED (FAILED if `fail` sent it there); returns the freed slot, or -1
         if not in CLEANUP. The head of the queue, if any, takes the slot (PENDING) in the same
         change, so the trainer's next reconcile loads it."""
         record = self._live.get(name)
         if record is None or record.state is not AdapterState.CLEANUP:
-            return -1
-        self._finish(record, AdapterState.COMPLETED if record.failure is None else AdapterState.FAILED)
+            return Changed(-1)
+        changed = self._finish(record, AdapterState.COMPLETED if record.failure is None else AdapterState.FAILED)
         self._free_slots.add(record.slot)
         logger.info("Adapter '%s' %s at step %d; slot %d freed", name, record.state.value.lower(), record.step,
                     record.slot)
-        self._promote()
-        return record.slot
+        return Changed(record.slot, changed | set(self._promote()))
 
-    def _finish(self, record: Record, state: AdapterState) -> None:
+    def _finish(self, record: Record, state: AdapterState) -> set[str]:
+        """Live → `state` (terminal), kept among the finished ones; returns the names whose rows
+        changed: it, and those dropped past the retention."""
         del self._live[record.name]
         record.state = state
         self._finished[record.name] = record
+        changed = {record.name}
         while len(self._finished) > self.completed_retention:
-            self._changes.add(self._finished.popitem(last=False)[0])
+            changed.add(self._finished.popitem(last=False)[0])
+        return changed
 
     # ---- paging idle client-driven adapters ---------------------------------------
 
-    def page_out(self, name: str, directory: str) -> int:
+    @transition
+    def page_out(self, name: str, directory: str) -> Changed[int]:
         """ACTIVE → PAGED for a client-driven adapter whose whole state the trainer has written
         to `directory` and taken out of its slot: `directory` becomes its resume point and the
         slot is freed (the head of the registration queue takes it). Returns the slot, or -1
         (nothing changes) unless it is a live, ACTIVE client-driven adapter."""
         record = self._live.get(name)
         if record is None or record.kind is not AdapterKind.CLIENT or record.state is not AdapterState.ACTIVE:
-            return -1
+            return Changed(-1)
         record.state = AdapterState.PAGED
         record.resume_from, record.resume_step = directory, record.step
         self._free_slots.add(record.slot)
         logger.info("Client model '%s' paged out at step %d to %s; slot %d freed", name, record.step, directory,
                     record.slot)
-        self._promote()
-        return record.slot
+        return Changed(record.slot, {name, *self._promote()})
 
-    def page_in(self, name: str) -> int:
+    @transition
+    def page_in(self, name: str) -> Changed[int]:
         """PAGED → PENDING in the lowest free slot (the trainer loads it from its resume point,
         the directory it was paged out to); returns the slot. `NoSlotToPageInError` when every
         slot is held or a registration is queued for the next free one."""
@@ -377,7 +383,7 @@ class AdapterRegistry:
         self._free_slots.remove(record.slot)
         record.state = AdapterState.PENDING
         logger.info("Client model '%s' paged in to slot %d (from %s)", name, record.slot, record.resume_from)
-        return record.slot
+        return Changed(record.slot, {name})
 
     @property
     def paged_count(self) -> int:
@@ -385,7 +391,8 @@ class AdapterRegistry:
 
     # ---- weights and batches -----------------------------------------------------
 
-    def begin_weight_update(self, names: list[str]) -> dict[str, int]:
+    @transition
+    def begin_weight_update(self, names: list[str]) -> Changed[dict[str, int]]:
         """Before a push: the version each adapter's push will become (its slot's next one).
 
         The engines go on serving the current version until `record_weight_update`; in the
@@ -399,9 +406,10 @@ class AdapterRegistry:
                 logger.warning("Weight push begun for adapter '%s', which holds no slot; ignored", name)
                 continue
             record.pushing_version = versions[name] = next_slot_version(self._slot_versions[record.slot])
-        return versions
+        return Changed(versions, versions)
 
-    def record_weight_update(self, names: list[str]) -> dict[str, int]:
+    @transition
+    def record_weight_update(self, names: list[str]) -> Changed[dict[str, int]]:
         """After a successful push: bump each slot's version, PENDING → ACTIVE.
 
         Returns the new version of each adapter; names without a slot are skipped.
@@ -421,9 +429,10 @@ class AdapterRegistry:
             if record.state is AdapterState.PENDING:
                 record.state = AdapterState.ACTIVE
             record.pushed = True
-        return versions
+        return Changed(versions, versions)
 
-    def requeue_for_new_trainer(self) -> list[str]:
+    @transition
+    def requeue_for_new_trainer(self) -> Changed[list[str]]:
         """ACTIVE → PENDING for a trainer that starts over a restored registry, and the
         adapters the previous trainer left RETIRING or CLEANUP → COMPLETED, their slots free.
 
@@ -445,10 +454,14 @@ class AdapterRegistry:
             if record.state is AdapterState.ACTIVE:
                 record.state = AdapterState.PENDING
                 requeued.append(record.name)
-        return sorted(requeued)
+        if requeued:
+            logger.info("Restored adapters wait for this trainer's first push: %s", ", ".join(sorted(requeued)))
+        return Changed(sorted(requeued), requeued)
 
-    def record_batch_adapters(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
-        """Remember what a batch holds; nothing advances until `mark_batch_trained`."""
+    @transition
+    def record_batch_adapters(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> Changed[None]:
+        """Remember what a batch holds; nothing advances until `mark_batch_trained` (no record
+        changes: the recorded batches are stored whole)."""
         extra = set(step_names) - set(groups)
         if extra:
             raise ValueError(f"rollout {rollout_id}: step_names {sorted(extra)} are not in the batch's groups")
@@ -459,15 +472,17 @@ class AdapterRegistry:
         self._batches[rollout_id] = BatchRecord(dict(groups), frozenset(step_names), registrations)
         while len(self._batches) > self.batch_retention:
             self._batches.popitem(last=False)
+        return Changed(None)
 
-    def mark_batch_trained(self, rollout_id: int) -> list[str]:
+    @transition
+    def mark_batch_trained(self, rollout_id: int) -> Changed[list[str]]:
         """Commit a trained batch: add its groups, step the adapters that completed a
         batch, retire ACTIVE adapters that reached `num_step`. Returns the stepped names."""
         batch = self._batches.pop(rollout_id, None)
         if batch is None:
             logger.warning("mark_batch_trained(%d): no batch recorded for this rollout; nothing to commit", rollout_id)
-            return []
-        stepped = []
+            return Changed([])
+        stepped, changed = [], []
         for name, n_groups in sorted(batch.groups.items()):
             record = self._live.get(name)
             if record is None or record.registration_id != batch.registrations.get(name):
@@ -479,10 +494,11 @@ class AdapterRegistry:
             if record.state not in (AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP):
                 continue
             record.accumulated_groups += n_groups
+            changed.append(name)
             if name in batch.step_names:
                 self._step(record)
                 stepped.append(name)
-        return stepped
+        return Changed(stepped, changed)
 
     def _step(self, record: Record) -> None:
         assert isinstance(record.config, AdapterRunConfig)  # mark_batch_trained skips client-driven ones
@@ -496,27 +512,30 @@ class AdapterRegistry:
             record.state = AdapterState.RETIRING
             logger.info("Adapter '%s' reached num_step=%d (step %d): RETIRING", record.name, num_step, record.step)
 
-    def record_client_step(self, name: str, registration_id: str | None = None) -> int | None:
+    @transition
+    def record_client_step(self, name: str, registration_id: str | None = None) -> Changed[int | None]:
         """A client-driven adapter's `optim_step` ran: step + 1. Returns the new step, or None
         when the adapter is not that live client-driven registration any more (a stale report)."""
         record = self._live.get(name)
         if record is None or record.kind is not AdapterKind.CLIENT:
-            return None
+            return Changed(None)
         if registration_id is not None and record.registration_id != registration_id:
-            return None
+            return Changed(None)
         record.step += 1
-        return record.step
+        return Changed(record.step, {name})
 
-    def record_client_checkpoint(self, name: str, directory: str) -> bool:
+    @transition
+    def record_client_checkpoint(self, name: str, directory: str) -> Changed[bool]:
         """A live client-driven adapter's state is now `directory` (it saved or loaded it): the
         point a restarted trainer resumes it from. False if it is not a live client-driven one."""
         record = self._live.get(name)
         if record is None or record.kind is not AdapterKind.CLIENT:
-            return False
+            return Changed(False)
         record.resume_from, record.resume_step = directory, record.step
-        return True
+        return Changed(True, {name})
 
-    def activate_clients(self, names: list[str]) -> list[str]:
+    @transition
+    def activate_clients(self, names: list[str]) -> Changed[list[str]]:
         """PENDING -> ACTIVE for client-driven adapters the trainer has loaded (no engine push
         makes them ACTIVE: nothing samples from their slot). Returns the names activated."""
         activated = []
@@ -525,9 +544,10 @@ class AdapterRegistry:
             if record is not None and record.kind is AdapterKind.CLIENT and record.state is AdapterState.PENDING:
                 record.state = AdapterState.ACTIVE
                 activated.append(name)
-        return activated
+        return Changed(activated, activated)
 
-    def set_step(self, name: str, step: int, accumulated_groups: int = 0) -> None:
+    @transition
+    def set_step(self, name: str, step: int, accumulated_groups: int = 0) -> Changed[None]:
         """Resume: the adapter continues at `step` (its checkpoint's step), with the
         `accumulated_groups` toward the next step whose gradient the checkpoint held.
 
@@ -547,6 +567,7 @@ class AdapterRegistry:
         record.accumulated_groups = accumulated_groups
         if record.state is AdapterState.PENDING and not record.pushed:
             record.start_step = step
+        return Changed(None, {record.name})
 
     # ---- reads ------------------------------------------------------------------
 
@@ -576,49 +597,26 @@ class AdapterRegistry:
     def status(self, name: str) -> AdapterStatus:
         queued = self._queued(name)
         if queued is not None:
-            return self._queued_status(*queued)
-        return self._status(self._record(name))
+            return queued_status(*queued)
+        return record_status(self._record(name), self._slot_versions)
 
     def statuses(self, offset: int = 0, limit: int | None = None) -> list[AdapterStatus]:
         """Every known adapter: live ones first (by slot), then QUEUED ones (head first), then
         finished (COMPLETED, FAILED) ones, least recently read first; with `offset` and `limit`,
         that list's page (only its statuses are built: a page costs the same whatever the
         registry holds)."""
-        return [status() for _, _, status in self._listed(offset, limit)]
+        return self._listing.statuses(self._listed(), offset, limit)
 
     def status_texts(self, offset: int = 0, limit: int | None = None) -> list[str]:
-        """`statuses(offset, limit)` as JSON texts (each `AdapterStatus.model_dump(mode="json")`),
-        built once per change of an adapter's status: a page of the list costs little more than
-        copying its text, however many adapters the registry holds."""
-        texts = []
-        for name, key, status in self._listed(offset, limit):
-            cached = self._status_texts.get(name)
-            if cached is None or cached[0] != key:
-                cached = (key, json.dumps(status().model_dump(mode="json"), ensure_ascii=False, allow_nan=False,
-                                          separators=(",", ":")))
-                self._status_texts[name] = cached
-            texts.append(cached[1])
-        if len(self._status_texts) > 2 * self.record_count:  # forget those of adapters no longer held
-            known = self._live.keys() | self._finished.keys() | {q.name for q in self._queue}
-            self._status_texts = {n: v for n, v in self._status_texts.items() if n in known}
-        return texts
+        """`statuses(offset, limit)` as JSON texts, built once per change of an adapter's status
+        (`StatusListing.texts`)."""
+        return self._listing.texts(self._listed(), offset, limit, self.record_count, self._known_names)
 
-    def _listed(self, offset: int, limit: int | None) -> Iterator[tuple[str, tuple[Any, ...], StatusOf]]:
-        """The page `offset`, `limit` of the list `statuses` gives: per adapter its name, what
-        its status depends on (its record's revision and its slot's version; a queued one's
-        place), and its status, built only when called."""
-        live = sorted(self._live.values(), key=lambda r: r.slot)
-        listed: Iterator[Record | tuple[int, Queued]] = itertools.chain(live, enumerate(self._queue),
-                                                                        self._finished.values())
-        for item in itertools.islice(listed, offset, None if limit is None else offset + limit):
-            if isinstance(item, Record):
-                slotless = item.state.terminal or item.state is AdapterState.PAGED
-                version = None if slotless else self._slot_versions[item.slot]
-                yield item.name, (item.registration_id, item.revision, version), functools.partial(self._status, item)
-            else:
-                index, queued = item
-                yield queued.name, (queued.registration_id, index), functools.partial(self._queued_status, index,
-                                                                                       queued)
+    def _listed(self) -> Iterable[Listed]:
+        return listed(self._live.values(), self._queue, self._finished.values(), self._slot_versions)
+
+    def _known_names(self) -> set[str]:
+        return self._live.keys() | self._finished.keys() | {q.name for q in self._queue}
 
     @property
     def record_count(self) -> int:
@@ -635,7 +633,8 @@ class AdapterRegistry:
 
     def slot_statuses(self) -> list[AdapterStatus]:
         """The statuses of the adapters holding a slot, by slot (at most `n_slots`)."""
-        return [self._status(r) for r in sorted(self._live.values(), key=lambda r: r.slot) if r.state.holds_slot]
+        holding = sorted((r for r in self._live.values() if r.state.holds_slot), key=lambda r: r.slot)
+        return [record_status(r, self._slot_versions) for r in holding]
 
     def queue_position(self, name: str) -> int | None:
         """1 for the head of the registration queue; None unless `name` is QUEUED."""
@@ -645,23 +644,6 @@ class AdapterRegistry:
     @property
     def queue_length(self) -> int:
         return len(self._queue)
-
-    def _queued_status(self, index: int, entry: Queued) -> AdapterStatus:
-        return AdapterStatus(
-            name=entry.name, state=AdapterState.QUEUED, slot=None, version=None, step=0, accumulated_groups=0,
-            registration_id=entry.registration_id, kind=AdapterKind.SERVER, queue_position=index + 1,
-            priority=entry.priority, **entry.config.to_dict(),
-        )
-
-    def _status(self, record: Record) -> AdapterStatus:
-        paged = record.state is AdapterState.PAGED
-        return AdapterStatus(
-            name=record.name, state=record.state, slot=None if paged else record.slot,
-            version=None if record.state.terminal or paged else self._slot_versions[record.slot],
-            step=record.step, accumulated_groups=record.accumulated_groups,
-            registration_id=record.registration_id, kind=record.kind, last_error=record.failure,
-            priority=record.priority, **record.config.to_dict(),
-        )
 
     def snapshot(self) -> MultiLoRASnapshot:
         views: dict[AdapterState, dict[str, AdapterRun]] = {s: {} for s in AdapterState}
@@ -755,20 +737,21 @@ class AdapterRegistry:
         for index, version in enumerate(state.slot_versions[:n_slots]):
             registry._slot_versions[index] = version
         for record in live:
-            registry._live[record.name] = registry._held(record)
+            registry._live[record.name] = record
             if record.state.holds_slot:
                 registry._free_slots.discard(record.slot)
         for raw in state.finished:
             record = record_from_json(raw)
-            registry._finished[record.name] = registry._held(record)
+            registry._finished[record.name] = record
         for rollout_id, raw in state.batches:
             registry._batches[rollout_id] = batch_from_json(raw)
         registry._queue = [queued_from_json(raw) for raw in state.queued]
+        registry._changes.update(registry._live.keys() | registry._finished.keys())
         if len(registry._queue) > registry.queue_size:
             logger.warning("The saved registry has %d queued registrations, over --multi-lora-queue-size=%d: "
                            "all are kept, and new ones are refused until the queue is shorter",
                            len(registry._queue), registry.queue_size)
-        registry._promote()
+        registry._changes.update(registry._promote())
         return registry
 
     @property

@@ -1,25 +1,21 @@
 """A registry's records and their stored form: what the registry keeps of each adapter (`Record`,
-`Queued`, `BatchRecord`) and the JSON-ready values the store writes and reads back
-(`RegistryState`, the whole registry; `RegistryChanges`, what changed since the last write).
-
-A record counts its changes (`_revision`, bumped by any field's assignment) and, once a
-registry holds it, names itself in that registry's set of changes, so the store writes only
-the rows that changed:
-
-    record = Record(name="math", config=config, slot=0, registration_id="...")
-    object.__setattr__(record, "_changes", registry_changes)   # what AdapterRegistry._held does
-    record.step = 3                                             # "math" in registry_changes
+`Queued`, `BatchRecord`), what a transition answers (`Changed`: its result and the rows it
+changed), and the JSON-ready values the store writes and reads back (`RegistryState`, the whole
+registry; `RegistryChanges`, what changed since the last write).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.types import AdapterFailure, AdapterKind, AdapterState, ClientModelConfig
+
+R = TypeVar("R")
 
 AnyAdapterConfig = AdapterRunConfig | ClientModelConfig
 """A server-driven adapter's run config, or a client-driven one's model config."""
@@ -56,21 +52,9 @@ class Record:
     """Set by `fail`: it leaves through CLEANUP and ends FAILED, with this as its last error."""
     priority: int = 0
     """The priority it was registered with (it ordered the queue, if it waited in it)."""
-
-    def __setattr__(self, field_name: str, value: Any) -> None:
-        """Every change of a record counts in its `_revision` (what its cached stored form is
-        checked against) and, for a record held by a registry, names it in the registry's
-        changes, so the store writes that one row (`AdapterRegistry.take_changes`)."""
-        object.__setattr__(self, field_name, value)
-        object.__setattr__(self, "_revision", self.__dict__.get("_revision", 0) + 1)
-        changes = self.__dict__.get("_changes")
-        if changes is not None:
-            changes.add(self.name)
-
-    @property
-    def revision(self) -> int:
-        """How many field assignments the record has had (its stored form and status follow it)."""
-        return self.__dict__.get("_revision", 0)
+    revision: int = field(default=0, compare=False, repr=False)
+    """How many transitions changed it (its cached stored form and status text follow it);
+    not stored."""
 
     @property
     def kind(self) -> AdapterKind:
@@ -98,6 +82,15 @@ class Queued:
 def queued_from_json(raw: dict[str, Any]) -> Queued:
     return Queued(name=raw["name"], config=AdapterRunConfig.model_validate_json(json.dumps(raw["config"])),
                    registration_id=raw["registration_id"], priority=raw.get("priority", 0))
+
+
+@dataclass(frozen=True)
+class Changed(Generic[R]):
+    """What a registry transition answers: its `result`, and the `names` whose stored rows it
+    changed (a record's field, its place, or it was forgotten), for the store to write."""
+
+    result: R
+    names: Collection[str] = ()
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles.backends.base import AdapterSpec, SaveRequest, TrainingBackend
+from miles.controller.lifecycle import ActivateClients, FreeSlots, RetireAdapters, SetStep
 from miles.main.early_activation import EarlyActivation
 from miles.main.handles import ControllerHandle, RolloutManagerHandle
 from miles.main.weight_push import WeightPush
@@ -100,7 +101,7 @@ class AdapterSlots:
         """Retire RETIRING adapters, save and clean up those that left, page out idle client
         models, load the new (and paged-in) ones."""
         self._observe(await self.push.settle(snapshot))  # not None: a snapshot went in
-        snapshot = await self.controller.retire_adapters.remote()
+        snapshot = await self.controller.apply.remote(RetireAdapters())
         snapshot = await self._cleanup(snapshot)
         snapshot = await self._page_out_idle(snapshot)
         return await self._load(snapshot)
@@ -154,7 +155,7 @@ class AdapterSlots:
             await self.push.unload(slot)
         if not snapshot.cleanup:  # also those never loaded here: nothing to save
             return snapshot
-        return await self.controller.free_slots.remote(sorted(snapshot.cleanup))
+        return await self.controller.apply.remote(FreeSlots(sorted(snapshot.cleanup)))
 
     async def _load(self, snapshot: MultiLoRASnapshot) -> MultiLoRASnapshot:
         snapshot = await self._load_clients(snapshot)
@@ -168,7 +169,7 @@ class AdapterSlots:
             # always match what the backend holds.
             progress = (loaded.step, loaded.accumulated_groups)
             if loaded.checkpoint is not None or progress != (run.step, run.accumulated_groups):
-                snapshot = await self.controller.set_adapter_step.remote(name, *progress)
+                snapshot = await self.controller.apply.remote(SetStep(name, *progress))
             if loaded.miles_checkpoint:
                 logger.info("Adapter '%s' starts from the LoRA weights of Miles' checkpoint %s (step %d), with a "
                             "fresh optimizer and LR clock and its data from the start", name, loaded.checkpoint,
@@ -201,7 +202,7 @@ class AdapterSlots:
                 await self.backend.load_client_state(run.name, run.resume_from, optimizer=True)
                 step = run.resume_step
                 if step != run.step:  # its steps after that save went with the previous trainer
-                    await self.controller.set_adapter_step.remote(run.name, step)
+                    await self.controller.apply.remote(SetStep(run.name, step))
                     logger.warning("Client model '%s' resumed from %s at step %d: its %d optim_step(s) after "
                                    "that save are lost", run.name, run.resume_from, step, run.step - step)
                 else:
@@ -212,7 +213,7 @@ class AdapterSlots:
                 step=step, accumulated_groups=0, saved=(step, 0), client=True)
         if not new:
             return snapshot
-        return await self.controller.activate_clients.remote([run.name for run in new])
+        return await self.controller.apply.remote(ActivateClients([run.name for run in new]))
 
     # ---- checkpoints ----------------------------------------------------------------------
 

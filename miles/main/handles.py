@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
+from miles.controller.lifecycle import Transition
 from miles.utils.types import ClientCommandBatch, DataPosition, MultiLoRASnapshot, RolloutBatch
 
 T_co = TypeVar("T_co", covariant=True)
@@ -21,20 +22,21 @@ class Remote(Protocol[T_co]):
     def remote(self, *args: Any, **kwargs: Any) -> Awaitable[T_co]: ...
 
 
+class ApplyRemote(Protocol):
+    """`await controller.apply.remote(op)`: one lifecycle transition (`miles.controller.lifecycle`),
+    answered with the registry's snapshot after it."""
+
+    def remote(self, op: Transition[Any], /) -> Awaitable[MultiLoRASnapshot]: ...
+
+
 class ControllerHandle(Protocol):
     """`miles.controller.actor.MultiLoRAController`: every call that changes the registry
-    answers with the registry's snapshot after it (the driver never derives one)."""
+    (`apply`) answers with the registry's snapshot after it (the driver never derives one)."""
 
     snapshot: Remote[MultiLoRASnapshot]
-    retire_adapters: Remote[MultiLoRASnapshot]
-    free_slots: Remote[MultiLoRASnapshot]
-    begin_weight_update: Remote[MultiLoRASnapshot]
-    record_weight_update: Remote[MultiLoRASnapshot]
-    mark_batch_trained: Remote[MultiLoRASnapshot]
-    set_adapter_step: Remote[MultiLoRASnapshot]
+    apply: ApplyRemote
     wait_for_registration: Remote[int]
     # client-driven models (the Tinker command log)
-    activate_clients: Remote[MultiLoRASnapshot]
     take_client_commands: Remote[ClientCommandBatch]
     wait_for_client_commands: Remote[bool]
     complete_client_command: Remote[None]

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from miles.backends.base import AdapterStepStats, TrainingBackend, TrainRankLostError, TrainResult
+from miles.controller.lifecycle import MarkBatchTrained
 from miles.main.handles import ControllerHandle
 from miles.main.weight_push import WeightPush
 from miles.utils.types import ClientWork, MultiLoRASnapshot, RolloutBatch
@@ -102,7 +103,7 @@ class TrainStep:
     async def commit(self, rollout_id: int) -> MultiLoRASnapshot:
         """The batch trained: the registry adds its groups and steps (and retires adapters
         that reached `num_step`); returns its snapshot after that."""
-        return await self.controller.mark_batch_trained.remote(rollout_id)
+        return await self.controller.apply.remote(MarkBatchTrained(rollout_id))
 
 
 def describe(exc: BaseException) -> str:

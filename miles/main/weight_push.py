@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol, overload
 
 from miles.backends.base import LoraExport, TrainingBackend
+from miles.controller.lifecycle import BeginWeightUpdate, RecordWeightUpdate
 from miles.main.engine_push import PushStats
 from miles.main.handles import ControllerHandle
 from miles.utils.types import MultiLoRASnapshot
@@ -92,7 +93,7 @@ class WeightPush:
         if new:
             snapshot = await self._push(new)
         if stepped and self.overlap:
-            snapshot = await self.controller.begin_weight_update.remote(stepped)
+            snapshot = await self.controller.apply.remote(BeginWeightUpdate(stepped))
             self.stale.difference_update(stepped)
             exported = asyncio.Event()
             task = asyncio.create_task(self._export_and_send(stepped, snapshot, exported), name="weight-push")
@@ -104,7 +105,7 @@ class WeightPush:
 
     async def push_now(self, names: list[str], exports: list[LoraExport]) -> MultiLoRASnapshot:
         """Push weights exported elsewhere (a new adapter's fresh ones) and record them."""
-        return await self._send(names, exports, await self.controller.begin_weight_update.remote(names))
+        return await self._send(names, exports, await self.controller.apply.remote(BeginWeightUpdate(names)))
 
     async def exports_taken(self) -> None:
         """Wait until the push behind the loop has exported its adapters (or failed: `settle`
@@ -149,7 +150,7 @@ class WeightPush:
                 "perf/push_adapters": float(sum(p.adapters for p in pushes))}
 
     async def _push(self, names: list[str]) -> MultiLoRASnapshot:
-        began = await self.controller.begin_weight_update.remote(names)
+        began = await self.controller.apply.remote(BeginWeightUpdate(names))
         self.stale.difference_update(names)
         exports = await asyncio.gather(*(self.backend.export_adapter(name) for name in names))
         return await self._send(names, list(exports), began)
@@ -175,4 +176,4 @@ class WeightPush:
             self._stats.append(stats)
             logger.info("Pushed %d adapter(s), %d bytes per engine, in %.3fs", stats.adapters, stats.bytes,
                         stats.seconds)
-        return await self.controller.record_weight_update.remote([run.name for run, _ in kept])
+        return await self.controller.apply.remote(RecordWeightUpdate([run.name for run, _ in kept]))

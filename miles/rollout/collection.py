@@ -19,7 +19,7 @@ generate calls), then:
    gave up on (its groups fail, `ProducerHealth.gave_up`) is never waited for, even
    within this collection's snapshot: with only such adapters left it raises at once;
 4. orders samples by (slot, group, index) and calls
-   `controller.record_batch_adapters(rollout_id, groups, step_names)`.
+   `controller.apply(RecordBatch(rollout_id, groups, step_names))`.
 
 Plain Python: the controller is anything whose methods have an awaitable `.remote()`
 (a Ray actor handle, or a test fake) and the clock is injectable.
@@ -34,6 +34,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from miles.controller.lifecycle import RecordBatch
 from miles.rollout.buffers import AdapterBuffers
 from miles.utils.adapter_config import min_groups_per_dp_split
 from miles.utils.arguments import MilesConfig
@@ -157,7 +158,7 @@ class BatchCollector:
             name for name, count in batch.per_adapter.items() if count == remaining_groups(adapters[name])
         )
         per_adapter, stats = self._stats(batch, adapters, step_names, self.clock.now() - started)
-        await self.controller.record_batch_adapters.remote(rollout_id, dict(batch.per_adapter), step_names)
+        await self.controller.apply.remote(RecordBatch(rollout_id, dict(batch.per_adapter), step_names))
         return self._assemble(rollout_id, batch, step_names, per_adapter, stats)
 
     def _sync_adapters(self, adapters: dict[str, AdapterRun]) -> None:

@@ -51,7 +51,7 @@ class LocalRolloutManager:
         """Launch engines and router, then the producer; returns the router URL.
 
         `controller` is the controller actor handle (anything whose `snapshot` and
-        `record_batch_adapters` have an awaitable `.remote()`)."""
+        `apply` have an awaitable `.remote()`)."""
         from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
 
         if self._disposed:

@@ -29,7 +29,7 @@ A failed group is counted against whoever is at fault:
   filter, prompt), and for groups its dynamic filter drops: past its limits
   (`AdapterHealth`, `--multi-lora-max-consecutive-failures` and `-filtered`) the producer
   gives up on that adapter alone, submits none of its groups any more, and asks the
-  controller to fail it (`fail_adapter`: it leaves like a retired adapter and ends FAILED,
+  controller to fail it (`FailAdapter`: it leaves like a retired adapter and ends FAILED,
   its last error in its status). The other adapters generate on as before.
 """
 
@@ -46,6 +46,7 @@ from typing import Any
 
 import aiohttp
 
+from miles.controller.lifecycle import FailAdapter
 from miles.rollout.adapter_health import AdapterHealth, AdapterLimits
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import MultiLoRADataSource, PromptItem
@@ -352,7 +353,7 @@ class RolloutProducer:
         """The adapter reached its limit (`failure` set): the controller fails it, which also
         aborts its requests in flight. Nothing of it is submitted from now on either way."""
         if failure is not None:
-            await self.controller.fail_adapter.remote(run.name, run.registration_id, failure)
+            await self.controller.apply.remote(FailAdapter(run.name, run.registration_id, failure))
 
     def gave_up(self, registration_id: str) -> bool:
         """The producer generates nothing more for this registration (it is being failed)."""

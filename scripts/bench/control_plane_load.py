@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from miles.controller.actor import ControllerConfig, MultiLoRAController  # noqa: E402
 from miles.controller.backend import ControllerHooks  # noqa: E402
 from miles.controller.http_server import HTTPServerConfig  # noqa: E402
+from miles.controller.lifecycle import FreeSlots, MarkBatchTrained, RecordBatch, RecordWeightUpdate, RetireAdapters  # noqa: E402
 from miles.rollout.datasets import validate_dataset  # noqa: E402
 from miles.rollout.rewards import validate_reward_spec  # noqa: E402
 from miles.utils.adapter_config import AdapterDefaults  # noqa: E402
@@ -84,15 +85,15 @@ async def trainer_stand_in(controller: MultiLoRAController, stop: asyncio.Event)
     """What the driver does each iteration, every 20 ms: retire, free, push, train a batch."""
     rollout_id = 0
     while not stop.is_set():
-        snapshot = await controller.retire_adapters()
+        snapshot = await controller.apply(RetireAdapters())
         if snapshot.cleanup:
-            snapshot = await controller.free_slots(sorted(snapshot.cleanup))
+            snapshot = await controller.apply(FreeSlots(sorted(snapshot.cleanup)))
         if snapshot.pending:
-            await controller.record_weight_update(sorted(snapshot.pending))
+            await controller.apply(RecordWeightUpdate(sorted(snapshot.pending)))
         live = sorted({**snapshot.active, **snapshot.retiring})
         if live:
-            await controller.record_batch_adapters(rollout_id, {n: 4 for n in live}, live)
-            await controller.mark_batch_trained(rollout_id)
+            await controller.apply(RecordBatch(rollout_id, {n: 4 for n in live}, live))
+            await controller.apply(MarkBatchTrained(rollout_id))
             rollout_id += 1
         try:
             await asyncio.wait_for(stop.wait(), 0.02)

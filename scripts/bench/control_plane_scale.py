@@ -61,6 +61,7 @@ from control_plane_load import TOKEN, percentile, write_datasets  # noqa: E402
 from miles.controller.actor import ControllerConfig, MultiLoRAController  # noqa: E402
 from miles.controller.backend import ControllerHooks  # noqa: E402
 from miles.controller.http_server import HTTPServerConfig  # noqa: E402
+from miles.controller.lifecycle import FreeSlots, RetireAdapters  # noqa: E402
 from miles.controller.registry import COMPLETED_RETENTION, AdapterRegistry  # noqa: E402
 from miles.controller.store import RegistryStore  # noqa: E402
 from miles.rollout.datasets import validate_dataset  # noqa: E402
@@ -196,8 +197,8 @@ def request_once(plane: Plane, http: httpx.Client, loop: LoopThread, op: str, da
 async def release_probe(controller: MultiLoRAController) -> None:
     """What DELETE and the trainer's next reconcile do: RETIRING, CLEANUP, slot freed (COMPLETED)."""
     await controller.deregister_adapter("probe")
-    await controller.retire_adapters()
-    await controller.free_slots(["probe"])
+    await controller.apply(RetireAdapters())
+    await controller.apply(FreeSlots(["probe"]))
 
 
 def time_http(planes: list[Plane], loop: LoopThread, data: str, per_rep: dict[str, int], reps: int,

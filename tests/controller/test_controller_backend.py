@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
+from miles.controller.lifecycle import FreeSlots, RecordWeightUpdate, RetireAdapters
 from miles.controller.registry import AdapterValidationError
 from miles.rollout.engines.process import ServerProcess, free_port, on_probed_ports
 from miles.rollout.engines.router import build_router_command
@@ -183,14 +184,14 @@ async def test_retire_and_free_abort_on_every_worker(data_root: Path, defaults: 
     data = str(data_root / "data" / "train.jsonl")
     await backend.register("a", config={"data": data})
     await backend.register("b", config={"data": data, "save": str(data_root / "save" / "b2")})
-    backend.record_weight_update(["a", "b"])
+    backend.apply_now(RecordWeightUpdate(["a", "b"]))
     assert backend.deregister("a") is AdapterState.RETIRING
     assert all(w.aborts == [] for w in workers)  # DELETE sends no abort
 
-    assert await backend.retire_adapters() == ["a"]
+    assert await backend.apply(RetireAdapters()) == ["a"]
     assert [w.aborts for w in workers] == [[{"rid": "a::", "prefix": True}]] * 2
-    assert await backend.free_slot("b") == -1  # not in CLEANUP: no abort round
-    assert await backend.free_slot("a") == 0
+    assert await backend.apply(FreeSlots(["b"])) == [-1]  # not in CLEANUP: no abort round
+    assert await backend.apply(FreeSlots(["a"])) == [0]
     assert [w.aborts for w in workers] == [[{"rid": "a::", "prefix": True}] * 2] * 2
     assert router.aborts == []  # aborts go to the workers, not the router
 
@@ -234,9 +235,9 @@ async def test_without_router_nothing_is_sent(data_root: Path, defaults: Adapter
     backend = make_backend(defaults, router_url=None)
     await backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
     backend.deregister("a")
-    assert await backend.retire_adapters() == ["a"]
+    assert await backend.apply(RetireAdapters()) == ["a"]
     assert await backend.abort_adapter_requests("a") == []
-    assert await backend.free_slot("a") == 0
+    assert await backend.apply(FreeSlots(["a"])) == [0]
 
 
 async def test_status_is_json_ready(data_root: Path, defaults: AdapterDefaults) -> None:
@@ -282,7 +283,7 @@ async def test_aborts_reach_workers_behind_the_real_sglang_router(data_root: Pat
         backend = make_backend(defaults, router_url)
         await backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
         backend.deregister("a")
-        assert await backend.retire_adapters() == ["a"]
+        assert await backend.apply(RetireAdapters()) == ["a"]
         assert [w.aborts for w in workers] == [[{"rid": "a::", "prefix": True}]] * 2
     finally:
         router.terminate()
@@ -380,6 +381,6 @@ async def test_prefix_abort_is_a_hook(data_root: Path, defaults: AdapterDefaults
     backend = MultiLoRABackend(2, defaults, "http://router", ControllerHooks(abort_prefix=record))
     await backend.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
     backend.deregister("a")
-    await backend.retire_adapters()
-    await backend.free_slot("a")
+    await backend.apply(RetireAdapters())
+    await backend.apply(FreeSlots(["a"]))
     assert calls == [("http://router", "a::")] * 2

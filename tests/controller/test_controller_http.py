@@ -20,6 +20,14 @@ from miles.controller.actor import ControllerConfig, MultiLoRAController
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.controller.client import ControlPlaneClient, ControlPlaneError
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
+from miles.controller.lifecycle import (
+    ActivateClients,
+    FailAdapter,
+    FreeSlots,
+    RecordWeightUpdate,
+    RetireAdapters,
+    SetStep,
+)
 from miles.controller.tinker.gateway import LoraLayout, SessionInfo
 from miles.utils.adapter_config import ADAPTER_CONFIG_KEYS, AdapterDefaults
 from miles.utils.arguments import parse_args
@@ -83,7 +91,7 @@ def test_full_lifecycle_seen_through_state_route(plane: ThreadedController, clie
     assert client.register("a", config={"data": data_path(data_root)}) == 0
     assert client.states(["a", "ghost"]) == {"a": AdapterState.PENDING, "ghost": None}
 
-    plane.call(plane.controller.record_weight_update(["a"]))
+    plane.call(plane.controller.apply(RecordWeightUpdate(["a"])))
     assert client.states(["a"])["a"] is AdapterState.ACTIVE
     assert client.status("a").version == 1
 
@@ -91,11 +99,11 @@ def test_full_lifecycle_seen_through_state_route(plane: ThreadedController, clie
     assert client.states(["a"])["a"] is AdapterState.RETIRING
     assert plane.router.aborts == []  # DELETE sends no abort
 
-    assert plane.call(plane.controller.retire_adapters()).cleanup == {"a"}
+    assert plane.call(plane.controller.apply(RetireAdapters())).cleanup == {"a"}
     assert client.wait_for_state("a", AdapterState.CLEANUP, timeout=5) is AdapterState.CLEANUP
     assert plane.router.aborts == [{"rid": "a::", "prefix": True}]
 
-    assert plane.call(plane.controller.free_slots(["a"])).completed == {"a"}
+    assert plane.call(plane.controller.apply(FreeSlots(["a"]))).completed == {"a"}
     assert client.states(["a"])["a"] is AdapterState.COMPLETED
     assert plane.router.aborts == [{"rid": "a::", "prefix": True}] * 2
     status = client.status("a")
@@ -112,14 +120,14 @@ def test_a_failed_adapter_is_seen_with_its_error_over_http_metrics_and_miles_lor
 
     client.register("bad", config={"data": data_path(data_root)})
     client.register("good", config={"data": data_path(data_root)})
-    plane.call(plane.controller.record_weight_update(["bad", "good"]))
+    plane.call(plane.controller.apply(RecordWeightUpdate(["bad", "good"])))
     registration = client.status("bad").registration_id
     failure = AdapterFailure.from_exception(ZeroDivisionError("division by zero in my_reward"), groups=32)
-    assert plane.call(plane.controller.fail_adapter("bad", registration, failure))
+    assert "bad" in plane.call(plane.controller.apply(FailAdapter("bad", registration, failure))).cleanup
     assert plane.router.aborts == [{"rid": "bad::", "prefix": True}]  # its requests in flight, at once
     during = client.status("bad")
     assert (during.state, during.last_error) == (AdapterState.CLEANUP, failure)
-    plane.call(plane.controller.free_slots(["bad"]))  # after the trainer's final save
+    plane.call(plane.controller.apply(FreeSlots(["bad"])))  # after the trainer's final save
 
     body = raw.get("/adapter_runs/bad").json()
     assert (body["state"], body["version"]) == ("FAILED", None)
@@ -295,8 +303,8 @@ def test_a_registration_with_every_slot_held_is_queued(plane: ThreadedController
 
     # A slot that frees goes to the head of the queue.
     client.deregister("a")
-    plane.call(plane.controller.retire_adapters())
-    snapshot = plane.call(plane.controller.free_slots(["a"]))
+    plane.call(plane.controller.apply(RetireAdapters()))
+    snapshot = plane.call(plane.controller.apply(FreeSlots(["a"])))
     assert snapshot.pending["urgent"].slot == 0 and snapshot.queued == ("q2",)
     assert raw.get("/adapter_runs/urgent").json()["queue_position"] is None
 
@@ -310,8 +318,8 @@ def test_the_list_comes_in_pages_that_follow_every_change(plane: ThreadedControl
         client.register(name, config={"data": data})
     assert [a["queue_position"] for a in raw.get("/adapter_runs").json()["adapters"]] == [None, None, 1, 2, 3]
     client.deregister("b")
-    plane.call(plane.controller.retire_adapters())
-    plane.call(plane.controller.free_slots(["b"]))  # q1 takes slot 1; b is COMPLETED
+    plane.call(plane.controller.apply(RetireAdapters()))
+    plane.call(plane.controller.apply(FreeSlots(["b"])))  # q1 takes slot 1; b is COMPLETED
     whole = raw.get("/adapter_runs").json()
     assert [a["name"] for a in whole["adapters"]] == ["a", "q1", "q2", "q3", "b"] and whole["total"] == 5
     pages, offset = [], 0
@@ -325,7 +333,7 @@ def test_the_list_comes_in_pages_that_follow_every_change(plane: ThreadedControl
     assert raw.get("/adapter_runs", params={"limit": 2, "offset": 9}).json() == {
         "adapters": [], "total": 5, "offset": 9, "next_offset": None}
 
-    plane.call(plane.controller.record_weight_update(["a"]))  # a's version and state change
+    plane.call(plane.controller.apply(RecordWeightUpdate(["a"])))  # a's version and state change
     (first,) = raw.get("/adapter_runs", params={"limit": 1}).json()["adapters"]
     assert first == raw.get("/adapter_runs/a").json() and (first["state"], first["version"]) == ("ACTIVE", 1)
     assert [a["queue_position"] for a in whole["adapters"]] == [None, None, 1, 2, None]  # moved up the queue
@@ -394,7 +402,7 @@ def test_token_required_on_every_route_but_health(plane: ThreadedController, dat
 def test_metrics(plane: ThreadedController, client: ControlPlaneClient, raw: httpx.Client, data_root: Path) -> None:
     client.register("a", config={"data": data_path(data_root)})
     client.register("b", config={"data": data_path(data_root)})
-    plane.call(plane.controller.record_weight_update(["a"]))
+    plane.call(plane.controller.apply(RecordWeightUpdate(["a"])))
     client.deregister("b")
     raw.post("/adapter_runs", json={"name": "a", "config": {"data": data_path(data_root)}})  # 400
     raw.get("/adapter_runs/ghost")  # 404
@@ -425,9 +433,9 @@ def test_per_adapter_gauges_cover_only_adapters_holding_a_slot(plane: ThreadedCo
                                                                data_root: Path) -> None:
     client.register("a", config={"data": data_path(data_root)})
     client.register("b", config={"data": data_path(data_root)})
-    plane.call(plane.controller.record_weight_update(["a"]))
-    plane.call(plane.controller.record_weight_update(["a"]))
-    plane.call(plane.controller.set_adapter_step("a", 4))
+    plane.call(plane.controller.apply(RecordWeightUpdate(["a"])))
+    plane.call(plane.controller.apply(RecordWeightUpdate(["a"])))
+    plane.call(plane.controller.apply(SetStep("a", 4)))
     reg_a, reg_b = client.status("a").registration_id, client.status("b").registration_id
     plane.call(plane.controller.observe_rollout({
         "a": AdapterGauges(registration_id=reg_a, raw_reward_mean=0.75, groups_buffered=3),
@@ -451,8 +459,8 @@ def test_per_adapter_gauges_cover_only_adapters_holding_a_slot(plane: ThreadedCo
     assert series(text, "miles_adapter_groups_buffered") == {"a": 3.0, "b": 2.0}
     # Once an adapter leaves its slot its series go.
     client.deregister("a")
-    assert plane.call(plane.controller.retire_adapters()).cleanup == {"a"}
-    plane.call(plane.controller.free_slots(["a"]))
+    assert plane.call(plane.controller.apply(RetireAdapters())).cleanup == {"a"}
+    plane.call(plane.controller.apply(FreeSlots(["a"])))
     text = client.metrics()
     assert set(series(text, "miles_adapter_step")) == {"b"} and set(series(text, "miles_adapter_reward")) == set()
 
@@ -505,7 +513,7 @@ def test_a_paged_client_model_is_shown_paged_and_its_command_is_retried_while_no
         created = gateway.create_model(gateway.create_session(SessionInfo()), 0, "base",
                                        LoraLayout(rank=4, train_unembed=False), {})
         assert created.model is not None and created.model_id is not None
-        plane.controller.backend.activate_clients([created.model])
+        plane.controller.backend.apply_now(ActivateClients([created.model]))
         assert gateway.idle_models(0.0) == [created.model]
         assert gateway.page_out(created.model, str(data_root / "paged"))
         return created.model, created.model_id
@@ -525,8 +533,8 @@ def test_a_paged_client_model_is_shown_paged_and_its_command_is_retried_while_no
     assert "x-should-retry" not in refused.headers and refused.headers["retry-after"] == "1"  # the SDK retries it
     assert client.status(model).state is AdapterState.PAGED
     client.deregister("b")  # the lifecycle frees its slot as the trainer would
-    plane.call(plane.controller.retire_adapters())
-    plane.call(plane.controller.free_slots(["b"]))
+    plane.call(plane.controller.apply(RetireAdapters()))
+    plane.call(plane.controller.apply(FreeSlots(["b"])))
     assert raw.post("/api/v1/optim_step", json=step).status_code == 200  # the same call again pages it in
     assert client.status(model).state is AdapterState.PENDING and client.status(model).slot == 1
 

@@ -17,6 +17,14 @@ from miles.controller.actor import (
     get_multi_lora_controller,
 )
 from miles.controller.client import ControlPlaneClient
+from miles.controller.lifecycle import (
+    FreeSlots,
+    MarkBatchTrained,
+    RecordBatch,
+    RecordWeightUpdate,
+    RetireAdapters,
+    SetStep,
+)
 from miles.controller.registry import AdapterAlreadyRegisteredError, AdapterNotFoundError, AdapterValidationError
 from miles.utils.arguments import config_from_dict
 from miles.utils.types import AdapterState, MultiLoRASnapshot
@@ -44,10 +52,10 @@ def test_named_actor_serves_http_and_snapshots(ray_session, data_root: Path) -> 
         assert set(snapshot.pending) == {"a"} and snapshot.pending["a"].slot == 0
         assert snapshot.pending["a"].config.rollout_batch_size == 2
 
-        assert ray.get(handle.record_weight_update.remote(["a"])).active["a"].version == 1
-        assert ray.get(handle.set_adapter_step.remote("a", 4)).active["a"].step == 4
-        ray.get(handle.record_batch_adapters.remote(0, {"a": 2}, ["a"]))
-        assert ray.get(handle.mark_batch_trained.remote(0)).active["a"].step == 5
+        assert ray.get(handle.apply.remote(RecordWeightUpdate(["a"]))).active["a"].version == 1
+        assert ray.get(handle.apply.remote(SetStep("a", 4))).active["a"].step == 4
+        ray.get(handle.apply.remote(RecordBatch(0, {"a": 2}, ["a"])))
+        assert ray.get(handle.apply.remote(MarkBatchTrained(0))).active["a"].step == 5
         assert ray.get(handle.adapter_step.remote("a")) == 5
         assert ray.get(handle.adapter_status.remote("a")).state is AdapterState.ACTIVE
 
@@ -58,8 +66,8 @@ def test_named_actor_serves_http_and_snapshots(ray_session, data_root: Path) -> 
             ray.get(handle.adapter_step.remote("ghost"))
 
         assert ray.get(handle.deregister_adapter.remote("a")) is AdapterState.RETIRING
-        assert ray.get(handle.retire_adapters.remote()).cleanup == {"a"}
-        assert ray.get(handle.free_slots.remote(["a"])).completed == {"a"}
+        assert ray.get(handle.apply.remote(RetireAdapters())).cleanup == {"a"}
+        assert ray.get(handle.apply.remote(FreeSlots(["a"]))).completed == {"a"}
         assert ray.get(handle.snapshot.remote()).all_adapters_cleaned_up
     finally:
         destroy_multi_lora_controller()
@@ -90,10 +98,10 @@ def test_killed_controller_comes_back_with_its_registry_and_port(ray_session, da
             client.register("a", config={"data": data, "num_step": 50})
             assert ray.get(controller.register_adapter.remote("b", {"data": data, "num_step": 50})) == 1
             ray.get(controller.register_adapter.remote("c", {"data": data}))
-            ray.get(controller.record_weight_update.remote(["a", "b"]))
-            ray.get(controller.record_batch_adapters.remote(0, {"a": 2, "b": 1}, ["a"]))
-            ray.get(controller.mark_batch_trained.remote(0))
-            ray.get(controller.record_batch_adapters.remote(1, {"a": 2}, ["a"]))
+            ray.get(controller.apply.remote(RecordWeightUpdate(["a", "b"])))
+            ray.get(controller.apply.remote(RecordBatch(0, {"a": 2, "b": 1}, ["a"])))
+            ray.get(controller.apply.remote(MarkBatchTrained(0)))
+            ray.get(controller.apply.remote(RecordBatch(1, {"a": 2}, ["a"])))
             ray.get(controller.set_router_url.remote("http://127.0.0.1:9"))
             client.deregister("c")
             before = ray.get(controller.snapshot.remote())
@@ -115,8 +123,8 @@ def test_killed_controller_comes_back_with_its_registry_and_port(ray_session, da
         with ControlPlaneClient(url) as client:
             assert client.list() == listed
         # The recorded batch commits after the restart, and pushes continue the versions.
-        assert ray.get(controller.mark_batch_trained.remote(1)).active["a"].step == 2
-        assert ray.get(controller.record_weight_update.remote(["a"])).active["a"].version == 2
+        assert ray.get(controller.apply.remote(MarkBatchTrained(1))).active["a"].step == 2
+        assert ray.get(controller.apply.remote(RecordWeightUpdate(["a"]))).active["a"].version == 2
         before_trainer_restart = ray.get(controller.snapshot.remote())
     finally:
         destroy_multi_lora_controller()

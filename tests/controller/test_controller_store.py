@@ -16,6 +16,16 @@ from pathlib import Path
 import pytest
 
 from miles.controller.backend import MultiLoRABackend
+from miles.controller.lifecycle import (
+    FailAdapter,
+    FreeSlots,
+    MarkBatchTrained,
+    RecordBatch,
+    RecordWeightUpdate,
+    RequeueForNewTrainer,
+    RetireAdapters,
+    SetStep,
+)
 from miles.controller.registry import AdapterAlreadyRegisteredError, AdapterRegistry, NoFreeSlotError
 from miles.controller.store import RegistryStore, RegistryStoreError
 from miles.utils.adapter_config import AdapterDefaults
@@ -38,22 +48,22 @@ async def drive_through_every_state(backend: MultiLoRABackend, data: str) -> Non
     COMPLETED, a re-registered name, and one batch recorded but not trained."""
     for name in ["a", "b", "c", "d"]:
         await backend.register(name, config={"data": data, "rollout_batch_size": 2, "num_step": 100})
-    backend.record_weight_update(["a", "b", "c"])
-    backend.set_adapter_step("a", 3)
-    backend.record_batch_adapters(0, {"a": 2, "b": 1}, ["a"])
-    assert backend.mark_batch_trained(0) == ["a"]
-    backend.record_batch_adapters(1, {"a": 1, "b": 1}, [])
-    backend.mark_batch_trained(1)
-    backend.record_batch_adapters(2, {"a": 1}, ["a"])  # recorded, not yet trained
+    backend.apply_now(RecordWeightUpdate(["a", "b", "c"]))
+    backend.apply_now(SetStep("a", 3))
+    backend.apply_now(RecordBatch(0, {"a": 2, "b": 1}, ["a"]))
+    assert backend.apply_now(MarkBatchTrained(0)) == ["a"]
+    backend.apply_now(RecordBatch(1, {"a": 1, "b": 1}, []))
+    backend.apply_now(MarkBatchTrained(1))
+    backend.apply_now(RecordBatch(2, {"a": 1}, ["a"]))  # recorded, not yet trained
     backend.deregister("b")
-    assert await backend.retire_adapters() == ["b"]
-    assert await backend.free_slot("b") == 1
+    assert await backend.apply(RetireAdapters()) == ["b"]
+    assert await backend.apply(FreeSlots(["b"])) == [1]
     await backend.register("b", config={"data": data, "num_step": 5})  # a new registration of the name
     backend.deregister("c")
     backend.deregister("d")
-    assert await backend.retire_adapters() == ["c", "d"]
-    assert await backend.free_slot("d") == 3
-    backend.record_weight_update(["b"])
+    assert await backend.apply(RetireAdapters()) == ["c", "d"]
+    assert await backend.apply(FreeSlots(["d"])) == [3]
+    backend.apply_now(RecordWeightUpdate(["b"]))
     backend.deregister("b")  # RETIRING
 
 
@@ -73,8 +83,8 @@ async def test_reopened_backend_has_the_identical_registry(tmp_path: Path, defau
     assert reopened.adapter_status("a").step == 4 and reopened.adapter_status("a").accumulated_groups == 1
 
     # It carries on where the first left off: the recorded batch commits, versions keep rising.
-    assert reopened.mark_batch_trained(2) == ["a"]
-    assert reopened.record_weight_update(["a"]) == {"a": before[3][0] + 1}
+    assert reopened.apply_now(MarkBatchTrained(2)) == ["a"]
+    assert reopened.apply_now(RecordWeightUpdate(["a"])) == {"a": before[3][0] + 1}
     with pytest.raises(AdapterAlreadyRegisteredError, match="already registered"):
         await reopened.register("a", config={"data": str(data_root / "data" / "train.jsonl")})
 
@@ -100,7 +110,7 @@ async def test_a_new_trainer_completes_what_the_previous_one_left_retiring(
     restored = open_backend(path, defaults)
     with pytest.raises(NoFreeSlotError):  # until the new trainer starts, the slots stay taken
         restored.register_client("s-2.train.0", model_config("s-2"))
-    assert restored.requeue_for_new_trainer() == ["a"]
+    assert restored.apply_now(RequeueForNewTrainer()) == ["a"]
     states = {s.name: s.state for s in restored.statuses()}
     assert states == {"a": AdapterState.PENDING, "b": AdapterState.COMPLETED, "c": AdapterState.COMPLETED,
                       "d": AdapterState.COMPLETED, "s-1.train.0": AdapterState.COMPLETED}
@@ -122,10 +132,10 @@ async def test_every_change_is_on_disk_before_the_call_returns(tmp_path: Path, d
 
     await backend.register("a", config={"data": data})
     assert on_disk().snapshot() == backend.snapshot()
-    backend.record_weight_update(["a"])
+    backend.apply_now(RecordWeightUpdate(["a"]))
     assert on_disk().slot_versions == [1, 0, 0, 0]
-    backend.record_batch_adapters(7, {"a": 4}, ["a"])
-    backend.mark_batch_trained(7)
+    backend.apply_now(RecordBatch(7, {"a": 4}, ["a"]))
+    backend.apply_now(MarkBatchTrained(7))
     assert on_disk().step("a") == 1
     backend.deregister("a")
     assert on_disk().state("a") is AdapterState.RETIRING
@@ -192,17 +202,17 @@ async def test_restarted_trainer_keeps_the_start_step_of_a_running_adapter(
     data = str(write_dataset(data_root / "data" / "steps.jsonl", rows=40))
     backend = open_backend(tmp_path / "r.sqlite", defaults)
     await backend.register("a", config={"data": data, "num_step": 6, "rollout_batch_size": 1})
-    backend.set_adapter_step("a", 2)  # resumed from a step-2 checkpoint before its first push
-    backend.record_weight_update(["a"])
+    backend.apply_now(SetStep("a", 2))  # resumed from a step-2 checkpoint before its first push
+    backend.apply_now(RecordWeightUpdate(["a"]))
     for rollout_id in range(3):
-        backend.record_batch_adapters(rollout_id, {"a": 1}, ["a"])
-        backend.mark_batch_trained(rollout_id)
-    backend.record_batch_adapters(3, {"a": 1}, [])
-    backend.mark_batch_trained(3)
+        backend.apply_now(RecordBatch(rollout_id, {"a": 1}, ["a"]))
+        backend.apply_now(MarkBatchTrained(rollout_id))
+    backend.apply_now(RecordBatch(3, {"a": 1}, []))
+    backend.apply_now(MarkBatchTrained(3))
     assert (backend.adapter_status("a").step, backend.adapter_status("a").accumulated_groups) == (5, 1)
 
     reopened = open_backend(tmp_path / "r.sqlite", defaults)
-    reopened.set_adapter_step("a", 4)  # its latest checkpoint
+    reopened.apply_now(SetStep("a", 4))  # its latest checkpoint
     run = reopened.snapshot().active["a"]
     assert (run.step, run.start_step, run.accumulated_groups, run.final_step) == (4, 2, 0, 8)
 
@@ -213,20 +223,20 @@ async def test_a_new_trainer_over_a_restored_registry_pushes_before_anything_is_
     data = str(write_dataset(data_root / "rows.jsonl", 20))
     first = open_backend(path, defaults)
     await first.register("a", config={"data": data, "rollout_batch_size": 2, "num_step": 100})
-    first.set_adapter_step("a", 4)  # resumed before its first push: num_step counts from 4
-    first.record_weight_update(["a"])
-    first.record_batch_adapters(0, {"a": 2}, ["a"])
-    first.mark_batch_trained(0)
+    first.apply_now(SetStep("a", 4))  # resumed before its first push: num_step counts from 4
+    first.apply_now(RecordWeightUpdate(["a"]))
+    first.apply_now(RecordBatch(0, {"a": 2}, ["a"]))
+    first.apply_now(MarkBatchTrained(0))
     assert first.snapshot().active["a"].step == 5
 
     restored = open_backend(path, defaults)  # the trainer crashed and starts again
-    assert restored.requeue_for_new_trainer() == ["a"]
+    assert restored.apply_now(RequeueForNewTrainer()) == ["a"]
     snapshot = restored.snapshot()
     assert "a" in snapshot.pending and not snapshot.sampleable
-    restored.set_adapter_step("a", 5)  # the new trainer resumes the checkpoint of step 5
+    restored.apply_now(SetStep("a", 5))  # the new trainer resumes the checkpoint of step 5
     run = restored.snapshot().pending["a"]
     assert (run.step, run.start_step) == (5, 4)  # num_step still counts from the registration's start
-    restored.record_weight_update(["a"])
+    restored.apply_now(RecordWeightUpdate(["a"]))
     assert "a" in restored.snapshot().active
     assert open_backend(path, defaults).snapshot() == restored.snapshot()
 
@@ -245,20 +255,20 @@ async def test_a_failed_adapter_is_aborted_and_stays_failed_with_its_error_after
     hooks = dataclasses.replace(ROLLOUT_HOOKS, abort_prefix=abort)
     backend = MultiLoRABackend(2, defaults, "http://router", hooks, store=RegistryStore(path))
     await backend.register("bad", config={"data": str(data_root / "data" / "train.jsonl")})
-    backend.record_weight_update(["bad"])
+    backend.apply_now(RecordWeightUpdate(["bad"]))
     registration = backend.adapter_status("bad").registration_id
     failure = AdapterFailure.from_exception(ZeroDivisionError("x" * 5000), groups=8)
-    assert await backend.fail_adapter("bad", registration, failure)
+    assert await backend.apply(FailAdapter("bad", registration, failure))
     assert aborted == [("http://router", "bad::")]
-    assert not await backend.fail_adapter("bad", registration, failure)  # once only
-    assert await backend.free_slot("bad") == 0
+    assert not await backend.apply(FailAdapter("bad", registration, failure))  # once only
+    assert await backend.apply(FreeSlots(["bad"])) == [0]
     backend.store.close()
 
     reopened = open_backend(path, defaults, n_slots=2)
     status = reopened.adapter_status("bad")
     assert status.state is AdapterState.FAILED and status.last_error == failure
     assert status.last_error.error_type == "ZeroDivisionError" and len(status.last_error.message) == 1000
-    assert reopened.requeue_for_new_trainer() == [] and reopened.snapshot().failed == {"bad"}
+    assert reopened.apply_now(RequeueForNewTrainer()) == [] and reopened.snapshot().failed == {"bad"}
     await reopened.register("bad", config={"data": str(data_root / "data" / "train.jsonl")})
     assert reopened.adapter_status("bad").state is AdapterState.PENDING
 
@@ -285,10 +295,10 @@ async def test_the_registration_queue_is_on_disk_in_its_order_after_every_change
     assert full_picture(reopened) == before
     assert reopened.adapter_status("urgent").priority == 2
     # A slot that frees is taken by the head of the queue in the same write.
-    reopened.record_weight_update(["a"])
+    reopened.apply_now(RecordWeightUpdate(["a"]))
     reopened.deregister("a")
-    await reopened.retire_adapters()
-    assert await reopened.free_slot("a") == 0
+    await reopened.apply(RetireAdapters())
+    assert await reopened.apply(FreeSlots(["a"])) == [0]
     disk = on_disk()
     assert (disk.state("a"), disk.state("urgent"), disk.snapshot().queued) == (
         AdapterState.COMPLETED, AdapterState.PENDING, ("q1", "q3"))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from miles.controller.backend import MultiLoRABackend
+from miles.controller.lifecycle import ActivateClients, RequeueForNewTrainer
 from miles.controller.store import RegistryStore
 from miles.controller.tinker.gateway import (
     GatewayConfig,
@@ -264,7 +265,7 @@ def test_a_paged_model_stays_paged_over_a_restart_and_its_next_command_pages_it_
     created = gateway.create_model(session, 0, "tiny-base", LAYOUT, {})
     model, model_id = created.model, created.model_id
     assert model is not None and model_id is not None
-    gateway.backend.activate_clients([model])
+    gateway.backend.apply_now(ActivateClients([model]))
     step = gateway.submit(model_id, 1, ClientCommandKind.OPTIM_STEP,
                           lambda: OptimStepCommand(AdamStep(learning_rate=0.1)))
     clock.now += 30
@@ -284,7 +285,7 @@ def test_a_paged_model_stays_paged_over_a_restart_and_its_next_command_pages_it_
 
     store = RegistryStore(tmp_path / "registry.sqlite")
     backend = MultiLoRABackend(1, defaults, store=store)
-    backend.requeue_for_new_trainer()
+    backend.apply_now(RequeueForNewTrainer())
     restarted = TinkerGateway(backend, GatewayConfig(base_model="/m/tiny-base"), store, clock=clock)
     assert restarted.model_state(model_id) is AdapterState.PAGED and backend.registry.free_slots == [0]
     assert restarted.idle_models(0) == []  # only a model in a slot pages out

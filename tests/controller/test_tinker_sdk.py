@@ -21,6 +21,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from miles.controller.client import ControlPlaneClient
+from miles.controller.lifecycle import FreeSlots, RetireAdapters
 from miles.controller.tinker.gateway import GatewayConfig, model_name
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import (
@@ -284,8 +285,8 @@ def test_unload_fails_queued_commands_and_frees_the_slot(plane: ThreadedControll
     assert plane.call(plane.controller.take_client_commands()).empty
 
     # The driver's normal lifecycle: retire, clean up, free the slot.
-    assert name in plane.call(plane.controller.retire_adapters()).cleanup
-    snapshot = plane.call(plane.controller.free_slots([name]))
+    assert name in plane.call(plane.controller.apply(RetireAdapters())).cleanup
+    snapshot = plane.call(plane.controller.apply(FreeSlots([name])))
     assert name in snapshot.completed and snapshot.all_adapters_cleaned_up
     _, again = create_model(raw)
     assert plane.call(plane.controller.adapter_status(model_name(again))).slot == 0
@@ -407,8 +408,8 @@ def test_a_training_client_is_made_from_a_saved_state(plane: ThreadedController,
         # The first model unloaded and cleaned up, its checkpoint still loads into a new model.
         with httpx.Client(base_url=plane.url, headers={"X-API-Key": TOKEN}, trust_env=False) as raw:
             assert raw.post("/api/v1/unload_model", json={"model_id": first.model_id}).status_code == 200
-        plane.call(plane.controller.retire_adapters())
-        plane.call(plane.controller.free_slots([model_name(first.model_id)]))
+        plane.call(plane.controller.apply(RetireAdapters()))
+        plane.call(plane.controller.apply(FreeSlots([model_name(first.model_id)])))
         weights_only = service.create_training_client_from_state(saved.path).result(timeout=30)
         assert not driver.ran[-1].request.optimizer  # type: ignore[union-attr]
         assert weights_only.model_id.endswith(":train:3")

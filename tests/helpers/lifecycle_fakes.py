@@ -32,6 +32,7 @@ from miles.backends.base import (
 )
 from miles.controller.actor import ControllerConfig, MultiLoRAController
 from miles.controller.http_server import HTTPServerConfig
+from miles.controller.lifecycle import RecordBatch
 from miles.main.engine_push import PushStats
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import (
@@ -253,7 +254,7 @@ class FakeRollout:
             stats[name] = AdapterRolloutStats(groups=n_groups, rewards=tuple(s.reward for s in mine),
                                               response_lengths=tuple(s.response_length for s in mine))
         step_names = sorted(groups)
-        await self.controller.record_batch_adapters.remote(rollout_id, groups, step_names)
+        await self.controller.apply.remote(RecordBatch(rollout_id, groups, step_names))
         return RolloutBatch(rollout_id=rollout_id, samples=samples, prompt_group_sizes=sizes,
                             groups_per_adapter=groups, step_names=step_names, per_adapter=stats,
                             stats=RolloutStats(batch_n_samples=len(samples)))

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from miles.controller.lifecycle import FailAdapter, RecordBatch, Transition
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.types import AdapterFailure, AdapterRun, MultiLoRASnapshot, PromptGroup, Sample
 from tests.helpers.waiting import wait_until_async
@@ -33,29 +34,33 @@ class FakeController:
         self.snapshot_reads = 0
         """How many times the code under test read the snapshot (a producer reads it once per round)."""
         self.failures: list[tuple[str, str, AdapterFailure]] = []
-        """(name, registration id, failure) of every `fail_adapter` call."""
+        """(name, registration id, failure) of every `FailAdapter` applied."""
         self.snapshot = FakeMethod(self._snapshot)
-        self.record_batch_adapters = FakeMethod(self._record)
-        self.fail_adapter = FakeMethod(self._fail)
+        self.apply = FakeMethod(self._apply)
 
     async def _snapshot(self) -> MultiLoRASnapshot:
         self.snapshot_reads += 1
         return self.current
 
-    async def _record(self, rollout_id: int, groups: dict[str, int], step_names: list[str]) -> None:
-        self.records.append((rollout_id, dict(groups), list(step_names)))
+    async def _apply(self, op: Transition[Any]) -> MultiLoRASnapshot:
+        if isinstance(op, RecordBatch):
+            self.records.append((op.rollout_id, dict(op.groups), list(op.step_names)))
+        elif isinstance(op, FailAdapter):
+            self._fail(op.name, op.registration_id, op.failure)
+        else:
+            raise AssertionError(f"the rollout side does not apply {op!r}")
+        return self.current
 
-    async def _fail(self, name: str, registration_id: str, failure: AdapterFailure) -> bool:
+    def _fail(self, name: str, registration_id: str, failure: AdapterFailure) -> None:
         """As the registry does: a sampleable registration moves to CLEANUP."""
         self.failures.append((name, registration_id, failure))
         run = self.current.sampleable.get(name)
         if run is None or run.registration_id != registration_id:
-            return False
+            return
         self.current = dataclasses.replace(
             self.current, active={n: r for n, r in self.current.active.items() if n != name},
             retiring={n: r for n, r in self.current.retiring.items() if n != name},
             cleanup=self.current.cleanup | {name})
-        return True
 
 
 class FakeClock:

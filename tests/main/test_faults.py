@@ -31,6 +31,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ from safetensors.torch import load_file
 
 from miles.backends.base import TrainRankLostError, TrainResult
 from miles.backends.torch.checkpoint import TRAINER_STATE, Checkpoint, latest_checkpoint, read_checkpoint
+from miles.controller.lifecycle import MarkBatchTrained, Transition
 from miles.main import launch, train_multi_lora_async
 from miles.main.launch import Components
 from miles.main.progress import RunProgress
@@ -76,9 +78,10 @@ class CommitLog(InProcessController):
         super().__init__(*args, **kwargs)
         self.committed: list[int] = []
 
-    async def mark_batch_trained(self, rollout_id: int) -> MultiLoRASnapshot:
-        self.committed.append(rollout_id)
-        return await super().mark_batch_trained(rollout_id)
+    async def apply(self, op: Transition[Any]) -> MultiLoRASnapshot:
+        if isinstance(op, MarkBatchTrained):
+            self.committed.append(op.rollout_id)
+        return await super().apply(op)
 
 
 class StoppableRollout(FakeRollout):

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from miles.backends.base import TrainingBackend
+from miles.controller.lifecycle import FreeSlots, RecordWeightUpdate, SetStep
 from miles.controller.tinker.gateway import LoraLayout, SessionInfo
 from miles.main import train_async, train_multi_lora_async
 from miles.rollout.buffers import AdapterBuffers
@@ -165,21 +166,18 @@ async def test_a_queued_adapter_is_active_in_the_iteration_that_frees_its_slot(t
     assert (t.status("b").state, t.status("b").slot, t.status("b").queue_position) == (AdapterState.QUEUED, None, 1)
     backend = t.controller.backend
     events: list[tuple[str, str, int]] = []  # (what, adapter, generate calls so far)
-    free_slot, record_weight_update = backend.free_slot, backend.record_weight_update
+    apply = backend.apply
 
-    async def free_and_note(name):
-        slot = await free_slot(name)
-        events.append(("freed", name, t.rollout.snapshots_given))
-        return slot
+    async def apply_and_note(op):
+        result = await apply(op)
+        if isinstance(op, FreeSlots):
+            events.extend(("freed", n, t.rollout.snapshots_given) for n, slot in zip(op.names, result) if slot >= 0)
+        if isinstance(op, RecordWeightUpdate):
+            events.extend(("active", n, t.rollout.snapshots_given) for n in op.names
+                          if backend.registry.state(n) is AdapterState.ACTIVE)
+        return result
 
-    def record_and_note(names):
-        versions = record_weight_update(names)
-        events.extend(("active", n, t.rollout.snapshots_given) for n in names
-                      if backend.registry.state(n) is AdapterState.ACTIVE)
-        return versions
-
-    monkeypatch.setattr(backend, "free_slot", free_and_note)
-    monkeypatch.setattr(backend, "record_weight_update", record_and_note)
+    monkeypatch.setattr(backend, "apply", apply_and_note)
     await t.run_until_idle()
 
     freed = next(generated for what, name, generated in events if (what, name) == ("freed", "a"))
@@ -224,7 +222,7 @@ async def test_a_new_trainer_resumes_from_the_disk_and_saves_at_shutdown(tmp_pat
 async def test_a_restored_step_without_a_checkpoint_follows_the_weights(tmp_path):
     trainer = Trainer(tmp_path)  # its backend's disk is empty: no checkpoint of "a"
     await trainer.register("a", num_step=5)
-    trainer.controller.backend.set_adapter_step("a", 3)  # what a registry restored from --save may hold
+    trainer.controller.backend.apply_now(SetStep("a", 3))  # what a registry restored from --save may hold
     snapshot = await trainer.stages.slots.reconcile(trainer.snapshot())
     assert snapshot.pending["a"].step == 0 and trainer.snapshot().pending["a"].step == 0
 

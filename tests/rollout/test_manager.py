@@ -15,6 +15,7 @@ import httpx
 import pytest
 import ray
 
+from miles.controller.lifecycle import MarkBatchTrained, RecordWeightUpdate
 from miles.lora.peft_io import read_peft_dir
 from miles.rollout.data_source import AdapterDataset
 from miles.utils.arguments import MilesConfig
@@ -77,7 +78,7 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
                     reply = await client.post(f"{url}/load_lora_adapter",
                                               json={"lora_name": engine_lora_name(slot), "lora_path": path})
                     assert reply.status_code == 200, reply.text
-        await controller.record_weight_update.remote(["a", "b"])
+        await controller.apply.remote(RecordWeightUpdate(["a", "b"]))
 
         batch = await manager.generate.remote(0)
         assert batch.groups_per_adapter == {"a": 2, "b": 2} and batch.step_names == ["a", "b"]
@@ -102,7 +103,7 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
         positions = await manager.data_positions.remote()
         stream_index = {name: p.epoch * len(rows) + p.index for name, p in positions.items()}
         assert 10 <= stream_index["a"] <= 12 and 2 <= stream_index["b"] <= 4  # at most one step drawn ahead
-        committed = await controller.mark_batch_trained.remote(0)
+        committed = await controller.apply.remote(MarkBatchTrained(0))
         assert {name: run.step for name, run in committed.live.items()} == {"a": 1, "b": 1}
 
         # The only engine's actor dies. Ray restarts it; the fleet loads the recorded slots and
@@ -116,7 +117,7 @@ async def test_manager_generates_an_accounted_batch_and_disposes(ray_session, ti
         for rollout_id in (1, 2):  # at most one step is drawn ahead: the second needs the restarted engine
             batch = await manager.generate.remote(rollout_id)
             assert batch.groups_per_adapter == {"a": 2, "b": 2}
-            committed = await controller.mark_batch_trained.remote(rollout_id)
+            committed = await controller.apply.remote(MarkBatchTrained(rollout_id))
             steps = {name: run.step for name, run in committed.live.items()}
             assert steps == {"a": 1 + rollout_id, "b": 1 + rollout_id}
         [new_url] = await worker_urls(router)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.controller.backend import MultiLoRABackend
+from miles.controller.lifecycle import PageIn, PageOut, RecordClientCheckpoint, RecordClientStep
 from miles.controller.registry import AdapterValidationError, NoFreeSlotError, NoSlotToPageInError
 from miles.controller.store import RegistryStore
 from miles.controller.tinker.checkpoints import (
@@ -446,7 +447,7 @@ class TinkerGateway:
 
     def _page_in(self, name: str) -> None:
         try:
-            slot = self.backend.page_in_client(name)
+            slot = self.backend.apply_now(PageIn(name))
         except NoSlotToPageInError as exc:
             raise GatewayBusyError(str(exc)) from None
         logger.info("Tinker model '%s' was paged out while idle; its command pages it back in (slot %d)", name, slot)
@@ -467,7 +468,7 @@ class TinkerGateway:
         in meanwhile, or it is not ACTIVE any more."""
         if self.log.busy(name):
             return False
-        return self.backend.page_out_client(name, directory) >= 0
+        return self.backend.apply_now(PageOut(name, directory)) >= 0
 
     def paged_count(self) -> int:
         return self.backend.registry.paged_count
@@ -756,9 +757,9 @@ class TinkerGateway:
             return future
         self._last_active[future.model] = self.clock()
         if future.kind is FutureKind.OPTIM_STEP:
-            self.backend.record_client_step(future.model)
+            self.backend.apply_now(RecordClientStep(future.model))
         elif isinstance(future.request, SaveStateCommand | LoadStateCommand):
-            self.backend.record_client_checkpoint(future.model, future.request.directory)
+            self.backend.apply_now(RecordClientCheckpoint(future.model, future.request.directory))
         if isinstance(future.request, SaveStateCommand | SaveForSamplerCommand):
             ttl = future.request.ttl_seconds if isinstance(future.request, SaveForSamplerCommand) else None
             self.checkpoints.add(CheckpointPath.parse(future.request.tinker_path), future.request.directory, ttl)

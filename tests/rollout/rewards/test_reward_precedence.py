@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
+from miles.controller.lifecycle import RecordWeightUpdate
 from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
 from miles.rollout.datasets import validate_dataset
@@ -30,7 +31,7 @@ async def draw_rewards(tmp_path: Path, adapter_config: dict) -> dict[str, str]:
     hooks = ControllerHooks(validate_dataset=validate_dataset, validate_reward=validate_reward_spec)
     backend = MultiLoRABackend(1, AdapterDefaults(save=str(tmp_path / "save"), rm_type=CLI_RM_TYPE), None, hooks)
     await backend.register("a", config={"data": str(data), **adapter_config})
-    backend.record_weight_update(["a"])
+    backend.apply_now(RecordWeightUpdate(["a"]))
     run = backend.snapshot().active["a"]
 
     source = MultiLoRADataSource(DataSourceConfig(seed=0, apply_chat_template=False, default_rm_type=CLI_RM_TYPE),
