@@ -39,9 +39,9 @@ from miles.controller.store import RegistryStore
 from miles.controller.tinker.command_log import ErrorCategory
 from miles.controller.tinker.gateway import GatewayConfig, TinkerGateway
 from miles.utils.adapter_config import AdapterDefaults
+from miles.utils.arguments import DEFAULT_QUEUE_SIZE
 from miles.utils.plugins import PluginError, load_subclass
 from miles.utils.types import (
-    DEFAULT_QUEUE_SIZE,
     AdapterFailure,
     AdapterGauges,
     AdapterState,

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.controller.registry import (
-    DEFAULT_QUEUE_SIZE,
     AdapterRegistry,
     AdapterRegistryError,
     AdapterValidationError,
@@ -59,6 +58,7 @@ from miles.utils.adapter_config import (
     resolved_field,
     validate_adapter_name,
 )
+from miles.utils.arguments import DEFAULT_QUEUE_SIZE
 from miles.utils.router_workers import abort_on_workers
 from miles.utils.types import (
     AdapterFailure,

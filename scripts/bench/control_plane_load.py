@@ -51,7 +51,8 @@ from miles.controller.http_server import HTTPServerConfig  # noqa: E402
 from miles.rollout.datasets import validate_dataset  # noqa: E402
 from miles.rollout.rewards import validate_reward_spec  # noqa: E402
 from miles.utils.adapter_config import AdapterDefaults  # noqa: E402
-from miles.utils.types import DEFAULT_QUEUE_SIZE, AdapterState  # noqa: E402
+from miles.utils.arguments import DEFAULT_QUEUE_SIZE  # noqa: E402
+from miles.utils.types import AdapterState  # noqa: E402
 
 TOKEN = "load-test-token"
 

@@ -19,8 +19,9 @@ from miles.controller.registry import AdapterValidationError
 from miles.rollout.engines.process import ServerProcess, free_port, on_probed_ports
 from miles.rollout.engines.router import build_router_command
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig
+from miles.utils.arguments import DEFAULT_QUEUE_SIZE
 from miles.utils.router_workers import abort_on_workers, discover_workers
-from miles.utils.types import DEFAULT_QUEUE_SIZE, AdapterState
+from miles.utils.types import AdapterState
 
 
 def make_backend(defaults: AdapterDefaults, router_url: str | None = None, n_slots: int = 2,
