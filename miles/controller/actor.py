@@ -11,7 +11,7 @@ handle to whoever needs it:
     ray.get(controller.set_router_url.remote("http://127.0.0.1:30000"))
     snapshot = ray.get(controller.snapshot.remote())
 
-It also runs without Ray (`python -m miles.controller`), as a plain object whose
+It also runs without Ray (`python -m miles.main.control_plane`), as a plain object whose
 `start()` serves on the running loop.
 
 The registry is written through to `{--save or --run-dir}/controller/registry.sqlite`
@@ -34,15 +34,14 @@ from typing import TYPE_CHECKING, Any
 
 from miles.controller.backend import BackendArgs, ControllerHooks, DatasetLimits, MultiLoRABackend
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
-from miles.controller.lifecycle import RequeueForNewTrainer, Transition
 from miles.controller.registry import AdapterAlreadyRegisteredError
 from miles.controller.store import RegistryStore
 from miles.controller.tinker.command_log import ErrorCategory
 from miles.controller.tinker.gateway import GatewayConfig, TinkerGateway
 from miles.utils.adapter_config import AdapterDefaults
+from miles.utils.arguments import DEFAULT_QUEUE_SIZE
 from miles.utils.plugins import PluginError, load_subclass
 from miles.utils.types import (
-    DEFAULT_QUEUE_SIZE,
     AdapterGauges,
     AdapterState,
     AdapterStatus,
@@ -50,6 +49,7 @@ from miles.utils.types import (
     ClientResult,
     MultiLoRASnapshot,
 )
+from miles.utils.types.lifecycle_ops import RequeueForNewTrainer, Transition
 
 if TYPE_CHECKING:
     from miles.utils.arguments import MilesConfig
@@ -257,7 +257,7 @@ class MultiLoRAController:
         return self.backend.deregister(name)
 
     async def apply(self, op: Transition[Any]) -> MultiLoRASnapshot:
-        """Apply one lifecycle transition (`miles.controller.lifecycle`: retire, free, push,
+        """Apply one lifecycle transition (`miles.utils.types.lifecycle_ops`: retire, free, push,
         batch, resume, ...); answers the registry's snapshot after it."""
         await self.backend.apply(op)
         return self.backend.snapshot()

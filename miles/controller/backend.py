@@ -2,8 +2,9 @@
 
 `register` resolves and validates an adapter (config, `validate_adapter` hook, the dataset
 read once off the event loop) before the registry takes it; `apply(op)` runs any other
-lifecycle transition (`miles/controller/lifecycle.py`), aborting the requests it names on
-every worker behind the router, and writes the rows it changed through to the store.
+lifecycle transition (`miles/utils/types/lifecycle_ops.py`, run by `lifecycle.py`),
+aborting the requests it names on every worker behind the router, and writes the rows it
+changed through to the store.
 Subclass it (`--multi-lora-backend-path`) to add checks: override `validate_adapter`,
 `async def` or plain, raising `ValueError` to refuse a registration with a 400.
 """
@@ -22,9 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
-from miles.controller.lifecycle import AbortingTransition, Transition
+from miles.controller import lifecycle
 from miles.controller.registry import (
-    DEFAULT_QUEUE_SIZE,
     AdapterRegistry,
     AdapterRegistryError,
     AdapterValidationError,
@@ -43,6 +43,7 @@ from miles.utils.adapter_config import (
     resolved_field,
     validate_adapter_name,
 )
+from miles.utils.arguments import DEFAULT_QUEUE_SIZE
 from miles.utils.router_workers import abort_on_workers
 from miles.utils.types import (
     AdapterGauges,
@@ -52,6 +53,7 @@ from miles.utils.types import (
     MultiLoRASnapshot,
     adapter_rid_prefix,
 )
+from miles.utils.types.lifecycle_ops import AbortingTransition, Transition
 
 if TYPE_CHECKING:
     from miles.utils.arguments import MilesConfig
@@ -371,14 +373,14 @@ class MultiLoRABackend:
     # ---- the lifecycle's other transitions -----------------------------------------
 
     async def apply(self, op: Transition[R]) -> R:
-        """Apply one lifecycle transition (`miles.controller.lifecycle`): abort the requests it
-        names first, run it on the registry, write the rows it changed through to the store,
+        """Apply one lifecycle transition (`miles.utils.types.lifecycle_ops`): abort the requests
+        it names first, run it on the registry, write the rows it changed through to the store,
         then abort the requests it names after. Answers what the transition answers."""
         if not isinstance(op, AbortingTransition):
             return self._run(op)
-        await self._abort(op.aborts_before(self.registry))
+        await self._abort(lifecycle.aborts_before(self.registry, op))
         result = self._run(op)
-        await self._abort(op.aborts_after(result))
+        await self._abort(lifecycle.aborts_after(op, result))
         return result
 
     def apply_now(self, op: Transition[R]) -> R:
@@ -388,7 +390,7 @@ class MultiLoRABackend:
         return self._run(op)
 
     def _run(self, op: Transition[R]) -> R:
-        result = op.run(self.registry)
+        result: R = lifecycle.run(self.registry, op)
         if op.persisted:
             self._persist()
         return result

@@ -11,7 +11,7 @@
 
 `--url` (env `MILES_LORA_URL`, default http://127.0.0.1:8068) names the control plane:
 the trainer's (`python -m miles.main.train_multi_lora_async`) or the standalone one
-(`python -m miles.controller`); `--token` (env `MILES_API_TOKEN`) is its bearer token.
+(`python -m miles.main.control_plane`); `--token` (env `MILES_API_TOKEN`) is its bearer token.
 `--set` values are read as YAML scalars, so `num_step=20` is a number and
 `metadata={rm_type: math}` a mapping. `--yaml FILE` is read by the control plane itself
 (the path must be on its machine and inside its allowed roots).
@@ -89,7 +89,7 @@ def _call(action: str, fn: Any, *args: Any, adapter: str | None = None, **kwargs
         _fail(f"{action}: HTTP {exc.status_code}: {exc.detail}", EXIT_REFUSED)
     except httpx.TransportError as exc:
         _fail(f"cannot reach the control plane at {OPTIONS.url} ({type(exc).__name__}: {exc}); is the trainer "
-              "or `python -m miles.controller` running? Set --url or MILES_LORA_URL", EXIT_UNREACHABLE)
+              "or `python -m miles.main.control_plane` running? Set --url or MILES_LORA_URL", EXIT_UNREACHABLE)
 
 
 def _print_json(value: Any) -> None:

@@ -40,8 +40,8 @@ from miles.controller.registry_records import (
     record_to_json,
 )
 from miles.utils.adapter_config import AdapterConfigError, AdapterRunConfig, resolved_field, validate_adapter_name
+from miles.utils.arguments import DEFAULT_QUEUE_SIZE
 from miles.utils.types import (
-    DEFAULT_QUEUE_SIZE,
     AdapterFailure,
     AdapterKind,
     AdapterRun,

@@ -333,3 +333,19 @@ class RegistryStore:
             positions[(table, key)] = last = position
             placed.append(position)
         return placed
+
+
+def registry_statuses(path: Path) -> list[dict[str, Any]] | None:
+    """The adapters a run's registry file holds, as `GET /adapter_runs` words them; None
+    when there is no such file (the standalone dashboard reads a finished run's)."""
+    if not path.is_file():
+        return None
+    store = RegistryStore(path)
+    try:
+        state = store.load()
+    finally:
+        store.close()
+    if state is None:
+        return []
+    registry = AdapterRegistry.from_state(state, state.n_slots)
+    return [s.model_dump(mode="json") for s in registry.statuses()]

@@ -25,7 +25,8 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from miles.dashboard.data import DUMP_SUBDIR, RunFiles, adapters_from_records, registry_statuses
+from miles.controller.store import registry_statuses
+from miles.dashboard.data import DUMP_SUBDIR, RunFiles, adapters_from_records
 from miles.dashboard.routes import PAGE_PATH, install_dashboard, is_public
 from miles.utils.network import tcp_listener
 

@@ -1,4 +1,4 @@
-"""What the dashboard reads: a run directory's `metrics.jsonl`, its rollout dump, its registry.
+"""What the dashboard reads: a run directory's `metrics.jsonl` and its rollout dump.
 
     files = RunFiles(Path("runs/demo"), dump_dir=Path("runs/demo/details/rollouts"))
     page = files.records(offset=0)             # {"offset": 1234, "records": [...], "more": False, "reset": False}
@@ -123,25 +123,6 @@ class RunFiles:
         if not isinstance(document, dict):
             raise UnknownRolloutError(f"Rollout {rollout_id} of adapter {folder.name!r} is not a dump document")
         return document
-
-
-def registry_statuses(path: Path) -> list[dict[str, Any]] | None:
-    """The adapters a run's registry file holds, as `GET /adapter_runs` words them; None
-    when there is no such file."""
-    from miles.controller.registry import AdapterRegistry
-    from miles.controller.store import RegistryStore
-
-    if not path.is_file():
-        return None
-    store = RegistryStore(path)
-    try:
-        state = store.load()
-    finally:
-        store.close()
-    if state is None:
-        return []
-    registry = AdapterRegistry.from_state(state, state.n_slots)
-    return [s.model_dump(mode="json") for s in registry.statuses()]
 
 
 def adapters_from_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -10,18 +10,9 @@ Slots are read and written in PEFT's names and directory format, so what a slot 
 loads with `peft.PeftModel.from_pretrained` and PEFT-made adapters load into slots.
 """
 
-from miles.lora.layer import (
-    DeltaMode,
-    MultiLoRALinear,
-    SlotBatch,
-    active_routing,
-    inject_multi_lora,
-    lora_modules,
-    restore_routing,
-    set_delta_mode,
-    slot_parameters,
-    use_slots,
-)
+from miles.lora.delta import DeltaMode
+from miles.lora.layer import MultiLoRALinear
+from miles.lora.model import inject_multi_lora, lora_modules, set_delta_mode, slot_parameters, use_slots
 from miles.lora.peft_io import (
     export_peft_adapter,
     load_peft_adapter,
@@ -30,6 +21,8 @@ from miles.lora.peft_io import (
     read_peft_dir,
     write_peft_dir,
 )
+from miles.lora.routing import active_routing, restore_routing
+from miles.lora.slot_batch import SlotBatch
 from miles.lora.slots import (
     clear_slot,
     fresh_slot_weights,

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from miles.lora.layer import require_lora, resolve_targets
+from miles.lora.model import require_lora, resolve_targets
 from miles.lora.slots import get_slot_weights, peft_names, set_slot_weights, slot_rank_alpha
 
 CONFIG_FILE = "adapter_config.json"

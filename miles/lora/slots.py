@@ -13,7 +13,8 @@ import math
 import torch
 from torch import nn
 
-from miles.lora.layer import MultiLoRALinear, check_rank, require_lora
+from miles.lora.layer import MultiLoRALinear, check_rank
+from miles.lora.model import require_lora
 
 PEFT_PREFIX = "base_model.model."
 _A_SUFFIX = ".lora_A.weight"

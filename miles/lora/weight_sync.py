@@ -80,7 +80,14 @@ def join_update_group(spec: UpdateGroupSpec, rank: int, store: dist.Store | None
     """
     # Private torch helpers, used exactly as SGLang's server uses them: the store keys and
     # the group must match on both sides, and the trainer's default group stays untouched.
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        GroupName,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
 
     if not 0 <= rank < spec.world_size:
         raise ValueError(f"rank {rank} is outside the weights-update group of size {spec.world_size}")
@@ -91,7 +98,7 @@ def join_update_group(spec: UpdateGroupSpec, rank: int, store: dist.Store | None
                                                   spec.world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(spec.backend),
-                                         PrefixStore(spec.group_name, store), group_name=spec.group_name,
+                                         PrefixStore(spec.group_name, store), group_name=GroupName(spec.group_name),
                                          timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group

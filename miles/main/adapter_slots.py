@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles.backends.base import AdapterSpec, SaveRequest, TrainingBackend
-from miles.controller.lifecycle import ActivateClients, FreeSlots, RetireAdapters, SetStep
 from miles.main.early_activation import EarlyActivation
 from miles.main.handles import ControllerHandle, RolloutManagerHandle
 from miles.main.weight_push import WeightPush
 from miles.utils.adapter_config import resolved_field
 from miles.utils.types import DataPosition, MultiLoRASnapshot
+from miles.utils.types.lifecycle_ops import ActivateClients, FreeSlots, RetireAdapters, SetStep
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
-from miles.controller.lifecycle import Transition
 from miles.utils.types import ClientCommandBatch, DataPosition, MultiLoRASnapshot, RolloutBatch
+from miles.utils.types.lifecycle_ops import Transition
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -23,7 +23,7 @@ class Remote(Protocol[T_co]):
 
 
 class ApplyRemote(Protocol):
-    """`await controller.apply.remote(op)`: one lifecycle transition (`miles.controller.lifecycle`),
+    """`await controller.apply.remote(op)`: one lifecycle transition (`miles.utils.types.lifecycle_ops`),
     answered with the registry's snapshot after it."""
 
     def remote(self, op: Transition[Any], /) -> Awaitable[MultiLoRASnapshot]: ...

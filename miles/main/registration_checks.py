@@ -1,7 +1,7 @@
 """The checks the controller runs on a registration, handed to it by whoever starts it.
 
 The controller imports no rollout code: the trainer's launcher and the standalone control
-plane (`python -m miles.controller`) both build these hooks from the rollout side, so a
+plane (`python -m miles.main.control_plane`) both build these hooks from the rollout side, so a
 registration is checked the same way by either (`controller_hooks(cfg)`).
 """
 
@@ -15,7 +15,7 @@ def controller_hooks(cfg: MilesConfig) -> ControllerHooks:
     """The checks the controller runs at registration (it imports no rollout code): the
     dataset's rows that fit `--rollout-max-prompt-len` (so `num_step` is derived after the
     filter, as in Miles), the reward, and the generate function and filter as the rollout
-    calls them. The standalone control plane (`python -m miles.controller`) runs the same."""
+    calls them. The standalone control plane (`python -m miles.main.control_plane`) runs the same."""
     from miles.rollout.data_source import DatasetCheck
     from miles.rollout.generate import validate_rollout_plugins
     from miles.rollout.rewards import validate_reward_spec

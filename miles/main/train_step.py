@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from miles.backends.base import AdapterStepStats, TrainingBackend, TrainRankLostError, TrainResult
-from miles.controller.lifecycle import MarkBatchTrained
 from miles.main.handles import ControllerHandle
 from miles.main.weight_push import WeightPush
 from miles.utils.types import ClientWork, MultiLoRASnapshot, RolloutBatch
+from miles.utils.types.lifecycle_ops import MarkBatchTrained
 
 logger = logging.getLogger(__name__)
 

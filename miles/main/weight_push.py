@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from typing import Protocol, overload
 
 from miles.backends.base import LoraExport, TrainingBackend
-from miles.controller.lifecycle import BeginWeightUpdate, RecordWeightUpdate
 from miles.main.engine_push import PushStats
 from miles.main.handles import ControllerHandle
 from miles.utils.types import MultiLoRASnapshot
+from miles.utils.types.lifecycle_ops import BeginWeightUpdate, RecordWeightUpdate
 
 logger = logging.getLogger(__name__)
 

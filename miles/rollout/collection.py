@@ -34,9 +34,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from miles.controller.lifecycle import RecordBatch
 from miles.rollout.buffers import AdapterBuffers
-from miles.utils.adapter_config import min_groups_per_dp_split
+from miles.utils.adapter_config import min_groups_per_dp_split, resolved_field
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import (
     AdapterRolloutStats,
@@ -48,6 +47,7 @@ from miles.utils.types import (
     RolloutStats,
     SampleStatus,
 )
+from miles.utils.types.lifecycle_ops import RecordBatch
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class CollectionConfig:
 
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> CollectionConfig:
+        assert cfg.global_batch_size is not None and cfg.actor_num_workers is not None, "MilesConfig resolves both"
         return cls(
             global_batch_size=cfg.global_batch_size,
             dp_size=cfg.actor_num_workers,
@@ -101,9 +102,13 @@ class CollectionConfig:
         )
 
 
+def _samples_per_group(run: AdapterRun) -> int:
+    return resolved_field(run.config.n_samples_per_prompt, "n_samples_per_prompt")
+
+
 def remaining_groups(run: AdapterRun) -> int:
     """Groups still needed to complete the adapter's current step."""
-    return run.config.rollout_batch_size - run.accumulated_groups
+    return resolved_field(run.config.rollout_batch_size, "rollout_batch_size") - run.accumulated_groups
 
 
 @dataclass
@@ -205,7 +210,7 @@ class BatchCollector:
         return {name: run for name, run in adapters.items() if not self.producer.gave_up(run.registration_id)}
 
     def _unit(self, run: AdapterRun) -> int:
-        return min_groups_per_dp_split(run.config.n_samples_per_prompt, self.config.dp_size)
+        return min_groups_per_dp_split(_samples_per_group(run), self.config.dp_size)
 
     def _take_turn(self, adapters: dict[str, AdapterRun], batch: _Batch) -> list[PromptGroup]:
         """One round-robin turn: the first adapter (from the cursor) that can give a unit."""
@@ -220,7 +225,7 @@ class BatchCollector:
             buffer = self.buffers.get(name)
             if len(buffer) < unit or remaining_groups(run) - batch.per_adapter[name] < unit:
                 continue
-            unit_samples = unit * run.config.n_samples_per_prompt
+            unit_samples = unit * _samples_per_group(run)
             # A unit bigger than the whole target still ships alone, or it never could.
             if batch.groups and batch.n_samples + unit_samples > self.config.global_batch_size:
                 continue
@@ -233,7 +238,7 @@ class BatchCollector:
         for name, run in self._generating(adapters).items():
             unit = self._unit(run)
             if (remaining_groups(run) - batch.per_adapter[name] >= unit
-                    and unit * run.config.n_samples_per_prompt <= room):
+                    and unit * _samples_per_group(run) <= room):
                 return False
         return True
 
@@ -248,7 +253,8 @@ class BatchCollector:
                 return DropReason.STALE
             return None
 
-        dropped = Counter(reason(g) for g in self.buffers.get(run.name).drop_where(lambda g: reason(g) is not None))
+        dropped = Counter(why for g in self.buffers.get(run.name).drop_where(lambda g: reason(g) is not None)
+                          if (why := reason(g)) is not None)
         for why, count in dropped.items():
             self.drops[run.name, why] += count
         if dropped[DropReason.FOREIGN]:

@@ -26,6 +26,7 @@ from typing import Any
 
 from miles.rollout.datasets import check_rows, read_rows, validate_dataset
 from miles.rollout.rewards import RewardSpec
+from miles.utils.adapter_config import resolved_field
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import AdapterRun, DataPosition, MultiLoRASnapshot, Sample
 
@@ -200,13 +201,14 @@ class MultiLoRADataSource:
     async def _load(self, run: AdapterRun) -> None:
         cfg = run.config
         try:
+            input_key = resolved_field(cfg.input_key, "input_key")
             rows = await asyncio.to_thread(read_rows, cfg.data)
             if not rows:
                 raise ValueError(f"dataset {cfg.data}: empty, it needs at least one row")
-            check_rows(rows, cfg.data, cfg.input_key, cfg.label_key)
+            check_rows(rows, cfg.data, input_key, cfg.label_key)
             if self.config.max_prompt_len is not None:
                 rows = await asyncio.to_thread(
-                    keep_short_prompts, rows, cfg.data, cfg.input_key, self.tokenizer,
+                    keep_short_prompts, rows, cfg.data, input_key, self.tokenizer,
                     self.config.max_prompt_len, self.config.apply_chat_template)
         except asyncio.CancelledError:
             raise
@@ -248,12 +250,13 @@ class MultiLoRADataSource:
     def next_prompt(self, run: AdapterRun) -> PromptItem:
         """The adapter's next prompt, tokenized (the dataset must be `ready`)."""
         cfg = run.config
+        input_key = resolved_field(cfg.input_key, "input_key")
         group_index, row = self._loaded[run.name].dataset.next_row()
-        prompt = self._render(row[cfg.input_key])
+        prompt = self._render(row[input_key])
         label_value = row.get(cfg.label_key) if cfg.label_key else None
         return PromptItem(
             adapter=run.name, slot=run.slot, group_index=group_index, prompt=prompt,
-            prompt_ids=self._encode(prompt, templated=self._templated(row[cfg.input_key])),
+            prompt_ids=self._encode(prompt, templated=self._templated(row[input_key])),
             label=None if label_value is None else str(label_value),
             metadata={**cfg.metadata, **_row_metadata(row, cfg.metadata_key, run.name)},
             reward=RewardSpec(cfg.rm_type, cfg.custom_rm_path, self.config.default_rm_type),

@@ -60,6 +60,8 @@ class LocalRolloutManager:
             return self._fleet.router_url
         # The tokenizer loads (importing transformers) while the engines start; if either fails,
         # the other is stopped too.
+        if self.cfg.hf_checkpoint is None:
+            raise ValueError("the rollout needs the base model: set --hf-checkpoint")
         tokenizer_load = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, self.cfg.hf_checkpoint))
         fleet_start = asyncio.ensure_future(EngineFleet.start(EngineFleetConfig.from_config(
             self.cfg, lora_update=self.cfg.engine_lora_update)))

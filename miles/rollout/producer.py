@@ -46,7 +46,6 @@ from typing import Any
 
 import aiohttp
 
-from miles.controller.lifecycle import FailAdapter
 from miles.rollout.adapter_health import AdapterHealth, AdapterLimits
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.data_source import MultiLoRADataSource, PromptItem
@@ -67,8 +66,10 @@ from miles.rollout.generate import (
     load_generate_function,
 )
 from miles.rollout.rewards.evaluate import score_group
+from miles.utils.adapter_config import resolved_field
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import AdapterFailure, AdapterRun, GenerationCounts, MultiLoRASnapshot, PromptGroup
+from miles.utils.types.lifecycle_ops import FailAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -324,7 +325,8 @@ class RolloutProducer:
 
     def _covered(self, run: AdapterRun, groups_ahead: int) -> bool:
         steps = self.config.buffer_steps
-        return steps is not None and groups_ahead >= steps * run.config.rollout_batch_size
+        return steps is not None and groups_ahead >= steps * resolved_field(run.config.rollout_batch_size,
+                                                                            "rollout_batch_size")
 
     async def _settle(self, task: asyncio.Task[_Outcome], run: AdapterRun) -> None:
         exc = task.exception()
@@ -367,13 +369,13 @@ class RolloutProducer:
 
     def _generate_fn(self, run: AdapterRun | None) -> GenerateFn:
         path = (run.config.custom_generate_function_path if run else None) or self.config.custom_generate_path
-        if path not in self._generate_fns:
+        if path is not None and path not in self._generate_fns:  # None: the built-in single turn
             self._generate_fns[path] = load_generate_function(path)
         return self._generate_fns[path]
 
     def _dynamic_filter(self, run: AdapterRun | None) -> DynamicFilter | None:
         path = (run.config.dynamic_sampling_filter_path if run else None) or self.config.dynamic_filter_path
-        if path not in self._filters:
+        if path is not None and path not in self._filters:  # None: no filter
             self._filters[path] = load_dynamic_filter(path)
         return self._filters[path]
 
@@ -415,8 +417,11 @@ class RolloutProducer:
         # Stamped now, at submission: staleness counts pushes since the request left.
         group = PromptGroup(adapter=run.name, slot=run.slot, version=run.version,
                             registration_id=run.registration_id,
-                            samples=item.new_samples(run.config.n_samples_per_prompt))
+                            samples=item.new_samples(resolved_field(run.config.n_samples_per_prompt,
+                                                                    "n_samples_per_prompt")))
         generate = self._generate_fn(run)
+        if self._client is None:
+            raise RuntimeError("the producer generates only between start() and stop()")
         engine = AdapterEngine(self._client, self.router_url, run.name, lambda: self._stamped_lora_name(run))
         results = await asyncio.gather(
             *(call_generate_function(generate, GenerateFnInput(args=self.reward_args, sample=s, engine=engine,
@@ -427,7 +432,7 @@ class RolloutProducer:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
-        group.samples = list(results)
+        group.samples = [r for r in results if not isinstance(r, BaseException)]
         if group.aborted:
             self.counts[run.name, GroupEvent.ABORTED] += 1
             return _Outcome(GroupEvent.ABORTED)
@@ -438,6 +443,7 @@ class RolloutProducer:
         if (dynamic_filter := self._dynamic_filter(run)) is not None:
             verdict = await call_dynamic_filter(dynamic_filter, self.reward_args, group.samples)
             if not verdict.keep:
+                assert verdict.reason is not None, "call_dynamic_filter names the reason of every drop"
                 self.counts[run.name, GroupEvent.FILTERED] += 1
                 self.filter_drops[run.name, verdict.reason] += 1
                 return _Outcome(GroupEvent.FILTERED, verdict.reason)

@@ -33,7 +33,6 @@ from pydantic import TypeAdapter, ValidationError
 from miles.utils.loss_settings import LOSS_FLAGS, LossSettings
 from miles.utils.plugins import plugin_module
 from miles.utils.safe_yaml import load_yaml
-from miles.utils.types.lifecycle import DEFAULT_QUEUE_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +47,9 @@ def _flag(default: Any, help: str, **extra: Any) -> Any:
 class ConfigError(ValueError):
     """An invalid flag value or combination; the message says what to change."""
 
+
+DEFAULT_QUEUE_SIZE = 1024
+"""Registrations that may wait for a slot when every slot is held (`--multi-lora-queue-size`)."""
 
 SGLANG_FLAG_PREFIX = "--sglang-"
 SGLANG_ARGS_SET_BY_TRAINER = {

@@ -48,11 +48,12 @@ sys.path.insert(0, str(ROOT))
 from miles.controller.actor import ControllerConfig, MultiLoRAController  # noqa: E402
 from miles.controller.backend import ControllerHooks  # noqa: E402
 from miles.controller.http_server import HTTPServerConfig  # noqa: E402
-from miles.controller.lifecycle import FreeSlots, MarkBatchTrained, RecordBatch, RecordWeightUpdate, RetireAdapters  # noqa: E402
 from miles.rollout.datasets import validate_dataset  # noqa: E402
 from miles.rollout.rewards import validate_reward_spec  # noqa: E402
 from miles.utils.adapter_config import AdapterDefaults  # noqa: E402
-from miles.utils.types import DEFAULT_QUEUE_SIZE, AdapterState  # noqa: E402
+from miles.utils.arguments import DEFAULT_QUEUE_SIZE  # noqa: E402
+from miles.utils.types import AdapterState  # noqa: E402
+from miles.utils.types.lifecycle_ops import FreeSlots, MarkBatchTrained, RecordBatch, RecordWeightUpdate, RetireAdapters  # noqa: E402
 
 TOKEN = "load-test-token"
 

@@ -61,12 +61,12 @@ from control_plane_load import TOKEN, percentile, write_datasets  # noqa: E402
 from miles.controller.actor import ControllerConfig, MultiLoRAController  # noqa: E402
 from miles.controller.backend import ControllerHooks  # noqa: E402
 from miles.controller.http_server import HTTPServerConfig  # noqa: E402
-from miles.controller.lifecycle import FreeSlots, RetireAdapters  # noqa: E402
 from miles.controller.registry import COMPLETED_RETENTION, AdapterRegistry  # noqa: E402
 from miles.controller.store import RegistryStore  # noqa: E402
 from miles.rollout.datasets import validate_dataset  # noqa: E402
 from miles.rollout.rewards import validate_reward_spec  # noqa: E402
 from miles.utils.adapter_config import AdapterDefaults, resolve_adapter_config  # noqa: E402
+from miles.utils.types.lifecycle_ops import FreeSlots, RetireAdapters  # noqa: E402
 
 T = TypeVar("T")
 LIVE = 32

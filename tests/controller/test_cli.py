@@ -1,4 +1,4 @@
-"""`miles-lora` against the standalone control plane (`python -m miles.controller` in a
+"""`miles-lora` against the standalone control plane (`python -m miles.main.control_plane` in a
 subprocess on loopback): every command, JSON output, and the message and exit code of
 each failure (unknown adapter, a 4xx with the server's message, no token, connection
 refused, a usage error)."""

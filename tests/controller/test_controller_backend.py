@@ -13,13 +13,14 @@ import httpx
 import pytest
 
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
-from miles.controller.lifecycle import FreeSlots, RecordWeightUpdate, RetireAdapters
 from miles.controller.registry import AdapterValidationError
 from miles.rollout.engines.process import ServerProcess, free_port, on_probed_ports
 from miles.rollout.engines.router import build_router_command
 from miles.utils.adapter_config import AdapterDefaults, AdapterRunConfig
+from miles.utils.arguments import DEFAULT_QUEUE_SIZE
 from miles.utils.router_workers import abort_on_workers, discover_workers
-from miles.utils.types import DEFAULT_QUEUE_SIZE, AdapterState
+from miles.utils.types import AdapterState
+from miles.utils.types.lifecycle_ops import FreeSlots, RecordWeightUpdate, RetireAdapters
 from tests.helpers.controller_fakes import ROLLOUT_HOOKS, LoopbackRouter, write_dataset
 from tests.helpers.waiting import wait_until_async
 

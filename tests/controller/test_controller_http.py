@@ -20,14 +20,6 @@ from miles.controller.actor import ControllerConfig, MultiLoRAController
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.controller.client import ControlPlaneClient, ControlPlaneError
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
-from miles.controller.lifecycle import (
-    ActivateClients,
-    FailAdapter,
-    FreeSlots,
-    RecordWeightUpdate,
-    RetireAdapters,
-    SetStep,
-)
 from miles.controller.tinker.gateway import LoraLayout, SessionInfo
 from miles.utils.adapter_config import ADAPTER_CONFIG_KEYS, AdapterDefaults
 from miles.utils.arguments import parse_args
@@ -39,6 +31,14 @@ from miles.utils.types import (
     AdapterState,
     ClientCommandKind,
     OptimStepCommand,
+)
+from miles.utils.types.lifecycle_ops import (
+    ActivateClients,
+    FailAdapter,
+    FreeSlots,
+    RecordWeightUpdate,
+    RetireAdapters,
+    SetStep,
 )
 from tests.helpers.controller_fakes import ROLLOUT_HOOKS, LoopbackRouter, ThreadedController, controller_config
 

@@ -17,7 +17,10 @@ from miles.controller.actor import (
     get_multi_lora_controller,
 )
 from miles.controller.client import ControlPlaneClient
-from miles.controller.lifecycle import (
+from miles.controller.registry import AdapterAlreadyRegisteredError, AdapterNotFoundError, AdapterValidationError
+from miles.utils.arguments import config_from_dict
+from miles.utils.types import AdapterState, MultiLoRASnapshot
+from miles.utils.types.lifecycle_ops import (
     FreeSlots,
     MarkBatchTrained,
     RecordBatch,
@@ -25,9 +28,6 @@ from miles.controller.lifecycle import (
     RetireAdapters,
     SetStep,
 )
-from miles.controller.registry import AdapterAlreadyRegisteredError, AdapterNotFoundError, AdapterValidationError
-from miles.utils.arguments import config_from_dict
-from miles.utils.types import AdapterState, MultiLoRASnapshot
 from tests.helpers.controller_fakes import ROLLOUT_HOOKS
 from tests.helpers.waiting import call_actor, wait_until
 

@@ -1,4 +1,4 @@
-"""`python -m miles.controller` as a subprocess: serves the API, stops cleanly on signals."""
+"""`python -m miles.main.control_plane` as a subprocess: serves the API, stops cleanly on signals."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_serves_and_stops_cleanly(sig: int, data_root: Path) -> None:
 
 
 def test_refuses_to_start_without_slots() -> None:
-    result = subprocess.run([sys.executable, "-m", "miles.controller", "--multi-lora-api-port", "0"],
+    result = subprocess.run([sys.executable, "-m", "miles.main.control_plane", "--multi-lora-api-port", "0"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "set --multi-lora-n-adapters" in result.stderr

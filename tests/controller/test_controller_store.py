@@ -16,7 +16,11 @@ from pathlib import Path
 import pytest
 
 from miles.controller.backend import MultiLoRABackend
-from miles.controller.lifecycle import (
+from miles.controller.registry import AdapterAlreadyRegisteredError, AdapterRegistry, NoFreeSlotError
+from miles.controller.store import RegistryStore, RegistryStoreError
+from miles.utils.adapter_config import AdapterDefaults
+from miles.utils.types import AdapterState, ClientModelConfig
+from miles.utils.types.lifecycle_ops import (
     FailAdapter,
     FreeSlots,
     MarkBatchTrained,
@@ -26,10 +30,6 @@ from miles.controller.lifecycle import (
     RetireAdapters,
     SetStep,
 )
-from miles.controller.registry import AdapterAlreadyRegisteredError, AdapterRegistry, NoFreeSlotError
-from miles.controller.store import RegistryStore, RegistryStoreError
-from miles.utils.adapter_config import AdapterDefaults
-from miles.utils.types import AdapterState, ClientModelConfig
 from tests.helpers.controller_fakes import ROLLOUT_HOOKS, write_dataset
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from miles.controller.backend import MultiLoRABackend
-from miles.controller.lifecycle import ActivateClients, RequeueForNewTrainer
 from miles.controller.store import RegistryStore
 from miles.controller.tinker.gateway import (
     GatewayConfig,
@@ -24,6 +23,7 @@ from miles.controller.tinker.proto import DTYPE_FLOAT32, DTYPE_INT64, WireDatum,
 from miles.controller.tinker.routes import forward_command
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import AdapterState, ClientCommandKind, ClientCommandStatus, ClientLoss, WeightsResult
+from miles.utils.types.lifecycle_ops import ActivateClients, RequeueForNewTrainer
 
 LAYOUT = LoraLayout(rank=4, train_unembed=False)
 

@@ -21,7 +21,6 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from miles.controller.client import ControlPlaneClient
-from miles.controller.lifecycle import FreeSlots, RetireAdapters
 from miles.controller.tinker.gateway import GatewayConfig, model_name
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import (
@@ -36,6 +35,7 @@ from miles.utils.types import (
     OptimStepResult,
     WeightsResult,
 )
+from miles.utils.types.lifecycle_ops import FreeSlots, RetireAdapters
 from tests.helpers.controller_fakes import ThreadedController, controller_config
 
 TOKEN = "tml-gateway-test-token"

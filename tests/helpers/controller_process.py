@@ -1,4 +1,4 @@
-"""`python -m miles.controller` as a subprocess: started until it logs its URL, stopped by a signal.
+"""`python -m miles.main.control_plane` as a subprocess: started until it logs its URL, stopped by a signal.
 
     from tests.helpers.controller_process import start, stop
     process, url, lines = start(["--multi-lora-n-adapters", "2", ...])
@@ -23,7 +23,7 @@ def start(args: list[str], env: dict[str, str] | None = None) -> tuple[subproces
     """The controller's process, its URL (from the line it logs) and its further stderr lines
     (`None` after the last: the process closed its stderr)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "miles.controller", *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        [sys.executable, "-m", "miles.main.control_plane", *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
         text=True, env={**os.environ, **(env or {})},
     )
     lines: queue.Queue = queue.Queue()

@@ -32,7 +32,6 @@ from miles.backends.base import (
 )
 from miles.controller.actor import ControllerConfig, MultiLoRAController
 from miles.controller.http_server import HTTPServerConfig
-from miles.controller.lifecycle import RecordBatch
 from miles.main.engine_push import PushStats
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import (
@@ -46,6 +45,7 @@ from miles.utils.types import (
     RolloutStats,
     Sample,
 )
+from miles.utils.types.lifecycle_ops import RecordBatch
 
 
 class _Method:

@@ -11,9 +11,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from miles.controller.lifecycle import FailAdapter, RecordBatch, Transition
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.types import AdapterFailure, AdapterRun, MultiLoRASnapshot, PromptGroup, Sample
+from miles.utils.types.lifecycle_ops import FailAdapter, RecordBatch, Transition
 from tests.helpers.waiting import wait_until_async
 
 

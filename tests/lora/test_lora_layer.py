@@ -312,11 +312,11 @@ def test_repeated_decode_steps_equal_the_segment_path(base_model, slots, decode_
     first, segment = decode_and_segment(steps[0])
     torch.testing.assert_close(first, segment, atol=ATOL, rtol=0)
     assert (segment - logits(model, steps[0], [-1] * len(slots))).abs().max() > 1e-3  # the adapters matter
-    plans = [layer._decode_plan for layer in layers]
+    plans = [layer.decode_plan for layer in layers]
     assert all(plan is not None for plan in plans)
     second, segment = decode_and_segment(steps[1])
     torch.testing.assert_close(second, segment, atol=ATOL, rtol=0)
-    assert all(layer._decode_plan is plan for layer, plan in zip(layers, plans))  # reused, not rebuilt
+    assert all(layer.decode_plan is plan for layer, plan in zip(layers, plans))  # reused, not rebuilt
     present = max(slots)
     weights = get_slot_weights(model, present)
     for name in weights:
@@ -338,12 +338,8 @@ def test_repeated_decode_steps_equal_the_segment_path(base_model, slots, decode_
 def test_decode_steps_of_many_rows_take_the_jagged_path():
     """Past JAGGED_MIN_SAVED_MACS of work on other slots' columns, auto runs a no-grad
     one-token step through grouped GEMMs over each slot's rows: the stacked path's numbers."""
-    from miles.lora.layer import (
-        HAS_GROUPED_MM,
-        MultiLoRALinear,
-        jagged_step,
-        stacked_step,
-    )
+    from miles.lora.delta.jagged import HAS_GROUPED_MM, jagged_step
+    from miles.lora.delta.stacked import stacked_step
 
     if not HAS_GROUPED_MM:  # the pinned torch (pyproject.toml) has it: `make test` runs this
         pytest.skip(f"torch {torch.__version__} has no torch._grouped_mm, which hides this test of the jagged "
@@ -358,11 +354,11 @@ def test_decode_steps_of_many_rows_take_the_jagged_path():
     x = torch.randn(64, 1, 256, generator=gen)
     with torch.no_grad(), use_slots(layer, slots):
         jagged = layer(x)
-        assert layer._decode_plan.step.func is jagged_step
+        assert layer.decode_plan.step.func is jagged_step
         assert torch.equal(layer(x), jagged)  # the kept plan
         layer.delta_mode = "stacked"
         stacked = layer(x)
-        assert layer._decode_plan.step.func is stacked_step
+        assert layer.decode_plan.step.func is stacked_step
     torch.testing.assert_close(jagged, stacked, atol=1e-3, rtol=1e-5)
     # A bf16 base under fp32 LoRA weights (as train ranks hold them): computed in fp32, added in bf16.
     layer.base.to(torch.bfloat16)
@@ -409,7 +405,7 @@ def test_rowwise_kernel_equals_per_row_reference(slots):
     expected = per_row_reference(layers, weights, x, slots)
     with torch.no_grad(), use_slots(layers, slots):
         first = layers(x)
-        assert all(layer._decode_plan.step.func.__name__ == "rowwise_step" for layer in layers)
+        assert all(layer.decode_plan.step.func.__name__ == "rowwise_step" for layer in layers)
         second = layers(x)  # the kept plan
     torch.testing.assert_close(first, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(first, second)

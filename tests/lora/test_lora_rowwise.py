@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from miles.lora import MultiLoRALinear, rowwise, set_delta_mode, use_slots
-from miles.lora import layer as layer_module
+from miles.lora.delta import rowwise as rowwise_delta
 from tests.helpers.kernel_or_skip import rowwise_kernel_or_skip
 
 
@@ -29,7 +29,7 @@ def test_decode_steps_take_the_torch_paths_without_the_kernel(monkeypatch, caplo
     with torch.no_grad(), use_slots(layers, slots):
         expected = layers(x)
     monkeypatch.setattr(rowwise, "rowwise_kernel", rowwise.rowwise_kernel.__wrapped__)
-    monkeypatch.setattr(layer_module, "rowwise_kernel", rowwise.rowwise_kernel)
+    monkeypatch.setattr(rowwise_delta, "rowwise_kernel", rowwise.rowwise_kernel)
     monkeypatch.setenv("MILES_CPU_LORA_KERNEL", "0")
     assert rowwise.rowwise_kernel() is None
     monkeypatch.setenv("MILES_CPU_LORA_KERNEL", "1")
@@ -39,10 +39,10 @@ def test_decode_steps_take_the_torch_paths_without_the_kernel(monkeypatch, caplo
         assert rowwise.rowwise_kernel() is None
     assert "could not build rowwise.c" in caplog.text and "torch paths" in caplog.text
     for layer in layers:
-        layer._decode_plan = None
+        layer.decode_plan = None
     with torch.no_grad(), use_slots(layers, slots):
         torch.testing.assert_close(layers(x), expected, atol=1e-5, rtol=1e-5)
-        assert all(layer._decode_plan.step.func.__name__ == "stacked_step" for layer in layers)
+        assert all(layer.decode_plan.step.func.__name__ == "stacked_step" for layer in layers)
         set_delta_mode(layers, "rowwise")
         with pytest.raises(ValueError, match="kernel built"):
             layers(x)

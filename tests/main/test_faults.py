@@ -39,7 +39,6 @@ from safetensors.torch import load_file
 
 from miles.backends.base import TrainRankLostError, TrainResult
 from miles.backends.torch.checkpoint import TRAINER_STATE, Checkpoint, latest_checkpoint, read_checkpoint
-from miles.controller.lifecycle import MarkBatchTrained, Transition
 from miles.main import launch, train_multi_lora_async
 from miles.main.launch import Components
 from miles.main.progress import RunProgress
@@ -47,6 +46,7 @@ from miles.main.stages import Stages
 from miles.utils.arguments import MilesConfig
 from miles.utils.tracking import MetricsLogger
 from miles.utils.types import AdapterState, DataPosition, MultiLoRASnapshot, RolloutBatch
+from miles.utils.types.lifecycle_ops import MarkBatchTrained, Transition
 from tests.helpers.fault_injection import ACTOR_PATH, FAULT_TRAIN_CALLS_ENV
 from tests.helpers.lifecycle_fakes import (
     FakeBackend,

@@ -19,7 +19,8 @@ from rich.console import Console
 from miles.backends.base import AdapterStepStats, AdapterTrainStats, TrainResult
 from miles.main import client_commands
 from miles.main.client_commands import ClientCall, ClientModelReport, ClientStepTaken, reduce_metrics
-from miles.main.progress import LiveTableView, PlainView, RunProgress, make_view
+from miles.main.progress import RunProgress
+from miles.main.progress.console import LiveTableView, PlainView, make_view
 from miles.main.train_step import TrainedBatch
 from miles.utils.adapter_config import AdapterRunConfig
 from miles.utils.tracking import MetricsLogger, read_metrics

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from miles.backends.base import TrainingBackend
-from miles.controller.lifecycle import FreeSlots, RecordWeightUpdate, SetStep
 from miles.controller.tinker.gateway import LoraLayout, SessionInfo
 from miles.main import train_async, train_multi_lora_async
 from miles.rollout.buffers import AdapterBuffers
@@ -39,6 +38,7 @@ from miles.utils.types import (
     RolloutBatch,
     next_slot_version,
 )
+from miles.utils.types.lifecycle_ops import FreeSlots, RecordWeightUpdate, SetStep
 from tests.helpers.in_process_trainer import Trainer
 from tests.helpers.lifecycle_fakes import (
     FakeBackend,

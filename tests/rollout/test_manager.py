@@ -15,11 +15,11 @@ import httpx
 import pytest
 import ray
 
-from miles.controller.lifecycle import MarkBatchTrained, RecordWeightUpdate
 from miles.lora.peft_io import read_peft_dir
 from miles.rollout.data_source import AdapterDataset
 from miles.utils.arguments import MilesConfig
 from miles.utils.types import AdapterRolloutStats, DataPosition, SlotPush, engine_lora_name
+from miles.utils.types.lifecycle_ops import MarkBatchTrained, RecordWeightUpdate
 from tests.helpers.waiting import call_actor_async
 
 pytestmark = pytest.mark.slow

@@ -61,7 +61,7 @@ def test_lora_bytes_from_the_config_match_the_exported_slot(tiny_model_dir):
     lora_nbytes = load_script("bench/trainer_service.py").lora_nbytes
     from transformers import AutoModelForCausalLM
 
-    from miles.lora.layer import inject_multi_lora
+    from miles.lora import inject_multi_lora
     from miles.lora.slots import get_slot_weights, init_slot
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -43,7 +43,8 @@ import torch
 from torch import Tensor, nn
 
 from miles.backends.megatron.model import ModelShape
-from miles.lora.layer import SlotBatch, resolve_targets
+from miles.lora.model import resolve_targets
+from miles.lora.slot_batch import SlotBatch
 from miles.lora.slots import fresh_lora_weights, peft_names
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from miles.controller.backend import MultiLoRABackend
-from miles.controller.lifecycle import PageIn, PageOut, RecordClientCheckpoint, RecordClientStep
 from miles.controller.registry import AdapterValidationError, NoFreeSlotError, NoSlotToPageInError
 from miles.controller.store import RegistryStore
 from miles.controller.tinker.checkpoints import (
@@ -64,6 +63,7 @@ from miles.utils.types import (
     SaveStateCommand,
     parse_sampler_weights_path,
 )
+from miles.utils.types.lifecycle_ops import PageIn, PageOut, RecordClientCheckpoint, RecordClientStep
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from typing_extensions import TypeIs
 
 from miles import lora
 from miles.lora import weight_sync
@@ -130,7 +132,9 @@ class BuiltinEngine:
         self.device = options.device
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[options.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(options.tokenizer_path or options.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=dtype).to(options.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=dtype)
+        module: torch.nn.Module = self.model  # `Module.to` and `eval` move and switch it in place
+        module.to(options.device).eval()
         self.lora_enabled = options.max_loras_per_batch > 0
         n_slots = max(options.max_loras_per_batch, options.max_loaded_loras or 0) if self.lora_enabled else 0
         if self.lora_enabled:
@@ -142,7 +146,7 @@ class BuiltinEngine:
         self._uses: Counter[str] = Counter()
         """LoRA name -> /generate prompts using it that have not finished."""
         self._uses_changed: asyncio.Condition | None = None
-        self._groups: dict[str, object] = {}
+        self._groups: dict[str, ProcessGroup] = {}
         self._spare_buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         """Flat receive buffers of earlier broadcast pushes, free to take (a push of the same
         layout reuses one instead of faulting in fresh pages)."""
@@ -155,16 +159,36 @@ class BuiltinEngine:
             self.model,
             SchedulerConfig(max_running_requests=options.max_running_requests, max_context=self.max_context,
                             eos_token_ids=self._eos_ids(), device=options.device, seed=options.random_seed),
-            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            decode=self._decode,
             slot_context=(lambda slots: lora.use_slots(self.model, slots)) if self.lora_enabled else None,
         )
 
+    def _decode(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not isinstance(text, str):
+            raise TypeError(f"the tokenizer decoded one sequence into {type(text).__name__}, not text")
+        return text
+
     def _eos_ids(self) -> frozenset[int]:
-        ids = set()
+        ids: set[int] = set()
         for source in (self.model.generation_config, self.model.config, self.tokenizer):
             eos = getattr(source, "eos_token_id", None)
             ids.update([eos] if isinstance(eos, int) else (eos or []))
         return frozenset(ids)
+
+    @property
+    def _loras_locked(self) -> asyncio.Lock:
+        """Held while a LoRA loads or unloads (made by `start`, on the server's loop)."""
+        if self._lora_lock is None:
+            raise RuntimeError("the engine serves only after start()")
+        return self._lora_lock
+
+    @property
+    def _uses_condition(self) -> asyncio.Condition:
+        """Notified when `_uses` drops (made by `start`, on the server's loop)."""
+        if self._uses_changed is None:
+            raise RuntimeError("the engine serves only after start()")
+        return self._uses_changed
 
     async def start(self) -> None:
         self._lora_lock = asyncio.Lock()
@@ -202,8 +226,8 @@ class BuiltinEngine:
             raise
         finally:
             self._uses.subtract(names)
-            async with self._uses_changed:
-                self._uses_changed.notify_all()
+            async with self._uses_condition:
+                self._uses_condition.notify_all()
         failed = next((job.error for job in jobs if job.error is not None), None)
         if failed is not None:
             raise EngineInternalError(failed)
@@ -216,7 +240,11 @@ class BuiltinEngine:
             generator = torch.Generator(device=self.device).manual_seed(prompt.params.request_seed)
 
         def on_done(job: Job) -> None:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(job))
+            def settle() -> None:
+                if not future.done():
+                    future.set_result(job)
+
+            loop.call_soon_threadsafe(settle)
 
         return Job(rid=prompt.rid, prompt_ids=prompt.ids, params=prompt.params,
                    slot=self.table.slot_of(prompt.lora_name), lora_name=prompt.lora_name,
@@ -224,6 +252,7 @@ class BuiltinEngine:
                    prompt_logprobs_from=prompt.logprob_start_len, top_logprobs_num=prompt.top_logprobs_num)
 
     def _response(self, job: Job, return_logprob: bool) -> GenerateResponse:
+        assert job.finish is not None, "a job is answered once it finished"
         meta = GenerateMetaInfo(id=job.rid, finish_reason=job.finish, prompt_tokens=len(job.prompt_ids),
                                 completion_tokens=len(job.output_ids))
         if return_logprob:
@@ -247,8 +276,9 @@ class BuiltinEngine:
             texts = request.text if batched else [request.text]
             all_ids = [self.tokenizer.encode(t) for t in texts]
         else:
-            batched = bool(request.input_ids) and isinstance(request.input_ids[0], list)
-            all_ids = request.input_ids if batched else [request.input_ids]
+            assert request.input_ids is not None  # exactly one of the two (checked above)
+            batched = _is_batch(request.input_ids)
+            all_ids = request.input_ids if _is_batch(request.input_ids) else [request.input_ids]
         n = len(all_ids)
         if n == 0:
             raise EngineRequestError("the batch is empty: give at least one prompt")
@@ -372,7 +402,7 @@ class BuiltinEngine:
 
     async def _load(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], *, source: str,
                     upsert: bool, pinned: bool) -> dict[str, Any]:
-        async with self._lora_lock:
+        async with self._loras_locked:
             await self._load_locked(name, tensors, config, source=source, upsert=upsert, pinned=pinned)
             return self._lora_result()
 
@@ -403,7 +433,8 @@ class BuiltinEngine:
         loaded = self.table.loaded()
         candidates = [n for n in self.table.eviction_order() if loaded[n] != DISTRIBUTED_LORA_PATH]
         idle = [n for n in candidates if self._uses[n] <= 0]
-        return (idle or candidates or [None])[0]
+        pool = idle or candidates
+        return pool[0] if pool else None
 
     async def _ensure_loaded(self, names: list[str]) -> None:
         """Reload the evicted adapters among `names` (a request's), evicting others for room."""
@@ -411,7 +442,7 @@ class BuiltinEngine:
             missing = [n for n in dict.fromkeys(names) if not self.table.is_loaded(n)]
             if not missing:
                 return
-            async with self._lora_lock:
+            async with self._loras_locked:
                 for name in missing:
                     if self.table.is_loaded(name):
                         continue
@@ -430,7 +461,7 @@ class BuiltinEngine:
 
     async def unload_lora(self, name: str) -> dict[str, Any]:
         self._require_lora()
-        async with self._lora_lock:
+        async with self._loras_locked:
             await self._unload_locked(name)
             return self._lora_result()
 
@@ -439,8 +470,8 @@ class BuiltinEngine:
         slot = self.table.evict(name) if evict else self.table.remove(name)
         if slot is None:  # an evicted name, forgotten
             return
-        async with self._uses_changed:
-            await self._uses_changed.wait_for(lambda: self._uses[name] <= 0)
+        async with self._uses_condition:
+            await self._uses_condition.wait_for(lambda: self._uses[name] <= 0)
         del self._uses[name]
         await asyncio.to_thread(self._clear_slot, slot)
         self.table.release(slot)
@@ -514,9 +545,14 @@ class BuiltinEngine:
         return info
 
 
-def _top_triples(top: list[tuple[float, int]] | None) -> list[tuple[float, int, None]] | None:
+def _top_triples(top: list[tuple[float, int]] | None) -> list[tuple[float, int, str | None]] | None:
     """SGLang's shape of one position's top logprobs: (logprob, token_id, token_text or None)."""
     return None if top is None else [(lp, tok, None) for lp, tok in top]
+
+
+def _is_batch(input_ids: list[int] | list[list[int]]) -> TypeIs[list[list[int]]]:
+    """`input_ids` holds a batch of prompts (not one prompt's ids)."""
+    return bool(input_ids) and isinstance(input_ids[0], list)
 
 
 def _per_prompt(value: Any, n: int, field: str) -> list[Any]:

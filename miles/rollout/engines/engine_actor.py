@@ -179,26 +179,28 @@ class EngineServer:
         return self._url
 
     async def _launch(self) -> str:
+        host = self.host
+        assert host is not None, "start() picks the host before any launch"
         self.work_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.work_dir / f"{self.cfg.kind}-server.log"
         what = f"{self.cfg.kind} inference server"
         if self.cfg.kind == "builtin":  # binds port 0 and reports the port it got
-            process, url = await ServerProcess.start(server_command(self.cfg, self.host, 0), log_path=log_path,
+            process, url = await ServerProcess.start(server_command(self.cfg, host, 0), log_path=log_path,
                                                      url_line=BUILTIN_URL_LINE, timeout_s=self.start_timeout_s,
                                                      what=what)
         else:
             # SGLang takes its port on the command line (it warms itself up through it), so it
             # gets one probed free, and another if a process took that one first.
             async def start_sglang() -> tuple[ServerProcess, str]:
-                port = free_port(self.host)
-                launched = ServerProcess.launch(server_command(self.cfg, self.host, port), log_path=log_path)
+                port = free_port(host)
+                launched = ServerProcess.launch(server_command(self.cfg, host, port), log_path=log_path)
                 try:
-                    await launched.wait_ready(f"http://{self.host}:{port}/health", timeout_s=self.start_timeout_s,
+                    await launched.wait_ready(f"http://{host}:{port}/health", timeout_s=self.start_timeout_s,
                                               what=what)
                 except BaseException:
                     launched.terminate()
                     raise
-                return launched, f"http://{self.host}:{port}"
+                return launched, f"http://{host}:{port}"
 
             process, url = await on_probed_ports(start_sglang, what)
         try:
@@ -329,7 +331,8 @@ class EngineServer:
                     await router.wait_for_workers([self._url], timeout_s=self.start_timeout_s)
             except BaseException:
                 # Not ready for requests: stop it, so the next supervision round starts over.
-                await asyncio.to_thread(self._process.terminate)
+                if self._process is not None:  # `_launch` set it
+                    await asyncio.to_thread(self._process.terminate)
                 raise
             self._recovering = False
             self.restarts += 1
@@ -368,13 +371,12 @@ class EngineServer:
                         tensors: dict[str, torch.Tensor] | ray.ObjectRef) -> str:
         """Write the adapter on this node and load it as (slot, version); return the served name."""
         self.url()
-        if isinstance(tensors, ray.ObjectRef):
-            tensors = await tensors
+        weights: dict[str, torch.Tensor] = await tensors if isinstance(tensors, ray.ObjectRef) else tensors
         path = self._slot_dir(slot, version)
 
         async def load() -> str:
             # Written under the lock: a concurrent `sync_slots` prunes the slot's directories.
-            await asyncio.to_thread(_write_peft_dir, path, tensors, peft_config)
+            await asyncio.to_thread(_write_peft_dir, path, weights, peft_config)
             return await self._load_version(slot, version, path)
 
         return await self._push(slot, _SlotWeights(version, peft_config, path=path), load)

@@ -78,6 +78,7 @@ class EngineFleetConfig:
         server = EngineServerConfig.from_config(cfg, lora_update=lora_update)
         # SGLang engines keep a prefix cache worth routing for; the builtin engine has none.
         policy = "cache_aware" if server.kind == "sglang" else "round_robin"
+        assert cfg.rollout_num_engines is not None, "MilesConfig resolves it"
         return cls(server=server, num_engines=cfg.rollout_num_engines,
                    work_dir=str((cfg.resolved_run_dir / "engines").resolve()), router_ip=cfg.sglang_router_ip,
                    router_port=cfg.sglang_router_port, router_policy=policy)
@@ -130,7 +131,7 @@ class EngineFleet:
     async def start(cls, cfg: EngineFleetConfig) -> EngineFleet:
         gpus = cfg.server.tp_size if cfg.server.device == "cuda" else 0
         pg = await placement.one_bundle_each(cfg.num_engines, cpus=0.0, gpus=gpus)
-        engines = [
+        engines: list[Any] = [  # Ray handles of `EngineServer`
             EngineActor.options(num_gpus=gpus, scheduling_strategy=placement.bundle_strategy(pg, i),
                                 max_restarts=ENGINE_MAX_RESTARTS).remote(
                 cfg.server, str(Path(cfg.work_dir) / f"engine_{i}"), start_timeout_s=cfg.start_timeout_s,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 from miles.rollout.engines.sampling import RowSampling, choose_tokens
 from miles.utils.types import FinishReason, SamplingParams
@@ -266,6 +267,7 @@ class DecodeScheduler:
 
     def _decode_step(self) -> None:
         batch = self._batch
+        assert batch is not None, "a decode step runs the running batch"
         last_B1 = torch.tensor([[j.output_ids[-1]] for j in batch.jobs], device=self.config.device)
         ones_B1 = torch.ones_like(last_B1)
         mask_BL = torch.cat([batch.mask_BL, ones_B1], dim=1)
@@ -359,8 +361,9 @@ class DecodeScheduler:
         width = max(mask.shape[1] for _, mask in merged)
         layers = []
         for layer in range(len(merged[0][0].layers)):
-            keys = [_pad_left(c.layers[layer].keys, width, dim=2) for c, _ in merged]
-            values = [_pad_left(c.layers[layer].values, width, dim=2) for c, _ in merged]
+            attention = [_attention(c.layers[layer]) for c, _ in merged]
+            keys = [_pad_left(k, width, dim=2) for _, k, _ in attention]
+            values = [_pad_left(v, width, dim=2) for _, _, v in attention]
             layers.append((torch.cat(keys), torch.cat(values)))
         mask_BL = torch.cat([_pad_left(m, width, dim=1) for _, m in merged])
         new_jobs = [job for jobs, _ in parts for job in jobs]
@@ -419,6 +422,14 @@ def _trim_left_padding(batch: _RunningBatch) -> None:
     if start == 0:
         return
     batch.mask_BL = batch.mask_BL[:, start:]
-    for layer in batch.cache.layers:
-        layer.keys = layer.keys[:, :, start:]
-        layer.values = layer.values[:, :, start:]
+    for cached in batch.cache.layers:
+        layer, keys, values = _attention(cached)
+        layer.keys = keys[:, :, start:]
+        layer.values = values[:, :, start:]
+
+
+def _attention(cached: object) -> tuple[CacheLayerMixin, torch.Tensor, torch.Tensor]:
+    """A filled attention layer of the cache, with its keys and values [B, heads, L, head_dim]."""
+    if not isinstance(cached, CacheLayerMixin) or cached.keys is None or cached.values is None:
+        raise TypeError(f"the decode scheduler batches filled attention caches only, not {type(cached).__name__}")
+    return cached, cached.keys, cached.values

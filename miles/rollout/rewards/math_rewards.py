@@ -37,9 +37,10 @@ def boxed_answer_matches(solution: str, label: Any) -> float:
         return 0.0
     truth = str(label)
     if "\\boxed" in truth:
-        truth = extract_boxed(truth)
-        if truth is None:
+        boxed = extract_boxed(truth)
+        if boxed is None:
             return 0.0
+        truth = boxed
     answer = extract_boxed(solution)
     if answer is None:
         return 0.0

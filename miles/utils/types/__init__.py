@@ -62,12 +62,9 @@ from miles.utils.types.engine_api import (
     UnloadLoraRequest,
 )
 from miles.utils.types.lifecycle import (
-    DEFAULT_QUEUE_SIZE,
     ENGINE_LORA_PREFIX,
-    AdapterRun,
     AdapterState,
     LoraUpdateMode,
-    MultiLoRASnapshot,
     adapter_rid,
     adapter_rid_prefix,
     engine_lora_name,
@@ -101,6 +98,7 @@ from miles.utils.types.sampling import (
     sampler_weights_path,
     snapshot_lora_name,
 )
+from miles.utils.types.snapshot import AdapterRun, MultiLoRASnapshot
 
 __all__ = [
     "SampledSequence",
@@ -142,7 +140,6 @@ __all__ = [
     "AdapterRolloutStats",
     "AdapterRun",
     "AdapterState",
-    "DEFAULT_QUEUE_SIZE",
     "AdapterFailure",
     "AdapterStatus",
     "FailureReason",

@@ -8,13 +8,13 @@ import json
 from pathlib import Path
 
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
-from miles.controller.lifecycle import RecordWeightUpdate
 from miles.recipes.tiny_model import build_char_tokenizer
 from miles.rollout.data_source import DataSourceConfig, MultiLoRADataSource
 from miles.rollout.datasets import validate_dataset
 from miles.rollout.rewards import get_reward_fn, validate_reward_spec
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import MultiLoRASnapshot
+from miles.utils.types.lifecycle_ops import RecordWeightUpdate
 from tests.helpers.waiting import wait_until_async
 
 CLI_RM_TYPE = "math"

@@ -3,7 +3,7 @@
 For client development and integration tests. It takes the trainer's flags (the ones it
 does not need are accepted and ignored) and stops cleanly on SIGINT/SIGTERM:
 
-    python -m miles.controller --multi-lora-n-adapters 4 --save runs/demo \\
+    python -m miles.main.control_plane --multi-lora-n-adapters 4 --save runs/demo \\
         --rm-type math --multi-lora-api-port 8068
     curl -s localhost:8068/adapter_runs -d '{"name": "a", "config": {"data": "data.jsonl"}}'
 
@@ -23,6 +23,7 @@ import signal
 import sys
 
 from miles.controller.actor import ControllerConfig, MultiLoRAController
+from miles.main.registration_checks import controller_hooks
 from miles.utils.arguments import MilesConfig, parse_args
 
 logger = logging.getLogger("miles.controller")
@@ -40,8 +41,6 @@ Stop with Ctrl-C."""
 async def serve(cfg: MilesConfig) -> None:
     router_url = f"http://{cfg.sglang_router_ip}:{cfg.sglang_router_port}" if cfg.sglang_router_ip else None
     # The trainer's registration checks (its launcher hands the controller the same hooks).
-    from miles.main.registration_checks import controller_hooks
-
     controller = MultiLoRAController(ControllerConfig.from_config(cfg, controller_hooks(cfg)), router_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -62,12 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = parse_args(argv)
     if cfg.multi_lora_n_adapters <= 0:
-        print("miles.controller: error: set --multi-lora-n-adapters to the number of slots (> 0)", file=sys.stderr)
+        print("miles.main.control_plane: error: set --multi-lora-n-adapters to the number of slots (> 0)",
+              file=sys.stderr)
         return 2
     try:
         asyncio.run(serve(cfg))
     except (RuntimeError, ValueError) as exc:  # cannot bind, or a bad --multi-lora-*-path
-        print(f"miles.controller: error: {exc}", file=sys.stderr)
+        print(f"miles.main.control_plane: error: {exc}", file=sys.stderr)
         return 1
     return 0
 
