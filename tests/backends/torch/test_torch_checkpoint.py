@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
 
 from miles.backends.base import SaveRequest
-from miles.backends.rank.core import GradShare
+from miles.backends.rank.export import GradShare
 from miles.backends.torch.checkpoint import (
     ACCUMULATED_GRAD,
     COMPLETE_MARKERS,
