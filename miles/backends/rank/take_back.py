@@ -65,7 +65,12 @@ class TakeBack:
         """Those of `slots` with a nonzero gradient: one check per parameter, not per slot."""
         if not slots or not self.optimizer.params:
             return set()
-        nonzero_PS = torch.stack([param.grad.flatten(1).any(dim=1) for param, _ in self.optimizer.params])
+        nonzero_PS = torch.stack([_grad(param).flatten(1).any(dim=1) for param, _ in self.optimizer.params])
         nonzero_S = nonzero_PS.any(dim=0).tolist()
         return {slot for slot in slots if nonzero_S[slot]}
 
+
+def _grad(param: Tensor) -> Tensor:
+    """A LoRA parameter's gradient (`SlotAdamW.slot_grads` allocated it, in `remember`)."""
+    assert param.grad is not None, "a LoRA parameter without a gradient buffer"
+    return param.grad
