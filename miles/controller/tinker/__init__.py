@@ -16,7 +16,8 @@ runnable commands through the controller actor and reports the results, which
     models.py       models as client-driven adapters: layout checks, registration, unload
     paging.py       idle models paged out of their slots, and back in on their next command
     sampling_sessions.py  sampling sessions and the sampler snapshots they name
-    saves.py        the save and load commands' targets; the rules over written checkpoints
+    saves.py        the save and load commands' targets (names, paths, directories)
+    checkpoint_rules.py  lookups, deletions and TTLs of written checkpoints, sparing those still needed
     checkpoints.py  the written checkpoints' records (SQLite) and their signed file downloads
     errors.py       the gateway's refusals, one class per HTTP status
     sampler.py      sample / compute_logprobs of a snapshot or the base model through the router (HTTP)

@@ -1,5 +1,6 @@
-"""The Tinker gateway: the owners of sessions, models, paging, sampling sessions and saves,
-composed over one command log, and the calls that span them (no HTTP, no trainer).
+"""The Tinker gateway: the owners of sessions, models, paging, sampling sessions, save
+commands and checkpoint rules, composed over one command log, and the calls that span
+them (no HTTP, no trainer).
 
 The routes (`routes.py`) parse the wire and call the gateway or one of its owners; the
 driver takes the logged commands through the controller actor and reports results back:
@@ -22,6 +23,7 @@ from typing import Any
 
 from miles.controller.backend import MultiLoRABackend
 from miles.controller.store import RegistryStore
+from miles.controller.tinker.checkpoint_rules import CheckpointRules
 from miles.controller.tinker.checkpoints import Checkpoints
 from miles.controller.tinker.command_log import (
     CommandLog,
@@ -36,7 +38,7 @@ from miles.controller.tinker.models import LoraLayout, Models, model_name
 from miles.controller.tinker.paging import ModelPaging
 from miles.controller.tinker.sampling import SampleFutures
 from miles.controller.tinker.sampling_sessions import SamplingSessions
-from miles.controller.tinker.saves import Saves
+from miles.controller.tinker.saves import SaveCommands
 from miles.controller.tinker.sessions import Sessions
 from miles.utils.types import (
     AdapterState,
@@ -74,6 +76,8 @@ class GatewayConfig:
 
 
 class TinkerGateway:
+    """The Tinker protocol's owners over one command log; the routes and the controller actor call it."""
+
     def __init__(self, backend: MultiLoRABackend, config: GatewayConfig | None = None,
                  store: RegistryStore | None = None, clock: Callable[[], float] = time.time) -> None:
         self.backend = backend
@@ -89,7 +93,8 @@ class TinkerGateway:
                              target_modules=config.target_modules, lora_unembed=config.lora_unembed)
         self.paging = ModelPaging(backend, self.log, clock)
         self.samplers = SamplingSessions(self.sessions, self.models, self.log, self.checkpoints)
-        self.saves = Saves(backend, self.models, self.log, self.checkpoints, self.samplers)
+        self.saves = SaveCommands(self.models, self.log, self.checkpoints)
+        self.checkpoint_rules = CheckpointRules(backend, self.models, self.log, self.checkpoints, self.samplers)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -222,7 +227,7 @@ class TinkerGateway:
         elif isinstance(future.request, SaveStateCommand | LoadStateCommand):
             self.backend.record_client_checkpoint(future.model, future.request.directory)
         if isinstance(future.request, SaveStateCommand | SaveForSamplerCommand):
-            self.saves.written(future.request)
+            self.checkpoint_rules.record(future.request)
         return future
 
     def fail(self, future_id: str, error: str, category: ErrorCategory = ErrorCategory.SERVER) -> Future:

@@ -310,12 +310,13 @@ def _checkpoint_routes(router: APIRouter, gateway: TinkerGateway) -> None:
 
     @router.get("/training_runs/{model_id}/checkpoints")
     async def list_checkpoints(model_id: str) -> dict[str, Any]:
-        return {"checkpoints": [_checkpoint(r) for r in gateway.saves.checkpoints_of(model_id)], "cursor": None}
+        records = gateway.checkpoint_rules.checkpoints_of(model_id)
+        return {"checkpoints": [_checkpoint(r) for r in records], "cursor": None}
 
     @router.get("/checkpoints")
     async def list_user_checkpoints(limit: int = Query(100, ge=1, le=1000),
                                     offset: int = Query(0, ge=0)) -> dict[str, Any]:
-        records = gateway.saves.checkpoints_of()
+        records = gateway.checkpoint_rules.checkpoints_of()
         return {"checkpoints": [_checkpoint(r) for r in records[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(records)}}
 
@@ -323,7 +324,7 @@ def _checkpoint_routes(router: APIRouter, gateway: TinkerGateway) -> None:
     async def weights_info(request: Request) -> dict[str, Any]:
         body = await _parse(request, WeightsInfoBody)
         path = CheckpointPath.parse(body.tinker_path)
-        gateway.saves.checkpoint(path)
+        gateway.checkpoint_rules.checkpoint(path)
         _, model = gateway.models.get(path.model_id)
         return {"base_model": model.base_model, "optimizer_config": {"type": "adamw"}, "is_lora": True,
                 "lora_rank": model.rank, "train_unembed": model.train_unembed, "train_mlp": model.train_mlp,
@@ -344,18 +345,18 @@ def _checkpoint_routes(router: APIRouter, gateway: TinkerGateway) -> None:
     @router.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
     async def set_ttl(model_id: str, checkpoint_id: str, request: Request) -> Response:
         body = await _parse(request, CheckpointTtlBody)
-        gateway.saves.set_ttl(CheckpointPath.of(model_id, checkpoint_id), body.ttl_seconds)
+        gateway.checkpoint_rules.set_ttl(CheckpointPath.of(model_id, checkpoint_id), body.ttl_seconds)
         return Response(status_code=204)
 
     @router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
-        record = gateway.saves.checkpoint(CheckpointPath.of(model_id, checkpoint_id))
+        record = gateway.checkpoint_rules.checkpoint(CheckpointPath.of(model_id, checkpoint_id))
         urls, expires = gateway.checkpoints.file_urls(record, str(request.base_url).rstrip("/"))
         return {"urls": urls, "expires": _iso(expires)}
 
     @router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(model_id: str, checkpoint_id: str) -> Response:
-        gateway.saves.delete(CheckpointPath.of(model_id, checkpoint_id))
+        gateway.checkpoint_rules.delete(CheckpointPath.of(model_id, checkpoint_id))
         return Response(status_code=204)
 
     @router.get(FILES_ROUTE.removeprefix("/api/v1") + "/{model_id}/{segment}/{name}/{file:path}")
@@ -376,7 +377,7 @@ def _checkpoint_routes(router: APIRouter, gateway: TinkerGateway) -> None:
 
     def training_run(model_id: str) -> dict[str, Any]:
         _, model = gateway.models.get(model_id)
-        records = gateway.saves.checkpoints_of(model_id)
+        records = gateway.checkpoint_rules.checkpoints_of(model_id)
         last = {kind: next((_checkpoint(r) for r in records if r.path.kind is kind), None) for kind in CheckpointType}
         return {"training_run_id": model_id, "base_model": model.base_model, "model_owner": model.session_id,
                 "is_lora": True, "corrupted": False, "lora_rank": model.rank,
