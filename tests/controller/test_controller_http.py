@@ -20,7 +20,8 @@ from miles.controller.actor import ControllerConfig, MultiLoRAController
 from miles.controller.backend import ControllerHooks, MultiLoRABackend
 from miles.controller.client import ControlPlaneClient, ControlPlaneError
 from miles.controller.http_server import HTTPServerConfig, MultiLoRAHTTPServer
-from miles.controller.tinker.gateway import LoraLayout, SessionInfo
+from miles.controller.tinker.models import LoraLayout
+from miles.controller.tinker.sessions import SessionInfo
 from miles.utils.adapter_config import ADAPTER_CONFIG_KEYS, AdapterDefaults
 from miles.utils.arguments import parse_args
 from miles.utils.plugins import load_subclass
@@ -471,7 +472,7 @@ def test_client_driven_adapters_are_told_apart_with_their_loss_and_pending_comma
     gateway = plane.controller.gateway
 
     async def create_model_with_two_steps_queued() -> str:
-        session = gateway.create_session(SessionInfo())
+        session = gateway.sessions.create(SessionInfo())
         created = gateway.create_model(session, 0, "base", LoraLayout(rank=4, train_unembed=False), {})
         assert created.model is not None and created.model_id is not None
         for seq_id in (1, 2):
@@ -510,7 +511,7 @@ def test_a_paged_client_model_is_shown_paged_and_its_command_is_retried_while_no
     gateway = plane.controller.gateway
 
     async def create_model_and_page_it_out() -> tuple[str, str]:
-        created = gateway.create_model(gateway.create_session(SessionInfo()), 0, "base",
+        created = gateway.create_model(gateway.sessions.create(SessionInfo()), 0, "base",
                                        LoraLayout(rank=4, train_unembed=False), {})
         assert created.model is not None and created.model_id is not None
         plane.controller.backend.apply_now(ActivateClients([created.model]))

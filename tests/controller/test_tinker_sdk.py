@@ -21,7 +21,8 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from miles.controller.client import ControlPlaneClient
-from miles.controller.tinker.gateway import GatewayConfig, model_name
+from miles.controller.tinker.gateway import GatewayConfig
+from miles.controller.tinker.models import model_name
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import (
     AdapterKind,

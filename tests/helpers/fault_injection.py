@@ -21,8 +21,11 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from miles.backends.rank.core import LossSums, RankTrainResult, TrainCore
+from miles.backends.rank.adapters import SlotAdapters
+from miles.backends.rank.core import TrainCore
 from miles.backends.rank.model import TrainModel
+from miles.backends.rank.take_back import TakeBack
+from miles.backends.rank.train import BatchTrainer, LossSums, RankTrainResult
 from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.batching import ActivationBudget, MicroBatch
 from miles.utils.types import Sample
@@ -52,11 +55,13 @@ def fault_train_calls(text: str) -> frozenset[tuple[int, int]]:
     return frozenset(out)
 
 
-class FaultInjectingCore(TrainCore):
-    """A `TrainCore` whose listed train calls (1-based, per rank) raise after their first micro-batch's backward."""
+class FaultInjectingTrainer(BatchTrainer):
+    """A `BatchTrainer` whose listed train calls (1-based, per rank) raise after their first micro-batch's backward."""
 
-    def __init__(self, *args: Any, faults: frozenset[tuple[int, int]], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, adapters: SlotAdapters, take_back: TakeBack, activation_budget: ActivationBudget | None,
+                 faults: frozenset[tuple[int, int]]) -> None:
+        super().__init__(adapters, take_back, activation_budget)
+        self.rank = adapters.rank
         self.faults = faults
         self.calls = 0
         self._fail_after_backward = False
@@ -96,6 +101,17 @@ class FaultInjectingTrainActor(TorchTrainActor):
         if faults is None:
             faults = fault_train_calls(os.environ.get(FAULT_TRAIN_CALLS_ENV, ""))
         return FaultInjectingCore(self.config, model, self.rank, activation_budget, faults=faults)
+
+
+class FaultInjectingCore(TrainCore):
+    """A `TrainCore` whose train calls are a `FaultInjectingTrainer`'s."""
+
+    def __init__(self, *args: Any, faults: frozenset[tuple[int, int]], **kwargs: Any) -> None:
+        self.faults = faults
+        super().__init__(*args, **kwargs)
+
+    def build_trainer(self, activation_budget: ActivationBudget | None) -> BatchTrainer:
+        return FaultInjectingTrainer(self.slots, self.take_back, activation_budget, self.faults)
 
 
 class Rank1FailsItsFirstTrainCall(FaultInjectingTrainActor):

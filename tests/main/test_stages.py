@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from miles.backends.base import TrainingBackend
-from miles.controller.tinker.gateway import LoraLayout, SessionInfo
+from miles.controller.tinker.models import LoraLayout
+from miles.controller.tinker.sessions import SessionInfo
 from miles.main import train_async, train_multi_lora_async
 from miles.rollout.buffers import AdapterBuffers
 from miles.rollout.collection import BatchCollector, CollectionConfig
@@ -250,7 +251,7 @@ async def test_iterations_of_client_work_alone_keep_their_times_and_record_each_
     no time behind: the RL batch trained later carries only its own stage times."""
     t = Trainer(tmp_path)
     gateway = t.controller.gateway
-    session = gateway.create_session(SessionInfo())
+    session = gateway.sessions.create(SessionInfo())
     created = gateway.create_model(session, 0, "base", LoraLayout(rank=4, train_unembed=False), {})
     model, model_id = created.model, created.model_id
     assert model is not None and model_id is not None
@@ -488,7 +489,7 @@ class ClientDriver:
         t.stages.slots.idle_evict_s = idle_evict_s
         self.gateway = t.controller.gateway
         self.gateway.clock = lambda: self.now
-        self.session = self.gateway.create_session(SessionInfo())
+        self.session = self.gateway.sessions.create(SessionInfo())
         created = self.gateway.create_model(self.session, 0, "base", LoraLayout(rank=4, train_unembed=False), {})
         assert created.model is not None and created.model_id is not None
         self.model, self.model_id = created.model, created.model_id
@@ -503,7 +504,7 @@ class ClientDriver:
 
     async def reconcile(self, after_s: float = 0.0) -> None:
         self.now += after_s
-        self.gateway.heartbeat(self.session)  # the SDK's heartbeats go on while the model is idle
+        self.gateway.sessions.heartbeat(self.session)  # the SDK's heartbeats go on while the model is idle
         await self.t.stages.slots.reconcile(self.t.snapshot())
 
     async def run(self) -> None:
@@ -521,7 +522,7 @@ async def test_an_idle_client_model_is_paged_out_and_its_next_command_pages_it_b
     """Idle for --multi-lora-idle-evict-s with nothing in flight: its state (weights, pending
     gradient) goes to {save}/paged and its slot to whoever needs it; its next command is refused
     retryably while no slot is free, then pages it in, and it goes on as a model never paged out."""
-    from miles.controller.tinker.gateway import GatewayBusyError
+    from miles.controller.tinker.errors import GatewayBusyError
 
     for sub in ("kept", "paged"):
         (tmp_path / sub).mkdir()

@@ -14,7 +14,7 @@ holds, whatever the model's sharding.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol, overload
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,14 @@ class TrainModel(Protocol):
     """The norm of one slot's gradient when its tensors are sharded over ranks (Megatron: over
     TP, `SlotAdamW.step_slots(slot_norm=...)`); None: this rank holds whole rows, and the
     optimizer's fused step takes each slot's norm itself."""
+
+    @overload
+    def forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: Literal[False] = False,
+                         targets_BL: Tensor | None = None) -> Tensor: ...
+
+    @overload
+    def forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: Literal[True],
+                         targets_BL: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
 
     def forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: bool = False,
                          targets_BL: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:

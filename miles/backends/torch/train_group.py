@@ -43,7 +43,8 @@ from miles.backends.base import (
 )
 from miles.backends.rank.actor import ExportDescription, TrainRank
 from miles.backends.rank.config import TrainActorConfig
-from miles.backends.rank.core import GradShare, LossSums, RankTrainResult, sum_grad_shares
+from miles.backends.rank.export import GradShare, sum_grad_shares
+from miles.backends.rank.train import LossSums, RankTrainResult
 from miles.backends.torch.actor import TorchTrainActor
 from miles.backends.torch.batching import Advantage
 from miles.backends.torch.checkpoint import AccumulatedGrad, latest_checkpoint, latest_miles_checkpoint

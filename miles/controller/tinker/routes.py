@@ -35,13 +35,9 @@ from miles.controller.tinker.checkpoints import (
     CheckpointType,
 )
 from miles.controller.tinker.command_log import CommandLogError, ErrorCategory, Future, FutureKind, UnknownFutureError
-from miles.controller.tinker.gateway import (
-    GatewayBodyTooLargeError,
-    GatewayError,
-    LoraLayout,
-    SessionInfo,
-    TinkerGateway,
-)
+from miles.controller.tinker.errors import GatewayBodyTooLargeError, GatewayError
+from miles.controller.tinker.gateway import TinkerGateway
+from miles.controller.tinker.models import LoraLayout
 from miles.controller.tinker.proto import (
     DTYPE_INT64,
     ProtoDecodeError,
@@ -55,6 +51,7 @@ from miles.controller.tinker.sample_wire import (
     sample_request_from_json,
 )
 from miles.controller.tinker.sampling import NoRouterError, SampleFuture
+from miles.controller.tinker.sessions import SessionInfo
 from miles.controller.tinker.wire import (
     CheckpointTtlBody,
     CreateModelBody,
@@ -169,7 +166,7 @@ def _service_routes(router: APIRouter, gateway: TinkerGateway) -> None:
     @router.post("/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
         body = await _parse(request, CreateSessionBody)
-        session_id = gateway.create_session(SessionInfo(
+        session_id = gateway.sessions.create(SessionInfo(
             tags=body.tags, user_metadata=body.user_metadata or {}, sdk_version=body.sdk_version,
             display_name=body.display_name))
         return {"type": "create_session", "session_id": session_id}
@@ -177,16 +174,16 @@ def _service_routes(router: APIRouter, gateway: TinkerGateway) -> None:
     @router.post("/session_heartbeat")
     async def session_heartbeat(request: Request) -> dict[str, str]:
         body = await _parse(request, SessionIdBody)
-        gateway.heartbeat(body.session_id)
+        gateway.sessions.heartbeat(body.session_id)
         return {"type": "session_heartbeat"}
 
     @router.get("/sessions")
     async def list_sessions(limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0)) -> dict[str, Any]:
-        return {"sessions": [s.session_id for s in gateway.sessions()[offset:offset + limit]]}
+        return {"sessions": [s.session_id for s in gateway.sessions.all()[offset:offset + limit]]}
 
     @router.get("/sessions/{session_id}")
     async def get_session(session_id: str) -> dict[str, Any]:
-        session = gateway.session(session_id)
+        session = gateway.sessions.get(session_id)
         return {"training_run_ids": session.model_ids, "sampler_ids": [s.sampler_id for s in session.samplers],
                 "user_metadata": session.info.user_metadata or None, "display_name": session.info.display_name}
 
@@ -215,7 +212,7 @@ def _model_routes(router: APIRouter, gateway: TinkerGateway) -> None:
     @router.post("/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
         body = await _parse(request, ModelIdBody)
-        _, model = gateway.model(body.model_id)
+        _, model = gateway.models.get(body.model_id)
         return {"type": "get_info", "model_id": body.model_id, "is_lora": True, "lora_rank": model.rank,
                 "model_name": model.base_model, "optimizer_config": {"type": "adamw"},
                 "model_data": {"arch": None, "model_name": model.base_model,
@@ -249,8 +246,9 @@ def _command_routes(router: APIRouter, gateway: TinkerGateway) -> None:
     @router.post("/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
         body = await _parse(request, SaveWeightsBody)
-        return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.SAVE_STATE,
-                                       lambda: gateway.save_state_command(body.model_id, body.path, body.overwrite)))
+        return _untyped(gateway.submit(
+            body.model_id, body.seq_id, ClientCommandKind.SAVE_STATE,
+            lambda: gateway.saves.save_state_command(body.model_id, body.path, body.overwrite)))
 
     @router.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
@@ -259,11 +257,11 @@ def _command_routes(router: APIRouter, gateway: TinkerGateway) -> None:
             raise GatewayError(f"save_weights_for_sampler kind {body.kind!r} is not served: only immutable "
                                "'snapshot' sampler weights (save again to sample newer weights)")
         future = gateway.submit(body.model_id, body.seq_id, ClientCommandKind.SAVE_WEIGHTS_FOR_SAMPLER,
-                                lambda: gateway.sampler_command(body.model_id, body.path, body.seq_id))
+                                lambda: gateway.saves.sampler_command(body.model_id, body.path, body.seq_id))
         if body.path is None and body.sampling_session_seq_id is not None \
                 and future.status is not ClientCommandStatus.FAILED:
             # save_weights_and_get_sampling_client: its future answers with a sampling session.
-            gateway.sampler_of_save(body.model_id, body.sampling_session_seq_id, future)
+            gateway.samplers.create_for_save(body.model_id, body.sampling_session_seq_id, future)
         return _untyped(future)
 
     @router.post("/load_weights")
@@ -278,7 +276,7 @@ def _command_routes(router: APIRouter, gateway: TinkerGateway) -> None:
                                                             body.optimizer, body.base_model,
                                                             body.user_metadata or {}))
         return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.LOAD_STATE,
-                                       lambda: gateway.load_state_command(body.path, body.optimizer)))
+                                       lambda: gateway.saves.load_state_command(body.path, body.optimizer)))
 
     @router.post("/save_weights_external")
     async def save_weights_external(request: Request) -> dict[str, Any]:
@@ -288,7 +286,7 @@ def _command_routes(router: APIRouter, gateway: TinkerGateway) -> None:
             if body.age_encryption_recipients:
                 raise GatewayError("age_encryption_recipients is not served: exports are plain PEFT files, "
                                    "sent over this trainer's own connection")
-            return gateway.external_command(body.model_id, body.path, body.ttl_seconds)
+            return gateway.saves.external_command(body.model_id, body.path, body.ttl_seconds)
 
         return _untyped(gateway.submit(body.model_id, body.seq_id, ClientCommandKind.SAVE_WEIGHTS_FOR_SAMPLER,
                                        export))
@@ -302,7 +300,7 @@ def _checkpoint_routes(router: APIRouter, gateway: TinkerGateway) -> None:
                                  project_id: str | None = None) -> dict[str, Any]:
         if project_id is not None:
             raise GatewayError("project_id: projects are not served by this trainer; list without one")
-        model_ids = gateway.training_runs()
+        model_ids = gateway.models.training_runs()
         return {"training_runs": [training_run(m) for m in model_ids[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(model_ids)}}
 
@@ -312,12 +310,13 @@ def _checkpoint_routes(router: APIRouter, gateway: TinkerGateway) -> None:
 
     @router.get("/training_runs/{model_id}/checkpoints")
     async def list_checkpoints(model_id: str) -> dict[str, Any]:
-        return {"checkpoints": [_checkpoint(r) for r in gateway.checkpoints_of(model_id)], "cursor": None}
+        records = gateway.checkpoint_rules.checkpoints_of(model_id)
+        return {"checkpoints": [_checkpoint(r) for r in records], "cursor": None}
 
     @router.get("/checkpoints")
     async def list_user_checkpoints(limit: int = Query(100, ge=1, le=1000),
                                     offset: int = Query(0, ge=0)) -> dict[str, Any]:
-        records = gateway.checkpoints_of()
+        records = gateway.checkpoint_rules.checkpoints_of()
         return {"checkpoints": [_checkpoint(r) for r in records[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(records)}}
 
@@ -325,8 +324,8 @@ def _checkpoint_routes(router: APIRouter, gateway: TinkerGateway) -> None:
     async def weights_info(request: Request) -> dict[str, Any]:
         body = await _parse(request, WeightsInfoBody)
         path = CheckpointPath.parse(body.tinker_path)
-        gateway.checkpoint(path)
-        _, model = gateway.model(path.model_id)
+        gateway.checkpoint_rules.checkpoint(path)
+        _, model = gateway.models.get(path.model_id)
         return {"base_model": model.base_model, "optimizer_config": {"type": "adamw"}, "is_lora": True,
                 "lora_rank": model.rank, "train_unembed": model.train_unembed, "train_mlp": model.train_mlp,
                 "train_attn": model.train_attn}
@@ -346,18 +345,18 @@ def _checkpoint_routes(router: APIRouter, gateway: TinkerGateway) -> None:
     @router.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
     async def set_ttl(model_id: str, checkpoint_id: str, request: Request) -> Response:
         body = await _parse(request, CheckpointTtlBody)
-        gateway.set_checkpoint_ttl(CheckpointPath.of(model_id, checkpoint_id), body.ttl_seconds)
+        gateway.checkpoint_rules.set_ttl(CheckpointPath.of(model_id, checkpoint_id), body.ttl_seconds)
         return Response(status_code=204)
 
     @router.get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
-        record = gateway.checkpoint(CheckpointPath.of(model_id, checkpoint_id))
+        record = gateway.checkpoint_rules.checkpoint(CheckpointPath.of(model_id, checkpoint_id))
         urls, expires = gateway.checkpoints.file_urls(record, str(request.base_url).rstrip("/"))
         return {"urls": urls, "expires": _iso(expires)}
 
     @router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(model_id: str, checkpoint_id: str) -> Response:
-        gateway.delete_checkpoint(CheckpointPath.of(model_id, checkpoint_id))
+        gateway.checkpoint_rules.delete(CheckpointPath.of(model_id, checkpoint_id))
         return Response(status_code=204)
 
     @router.get(FILES_ROUTE.removeprefix("/api/v1") + "/{model_id}/{segment}/{name}/{file:path}")
@@ -377,12 +376,12 @@ def _checkpoint_routes(router: APIRouter, gateway: TinkerGateway) -> None:
                            "(create_training_client_from_state) and save it under the name you want")
 
     def training_run(model_id: str) -> dict[str, Any]:
-        _, model = gateway.model(model_id)
-        records = gateway.checkpoints_of(model_id)
+        _, model = gateway.models.get(model_id)
+        records = gateway.checkpoint_rules.checkpoints_of(model_id)
         last = {kind: next((_checkpoint(r) for r in records if r.path.kind is kind), None) for kind in CheckpointType}
         return {"training_run_id": model_id, "base_model": model.base_model, "model_owner": model.session_id,
                 "is_lora": True, "corrupted": False, "lora_rank": model.rank,
-                "last_request_time": _iso(gateway.last_request_time(model_id)),
+                "last_request_time": _iso(gateway.models.last_request_time(model_id)),
                 "last_checkpoint": last[CheckpointType.TRAINING],
                 "last_sampler_checkpoint": last[CheckpointType.SAMPLER],
                 "user_metadata": {k: str(v) for k, v in model.user_metadata.items()} or None}
@@ -394,13 +393,13 @@ def _sampling_routes(router: APIRouter, gateway: TinkerGateway) -> None:
     @router.post("/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
         body = await _parse(request, CreateSamplingSessionBody)
-        sampler = gateway.create_sampler(body.session_id, body.sampling_session_seq_id, body.model_path,
+        sampler = gateway.samplers.create(body.session_id, body.sampling_session_seq_id, body.model_path,
                                          body.base_model)
         return {"type": "create_sampling_session", "sampling_session_id": sampler.sampler_id}
 
     @router.get("/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str) -> dict[str, Any]:
-        sampler = gateway.sampler(sampler_id)
+        sampler = gateway.samplers.get(sampler_id)
         return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
 
     @router.post("/asample")
@@ -410,13 +409,13 @@ def _sampling_routes(router: APIRouter, gateway: TinkerGateway) -> None:
         # name the model in each request, and their seq_ids are not unique to one client.
         sampler_id, seq_id = wire.sampling_session_id, wire.seq_id
         if sampler_id is not None:
-            model_path = gateway.sampler(sampler_id).model_path
+            model_path = gateway.samplers.get(sampler_id).model_path
         else:
             model_path, seq_id = wire.model_path, None
             if model_path is None:
                 assert wire.base_model is not None
-                gateway.served_base_model(wire.base_model)
-        snapshot = None if model_path is None else gateway.snapshot(model_path)
+                gateway.models.served_base_model(wire.base_model)
+        snapshot = None if model_path is None else gateway.samplers.snapshot(model_path)
         future = gateway.samples.submit(
             sampler_id or model_path or "base", seq_id, wire.params.num_samples,
             lambda sampler: sampler.sample(snapshot, wire.prompt_tokens, wire.params))
@@ -437,7 +436,7 @@ def _future_routes(router: APIRouter, gateway: TinkerGateway) -> None:
                                          "until it is read and a while after; sample again)")
             return sample_response(sample, request.headers.get("accept"))
         future = await gateway.log.wait(body.request_id, config.retrieve_poll_s)
-        sampler = gateway.sampler_for_save(future.future_id)
+        sampler = gateway.samplers.made_by_save(future.future_id)
         return future_response(future, PROTOBUF in request.headers.get("accept", ""),
                                sampler_id=None if sampler is None else sampler.sampler_id)
 

@@ -278,25 +278,25 @@ def test_an_activation_budget_splits_training_where_no_micro_batch_size_is_given
     budget_mb = 12 * probe.core.activation_budget.bytes_per_token / 2**20  # about 12 tokens' worth
     budgeted = new_actor(tiny_model_dir, loss=LOSS, activation_budget_mb=budget_mb)
     calls = []
-    original = type(budgeted.core).train_micro_batch
+    original = type(budgeted.core.training).train_micro_batch
 
     def counted(self, batch, stats):
         calls.append((id(self), batch.input_ids_BL.numel()))
         return original(self, batch, stats)
 
-    monkeypatch.setattr(type(budgeted.core), "train_micro_batch", counted)
+    monkeypatch.setattr(type(budgeted.core.training), "train_micro_batch", counted)
     for actor in (whole, budgeted):
         actor.load_adapter(spec("a", 0, global_batch_size=6))
         actor.load_adapter(spec("b", 1, rank=2, global_batch_size=6))
-    with caplog.at_level(logging.INFO, logger="miles.backends.rank.core"):
+    with caplog.at_level(logging.INFO, logger="miles.backends.rank.train"):
         stats_budgeted = budgeted.train(samples, adv, counts(samples))
         budgeted.discard_batch()
         budgeted.train(samples, adv, counts(samples))
     stats_whole = whole.train(samples, adv, counts(samples))
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    split = [n for who, n in calls if who == id(budgeted.core)]
+    split = [n for who, n in calls if who == id(budgeted.core.training)]
     assert len(split) >= 4 and all(n <= max(12, longest) for n in split)  # two calls, two or more each
-    assert [n for who, n in calls if who == id(whole.core)] == [len(samples) * longest]
+    assert [n for who, n in calls if who == id(whole.core.training)] == [len(samples) * longest]
     assert sum("Training in micro-batches of up to" in r.getMessage() for r in caplog.records) == 1
     for name in ("a", "b"):
         assert abs(stats_whole[name].loss_sum - stats_budgeted[name].loss_sum) < 1e-5

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from miles.backends.base import SaveRequest
-from miles.backends.rank.core import GradShare
+from miles.backends.rank.export import GradShare
 from miles.backends.torch.checkpoint import (
     ACCUMULATED_GRAD,
     COMPLETE_MARKERS,

@@ -96,7 +96,7 @@ def test_without_taking_back_the_fault_leaves_partial_gradients(tiny_model_dir):
     `discard_batch` did nothing."""
     actor = _loaded(_actor(tiny_model_dir, {(-1, 1)}))
     before = _state(actor)
-    actor.core.discard_batch = lambda: None
+    actor.core.take_back.discard = lambda: None
     batch = _batch(1)
     with pytest.raises(InjectedTrainFault):
         actor.train(*batch, counts(batch[0]))

@@ -27,7 +27,8 @@ import pytest
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from miles.controller.tinker.gateway import GatewayConfig, model_name
+from miles.controller.tinker.gateway import GatewayConfig
+from miles.controller.tinker.models import model_name
 from miles.controller.tinker.routes import MAX_FORWARD_BACKWARD_BYTES, MAX_JSON_BYTES
 from miles.controller.tinker.sample_wire import MAX_NUM_SAMPLES, MAX_SAMPLE_TOKENS
 from miles.utils.adapter_config import AdapterDefaults
@@ -127,8 +128,8 @@ def fingerprint(plane: ThreadedController) -> Any:
         gateway = controller.gateway
         assert controller.store is not None
         logs = {model_id: gateway.log.commands(model_name(model_id))
-                for session in gateway.sessions() for model_id in session.model_ids}
-        return ([s.to_json() for s in gateway.sessions()], logs, controller.store.load_sessions(),
+                for session in gateway.sessions.all() for model_id in session.model_ids}
+        return ([s.to_json() for s in gateway.sessions.all()], logs, controller.store.load_sessions(),
                 controller.store.load_futures())
     return plane.fingerprint(), plane.call(read())
 

@@ -37,7 +37,8 @@ from transformers import AutoTokenizer
 
 from miles.backends.torch.client_loss import ClientInputs, client_loss_terms, client_rows, datum_outputs
 from miles.controller.tinker import sampler as tinker_sampler
-from miles.controller.tinker.gateway import GatewayConfig, model_name
+from miles.controller.tinker.gateway import GatewayConfig
+from miles.controller.tinker.models import model_name
 from miles.utils.adapter_config import AdapterDefaults
 from miles.utils.types import (
     AdapterState,
