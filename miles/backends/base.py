@@ -7,7 +7,7 @@ lifecycle (which adapter goes in which slot, when to push, when to save, under w
 step number) is orchestrated once, backend-neutral, by the loop's stages (`miles.main.stages`) on the
 iteration's snapshot.
 
-    backend: TrainingBackend = TrainGroup(TrainGroupConfig.from_config(cfg))
+    backend: TrainingBackend = torch_train_group(TrainGroupConfig.from_config(cfg))
     await backend.start()
     loaded = await backend.load_adapter(AdapterSpec.from_run(run))   # fresh or resumed
     result = await backend.train(rollout_id, batch)                  # forward + backward

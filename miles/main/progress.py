@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
 from miles.backends.base import AdapterTrainStats
-from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.backends.common.checkpoint import latest_checkpoint
 from miles.main.client_commands import ClientCall, ClientModelReport, ClientStepTaken, reduce_metrics
 from miles.main.rollout_dump import RolloutDump
 from miles.main.train_step import TrainedBatch

@@ -18,7 +18,7 @@ import pytest
 import torch
 from driver_harness import DriverProcess, descendant_pids, tiny_run_flags, write_arithmetic_dataset
 
-from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
+from miles.backends.common.checkpoint import latest_checkpoint, read_checkpoint
 from miles.controller.client import ControlPlaneClient
 from miles.rollout.engines.router import Router
 from miles.utils.types import AdapterState, engine_lora_name

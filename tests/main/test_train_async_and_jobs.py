@@ -18,7 +18,7 @@ from driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_datas
 from ray.job_submission import JobStatus, JobSubmissionClient
 from waiting import wait_until
 
-from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.backends.common.checkpoint import latest_checkpoint
 from miles.utils.types import DataPosition
 
 pytestmark = pytest.mark.slow

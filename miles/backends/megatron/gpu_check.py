@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from miles.backends.base import AdapterSpec
-from miles.backends.torch.loss import grpo_advantages
+from miles.backends.common.loss import grpo_advantages
 from miles.utils.types import Sample
 
 N_SLOTS, RANK = 4, 8

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from miles.backends.common.batching import MicroBatch, next_token_logprobs, target_logprobs
+from miles.backends.common.loss import entropy_from_logits
 from miles.backends.megatron import lora as mlora
 from miles.backends.megatron.model import (
     ModelShape,
@@ -37,8 +39,6 @@ from miles.backends.megatron.model import (
 )
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.rank.model import all_reduce_sum
-from miles.backends.torch.batching import MicroBatch, next_token_logprobs, target_logprobs
-from miles.backends.torch.loss import entropy_from_logits
 from miles.lora.peft_io import UNSUPPORTED_PEFT_FEATURES, read_peft_dir
 
 

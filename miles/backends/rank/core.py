@@ -40,16 +40,14 @@ import torch
 from torch import Tensor
 
 from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult
-from miles.backends.rank.config import TrainActorConfig
-from miles.backends.rank.model import TrainModel
-from miles.backends.torch.batching import (
+from miles.backends.common.batching import (
     ActivationBudget,
     Advantage,
     MicroBatch,
     make_micro_batches,
     response_logprobs,
 )
-from miles.backends.torch.checkpoint import (
+from miles.backends.common.checkpoint import (
     AccumulatedGrad,
     Checkpoint,
     OptimizerState,
@@ -60,10 +58,12 @@ from miles.backends.torch.checkpoint import (
     write_checkpoint,
     write_checkpoint_dir,
 )
-from miles.backends.torch.client_loss import ClientRow, client_loss_terms, client_rows, datum_outputs
-from miles.backends.torch.loss import LossParams, approx_kl_per_sample, policy_loss_terms
-from miles.backends.torch.lr_schedule import LRSchedule
-from miles.backends.torch.optimizer import SlotAdamW, SlotStep
+from miles.backends.common.client_loss import ClientRow, client_loss_terms, client_rows, datum_outputs
+from miles.backends.common.loss import LossParams, approx_kl_per_sample, policy_loss_terms
+from miles.backends.common.lr_schedule import LRSchedule
+from miles.backends.common.optimizer import SlotAdamW, SlotStep
+from miles.backends.rank.config import TrainActorConfig
+from miles.backends.rank.model import TrainModel
 from miles.lora import peft_adapter_config, peft_tensors, write_peft_dir
 from miles.lora.slots import PEFT_PREFIX
 from miles.utils.loss_settings import LossSettings

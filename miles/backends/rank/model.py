@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles.backends.torch.batching import MicroBatch
-from miles.backends.torch.optimizer import SlotNorm
+from miles.backends.common.batching import MicroBatch
+from miles.backends.common.optimizer import SlotNorm
 
 
 class TrainModel(Protocol):

@@ -16,9 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles.backends.rank.config import TrainActorConfig
-from miles.backends.rank.model import all_reduce_sum
-from miles.backends.torch.batching import (
+from miles.backends.common.batching import (
     CPU_ACTIVATION_BUDGET_MB,
     ActivationBudget,
     MicroBatch,
@@ -27,6 +25,9 @@ from miles.backends.torch.batching import (
     next_token_logprobs,
     target_logprobs,
 )
+from miles.backends.common.loss import entropy_from_logits
+from miles.backends.rank.config import TrainActorConfig
+from miles.backends.rank.model import all_reduce_sum
 from miles.backends.torch.lm_head import (
     CHUNK_LOGITS,
     fused_head_weight,
@@ -34,7 +35,6 @@ from miles.backends.torch.lm_head import (
     lm_head_logprobs,
     slot_head_lora,
 )
-from miles.backends.torch.loss import entropy_from_logits
 from miles.backends.torch.recompute import apply_recompute
 from miles.lora import (
     clear_slot,

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from megatron_scenario import RANK, random_adapter
 from torch_backend_data import counts, make_groups, max_abs_diff, spec
 
-from miles.backends.torch.loss import adapter_token_advantages
+from miles.backends.common.loss import adapter_token_advantages
 from miles.utils.loss_settings import LossSettings
 
 pytestmark = pytest.mark.timeout(300)

@@ -25,9 +25,9 @@ from megatron_scenario import (
 )
 from torch_backend_data import counts, flatten_with_advantages, max_abs_diff, spec
 
+from miles.backends.common.checkpoint import read_checkpoint
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.actor import TorchTrainActor
-from miles.backends.torch.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 

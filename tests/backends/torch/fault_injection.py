@@ -21,10 +21,10 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from miles.backends.common.batching import ActivationBudget, MicroBatch
 from miles.backends.rank.core import LossSums, RankTrainResult, TrainCore
 from miles.backends.rank.model import TrainModel
 from miles.backends.torch.actor import TorchTrainActor
-from miles.backends.torch.batching import ActivationBudget, MicroBatch
 from miles.utils.types import Sample
 from miles.utils.types.client import ClientWork
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles.backends.torch.client_loss import ClientInputs, ClientRow
+from miles.backends.common.client_loss import ClientInputs, ClientRow
 from miles.utils.types import Sample
 
 MIN_ROW_TOKENS = 2
