@@ -208,7 +208,8 @@ async def trainer_run(cfg: MilesConfig) -> AsyncIterator[TrainerRun]:
     components = await launch(cfg)
     metrics = MetricsLogger.from_config(cfg)
     dump = RolloutDump.from_config(cfg)
-    progress = RunProgress(metrics, view=make_view(), controller=components.controller, dump=dump)
+    progress = RunProgress(metrics, view=make_view(), controller=components.controller, dump=dump,
+                           latest_checkpoint=components.backend.latest_checkpoint)
     try:
         yield TrainerRun(components, stop, progress)
     finally:

@@ -42,10 +42,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from miles.backends.base import AdapterTrainStats
-from miles.backends.common.checkpoint import latest_checkpoint
 from miles.main.client_commands import ClientCall, ClientModelReport, ClientStepTaken, reduce_metrics
 from miles.main.rollout_dump import RolloutDump
 from miles.main.train_step import TrainedBatch
@@ -269,7 +269,8 @@ def make_view(stream: TextIO | None = None) -> ProgressView:
 
 class RunProgress:
     def __init__(self, metrics: MetricsLogger, *, view: ProgressView | None = None, controller: Any = None,
-                 dump: RolloutDump | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 dump: RolloutDump | None = None, clock: Callable[[], float] = time.monotonic,
+                 latest_checkpoint: Callable[[str], Path | None] | None = None) -> None:
         self.metrics = metrics
         self.view = view if view is not None else PlainView()
         self.controller = controller
@@ -277,6 +278,9 @@ class RunProgress:
         self.dump = dump
         """`--dump-details`: takes every trained batch (its owner closes it); None: no dump."""
         self.clock = clock
+        self.latest_checkpoint = latest_checkpoint
+        """Where an adapter's save directory resumes from (`TrainingBackend.latest_checkpoint`),
+        shown in the summary; None: not shown."""
         self.adapters: dict[str, AdapterProgress] = {}
         self._last_idle_log = float("-inf")
         self._start = clock()
@@ -454,7 +458,7 @@ class RunProgress:
             if entry.kind is AdapterKind.CLIENT:
                 checkpoint = entry.resume_from or "-"
             else:
-                checkpoint = str(latest_checkpoint(entry.save_dir) or "-") if entry.save_dir else "-"
+                checkpoint = self._latest_checkpoint(entry.save_dir)
             rows.append((
                 entry.name,
                 entry.kind.value,
@@ -466,6 +470,11 @@ class RunProgress:
                 checkpoint,
             ))
         return rows
+
+    def _latest_checkpoint(self, save_dir: str | None) -> str:
+        if save_dir is None or self.latest_checkpoint is None:
+            return "-"
+        return str(self.latest_checkpoint(save_dir) or "-")
 
     def print_summary(self) -> None:
         self.close()
