@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +115,8 @@ class RankGroup:
         n, cpus, gpus = self.layout.world_size, self.num_cpus, self.num_gpus
         # One bundle per rank; ranks that do not fit on one node spread over nodes.
         self.placement = await placement.one_bundle_each(n, cpus=cpus, gpus=gpus)
-        remote_cls = ray.remote(concurrency_groups=self.rank_class.ray_concurrency_groups)(self.rank_class)
+        remote: Callable[..., Any] = ray.remote  # its stubs lack the `concurrency_groups` it takes
+        remote_cls = remote(concurrency_groups=self.rank_class.ray_concurrency_groups)(self.rank_class)
         self._actors = [remote_cls.options(num_cpus=cpus, num_gpus=gpus,
                                            scheduling_strategy=placement.bundle_strategy(self.placement, rank))
                         .remote(self.config, rank, n) for rank in range(n)]

@@ -42,7 +42,6 @@ from miles.backends.base import (
     TrainResult,
 )
 from miles.backends.common import checkpoint
-from miles.backends.common.batching import Advantage
 from miles.backends.common.client_loss import client_rows
 from miles.backends.common.loss import batch_advantages, needs_reward_kl
 from miles.backends.common.rank_group import RankGroup, RankLayout
@@ -50,6 +49,7 @@ from miles.backends.rank.actor import ExportDescription, TrainRank
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.rank.core import LossSums, RankTrainResult
 from miles.lora.weight_sync import UpdateGroupSpec
+from miles.utils.adapter_config import resolved_field
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings
 from miles.utils.plugins import load_subclass
@@ -88,7 +88,8 @@ class TrainGroupConfig:
     def from_config(cls, cfg: MilesConfig) -> TrainGroupConfig:
         actor = TrainActorConfig.from_config(cfg)
         return cls(
-            actor=actor, n_workers=cfg.actor_num_workers, num_cpus_per_worker=float(cfg.actor_num_cpus_per_worker),
+            actor=actor, n_workers=resolved_field(cfg.actor_num_workers, "--actor-num-workers"),
+            num_cpus_per_worker=float(cfg.actor_num_cpus_per_worker),
             num_gpus_per_worker=1.0 if actor.device == "cuda" else 0.0, actor_path=cfg.train_actor_path,
         )
 
@@ -221,7 +222,8 @@ class TrainGroup:
     def _settings(self, name: str) -> LossSettings:
         return self._specs[name].loss or self.config.actor.loss
 
-    def _advantages(self, batch: RolloutBatch, reward_kl: list[list[float] | None] | None = None) -> list[Advantage]:
+    def _advantages(self, batch: RolloutBatch,
+                    reward_kl: list[list[float] | None] | None = None) -> list[float | list[float]]:
         """Each adapter's advantages from its own groups and loss settings alone, over the
         whole batch (so `--normalize-advantages` whitens over every rank's share, as Miles'
         all-reduce does, and the result does not depend on the number of ranks)."""

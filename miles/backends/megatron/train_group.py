@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from miles.backends.common.rank_group import RankLayout
 from miles.backends.common.train_group import TrainGroup, TrainGroupConfig
 from miles.backends.megatron.actor import MegatronActorConfig, MegatronTrainActor
+from miles.utils.adapter_config import resolved_field
 from miles.utils.arguments import MilesConfig
 
 
@@ -45,7 +46,7 @@ class MegatronGroupConfig(TrainGroupConfig):
     @classmethod
     def from_config(cls, cfg: MilesConfig) -> MegatronGroupConfig:
         actor = MegatronActorConfig.from_config(cfg)
-        return cls(actor=actor, n_workers=cfg.actor_num_workers,
+        return cls(actor=actor, n_workers=resolved_field(cfg.actor_num_workers, "--actor-num-workers"),
                    num_cpus_per_worker=float(cfg.actor_num_cpus_per_worker),
                    num_gpus_per_worker=1.0 if actor.device == "cuda" else 0.0, actor_path=cfg.train_actor_path)
 
