@@ -47,9 +47,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.backends.torch.batching import make_micro_batches, next_token_logprobs
-from miles.backends.torch.loss import LossParams, grpo_advantages, policy_loss_terms
-from miles.backends.torch.optimizer import SlotAdamW
+from miles.backends.common.batching import make_micro_batches, next_token_logprobs
+from miles.backends.common.loss import LossParams, grpo_advantages, policy_loss_terms
+from miles.backends.common.optimizer import SlotAdamW
 from miles.lora import export_peft_adapter, init_slot, inject_multi_lora, lora_modules, use_slots
 from miles.recipes import calculator_tool as calc
 from miles.recipes.tiny_base import ensure_tiny_base

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.backends.common.checkpoint import latest_checkpoint
 from miles.recipes import smollm2, tasks
 from miles.utils.adapter_config import AdapterDefaults, parse_adapter_run_yaml, resolve_adapter_config
 from miles.utils.arguments import parse_args

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.backends.torch.loss import LossParams, grpo_advantages, policy_loss_terms
-from miles.backends.torch.optimizer import SlotAdamW
+from miles.backends.common.loss import LossParams, grpo_advantages, policy_loss_terms
+from miles.backends.common.optimizer import SlotAdamW
 from miles.lora import init_slot, inject_multi_lora, lora_modules, use_slots
 from miles.recipes.tasks import Example, evaluate_accuracy, read_examples
 from miles.recipes.tiny_base import ensure_tiny_base

@@ -7,7 +7,7 @@ lifecycle (which adapter goes in which slot, when to push, when to save, under w
 step number) is orchestrated once, backend-neutral, by the loop's stages (`miles.main.stages`) on the
 iteration's snapshot.
 
-    backend: TrainingBackend = TrainGroup(TrainGroupConfig.from_config(cfg))
+    backend: TrainingBackend = torch_train_group(TrainGroupConfig.from_config(cfg))
     await backend.start()
     loaded = await backend.load_adapter(AdapterSpec.from_run(run))   # fresh or resumed
     result = await backend.train(rollout_id, batch)                  # forward + backward
@@ -22,6 +22,7 @@ iteration's snapshot.
     failed = await backend.broadcast_adapter(export, [spec.group_name, ...])   # while each engine receives
     await backend.leave_update_group(spec.group_name)
     await backend.save_adapter(SaveRequest(name, step, data_position))
+    backend.latest_checkpoint(save_dir)                              # where a load would resume
     await backend.cleanup_adapter(name)
     await backend.shutdown()
 
@@ -218,7 +219,8 @@ class TrainRankLostError(RuntimeError):
 
 @runtime_checkable
 class TrainingBackend(Protocol):
-    """What the driver calls on a training backend. Every method is a coroutine."""
+    """What the driver calls on a training backend. Every method but `latest_checkpoint` (a
+    read of the save directory) is a coroutine."""
 
     async def start(self) -> None:
         """Create the ranks and load the base model."""
@@ -287,6 +289,10 @@ class TrainingBackend(Protocol):
     async def save_adapter(self, request: SaveRequest) -> Path:
         """Write a checkpoint of a loaded adapter, with the gradient of its accumulated groups
         summed over ranks when `request.accumulated_groups > 0`; returns its directory."""
+
+    def latest_checkpoint(self, save_dir: str | Path) -> Path | None:
+        """The latest complete checkpoint under an adapter's save directory (the one
+        `load_adapter` resumes from), or None."""
 
     async def shutdown(self) -> None:
         """Stop the ranks."""

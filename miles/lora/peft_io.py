@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,11 +147,18 @@ UNSUPPORTED_PEFT_FEATURES = {
     "trainable_token_indices": "trainable_token_indices",
     "fan_in_fan_out": "transposed (fan_in_fan_out) weights",
 }
-"""PEFT config keys the slot page table cannot hold, and what each one is (named in the error).
-The Megatron backend checks its loads against the same list."""
+"""PEFT config keys the slot page table cannot hold, and what each one is (named in the error)."""
 
 
-def _check_loadable(config: dict[str, Any], path: Path, model: nn.Module) -> tuple[int, float]:
+def check_peft_config(config: dict[str, Any], source: str | os.PathLike, *, covers: Callable[[str], bool],
+                      lora_layers: Sequence[str], max_rank: int) -> tuple[int, float]:
+    """(rank, alpha) of a PEFT `adapter_config.json` that slots of width `max_rank` can hold,
+    for either backend's page table; a ValueError names `source`, what is wrong and the fix.
+
+    `covers(target)`: whether an entry of the config's `target_modules` is one of the model's
+    LoRA layers, whose short names `lora_layers` lists for the message.
+    """
+    path = Path(source)
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}; only LORA adapters load into slots")
     for key, what in UNSUPPORTED_PEFT_FEATURES.items():
@@ -161,19 +168,17 @@ def _check_loadable(config: dict[str, Any], path: Path, model: nn.Module) -> tup
         raise ValueError(f"{path}: bias={config.get('bias')!r} is not supported; train the adapter with bias='none'")
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        # PEFT writes short names ("q_proj") or, for "all-linear", full module paths.
-        wrapped = set(require_lora(model))
-        short = _wrapped_short_names(model)
-        missing = {t for t in targets if t not in short and t not in wrapped
-                   and not any(name.endswith(f".{t}") for name in wrapped)}
+        missing = {t for t in targets if not covers(t)}
         if missing:
-            raise ValueError(
-                f"{path}: adapter targets {sorted(missing)} which are not multi-LoRA layers of this model; "
-                "inject_multi_lora with target_modules covering them"
-            )
+            raise ValueError(f"{path}: adapter targets {sorted(missing)} which are not multi-LoRA layers of this "
+                             f"model (its LoRA layers: {sorted(lora_layers)}); widen the slots' target modules "
+                             "(--target-modules, or inject_multi_lora's target_modules)")
     if "r" not in config or "lora_alpha" not in config:
         raise ValueError(f"{path}: adapter_config.json lacks 'r' or 'lora_alpha'")
-    return int(config["r"]), float(config["lora_alpha"])
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    if rank > max_rank:
+        raise ValueError(f"{path}: adapter rank {rank} exceeds the slot width max_rank={max_rank}; raise --lora-rank")
+    return rank, alpha
 
 
 def load_peft_adapter(model: nn.Module, slot: int, path: str | os.PathLike) -> tuple[int, float]:
@@ -193,9 +198,14 @@ def load_peft_tensors(model: nn.Module, slot: int, tensors: dict[str, torch.Tens
 
     `source` names where they came from in error messages.
     """
-    rank, alpha = _check_loadable(config, Path(source), model)
-    max_rank = next(iter(require_lora(model).values())).max_rank
-    if rank > max_rank:
-        raise ValueError(f"{source}: adapter rank {rank} exceeds the slot width max_rank={max_rank}; raise --lora-rank")
+    layers = require_lora(model)
+    short = _wrapped_short_names(model)
+
+    def covers(target: str) -> bool:
+        # PEFT writes short names ("q_proj") or, for "all-linear", full module paths.
+        return target in short or target in layers or any(name.endswith(f".{target}") for name in layers)
+
+    rank, alpha = check_peft_config(config, source, covers=covers, lora_layers=sorted(short),
+                                    max_rank=next(iter(layers.values())).max_rank)
     set_slot_weights(model, slot, tensors, rank=rank, alpha=alpha)
     return rank, alpha

@@ -75,7 +75,7 @@ class Components:
     rollout_manager: Any
     """RolloutManager actor handle."""
     backend: TrainingBackend
-    """The training backend (the torch `TrainGroup` over its rank actors)."""
+    """The training backend (a `TrainGroup` over its rank actors)."""
     stages: Stages
     """The loop's stages over the three above."""
 
@@ -114,12 +114,13 @@ async def launch(cfg: MilesConfig) -> Components:
 def build_backend(cfg: MilesConfig) -> TrainingBackend:
     """The training backend `--train-backend` names (ranks not started yet)."""
     if cfg.train_backend == "megatron":
-        from miles.backends.megatron.train_group import MegatronGroupConfig, MegatronTrainGroup
+        from miles.backends.megatron.train_group import MegatronGroupConfig, megatron_train_group
 
-        return MegatronTrainGroup(MegatronGroupConfig.from_config(cfg))
-    from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
+        return megatron_train_group(MegatronGroupConfig.from_config(cfg))
+    from miles.backends.common.train_group import TrainGroupConfig
+    from miles.backends.torch.train_group import torch_train_group
 
-    return TrainGroup(TrainGroupConfig.from_config(cfg))
+    return torch_train_group(TrainGroupConfig.from_config(cfg))
 
 
 async def register_initial_adapters(cfg: MilesConfig, controller: Any) -> None:
@@ -207,7 +208,8 @@ async def trainer_run(cfg: MilesConfig) -> AsyncIterator[TrainerRun]:
     components = await launch(cfg)
     metrics = MetricsLogger.from_config(cfg)
     dump = RolloutDump.from_config(cfg)
-    progress = RunProgress(metrics, view=make_view(), controller=components.controller, dump=dump)
+    progress = RunProgress(metrics, view=make_view(), controller=components.controller, dump=dump,
+                           latest_checkpoint=components.backend.latest_checkpoint)
     try:
         yield TrainerRun(components, stop, progress)
     finally:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from miles.backends.torch.loss import batch_advantages, needs_reward_kl
+from miles.backends.common.loss import batch_advantages, needs_reward_kl
 from miles.utils.adapter_config import ADAPTER_NAME_PATTERN
 from miles.utils.arguments import MilesConfig
 from miles.utils.loss_settings import LossSettings

@@ -8,7 +8,7 @@ global), resolved as `settings.with_overrides(**overrides)`:
     base = LossSettings.from_flags(advantage_estimator="gspo", eps_clip=0.2)
     mine = base.with_overrides(eps_clip_high=0.28, entropy_coef=0.01)
 
-The math that uses them is `miles.backends.torch.loss`.
+The math that uses them is `miles.backends.common.loss`.
 """
 
 from __future__ import annotations

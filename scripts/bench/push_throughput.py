@@ -33,8 +33,9 @@ import benchlib
 from benchlib import Figure
 
 from miles.backends.base import AdapterSpec
+from miles.backends.common.train_group import TrainGroupConfig
 from miles.backends.torch.actor import TrainActorConfig
-from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
+from miles.backends.torch.train_group import torch_train_group
 from miles.main.engine_push import EnginePusher
 from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
 from miles.rollout.engines.server_command import EngineServerConfig
@@ -135,7 +136,7 @@ async def run(args) -> list[Figure]:
     vocab = benchlib.vocab_size(path)
     names = [f"a{i}" for i in range(args.adapters)]
     slots = {name: i for i, name in enumerate(names)}
-    group = TrainGroup(TrainGroupConfig(
+    group = torch_train_group(TrainGroupConfig(
         actor=TrainActorConfig(hf_checkpoint=str(path), n_slots=args.adapters, lora_rank=args.rank,
                                num_threads=args.threads),
         n_workers=1, num_cpus_per_worker=0))

@@ -21,13 +21,13 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from miles.backends.common.batching import ActivationBudget, MicroBatch
 from miles.backends.rank.adapters import SlotAdapters
 from miles.backends.rank.core import TrainCore
 from miles.backends.rank.model import TrainModel
 from miles.backends.rank.take_back import TakeBack
 from miles.backends.rank.train import BatchTrainer, LossSums, RankTrainResult
 from miles.backends.torch.actor import TorchTrainActor
-from miles.backends.torch.batching import ActivationBudget, MicroBatch
 from miles.utils.types import Sample
 from miles.utils.types.client import ClientWork
 

@@ -138,6 +138,10 @@ class FakeBackend:
         self.calls.append(("fresh_export", spec.name))
         return LoraExport(peft_config={"r": spec.rank}, tensors={"w": 0.0})
 
+    def latest_checkpoint(self, save_dir: str | Path) -> Path | None:
+        saved = self.disk.get(str(save_dir), {})
+        return _step_dir(str(save_dir), max(saved)) if saved else None
+
     # Weights-update group: `RecordingPusher` takes exports as they are, so nothing is sent.
     async def update_group_endpoint(self) -> tuple[str, int]:
         return "127.0.0.1", 0

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from miles.backends.torch.checkpoint import AccumulatedGrad
+from miles.backends.common.checkpoint import AccumulatedGrad
 from miles.utils.types import Sample
 from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, spec
 
@@ -196,10 +196,10 @@ def run_torch(model_dir: Path, work: Path) -> dict:
 
 def _dp_rank_main(rank: int, world: int, addresses, model_dir: str, work: str) -> None:
     """Two DP replicas of one TP rank each: the script's adapters and random weights, then
-    step 1 with the prompt groups split over the replicas as `MegatronTrainGroup` splits them."""
+    step 1 with the prompt groups split over the replicas as the Megatron group splits them."""
+    from miles.backends.common.rank_group import split_prompt_groups
     from miles.backends.megatron import lora as mlora
     from miles.backends.megatron.actor import MegatronActorConfig, MegatronTrainActor
-    from miles.backends.torch.train_group import split_prompt_groups
 
     torch.set_num_threads(1)
     actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=model_dir, n_slots=N_SLOTS, lora_rank=RANK),

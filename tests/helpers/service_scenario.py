@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
+from miles.backends.common.checkpoint import latest_checkpoint, read_checkpoint
 from miles.controller.client import ControlPlaneClient
 from miles.utils.types import AdapterState
 from tests.helpers.driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset

@@ -7,9 +7,9 @@ import random
 import torch
 
 from miles.backends.base import AdapterSpec
+from miles.backends.common.loss import grpo_advantages
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.actor import TorchTrainActor
-from miles.backends.torch.loss import grpo_advantages
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import Sample
 from miles.utils.types.client import ClientDatum, ClientLoss, ClientWork

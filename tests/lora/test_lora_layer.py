@@ -249,7 +249,7 @@ def test_grouped_batch_is_one_autograd_node_with_the_segment_paths_gradients(slo
 def test_stacked_path_sees_every_write_to_b(base_model):
     """The stacked path keeps B's transpose between decode steps; a slot load and an
     optimizer step must both show in the next forward."""
-    from miles.backends.torch.optimizer import SlotAdamW
+    from miles.backends.common.optimizer import SlotAdamW
 
     model = multi_lora_copy(base_model)
     for slot in range(N_SLOTS):

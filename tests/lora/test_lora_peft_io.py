@@ -24,6 +24,7 @@ from miles.lora import (
     use_slots,
     write_peft_dir,
 )
+from miles.lora.peft_io import check_peft_config
 
 ATOL = 1e-5
 
@@ -186,3 +187,24 @@ def test_adapter_saved_by_peft_with_all_linear_loads_into_a_slot(tiny_model_dir,
     with torch.no_grad():
         expected = reference(ids).logits
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"peft_type": "PROMPT_TUNING", "r": 2, "lora_alpha": 4}, "only LORA adapters"),
+    ({"use_dora": True, "r": 2, "lora_alpha": 4}, "DoRA is not supported"),
+    ({"bias": "all", "r": 2, "lora_alpha": 4}, "bias='all' is not supported"),
+    ({"target_modules": ["q_proj", "up_proj"], "r": 2, "lora_alpha": 4},
+     r"targets \['up_proj'\] which are not multi-LoRA layers of this model "
+     r"\(its LoRA layers: \['q_proj', 'v_proj'\]\)"),
+    ({"target_modules": ["q_proj"]}, "lacks 'r' or 'lora_alpha'"),
+    ({"target_modules": ["q_proj"], "r": 16, "lora_alpha": 4}, "adapter rank 16 exceeds the slot width max_rank=8"),
+])
+def test_one_validator_refuses_what_a_slot_cannot_hold(config, message):
+    """Both backends load through `check_peft_config`: each error names the source and the fix."""
+    def covers(target: str) -> bool:
+        return target.rsplit(".", 1)[-1] in {"q_proj", "v_proj"}
+
+    with pytest.raises(ValueError, match=f"^ckpt/step_1: .*{message}"):
+        check_peft_config(config, "ckpt/step_1", covers=covers, lora_layers=["v_proj", "q_proj"], max_rank=8)
+    fits = {"target_modules": ["model.layers.0.self_attn.q_proj", "v_proj"], "r": 8, "lora_alpha": 16}
+    assert check_peft_config(fits, "ckpt/step_1", covers=covers, lora_layers=["q_proj"], max_rank=8) == (8, 16.0)

@@ -22,8 +22,9 @@ import httpx
 import pytest
 
 from miles.backends.base import AdapterSpec
+from miles.backends.common.train_group import TrainGroup, TrainGroupConfig
 from miles.backends.torch.actor import TrainActorConfig
-from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
+from miles.backends.torch.train_group import torch_train_group
 from miles.main.engine_push import EnginePusher
 from miles.rollout.engines.fleet import EngineFleet, EngineFleetConfig
 from miles.rollout.engines.server_command import EngineServerConfig
@@ -70,7 +71,7 @@ def max_diff(x: list[float], y: list[float]) -> float:
 
 @pytest.mark.parametrize("mode", ["in_place", "versioned"])
 async def test_a_group_after_a_push_is_generated_by_the_pushed_weights(ray_session, tiny_model_dir, tmp_path, mode):
-    group = TrainGroup(TrainGroupConfig(
+    group = torch_train_group(TrainGroupConfig(
         actor=TrainActorConfig(hf_checkpoint=str(tiny_model_dir), n_slots=2, lora_rank=4), n_workers=1,
         num_cpus_per_worker=0))
     server = EngineServerConfig(kind="builtin", model_path=str(tiny_model_dir), n_slots=2, max_lora_rank=4,

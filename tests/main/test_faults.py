@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import load_file
 
 from miles.backends.base import TrainRankLostError, TrainResult
-from miles.backends.torch.checkpoint import TRAINER_STATE, Checkpoint, latest_checkpoint, read_checkpoint
+from miles.backends.common.checkpoint import TRAINER_STATE, Checkpoint, latest_checkpoint, read_checkpoint
 from miles.main import launch, train_multi_lora_async
 from miles.main.launch import Components
 from miles.main.progress import RunProgress

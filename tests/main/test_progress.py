@@ -12,6 +12,7 @@ import doctest
 import io
 import logging
 import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -340,3 +341,19 @@ def test_client_metrics_reduce_as_their_names_say():
              ClientCall({"a:max": 3.0, "b:min": -1.0, "c:unique": 2.0}, datums=1, tokens=1)]
     assert reduce_metrics(calls) == {"a:max": 3.0, "b:min": -1.0}
     assert reduce_metrics([]) == {}
+
+
+def test_the_summary_names_the_checkpoint_the_backend_would_resume_from(metrics):
+    """The checkpoint column asks the backend (`TrainingBackend.latest_checkpoint`) about each
+    adapter's save directory; "-" where there is none, or without a backend to ask."""
+    saved = AdapterRun(name="a", config=AdapterRunConfig(data="unused.jsonl", rollout_batch_size=2,
+                                                          n_samples_per_prompt=2, num_step=3, save="/runs/a"),
+                       slot=0, version=1, step=0, accumulated_groups=0, registration_id="reg-a")
+    checkpoints = {"/runs/a": Path("/runs/a/checkpoints/step_2")}
+    progress = RunProgress(metrics, latest_checkpoint=checkpoints.get)
+    progress.declare(snapshot(saved, run("b", 1, 0)))
+    summary = {row[0]: row[-1] for row in progress.summary_rows()}
+    assert summary == {"a": "/runs/a/checkpoints/step_2", "b": "-"}
+    without = RunProgress(metrics)
+    without.declare(snapshot(saved))
+    assert without.summary_rows()[0][-1] == "-"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from miles.backends.base import AdapterStepStats, AdapterTrainStats, TrainResult
-from miles.backends.torch.loss import batch_advantages
+from miles.backends.common.loss import batch_advantages
 from miles.main import rollout_dump
 from miles.main.progress import RunProgress
 from miles.main.rollout_dump import DumpJob, RolloutDump, RolloutFiles, sample_advantages

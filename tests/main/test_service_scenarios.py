@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.backends.common.checkpoint import latest_checkpoint
 from miles.controller.client import ControlPlaneClient
 from miles.rollout.engines.router import Router
 from miles.utils.types import AdapterState, engine_lora_name

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from miles.backends.torch.checkpoint import latest_checkpoint
+from miles.backends.common.checkpoint import latest_checkpoint
 from miles.utils.types import DataPosition
 from tests.helpers.driver_harness import DriverProcess, tiny_run_flags, write_arithmetic_dataset
 from tests.helpers.waiting import wait_until

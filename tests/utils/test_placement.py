@@ -24,9 +24,10 @@ SCRIPT = textwrap.dedent('''
     from ray.cluster_utils import Cluster
     from miles.backends.base import AdapterSpec
     from miles.backends.megatron.actor import MegatronActorConfig
-    from miles.backends.megatron.train_group import MegatronGroupConfig, MegatronTrainGroup
+    from miles.backends.common.train_group import TrainGroupConfig
+    from miles.backends.megatron.train_group import MegatronGroupConfig, megatron_train_group
     from miles.backends.torch.actor import TrainActorConfig
-    from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
+    from miles.backends.torch.train_group import torch_train_group
     from miles.utils.types import RolloutBatch, Sample
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
@@ -45,7 +46,7 @@ SCRIPT = textwrap.dedent('''
         """One train call and step of adapter a on two distinct prompt groups (one per rank of
         two); a's weights before and after, and with `each_rank` every rank's own after."""
         await group.start()
-        nodes = ray.util.placement_group_table(group._placement)["bundles_to_node_id"]
+        nodes = ray.util.placement_group_table(group.ranks.placement)["bundles_to_node_id"]
         address = await group.actors[0].master_address.remote()
         await group.load_adapter(AdapterSpec(name="a", slot=0, rank=2, alpha=4.0, global_batch_size=4, lr=0.1))
         fresh = await weights(group)
@@ -75,15 +76,15 @@ SCRIPT = textwrap.dedent('''
 
     async def main():
         actor = TrainActorConfig(hf_checkpoint=sys.argv[1], n_slots=1, lora_rank=2)
-        alone = await train_once(TrainGroup(TrainGroupConfig(actor=actor, n_workers=1, num_cpus_per_worker=1)))
-        torch_ranks = await train_once(TrainGroup(TrainGroupConfig(actor=actor, n_workers=2, num_cpus_per_worker=1)),
-                                       each_rank=True)
+        one, two = (TrainGroupConfig(actor=actor, n_workers=n, num_cpus_per_worker=1) for n in (1, 2))
+        alone = await train_once(torch_train_group(one))
+        torch_ranks = await train_once(torch_train_group(two), each_rank=True)
         megatron = MegatronActorConfig(**actor.__dict__, tensor_model_parallel_size=2)
-        tp_ranks = await train_once(MegatronTrainGroup(MegatronGroupConfig(actor=megatron, n_workers=1,
-                                                                           num_cpus_per_worker=1)))
+        tp_ranks = await train_once(megatron_train_group(MegatronGroupConfig(actor=megatron, n_workers=1,
+                                                                             num_cpus_per_worker=1)))
         torch_ranks, tp_ranks = compared(torch_ranks, alone), compared(tp_ranks, alone)
         try:  # two CPUs for one rank: no node of one CPU holds it, said at once rather than waited on
-            await TrainGroup(TrainGroupConfig(actor=actor, n_workers=1, num_cpus_per_worker=2)).start()
+            await torch_train_group(TrainGroupConfig(actor=actor, n_workers=1, num_cpus_per_worker=2)).start()
             refused = ""
         except ValueError as exc:
             refused = str(exc)

@@ -1,5 +1,5 @@
 """One rank (a DP replica's TP shard) of the Megatron training backend, as the Ray actor
-`MegatronTrainGroup` drives.
+the train group drives.
 
 A `TrainRank` whose model is a `MegatronTrainModel`: a megatron-core GPTModel shard with
 the slot page table in its parallel linears; the training contract, one `SlotAdamW` over

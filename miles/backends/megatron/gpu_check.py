@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from miles.backends.base import AdapterSpec
-from miles.backends.torch.loss import grpo_advantages
+from miles.backends.common.loss import grpo_advantages
 from miles.utils.types import Sample
 
 N_SLOTS, RANK = 4, 8
@@ -103,13 +103,16 @@ def _rendezvous(actor, rank: int, world: int, addresses) -> str:
 def _rank_main(rank: int, world: int, addresses, args: argparse.Namespace, shapes, out: str) -> None:
     from miles.backends.megatron import lora as mlora
     from miles.backends.megatron.actor import MegatronActorConfig, MegatronTrainActor
+    from miles.backends.megatron.train_model import MegatronTrainModel
 
     device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
     actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=args.hf_checkpoint, n_slots=N_SLOTS, lora_rank=RANK,
                                                    device=device, dtype=args.dtype, tensor_model_parallel_size=world),
                                rank, world)
     actor.init_process_group(_rendezvous(actor, rank, world, addresses))
-    seen = _play(actor, lambda slot, t: mlora.set_slot_weights(actor.model.parts, slot, t, rank=RANK, alpha=16.0),
+    model = actor.model
+    assert isinstance(model, MegatronTrainModel)
+    seen = _play(actor, lambda slot, t: mlora.set_slot_weights(model.parts, slot, t, rank=RANK, alpha=16.0),
                  actor.shape.vocab_size, shapes)
     if rank == 0:
         torch.save(seen, out)
@@ -119,6 +122,7 @@ def _rank_main(rank: int, world: int, addresses, args: argparse.Namespace, shape
 def main(argv: list[str] | None = None) -> int:
     from miles.backends.rank.config import TrainActorConfig
     from miles.backends.torch.actor import TorchTrainActor
+    from miles.backends.torch.train_model import TorchTrainModel
     from miles.lora import set_slot_weights
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -139,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     ref_actor.load_adapter(_specs()[0])
     shapes = {k: v.shape for k, v in ref_actor.export_adapter("a").items()}
     ref_actor.cleanup_adapter("a")
-    vocab = ref_actor.model.module.config.vocab_size
-    # The setter binds the model now (no closure over ref_actor), so the `del` below is the name's last use.
-    ref = _play(ref_actor, functools.partial(set_slot_weights, ref_actor.model.module, rank=RANK, alpha=16.0),
+    ref_model = ref_actor.model
+    assert isinstance(ref_model, TorchTrainModel)
+    vocab = ref_model.module.config.vocab_size
+    # The setter binds the model now (no closure over ref_actor), so the `del` below is the names' last use.
+    ref = _play(ref_actor, functools.partial(set_slot_weights, ref_model.module, rank=RANK, alpha=16.0),
                 vocab, shapes)
-    del ref_actor
+    del ref_actor, ref_model
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "megatron.pt")
         addresses = mp.get_context("spawn").Queue()

@@ -172,7 +172,10 @@ class ParallelMultiLoRA(nn.Module):
                  compose: Callable[[dict[str, Tensor | None], tuple[int, ...]], Tensor], router: SlotRouter) -> None:
         super().__init__()
         self.base = base
-        self.parts = nn.ModuleDict({k: v for k, v in parts.items() if v is not None})
+        present = {k: v for k, v in parts.items() if v is not None}
+        self.parts = nn.ModuleDict(present)
+        self._present: dict[str, LoRAPart] = present
+        """`parts` by name, typed (the ModuleDict registers them as submodules)."""
         self.part_order = list(parts)
         self.parallel = parallel
         self.compose = compose
@@ -192,16 +195,17 @@ class ParallelMultiLoRA(nn.Module):
         if x_BSI.shape[0] != batch.batch_size:
             raise ValueError(f"use_slots gave {batch.batch_size} slot ids but the layer input has batch size "
                              f"{x_BSI.shape[0]}: pass one slot id per sample")
-        names = list(self.parts)
-        h_BSR = torch.cat([self.parts[n].down(x_BSI, batch) for n in names], dim=-1)
+        parts = self._present
+        names = list(parts)
+        h_BSR = torch.cat([parts[n].down(x_BSI, batch) for n in names], dim=-1)
         if self.parallel == "column":
             h_BSR = copy_to_tensor_model_parallel_region(h_BSR)
         else:
             h_BSR = reduce_from_tensor_model_parallel_region(h_BSR)
-        pieces = h_BSR.split([self.parts[n].max_rank for n in names], dim=-1)
+        pieces = h_BSR.split([parts[n].max_rank for n in names], dim=-1)
         deltas: dict[str, Tensor | None] = {n: None for n in self.part_order}
         for n, h in zip(names, pieces):
-            deltas[n] = self.parts[n].up(h, batch)
+            deltas[n] = parts[n].up(h, batch)
         delta_BSO = self.compose(deltas, tuple(x_BSI.shape[:2]))
         return out + delta_BSO.transpose(0, 1).to(out.dtype), bias
 
@@ -259,7 +263,9 @@ def use_slots(model: nn.Module, slot_ids: Sequence[int]) -> Iterator[SlotBatch]:
 
     A layer recomputed in the backward keeps the slots of its forward
     (`keep_slots_in_recompute`), so `backward()` may run after the block."""
-    router: SlotRouter = model.lora_router
+    router = model.lora_router
+    if not isinstance(router, SlotRouter):
+        raise TypeError(f"{type(model).__name__}.lora_router is a {type(router).__name__}, not a SlotRouter")
     parts = lora_parts(model)
     n_slots = next(iter(parts.values())).lora_A.shape[0]
     batch = SlotBatch.build(slot_ids, next(iter(parts.values())).lora_A.device)
@@ -324,7 +330,8 @@ def inject_parallel_lora(model: nn.Module, shape: ModelShape, *, n_slots: int, m
     tp_rank, tp_size = _tp()
     keep_slots_in_recompute()
     router = SlotRouter()
-    model.lora_router = router
+    # A plain attribute, as nn.Module.__setattr__ stores one (its typing allows tensors and modules only).
+    object.__setattr__(model, "lora_router", router)
     h, f = shape.hidden_size, shape.ffn_hidden_size
     q_out, kv_out = shape.num_heads * shape.head_dim, shape.num_query_groups * shape.head_dim
     dims = {"q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out), "o_proj": (q_out, h),

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from miles.backends.common.batching import MicroBatch, next_token_logprobs, target_logprobs
+from miles.backends.common.loss import entropy_from_logits
 from miles.backends.megatron import lora as mlora
 from miles.backends.megatron.model import (
     ModelShape,
@@ -37,9 +39,7 @@ from miles.backends.megatron.model import (
 )
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.rank.model import all_reduce_sum
-from miles.backends.torch.batching import MicroBatch, next_token_logprobs, target_logprobs
-from miles.backends.torch.loss import entropy_from_logits
-from miles.lora.peft_io import UNSUPPORTED_PEFT_FEATURES, read_peft_dir
+from miles.lora.peft_io import check_peft_config, read_peft_dir
 
 
 class MegatronTrainModel:
@@ -110,11 +110,9 @@ class MegatronTrainModel:
     def load_peft_dir(self, slot: int, path: Path) -> None:
         """Load a PEFT adapter directory (whole tensors) into `slot`, each part its shard."""
         tensors, config = read_peft_dir(path)
-        rank, alpha = check_peft_config(config, Path(path), self.target_modules)
-        max_rank = next(iter(self.parts.values())).max_rank
-        if rank > max_rank:
-            raise ValueError(f"{path}: adapter rank {rank} exceeds the slot width max_rank={max_rank}; "
-                             "raise --lora-rank")
+        rank, alpha = check_peft_config(config, path, covers=lambda t: t.rsplit(".", 1)[-1] in self.target_modules,
+                                        lora_layers=self.target_modules,
+                                        max_rank=next(iter(self.parts.values())).max_rank)
         mlora.set_slot_weights(self.parts, slot, tensors, rank=rank, alpha=alpha)
 
     def clear_slot(self, slot: int) -> None:
@@ -182,24 +180,3 @@ class MegatronTrainModel:
         from megatron.core import parallel_state
 
         return parallel_state.get_tensor_model_parallel_group()
-
-
-def check_peft_config(config: dict[str, Any], path: Path, targets: list[str]) -> tuple[int, float]:
-    """(rank, alpha) of a PEFT `adapter_config.json` the Megatron page table can hold, with
-    the same rules as `miles.lora.load_peft_adapter`."""
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}; only LORA adapters load into slots")
-    for key, what in UNSUPPORTED_PEFT_FEATURES.items():
-        if config.get(key):
-            raise ValueError(f"{path}: {what} is not supported by the slot page table; save the adapter without it")
-    if config.get("bias", "none") != "none":
-        raise ValueError(f"{path}: bias={config.get('bias')!r} is not supported; train the adapter with bias='none'")
-    wanted = config.get("target_modules")
-    if isinstance(wanted, list):
-        missing = {t for t in wanted if t.rsplit(".", 1)[-1] not in targets}
-        if missing:
-            raise ValueError(f"{path}: adapter targets {sorted(missing)} which are not LoRA layers of this model "
-                             f"(targets: {targets}); widen --target-modules")
-    if "r" not in config or "lora_alpha" not in config:
-        raise ValueError(f"{path}: adapter_config.json lacks 'r' or 'lora_alpha'")
-    return int(config["r"]), float(config["lora_alpha"])

@@ -27,14 +27,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult, LoraExport
+from miles.backends.common.batching import ActivationBudget, Advantage
+from miles.backends.common.checkpoint import AccumulatedGrad, OptimizerState
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.rank.core import TrainCore
 from miles.backends.rank.export import GradShare
 from miles.backends.rank.model import TrainModel
 from miles.backends.rank.sender import WEIGHT_PUSH, UpdateGroupSender
 from miles.backends.rank.train import LossSums, RankTrainResult
-from miles.backends.torch.batching import ActivationBudget, Advantage
-from miles.backends.torch.checkpoint import AccumulatedGrad, OptimizerState
 from miles.lora.weight_sync import UpdateGroupSpec, listening_store, tensor_metadata
 from miles.utils.network import cluster_host
 from miles.utils.types import DataPosition, Sample

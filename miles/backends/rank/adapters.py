@@ -11,10 +11,10 @@ import torch
 from torch import Tensor
 
 from miles.backends.base import AdapterSpec
+from miles.backends.common.lr_schedule import LRSchedule
+from miles.backends.common.optimizer import SlotAdamW
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.rank.model import TrainModel
-from miles.backends.torch.lr_schedule import LRSchedule
-from miles.backends.torch.optimizer import SlotAdamW
 from miles.lora import peft_adapter_config
 from miles.lora.slots import PEFT_PREFIX
 from miles.utils.loss_settings import LossSettings

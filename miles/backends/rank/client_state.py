@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles.backends.common.checkpoint import TrainerState, read_checkpoint, read_pending_grad, write_checkpoint_dir
+from miles.backends.common.lr_schedule import LRSchedule
 from miles.backends.rank.adapters import SlotAdapters, trained_tensors
 from miles.backends.rank.export import AdapterExport
 from miles.backends.rank.take_back import TakeBack
-from miles.backends.torch.checkpoint import TrainerState, read_checkpoint, read_pending_grad, write_checkpoint_dir
-from miles.backends.torch.lr_schedule import LRSchedule
 from miles.lora import write_peft_dir
 
 

@@ -23,6 +23,10 @@ from typing import Any
 from torch import Tensor
 
 from miles.backends.base import AdapterSpec, AdapterStepStats, LoadResult
+from miles.backends.common.batching import ActivationBudget, Advantage, MicroBatch
+from miles.backends.common.checkpoint import AccumulatedGrad, OptimizerState
+from miles.backends.common.client_loss import ClientRow
+from miles.backends.common.optimizer import SlotAdamW
 from miles.backends.rank.adapters import LoadedAdapter, SlotAdapters
 from miles.backends.rank.client_state import ClientStates
 from miles.backends.rank.config import TrainActorConfig
@@ -32,10 +36,6 @@ from miles.backends.rank.model import TrainModel
 from miles.backends.rank.step import AdapterSteps
 from miles.backends.rank.take_back import TakeBack
 from miles.backends.rank.train import BatchTrainer, LossSums, RankTrainResult
-from miles.backends.torch.batching import ActivationBudget, Advantage, MicroBatch
-from miles.backends.torch.checkpoint import AccumulatedGrad, OptimizerState
-from miles.backends.torch.client_loss import ClientRow
-from miles.backends.torch.optimizer import SlotAdamW
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition, Sample
 from miles.utils.types.client import AdamStep, ClientWork

@@ -11,8 +11,8 @@ from typing import Any
 
 from torch import Tensor
 
+from miles.backends.common.checkpoint import AccumulatedGrad, OptimizerState, TrainerState, write_checkpoint
 from miles.backends.rank.adapters import SlotAdapters, trained_tensors
-from miles.backends.torch.checkpoint import AccumulatedGrad, OptimizerState, TrainerState, write_checkpoint
 from miles.lora import write_peft_dir
 from miles.utils.types import DataPosition
 

@@ -15,10 +15,10 @@ import torch
 from torch import Tensor
 
 from miles.backends.base import AdapterSpec, LoadResult
+from miles.backends.common.checkpoint import Checkpoint, checkpoint_step, read_checkpoint
+from miles.backends.common.lr_schedule import LRSchedule
 from miles.backends.rank.adapters import LoadedAdapter, SlotAdapters, trained_tensors
 from miles.backends.rank.take_back import TakeBack
-from miles.backends.torch.checkpoint import Checkpoint, checkpoint_step, read_checkpoint
-from miles.backends.torch.lr_schedule import LRSchedule
 from miles.lora import peft_tensors
 
 logger = logging.getLogger(__name__)

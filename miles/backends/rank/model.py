@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles.backends.torch.batching import MicroBatch
-from miles.backends.torch.optimizer import SlotNorm
+from miles.backends.common.batching import MicroBatch
+from miles.backends.common.optimizer import SlotNorm
 
 
 class TrainModel(Protocol):
@@ -34,22 +34,33 @@ class TrainModel(Protocol):
     what `SlotAdamW` steps."""
     target_modules: list[str]
     """Short names of the layers with LoRA (`q_proj`, ...), as `adapter_config.json` lists them."""
-    dp_rank: int
-    """This rank's data-parallel replica."""
-    reports_loss: bool
-    """Whether this rank's loss sums count: one rank per replica reports (every TP rank of a
-    replica trains the same samples)."""
-    gathers: bool
-    """Whether this rank takes part in gathering whole tensors for exports and saves (a torch
-    rank gathers alone; Megatron: the TP group of replica 0)."""
-    writes: bool
-    """Whether this rank's gathers hold the whole tensors, so it can write a checkpoint."""
-    vocab_size: int
-    """Tokens the model scores (a client datum's tokens and targets must be below it)."""
-    slot_grad_norm: SlotNorm | None
-    """The norm of one slot's gradient when its tensors are sharded over ranks (Megatron: over
-    TP, `SlotAdamW.step_slots(slot_norm=...)`); None: this rank holds whole rows, and the
-    optimizer's fused step takes each slot's norm itself."""
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica."""
+
+    @property
+    def reports_loss(self) -> bool:
+        """Whether this rank's loss sums count: one rank per replica reports (every TP rank of a
+        replica trains the same samples)."""
+
+    @property
+    def gathers(self) -> bool:
+        """Whether this rank takes part in gathering whole tensors for exports and saves (a torch
+        rank gathers alone; Megatron: the TP group of replica 0)."""
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank's gathers hold the whole tensors, so it can write a checkpoint."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the model scores (a client datum's tokens and targets must be below it)."""
+
+    @property
+    def slot_grad_norm(self) -> SlotNorm | None:
+        """The norm of one slot's gradient when its tensors are sharded over ranks (Megatron: over
+        TP, `SlotAdamW.step_slots(slot_norm=...)`); None: this rank holds whole rows, and the
+        optimizer's fused step takes each slot's norm itself."""
 
     @overload
     def forward_logprobs(self, batch: MicroBatch, slots: list[int], *, entropy: Literal[False] = False,

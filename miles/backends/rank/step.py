@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from miles.backends.base import AdapterSpec, AdapterStepStats
+from miles.backends.common.optimizer import SlotStep
 from miles.backends.rank.adapters import SlotAdapters
 from miles.backends.rank.take_back import TakeBack
-from miles.backends.torch.optimizer import SlotStep
 from miles.utils.types.client import AdamStep
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from miles.backends.common.optimizer import SlotAdamW
 from miles.backends.rank.adapters import SlotAdapters
-from miles.backends.torch.optimizer import SlotAdamW
 
 
 @dataclass

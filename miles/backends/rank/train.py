@@ -13,17 +13,17 @@ from typing import Any
 
 import torch
 
-from miles.backends.rank.adapters import SlotAdapters
-from miles.backends.rank.take_back import TakeBack
-from miles.backends.torch.batching import (
+from miles.backends.common.batching import (
     ActivationBudget,
     Advantage,
     MicroBatch,
     make_micro_batches,
     response_logprobs,
 )
-from miles.backends.torch.client_loss import ClientRow, client_loss_terms, client_rows, datum_outputs
-from miles.backends.torch.loss import LossParams, approx_kl_per_sample, policy_loss_terms
+from miles.backends.common.client_loss import ClientRow, client_loss_terms, client_rows, datum_outputs
+from miles.backends.common.loss import LossParams, approx_kl_per_sample, policy_loss_terms
+from miles.backends.rank.adapters import SlotAdapters
+from miles.backends.rank.take_back import TakeBack
 from miles.utils.types import Sample
 from miles.utils.types.client import ClientWork, DatumOutput
 

@@ -1,15 +1,12 @@
-"""The torch training backend: frozen HF base + slot page-table LoRA + one AdamW per slot.
+"""The torch training backend: frozen HF base + slot page-table LoRA, data-parallel ranks.
 
-    from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
-    group = TrainGroup(TrainGroupConfig.from_config(cfg))   # a `TrainingBackend`
+    from miles.backends.torch.train_group import torch_train_group
+    group = torch_train_group(TrainGroupConfig.from_config(cfg))   # a `TrainingBackend`
     await group.start()
 
-Modules: `loss` (GRPO advantages, PPO-clip/TIS/KL), `optimizer` (per-slot AdamW),
-`lr_schedule` (per-adapter schedule on the adapter's sample clock), `checkpoint`
-(atomic PEFT + optimizer checkpoints), `batching` (mixed-slot micro-batches), `lm_head`
-(the LM head fused with the token logprobs), `recompute` (activation recomputation),
-`allocator` (the CPU allocator), `train_model` (the Hugging Face model as a rank's
-`TrainModel`), `actor` (one DP rank: the backend-neutral `miles.backends.rank` over that
-model), `train_group` (the DP group the driver talks to). The Megatron backend reuses
-`loss`, `optimizer`, `lr_schedule`, `checkpoint` and `batching`.
+Modules: `train_model` (the Hugging Face model as a rank's `TrainModel`), `lm_head` (the
+LM head fused with the token logprobs), `recompute` (activation recomputation),
+`allocator` (the CPU allocator), `actor` (one DP rank: the backend-neutral
+`miles.backends.rank` over that model), `train_group` (its ranks in the shared
+`miles.backends.common.train_group.TrainGroup`).
 """

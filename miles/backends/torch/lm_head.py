@@ -33,12 +33,16 @@ K the stacked slot columns of a head LoRA.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from miles.lora.layer import MultiLoRALinear
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CHUNK_LOGITS = 2**23
 """Logits (rows x vocabulary) computed at a time: 32 MB in float32. Each chunk's two GEMMs
@@ -52,7 +56,7 @@ soft-capping, scale or bias (SmolLM2 is a llama; tied embeddings are fine)."""
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def fused_head_weight(model: nn.Module) -> Tensor | None:
+def fused_head_weight(model: PreTrainedModel) -> Tensor | None:
     """The head weight [V, H] of `model` when its logits are exactly `hidden @ weight.T`
     (a frozen bias-free `nn.Linear` on an architecture of `FUSED_MODEL_TYPES` whose config
     sets no logit transform), plus a slot LoRA where the head carries one (`head_lora_layer`);
@@ -70,7 +74,7 @@ def fused_head_weight(model: nn.Module) -> Tensor | None:
     return head.weight
 
 
-def head_lora_layer(model: nn.Module) -> MultiLoRALinear | None:
+def head_lora_layer(model: PreTrainedModel) -> MultiLoRALinear | None:
     """The slot LoRA of `model`'s head (`inject_multi_lora` with `lm_head`); None: a plain head."""
     head = model.get_output_embeddings()
     return head if isinstance(head, MultiLoRALinear) else None
@@ -151,7 +155,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         logprobs_N = torch.empty(n, dtype=torch.float32, device=hidden_NH.device)
         entropy_N = torch.empty_like(logprobs_N) if entropy else None
         dlogp_NH = torch.empty_like(hidden_NH, dtype=weight_VH.dtype) if with_grad else None
-        dent_NH = torch.empty_like(dlogp_NH) if with_grad and entropy else None
+        dent_NH = torch.empty_like(hidden_NH, dtype=weight_VH.dtype) if with_grad and entropy else None
         logits_buf, probs_buf = _buffers(hidden_NH, weight_VH, rows)
         for start in range(0, n, rows):
             chunk = slice(start, start + rows)
@@ -169,7 +173,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
             logprobs_N[chunk] = target_logit_R - (log_sum_R + max_R)  # logit[y] - logsumexp
             if entropy_N is None and not with_grad:
                 continue
-            if entropy_N is None:
+            if entropy_N is None or logp is None:
                 probs = exp.div_(sum_R[:, None])
             else:
                 probs = torch.exp(logp, out=exp)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +35,13 @@ from torch import nn
 
 from miles.lora import active_routing, restore_routing
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 logger = logging.getLogger(__name__)
 
 
-def apply_recompute(model: nn.Module, granularity: str | None, method: str | None = None,
+def apply_recompute(model: PreTrainedModel, granularity: str | None, method: str | None = None,
                     num_layers: int | None = None, modules: Collection[str] | None = None) -> None:
     """The train actor's `--recompute-granularity` (None: keep every activation) and
     `--recompute-modules`, logged."""
@@ -57,7 +60,7 @@ def apply_recompute(model: nn.Module, granularity: str | None, method: str | Non
                            "%s (use full)", type(model).__name__, ", ".join(sorted(SEQUENTIAL_PRE_NORM_LAYERS)))
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: PreTrainedModel) -> list[nn.Module]:
     """The decoder layers of a Hugging Face causal LM, in order."""
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
@@ -65,7 +68,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def recompute_decoder_layers(model: nn.Module, *, method: str = "uniform", num_layers: int | None = None) -> int:
+def recompute_decoder_layers(model: PreTrainedModel, *, method: str = "uniform", num_layers: int | None = None) -> int:
     """Recompute every decoder layer (`uniform`) or the first `num_layers` (`block`, default
     all) in the backward; returns how many layers are recomputed."""
     if method not in ("uniform", "block"):
@@ -106,7 +109,7 @@ DEFAULT_MODULES = frozenset({"layernorm"})
 """`--recompute-modules` of the torch backend when not given."""
 
 
-def release_cheap_activations(model: nn.Module, modules: Collection[str] = DEFAULT_MODULES) -> int:
+def release_cheap_activations(model: PreTrainedModel, modules: Collection[str] = DEFAULT_MODULES) -> int:
     """`--recompute-granularity selective` on the torch backend: drop the activations that are
     cheap to form again and refill them when the backward reaches the block that needs them;
     returns how many decoder layers changed. `modules` as described below.
@@ -134,17 +137,27 @@ def release_cheap_activations(model: nn.Module, modules: Collection[str] = DEFAU
     for layer in decoder_layers(model):
         if type(layer).__name__ not in SEQUENTIAL_PRE_NORM_LAYERS:
             continue
+        input_norm, attention, post_norm, mlp = (_child(layer, name) for name in (
+            "input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))
         # The MLP first: the release of the norm's output wraps the MLP's forward.
         if "mlp" in modules:
-            _recompute_norm_and_block(layer.post_attention_layernorm, layer.mlp)
-        elif _is_silu_gated(layer.mlp):
-            layer.mlp.forward = _lean_gated_mlp(layer.mlp)
+            _recompute_norm_and_block(post_norm, mlp)
+        elif _is_silu_gated(mlp):
+            mlp.forward = _lean_gated_mlp(mlp)
         if "layernorm" in modules:
-            _release_norm_output_after(layer.input_layernorm, layer.self_attn)
+            _release_norm_output_after(input_norm, attention)
             if "mlp" not in modules:
-                _release_norm_output_after(layer.post_attention_layernorm, layer.mlp)
+                _release_norm_output_after(post_norm, mlp)
         changed += 1
     return changed
+
+
+def _child(module: nn.Module, name: str) -> nn.Module:
+    """The submodule `name` of a decoder layer or MLP (the Hugging Face attribute names)."""
+    child = getattr(module, name)
+    if not isinstance(child, nn.Module):
+        raise TypeError(f"{type(module).__name__}.{name} is a {type(child).__name__}, not a module")
+    return child
 
 
 def _recompute_norm_and_block(norm: nn.Module, block: nn.Module) -> None:
@@ -194,7 +207,7 @@ def _lean_gated_mlp(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     def run(x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return forward(x)
-        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        gate, up = _child(mlp, "gate_proj")(x), _child(mlp, "up_proj")(x)
         silu_again: list[torch.Tensor] = []  # the refill's silu(gate), for the node's backward right after
         gated = _SiluMul.apply(gate, up, silu_again)
 
@@ -202,7 +215,7 @@ def _lean_gated_mlp(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
             silu_again.append(F.silu(gate))
             torch.mul(silu_again[0], up, out=target)
 
-        out = mlp.down_proj(gated)
+        out = _child(mlp, "down_proj")(gated)
         _release_until_backward(gated, form_into, out)
         return out
 

@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from miles.backends.rank.config import TrainActorConfig
-from miles.backends.rank.model import all_reduce_sum
-from miles.backends.torch.batching import (
+from miles.backends.common.batching import (
     CPU_ACTIVATION_BUDGET_MB,
     ActivationBudget,
     MicroBatch,
@@ -27,6 +25,9 @@ from miles.backends.torch.batching import (
     next_token_logprobs,
     target_logprobs,
 )
+from miles.backends.common.loss import entropy_from_logits
+from miles.backends.rank.config import TrainActorConfig
+from miles.backends.rank.model import all_reduce_sum
 from miles.backends.torch.lm_head import (
     CHUNK_LOGITS,
     fused_head_weight,
@@ -34,7 +35,6 @@ from miles.backends.torch.lm_head import (
     lm_head_logprobs,
     slot_head_lora,
 )
-from miles.backends.torch.loss import entropy_from_logits
 from miles.backends.torch.recompute import apply_recompute
 from miles.lora import (
     clear_slot,
@@ -73,7 +73,9 @@ class TorchTrainModel:
             module, n_slots=config.n_slots, max_rank=config.lora_rank, target_modules=config.target_modules
         )
         # eval(): no dropout, so the logprobs of a pass equal the ones the loss uses as "old".
-        self.module = module.to(torch.device(config.device)).eval()
+        as_module: nn.Module = module  # mypy takes `PreTrainedModel.to` (a functools.wraps) for unbound
+        as_module.to(torch.device(config.device))  # in place, as any module's
+        self.module = module.eval()
         """The Hugging Face model (`use_slots(model.module, slots)` routes its LoRA layers)."""
         apply_recompute(self.module, config.recompute_granularity, config.recompute_method,
                         config.recompute_num_layers, config.recompute_modules)
@@ -135,7 +137,7 @@ class TorchTrainModel:
             hidden_BKH = hidden_BLH[:, start:-1]
             out = lm_head_logprobs(hidden_BKH, head_VH, batch.input_ids_BL[:, start + 1 :], entropy=entropy,
                                    lora=self._head_lora(hidden_BKH, slots))
-            if not entropy:
+            if isinstance(out, Tensor):  # no entropy asked
                 return torch.nn.functional.pad(out, (start, 0))
             return tuple(torch.nn.functional.pad(x_BK, (start, 0)) for x_BK in out)
         # Positions as a tensor, not the int `keep`: the model gathers them into a contiguous

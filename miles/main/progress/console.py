@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from miles.backends.torch.checkpoint import latest_checkpoint
 from miles.main.progress.metrics import AdapterProgress
 from miles.utils.types import AdapterKind, RolloutBatch
 
@@ -151,15 +151,18 @@ def clients_line(stepped: list[AdapterProgress], perf: dict[str, float]) -> str:
     return f"clients | {'; '.join(parts)}" + (f" | {times}" if times else "")
 
 
-def summary_rows(adapters: Iterable[AdapterProgress]) -> list[tuple[str, ...]]:
+def summary_rows(adapters: Iterable[AdapterProgress],
+                 latest_checkpoint: Callable[[str], Path | None] | None = None) -> list[tuple[str, ...]]:
     """The end-of-run table (`SUMMARY_HEADER`): per adapter, the reward and loss of its first and
-    last steps, its steps and its latest checkpoint."""
+    last steps, its steps and its latest checkpoint (`TrainingBackend.latest_checkpoint`; None:
+    not shown)."""
     rows: list[tuple[str, ...]] = []
     for entry in sorted(adapters, key=lambda e: e.name):
         if entry.kind is AdapterKind.CLIENT:
             checkpoint = entry.resume_from or "-"
         else:
-            checkpoint = str(latest_checkpoint(entry.save_dir) or "-") if entry.save_dir else "-"
+            found = latest_checkpoint(entry.save_dir) if entry.save_dir and latest_checkpoint else None
+            checkpoint = str(found or "-")
         rows.append((
             entry.name,
             entry.kind.value,

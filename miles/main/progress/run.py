@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from miles.main.client_commands import ClientModelReport
@@ -31,7 +32,8 @@ logger = logging.getLogger(__package__)
 
 class RunProgress:
     def __init__(self, metrics: MetricsLogger, *, view: ProgressView | None = None, controller: Any = None,
-                 dump: RolloutDump | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 dump: RolloutDump | None = None, clock: Callable[[], float] = time.monotonic,
+                 latest_checkpoint: Callable[[str], Path | None] | None = None) -> None:
         self.metrics = metrics
         self.view = view if view is not None else PlainView()
         self.controller = controller
@@ -39,6 +41,9 @@ class RunProgress:
         self.dump = dump
         """`--dump-details`: takes every trained batch (its owner closes it); None: no dump."""
         self.clock = clock
+        self.latest_checkpoint = latest_checkpoint
+        """Where an adapter's save directory resumes from (`TrainingBackend.latest_checkpoint`),
+        shown in the summary; None: not shown."""
         self.adapters: dict[str, AdapterProgress] = {}
         self._last_idle_log = float("-inf")
         self._start = clock()
@@ -178,7 +183,7 @@ class RunProgress:
         self.view = PlainView()
 
     def summary_rows(self) -> list[tuple[str, ...]]:
-        return summary_rows(self.adapters.values())
+        return summary_rows(self.adapters.values(), self.latest_checkpoint)
 
     def print_summary(self) -> None:
         self.close()

@@ -39,7 +39,7 @@ class ClientDatum:
     (ints: the token whose logprob position i scores), and by loss `weights`,
     `logprobs` (the sampler's), `advantages`, the per-position clip thresholds
     (`clip_low_threshold`, `clip_high_threshold`) or GSPO's `sequence_ratio_mask`
-    (`miles.backends.torch.client_loss` checks them and says which field is wrong).
+    (`miles.backends.common.client_loss` checks them and says which field is wrong).
     """
 
     tokens: list[int]

@@ -28,13 +28,16 @@ def test_miles_placement_divides_the_gpus_by_the_tensor_parallel_size(tiny_model
 
 
 def test_launch_builds_the_backend_the_flag_names(tiny_model_dir):
-    from miles.backends.megatron.train_group import MegatronTrainGroup
-    from miles.backends.torch.train_group import TrainGroup
+    from miles.backends.common.train_group import TrainGroup
+    from miles.backends.megatron.actor import MegatronTrainActor
+    from miles.backends.torch.actor import TorchTrainActor
 
     megatron = build_backend(parse_args(_args(tiny_model_dir, "--tensor-model-parallel-size", "2")))
-    assert isinstance(megatron, MegatronTrainGroup) and megatron.config.world_size == 2
+    assert isinstance(megatron, TrainGroup) and megatron.rank_class is MegatronTrainActor
+    assert megatron.config.world_size == 2 and megatron.ranks.layout.sharded
     torch_backend = build_backend(parse_args(["--hf-checkpoint", str(tiny_model_dir), "--multi-lora-n-adapters", "2"]))
-    assert type(torch_backend) is TrainGroup
+    assert isinstance(torch_backend, TrainGroup) and torch_backend.rank_class is TorchTrainActor
+    assert not torch_backend.ranks.layout.sharded
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -58,11 +61,11 @@ def test_a_model_the_tensor_parallel_size_does_not_divide_is_refused(tiny_model_
 def test_a_rank_class_by_dotted_path_must_subclass_the_megatron_rank(tiny_model_dir):
     """`--train-actor-path` swaps the rank class the group starts; a torch rank cannot run as a Megatron one."""
     from miles.backends.megatron.actor import MegatronTrainActor
-    from miles.backends.megatron.train_group import MegatronTrainGroup
+    from miles.backends.megatron.train_group import megatron_train_group
     from miles.utils.plugins import PluginError
 
-    group = MegatronTrainGroup(MegatronGroupConfig.from_config(parse_args(_args(tiny_model_dir))))
+    group = megatron_train_group(MegatronGroupConfig.from_config(parse_args(_args(tiny_model_dir))))
     assert group.rank_class is MegatronTrainActor
     wrong = parse_args(_args(tiny_model_dir, "--train-actor-path", "miles.backends.torch.actor.TorchTrainActor"))
     with pytest.raises(PluginError, match="--train-actor-path .*must be a subclass of .*MegatronTrainActor"):
-        MegatronTrainGroup(MegatronGroupConfig.from_config(wrong))
+        megatron_train_group(MegatronGroupConfig.from_config(wrong))

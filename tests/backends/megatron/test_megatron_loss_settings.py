@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from miles.backends.torch.loss import adapter_token_advantages
+from miles.backends.common.loss import adapter_token_advantages
 from miles.utils.loss_settings import LossSettings
 from tests.helpers.megatron_scenario import RANK, random_adapter
 from tests.helpers.torch_backend_data import counts, make_groups, max_abs_diff, spec

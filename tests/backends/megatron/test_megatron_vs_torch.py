@@ -15,9 +15,9 @@ import copy
 import pytest
 import torch
 
+from miles.backends.common.checkpoint import read_checkpoint
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.actor import TorchTrainActor
-from miles.backends.torch.checkpoint import read_checkpoint
 from tests.helpers.megatron_scenario import (
     RANK,
     logit_input_ids,

@@ -17,7 +17,9 @@ from miles.backends.torch.train_model import TorchTrainModel
 
 METHODS = sorted(name for name, member in vars(TrainModel).items()
                  if inspect.isfunction(member) and not name.startswith("_"))
-ATTRIBUTES = sorted(get_type_hints(TrainModel))
+ATTRIBUTES = sorted({*get_type_hints(TrainModel),
+                     *(name for name, member in vars(TrainModel).items() if isinstance(member, property))})
+"""Its attributes and its read-only properties (the rank's flags)."""
 
 
 def test_the_protocol_names_what_the_core_uses():

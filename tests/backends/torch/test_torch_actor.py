@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from miles.backends.base import LoadResult
+from miles.backends.common.checkpoint import latest_checkpoint, latest_miles_checkpoint
 from miles.backends.torch.actor import TorchTrainActor
-from miles.backends.torch.checkpoint import latest_checkpoint, latest_miles_checkpoint
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import DataPosition
 from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
@@ -311,7 +311,7 @@ def test_an_activation_budget_splits_training_where_no_micro_batch_size_is_given
 
 def test_a_cpu_rank_runs_the_threads_of_its_reserved_cpus(tiny_model_dir):
     """--actor-num-cpus-per-worker N: Ray reserves N CPUs per rank and the rank runs N torch threads."""
-    from miles.backends.torch.train_group import TrainGroupConfig
+    from miles.backends.common.train_group import TrainGroupConfig
     from miles.utils.arguments import parse_args
 
     cfg = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--actor-num-cpus-per-worker", "2"])
@@ -329,12 +329,14 @@ def test_a_cpu_rank_runs_the_threads_of_its_reserved_cpus(tiny_model_dir):
 
 def test_a_rank_class_given_by_dotted_path_is_the_one_the_group_starts(tiny_model_dir):
     """`--train-actor-path`: a subclass of the backend's rank, checked when the group is built."""
-    from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
+    from miles.backends.common.train_group import TrainGroup, TrainGroupConfig
+    from miles.backends.torch.train_group import torch_train_group
     from miles.utils.arguments import parse_args
     from miles.utils.plugins import PluginError
 
     def group(*flags: str) -> TrainGroup:
-        return TrainGroup(TrainGroupConfig.from_config(parse_args(["--hf-checkpoint", str(tiny_model_dir), *flags])))
+        cfg = parse_args(["--hf-checkpoint", str(tiny_model_dir), *flags])
+        return torch_train_group(TrainGroupConfig.from_config(cfg))
 
     assert group().rank_class is TorchTrainActor
     assert group("--train-actor-path", f"{__name__}.CountingTrainActor").rank_class is CountingTrainActor

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from miles.backends.torch.loss import adapter_token_advantages, approx_kl, compute_advantages, needs_reward_kl
+from miles.backends.common.loss import adapter_token_advantages, approx_kl, compute_advantages, needs_reward_kl
 from miles.utils.loss_settings import LossSettings
 from tests.helpers.numerics import AdamBound, reduction_terms, sum_tolerance, within
 from tests.helpers.torch_backend_data import counts, make_groups, max_abs_diff, new_actor, spec
@@ -184,9 +184,9 @@ def test_the_response_window_gives_the_numbers_of_the_full_forward(tiny_model_di
     """The LM head on the response window only (`logits_to_keep`) changes no logprob,
     entropy, loss term or gradient (fp32; KL to the reference, TIS, rollout logprobs,
     entropy bonus, GSPO and a loss mask, three adapters in one micro-batch)."""
+    from miles.backends.common.batching import logits_to_keep, make_micro_batches
+    from miles.backends.common.loss import entropy_from_logits
     from miles.backends.torch import train_model as model_module
-    from miles.backends.torch.batching import logits_to_keep, make_micro_batches
-    from miles.backends.torch.loss import entropy_from_logits
 
     monkeypatch.setattr(model_module, "WINDOW_MIN_SKIPPED_LOGITS", 0)  # the tiny vocabulary is below it
     windowed, windowed_weights, actor, samples = _window_run(tiny_model_dir)

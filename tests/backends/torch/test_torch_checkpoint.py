@@ -12,8 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from miles.backends.base import SaveRequest
-from miles.backends.rank.export import GradShare
-from miles.backends.torch.checkpoint import (
+from miles.backends.common.checkpoint import (
     ACCUMULATED_GRAD,
     COMPLETE_MARKERS,
     AccumulatedGrad,
@@ -23,7 +22,10 @@ from miles.backends.torch.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from miles.backends.torch.train_group import TrainGroup
+from miles.backends.common.rank_group import RankGroup, RankLayout, whole_accumulated_grad
+from miles.backends.rank.actor import TrainRank
+from miles.backends.rank.config import TrainActorConfig
+from miles.backends.rank.export import GradShare
 from miles.utils.types import DataPosition
 from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec
 
@@ -147,33 +149,23 @@ def test_the_trainer_state_must_count_what_the_gradient_covers(tmp_path):
     assert not (tmp_path / "checkpoints" / "step_1").exists()
 
 
-class _Rank:
-    """A train rank's `accumulated_grad` as the train group calls it (`.remote` is awaited)."""
-
-    def __init__(self, share: dict[str, torch.Tensor] | None, samples: int) -> None:
-        async def remote(name: str):
-            if share is None:
-                raise RuntimeError("the rank is gone")
-            return GradShare(share, samples)
-
-        self.accumulated_grad = type("Method", (), {"remote": staticmethod(remote)})
-
-
-async def _gathered(ranks: list[_Rank], groups: int, samples: int) -> AccumulatedGrad | None:
-    group = TrainGroup.__new__(TrainGroup)
-    group._actors = ranks
-    return await group._accumulated_grad(SaveRequest("a", 3, None, accumulated_groups=groups,
-                                                     accumulated_samples=samples))
+def _gathered(shares: list[GradShare | BaseException], groups: int, samples: int) -> AccumulatedGrad | None:
+    return whole_accumulated_grad(SaveRequest("a", 3, None, accumulated_groups=groups, accumulated_samples=samples),
+                                  shares)
 
 
 async def test_the_saved_gradient_is_the_sum_of_every_rank_or_nothing():
-    one, two = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([0.5, -4.0])}
-    summed = await _gathered([_Rank(one, 4), _Rank(two, 4)], groups=2, samples=4)
+    one, two = GradShare({"w": torch.tensor([1.0, 2.0])}, 4), GradShare({"w": torch.tensor([0.5, -4.0])}, 4)
+    summed = _gathered([one, two], groups=2, samples=4)
     assert summed is not None and (summed.groups, summed.samples) == (2, 4)
     assert torch.equal(summed.tensors["w"], torch.tensor([1.5, -2.0]))
-    assert await _gathered([_Rank(one, 4), _Rank(two, 4)], groups=0, samples=0) is None  # nothing accumulated
-    assert await _gathered([_Rank(one, 4), _Rank(None, 4)], groups=2, samples=4) is None  # a rank is gone
-    assert await _gathered([_Rank(one, 6), _Rank(two, 6)], groups=2, samples=4) is None  # a batch not committed
+    unstarted = RankGroup(TrainRank, TrainActorConfig(hf_checkpoint="unused", n_slots=1, lora_rank=1), RankLayout(),
+                          num_cpus=0.0, num_gpus=0.0)
+    nothing = SaveRequest("a", 3, None, accumulated_groups=0, accumulated_samples=0)
+    assert await unstarted.accumulated_grad(nothing) is None  # nothing accumulated: no rank is asked
+    assert _gathered([one, RuntimeError("the rank is gone")], groups=2, samples=4) is None  # a rank is gone
+    six = [GradShare(one.tensors, 6), GradShare(two.tensors, 6)]
+    assert _gathered(six, groups=2, samples=4) is None  # a batch not committed
 
 
 def test_a_resumed_gradient_goes_back_on_the_first_rank_only_and_only_if_it_fits(tiny_model_dir, tmp_path):

@@ -16,9 +16,9 @@ import torch
 from transformers import AutoTokenizer
 
 from miles.backends.base import AdapterSpec
+from miles.backends.common.loss import adapter_token_advantages, needs_reward_kl
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.actor import TorchTrainActor
-from miles.backends.torch.loss import adapter_token_advantages, needs_reward_kl
 from miles.lora import use_slots
 from miles.rollout.rewards.builtin import BUILTIN_REWARDS
 from miles.utils.loss_settings import LossSettings

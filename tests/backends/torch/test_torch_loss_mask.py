@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from miles.backends.torch.batching import make_micro_batches
+from miles.backends.common.batching import make_micro_batches
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import Sample
 from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, max_abs_diff, new_actor, spec

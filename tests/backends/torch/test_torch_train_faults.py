@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from miles.backends.base import SaveRequest, TrainRankLostError
+from miles.backends.common.train_group import TrainGroup, TrainGroupConfig
 from miles.backends.rank.config import TrainActorConfig
 from miles.backends.torch.actor import TorchTrainActor
-from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
+from miles.backends.torch.train_group import torch_train_group
 from miles.utils.types import RolloutBatch
 from tests.helpers.fault_injection import RANK_1_FAILS_FIRST, FaultInjectingTrainActor, InjectedTrainFault
 from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, spec
@@ -113,7 +114,7 @@ def _rollout(rollout_id: int, seed: int, slots: dict[str, int]) -> RolloutBatch:
 
 async def _group(model_dir, tmp_path, actor_path: str | None = None) -> TrainGroup:
     actor = TrainActorConfig(hf_checkpoint=str(model_dir), n_slots=4, lora_rank=4, micro_batch_size=3)
-    group = TrainGroup(TrainGroupConfig(actor=actor, n_workers=2, num_cpus_per_worker=0, actor_path=actor_path))
+    group = torch_train_group(TrainGroupConfig(actor=actor, n_workers=2, num_cpus_per_worker=0, actor_path=actor_path))
     await group.start()
     await group.load_adapter(spec("a", 0, global_batch_size=8, save_dir=tmp_path / "a"))
     await group.load_adapter(spec("b", 1, rank=2, global_batch_size=8, save_dir=tmp_path / "b"))

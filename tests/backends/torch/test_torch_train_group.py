@@ -16,9 +16,11 @@ import ray
 import torch
 
 from miles.backends.base import AdapterSpec, TrainingBackend
+from miles.backends.common.checkpoint import latest_checkpoint, read_checkpoint
+from miles.backends.common.rank_group import split_prompt_groups
+from miles.backends.common.train_group import TrainGroupConfig
 from miles.backends.torch.actor import TrainActorConfig
-from miles.backends.torch.checkpoint import latest_checkpoint, read_checkpoint
-from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig, split_prompt_groups
+from miles.backends.torch.train_group import torch_train_group
 from miles.controller.actor import ControllerConfig, MultiLoRAController
 from miles.controller.http_server import HTTPServerConfig
 from miles.main.engine_push import EnginePusher
@@ -129,7 +131,7 @@ async def _started(model_dir, tmp_path, n_workers, receivers=(), positions=None)
     registry = RegistryActor.remote(4)
     for name, rank in (("a", 4), ("b", 2)):
         await registry.register.remote(name, _adapter_config(tmp_path / f"dp{n_workers}", name, rank))
-    group = TrainGroup(_group_config(model_dir, n_workers))
+    group = torch_train_group(_group_config(model_dir, n_workers))
     assert isinstance(group, TrainingBackend)
     await group.start()
     rollout = RecordingRollout.remote(positions or {})
@@ -233,7 +235,7 @@ async def test_reconcile_saves_cleans_up_and_resumes(ray_session, tiny_model_dir
     # A new trainer with a new controller resumes a from its latest checkpoint.
     registry2 = RegistryActor.remote(4)
     await registry2.register.remote("a", _adapter_config(tmp_path / "dp1", "a", 4))
-    group2 = TrainGroup(_group_config(tiny_model_dir, 1))
+    group2 = torch_train_group(_group_config(tiny_model_dir, 1))
     await group2.start()
     rollout2 = RecordingRollout.remote({})
     sync2 = Stages.build(group2, registry2, rollout2, save_interval=1)
@@ -281,7 +283,7 @@ async def test_a_stop_mid_window_keeps_its_gradient_and_the_resumed_step_equals_
     first = _batch(0, make_groups("a", 0, 2, 2, seed=1) + make_groups("b", 1, 1, 2, seed=2), [])
     second = _batch(1, make_groups("a", 0, 1, 2, seed=3) + make_groups("b", 1, 1, 2, seed=4), ["a", "b"])
     positions = {"a": DataPosition(epoch=0, index=2), "b": DataPosition(epoch=0, index=1)}
-    group, fresh = TrainGroup(_group_config(tiny_model_dir, 2)), TrainGroup(_group_config(tiny_model_dir, 2))
+    group, fresh = (torch_train_group(_group_config(tiny_model_dir, 2)) for _ in range(2))
     await asyncio.gather(group.start(), fresh.start())
     registry, _, sync, _ = await _window_trainer(group, tmp_path, positions)
     _, snapshot = await _train_and_commit(registry, sync, first)

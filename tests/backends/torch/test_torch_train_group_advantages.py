@@ -11,8 +11,9 @@ import json
 import pytest
 
 from miles.backends.base import AdapterSpec
+from miles.backends.common.train_group import TrainGroup, TrainGroupConfig
 from miles.backends.rank.config import TrainActorConfig
-from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig
+from miles.backends.torch.train_group import torch_train_group
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import RolloutBatch
 from tests.helpers.numerics import AdamBound, reduction_terms, sum_tolerance, within
@@ -35,7 +36,7 @@ def _batch(rollout_id: int, seed: int) -> RolloutBatch:
 
 async def _trained(model_dir, n_workers: int) -> tuple[TrainGroup, list]:
     actor = TrainActorConfig(hf_checkpoint=str(model_dir), n_slots=4, lora_rank=4, micro_batch_size=4)
-    group = TrainGroup(TrainGroupConfig(actor=actor, n_workers=n_workers, num_cpus_per_worker=0))
+    group = torch_train_group(TrainGroupConfig(actor=actor, n_workers=n_workers, num_cpus_per_worker=0))
     await group.start()
     for slot, (name, settings) in enumerate(SETTINGS.items()):
         await group.load_adapter(AdapterSpec(name=name, slot=slot, rank=4, alpha=8.0, global_batch_size=6, lr=0.05,

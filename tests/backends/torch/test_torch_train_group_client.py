@@ -11,8 +11,9 @@ import pytest
 import ray
 import torch
 
+from miles.backends.common.train_group import TrainGroup, TrainGroupConfig, deal_datums
 from miles.backends.rank.config import TrainActorConfig
-from miles.backends.torch.train_group import TrainGroup, TrainGroupConfig, deal_datums
+from miles.backends.torch.train_group import torch_train_group
 from miles.utils.types import RolloutBatch
 from miles.utils.types.client import AdamStep, ClientDatum
 from tests.helpers.fault_injection import RANK_1_FAILS_FIRST, InjectedTrainFault
@@ -31,7 +32,7 @@ def _rollout(rollout_id: int, groups) -> RolloutBatch:
 
 async def _group(model_dir, n_workers: int, actor_path: str | None = None) -> TrainGroup:
     actor = TrainActorConfig(hf_checkpoint=str(model_dir), n_slots=4, lora_rank=4, micro_batch_size=3)
-    group = TrainGroup(TrainGroupConfig(actor=actor, n_workers=n_workers, num_cpus_per_worker=0,
+    group = torch_train_group(TrainGroupConfig(actor=actor, n_workers=n_workers, num_cpus_per_worker=0,
                                         actor_path=actor_path))
     await group.start()
     return group

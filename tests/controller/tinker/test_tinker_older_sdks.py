@@ -7,7 +7,7 @@ seconds per release the first time, reused after) and `tests/helpers/older_sdk_c
 in a subprocess with that directory first on PYTHONPATH against a controller on loopback (port 0).
 
 A test-side driver plays the trainer: it scores each datum with made-up logprobs through the
-trainer's own loss math (`miles.backends.torch.client_loss`) and writes a PEFT adapter for
+trainer's own loss math (`miles.backends.common.client_loss`) and writes a PEFT adapter for
 each save; a real sglang-router and builtin engine on the tiny model serve the samples
 (`conftest.py`). What the SDK decoded is checked against each loss's formula, the driver's
 record and the sampler's own answer for the same request.
@@ -35,7 +35,7 @@ import torch
 from packaging.requirements import Requirement
 from transformers import AutoTokenizer
 
-from miles.backends.torch.client_loss import ClientInputs, client_loss_terms, client_rows, datum_outputs
+from miles.backends.common.client_loss import ClientInputs, client_loss_terms, client_rows, datum_outputs
 from miles.controller.tinker import sampler as tinker_sampler
 from miles.controller.tinker.gateway import GatewayConfig
 from miles.controller.tinker.models import model_name

@@ -267,12 +267,13 @@ def adapter_token_advantages(
             mask[r, : len(response_masks[i])] = torch.as_tensor(list(response_masks[i]), dtype=torch.float32)
         kl = None
         if needs_reward_kl(setting):
-            if reward_kl is None or any(reward_kl[i] is None for i in rows):
+            known = [] if reward_kl is None else [values for i in rows if (values := reward_kl[i]) is not None]
+            if len(known) != len(rows):
                 raise ValueError(f"adapter '{adapter}': --kl-coef {setting.kl_coef} shapes the "
                                  f"{setting.advantage_estimator} reward with the KL to the base model: pass reward_kl")
             kl = torch.zeros(len(rows), width)
-            for r, i in enumerate(rows):
-                kl[r, : len(reward_kl[i])] = torch.as_tensor(list(reward_kl[i]), dtype=torch.float32)
+            for r, values in enumerate(known):
+                kl[r, : len(values)] = torch.as_tensor(list(values), dtype=torch.float32)
         adv_NT = compute_advantages(setting, rewards_N[rows], mask, group_sizes=[group_sizes[g] for g in groups],
                                     kl_NT=kl)
         if setting.advantage_estimator in SAMPLE_LEVEL_ESTIMATORS:
@@ -366,7 +367,7 @@ class LossParams:
         return cls.gather([settings], [0] * batch_size)
 
     def to(self, device: torch.device | str) -> LossParams:
-        moved = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in self.__dict__.items()}
+        moved: dict[str, Any] = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in self.__dict__.items()}
         return LossParams(**moved)
 
 
@@ -487,7 +488,7 @@ def policy_loss_terms(
     trainer_old = old_logprobs_BT.detach().float()
     old = trainer_old
     if bool(params.use_rollout_logprobs_B.any()):
-        old = torch.where(_col(params.use_rollout_logprobs_B, logp), rollout_logprobs_BT.detach().float(), old)
+        old = torch.where(_col(params.use_rollout_logprobs_B, logp), _engine_logprobs(rollout_logprobs_BT), old)
 
     ppo_kl = _ppo_kl(old, logp, mask, active, params)
     pg, clipfrac = _clipped_policy_gradient(ppo_kl, adv, params)
@@ -575,6 +576,13 @@ class _Weighted:
     clipfrac: Tensor
 
 
+def _engine_logprobs(rollout_logprobs_BT: Tensor | None) -> Tensor:
+    """The engine's logprobs, detached, as float32 (`policy_loss_terms` checked they were given)."""
+    if rollout_logprobs_BT is None:
+        raise ValueError("--use-tis and --use-rollout-logprobs need the engine's logprobs of every response token")
+    return rollout_logprobs_BT.detach().float()
+
+
 def _importance_weights(pg_BT: Tensor, trainer_old_BT: Tensor, rollout_logprobs_BT: Tensor | None,
                         mask_BT: Tensor, active_BT: Tensor, params: LossParams, tis_args: Any) -> _Weighted:
     """Built-in TIS (clamped, detached weights) or each sample's custom TIS function."""
@@ -583,7 +591,7 @@ def _importance_weights(pg_BT: Tensor, trainer_old_BT: Tensor, rollout_logprobs_
     no_custom_B = torch.tensor([p is None for p in params.custom_tis_paths], dtype=torch.bool)
     builtin_tis = params.use_tis_B & no_custom_B.to(params.use_tis_B.device)
     if bool(builtin_tis.any()):
-        raw = torch.exp(trainer_old_BT - rollout_logprobs_BT.detach().float())
+        raw = torch.exp(trainer_old_BT - _engine_logprobs(rollout_logprobs_BT))
         clamped = torch.minimum(torch.maximum(raw, _col(params.tis_clip_low_B, pg)), _col(params.tis_clip_B, pg))
         on = _col(builtin_tis, pg)
         pg = torch.where(on, pg * clamped, pg)
@@ -592,7 +600,7 @@ def _importance_weights(pg_BT: Tensor, trainer_old_BT: Tensor, rollout_logprobs_
     for path in sorted({p for p in params.custom_tis_paths if p is not None}):
         rows = [i for i, p in enumerate(params.custom_tis_paths) if p == path]
         sub_loss, sub_mask, metrics = _apply_custom_tis(
-            path, rows, pg, trainer_old_BT, rollout_logprobs_BT.detach().float(), active_BT, tis_args
+            path, rows, pg, trainer_old_BT, _engine_logprobs(rollout_logprobs_BT), active_BT, tis_args
         )
         index = torch.tensor(rows, device=pg.device)
         pg = pg.index_put((index,), sub_loss)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.backends.torch.loss import LossParams, LossSettings, approx_kl, compute_advantages, policy_loss_terms
+from miles.backends.common.loss import LossParams, LossSettings, approx_kl, compute_advantages, policy_loss_terms
 
 VOCAB, LENGTH, GROUPS, GROUP_SIZE, STEPS = 4, 3, 2, 8, 60
 TARGET = torch.tensor([2, 0, 3])

@@ -135,7 +135,7 @@ class SlotAdamW:
     def slot_grads(self, slot: int) -> list[Tensor]:
         """Views of row `slot` of every gradient (allocated as zeros when missing)."""
         self._ensure_grads()
-        return [param.grad[slot] for param, _ in self.params]
+        return [_grad(param)[slot] for param, _ in self.params]
 
     def _ensure_grads(self) -> None:
         for param, _ in self.params:
@@ -152,9 +152,9 @@ class SlotAdamW:
         rank = hparams.rank
         for index, (param, rank_dim) in enumerate(self.params):
             if index in hparams.frozen:
-                param.grad[slot].zero_()
+                _grad(param)[slot].zero_()
             elif rank < param.shape[rank_dim]:
-                param.grad[slot].narrow(rank_dim - 1, rank, param.shape[rank_dim] - rank).zero_()
+                _grad(param)[slot].narrow(rank_dim - 1, rank, param.shape[rank_dim] - rank).zero_()
 
     def scale_slot_grad(self, slot: int, factor: float) -> None:
         torch._foreach_mul_(self.slot_grads(slot), factor)
@@ -218,7 +218,7 @@ class SlotAdamW:
         # multiply and one norm for the whole run, not one per slot. The scale and the clip
         # stay two multiplies, so the numbers are the per-slot sequence's.
         runs = self._runs([s.slot for s in steps])
-        grads = [[param.grad[start:stop] for param, _ in self.params] for start, stop in runs]
+        grads = [[_grad(param)[start:stop] for param, _ in self.params] for start, stop in runs]
         lengths = [stop - start for start, stop in runs]
         scale_S = torch.tensor([s.grad_scale for s in steps], dtype=torch.float32, device=grads[0][0].device)
         for run_grads, scale_R in zip(grads, scale_S.split(lengths)):
@@ -303,7 +303,7 @@ class SlotAdamW:
         weights = [self.params[i][0].detach()[start:stop] for i in trained]
         torch._fused_adamw_(
             weights,
-            [self.params[i][0].grad[start:stop] for i in trained],
+            [_grad(self.params[i][0])[start:stop] for i in trained],
             [self.exp_avg[i][start:stop] for i in trained],
             [self.exp_avg_sq[i][start:stop] for i in trained],
             [],
@@ -345,6 +345,13 @@ class SlotAdamW:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:
             raise IndexError(f"slot {slot} is outside the page table (0..{self.n_slots - 1})")
+
+
+def _grad(param: Tensor) -> Tensor:
+    """`param.grad`, which `SlotAdamW._ensure_grads` allocates before any row of it is read."""
+    grad = param.grad
+    assert grad is not None, "a slot gradient read before SlotAdamW._ensure_grads allocated it"
+    return grad
 
 
 def _mul_rows(grads: list[Tensor], factor_R: Tensor) -> None:

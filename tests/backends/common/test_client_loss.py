@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from miles.backends.torch.client_loss import (
+from miles.backends.common.client_loss import (
     ClientInputs,
     client_loss_terms,
     client_rows,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.backends.torch.batching import (
+from miles.backends.common.batching import (
     activation_bytes_per_token,
     activation_token_budget,
     logits_to_keep,

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from miles.backends.torch.loss import (
+from miles.backends.common.loss import (
     LossParams,
     LossSettings,
     approx_kl,

@@ -142,9 +142,9 @@ def _row(w: int, d: int, work: ClientWork, datum: ClientDatum, vocab_size: int |
     unknown = sorted(set(datum.inputs) - KNOWN_INPUTS)
     if unknown:
         raise ValueError(f"{where}: inputs {unknown} are read by no loss (known: {sorted(KNOWN_INPUTS)})")
-    for key, values in datum.inputs.items():
-        if len(values) != n:
-            raise ValueError(f"{where}: '{key}' has {len(values)} values for {n} tokens (one per position)")
+    for key, given in datum.inputs.items():
+        if len(given) != n:
+            raise ValueError(f"{where}: '{key}' has {len(given)} values for {n} tokens (one per position)")
     for key in REQUIRED_INPUTS[loss] if loss is not None else ():
         if key not in datum.inputs:
             raise ValueError(f"{where}: loss {loss!r} needs the input '{key}'")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.backends.torch.lr_schedule import LRSchedule
-from miles.backends.torch.optimizer import SlotAdamW
+from miles.backends.common.lr_schedule import LRSchedule
+from miles.backends.common.optimizer import SlotAdamW
 
 
 def _params(seed: int = 0):
@@ -149,7 +149,7 @@ def test_schedules_equal_megatrons_scheduler_step_for_step(style, warmup, init, 
 
 
 def test_fused_step_of_several_slots_equals_the_per_slot_sequence():
-    from miles.backends.torch.optimizer import SlotStep
+    from miles.backends.common.optimizer import SlotStep
 
     fused_params, loop_params = _params(3), _params(3)
     settings = {0: (2, 0.02, 0.1, 0.5), 2: (4, 0.005, 0.0, 1.0 / 64)}  # slot: rank, lr, weight decay, grad scale
@@ -190,7 +190,7 @@ def test_fused_step_of_several_slots_equals_the_per_slot_sequence():
 def test_fused_step_over_a_run_of_slots_equals_the_per_slot_sequence():
     """Consecutive slots with equal lr, weight decay and step count are updated as one
     slice; a slot that stepped alone in between splits the run. Same numbers either way."""
-    from miles.backends.torch.optimizer import SlotStep
+    from miles.backends.common.optimizer import SlotStep
 
     fused_params, loop_params = _params(5), _params(5)
     fused = SlotAdamW([(fused_params[0], 1), (fused_params[1], 2)], n_slots=3)
@@ -220,7 +220,7 @@ def test_fused_step_over_a_run_of_slots_equals_the_per_slot_sequence():
 def test_a_step_with_a_sharded_norm_is_the_per_slot_sequence_clipped_by_that_norm():
     """`slot_norm` (a slot's gradient sharded over ranks): each slot in turn is masked, scaled,
     clipped by the norm it gives and stepped, bit for bit the per-slot calls."""
-    from miles.backends.torch.optimizer import SlotStep
+    from miles.backends.common.optimizer import SlotStep
 
     def doubled(grads):  # as if another shard held the same gradient again
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, dtype=torch.float32))) * 2 ** 0.5
@@ -256,7 +256,7 @@ def test_a_step_with_a_sharded_norm_is_the_per_slot_sequence_clipped_by_that_nor
 def test_steps_bump_the_version_counters_that_cached_layouts_check():
     """The layers keep layouts derived from A and B while the weights' version counters are
     unchanged; every kind of step must move them (the fused AdamW kernel alone does not)."""
-    from miles.backends.torch.optimizer import SlotStep
+    from miles.backends.common.optimizer import SlotStep
 
     params = _params(3)
     opt = SlotAdamW([(params[0], 1), (params[1], 2)], n_slots=3)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles.backends.torch.client_loss import ClientInputs, ClientRow
+from miles.backends.common.client_loss import ClientInputs, ClientRow
 from miles.utils.types import Sample
 
 MIN_ROW_TOKENS = 2
@@ -305,7 +305,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_BKV: Tensor, targets_BT: Tensor, block_tokens: int) -> Tensor:  # type: ignore[override]
-        blocks = _blocks(*targets_BT.shape, block_tokens)
+        batch, n_pos = targets_BT.shape
+        blocks = _blocks(batch, n_pos, block_tokens)
         out_BT = torch.empty(targets_BT.shape, dtype=torch.float32, device=logits_BKV.device)
         lse_BT = torch.empty_like(out_BT)
         for rows, pos in blocks:
