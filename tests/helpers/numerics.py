@@ -32,8 +32,9 @@ class AdamBound:
 
     Call `observe(v, terms)` with the reference run's second moments after each of its
     steps; `bound` is then, per element, the sum over steps of
-    `2 · lr · terms · eps · max|g_k| / (sqrt(v̂_k) + adam_eps)` (the first moment and the
-    root of the second each move by at most the gradient's own difference). Elements
+    `2 · lr · terms · eps · max|g_k| / (sqrt(v̂_k) + adam_eps)`, with `max|g_k|` over the
+    element's tensor (the scale of its gradient sums; the first moment and the root of the
+    second each move by at most the gradient's own difference). Elements
     that never had a gradient are exactly equal in both runs, and their bound is 0.
     """
 
@@ -50,8 +51,8 @@ class AdamBound:
         self.steps += 1
         # v_k = beta2 v_{k-1} + (1 - beta2) g_k², so the step's gradient is read back from v.
         squares = [((v - self.beta2 * p) / (1 - self.beta2)).clamp_min(0) for v, p in zip(moments, previous)]
-        largest = max(float(s.max()) for s in squares) ** 0.5
-        for total, v in zip(self.bound, moments):
+        for total, v, square in zip(self.bound, moments, squares):
+            largest = float(square.max()) ** 0.5  # the scale of this tensor's gradient sums
             rms = (v / (1 - self.beta2 ** self.steps)).sqrt()
             drift = 2 * self.lr * terms * EPS32 * largest / (rms + self.adam_eps)
             total += torch.where(v > 0, drift, torch.zeros_like(drift))
