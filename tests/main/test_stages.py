@@ -96,7 +96,7 @@ async def test_a_stop_ends_a_waiting_collection_within_two_seconds_then_the_adap
 
 
 def test_fake_backend_implements_the_contract():
-    """Each method of the `TrainingBackend` Protocol, a coroutine function in both, with the
+    """Each method of the `TrainingBackend` Protocol, a coroutine function where the Protocol's is, with the
     same parameters (names, kinds, defaults): a contract change the fake does not follow
     fails here rather than as a loop test's puzzling error."""
     assert isinstance(FakeBackend(), TrainingBackend)
@@ -109,7 +109,7 @@ def test_fake_backend_implements_the_contract():
 
     for name, method in contract.items():
         fake = getattr(FakeBackend, name)
-        assert inspect.iscoroutinefunction(method) and inspect.iscoroutinefunction(fake), name
+        assert inspect.iscoroutinefunction(fake) == inspect.iscoroutinefunction(method), name
         assert parameters(fake) == parameters(method), name
 
 

@@ -28,6 +28,7 @@ from miles.main.stages import Stages
 from miles.utils.adapter_config import AdapterDefaults, resolve_adapter_config
 from miles.utils.loss_settings import LossSettings
 from miles.utils.types import AdapterState, DataPosition, RolloutBatch
+from miles.utils.types.lifecycle_ops import RecordBatch
 from tests.helpers.torch_backend_data import make_groups, max_abs_diff, new_actor
 
 pytestmark = pytest.mark.slow
@@ -153,7 +154,7 @@ def _batches(slots):
 
 async def _train_and_commit(registry, sync, batch):
     """What one driver iteration does after generation (the collector records the batch)."""
-    await registry.record_batch_adapters.remote(batch.rollout_id, batch.groups_per_adapter, batch.step_names)
+    await registry.apply.remote(RecordBatch(batch.rollout_id, batch.groups_per_adapter, batch.step_names))
     trained = await sync.train.train(batch.rollout_id, batch)
     return trained, await sync.train.commit(batch.rollout_id)
 
