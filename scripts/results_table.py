@@ -50,8 +50,9 @@ def render(runs: list[dict]) -> str:
         lines.append(f"| {label} | {' | '.join(cells)} |")
     n = {r.get("n") for r in runs}
     lines.append("")
-    lines.append(f"Greedy accuracy on {'every' if n == {None} else '/'.join(map(str, sorted(n)))} held-out rows"
-                 f" of each task, {len(runs)} run{'s' * (len(runs) > 1)}; bold: the adapter's own task.")
+    rows = "all the" if n == {None} else "the first " + "/".join(map(str, sorted(n)))
+    lines.append(f"Greedy accuracy on {rows} held-out rows of each task, {len(runs)} run{'s' * (len(runs) > 1)};"
+                 " bold: the adapter's own task, with its gain over the base.")
     return "\n".join(lines)
 
 
