@@ -37,7 +37,7 @@ test: install
 # The numeric tests under float rounding other than this CPU's: torch's AVX2 and scalar kernels
 # (ATEN_CPU_CAPABILITY), MKL's AVX2 and compatible code paths (MKL_CBWR), one thread instead of
 # two. Not in `make test`: it runs them three times. NUMERIC_TESTS narrows or widens the set.
-NUMERIC_TESTS ?= tests/backends/torch tests/backends/rank tests/lora tests/recipes/test_tiny_base.py
+NUMERIC_TESTS ?= tests/backends/torch tests/backends/common tests/backends/rank tests/lora tests/recipes/test_tiny_base.py
 NUMERIC_PYTEST = $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal $(NUMERIC_TESTS)
 test-numerics: install
 	ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 $(NUMERIC_PYTEST)
