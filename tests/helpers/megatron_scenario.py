@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from miles.backends.common.checkpoint import AccumulatedGrad
+from miles.backends.megatron.gpu_check import rendezvous
 from miles.utils.types import Sample
 from tests.helpers.torch_backend_data import counts, flatten_with_advantages, make_groups, spec
 
@@ -123,17 +124,6 @@ def broadcast_shapes(shapes):
     box = [shapes]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def rendezvous(actor, rank: int, world: int, addresses) -> str:
-    """The process group's address: rank 0 listens on a port the OS picked (`master_address`
-    holds it until the group forms) and hands the address to the other ranks."""
-    if rank == 0:
-        address = actor.master_address("127.0.0.1")
-        for _ in range(world - 1):
-            addresses.put(address)
-        return address
-    return addresses.get(timeout=600)
 
 
 def _rank_main(rank: int, world: int, addresses, model_dir: str, work: str) -> None:

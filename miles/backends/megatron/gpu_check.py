@@ -89,7 +89,7 @@ def _not_alike(meg: dict, ref: dict, vocab: int) -> str | None:
     return None
 
 
-def _rendezvous(actor, rank: int, world: int, addresses) -> str:
+def rendezvous(actor, rank: int, world: int, addresses) -> str:
     """The process group's address: rank 0 listens on a port the OS picked (`master_address`
     holds it until the group forms) and hands the address to the other ranks."""
     if rank == 0:
@@ -109,7 +109,7 @@ def _rank_main(rank: int, world: int, addresses, args: argparse.Namespace, shape
     actor = MegatronTrainActor(MegatronActorConfig(hf_checkpoint=args.hf_checkpoint, n_slots=N_SLOTS, lora_rank=RANK,
                                                    device=device, dtype=args.dtype, tensor_model_parallel_size=world),
                                rank, world)
-    actor.init_process_group(_rendezvous(actor, rank, world, addresses))
+    actor.init_process_group(rendezvous(actor, rank, world, addresses))
     model = actor.model
     assert isinstance(model, MegatronTrainModel)
     seen = _play(actor, lambda slot, t: mlora.set_slot_weights(model.parts, slot, t, rank=RANK, alpha=16.0),
