@@ -31,6 +31,8 @@ UPSTREAM_PATHS = {
 PATH_RE = re.compile(r"(?<![\w./@:~-])((?:miles|scripts|configs|tests|docs)/[\w./{},*-]*)")
 """A repository path: one of the top-level folders, not inside a longer path or a URL."""
 MODULE_RE = re.compile(r"(?<![\w./-])(miles(?:\.\w+)+)")
+RUN_MODULE_RE = re.compile(r"python\s+-m\s+(miles(?:\.\w+)*)")
+"""`python -m miles...`: a module that must run (a `.py` file, or a package with `__main__.py`)."""
 MAKE_RE = re.compile(r"(?:^|[\s;&|(`])make\s+([A-Za-z][\w-]*)")
 LINK_RE = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE_RE = re.compile(r"^```.*?^```", re.S | re.M)
@@ -172,6 +174,14 @@ def test_named_modules_exist(doc: Path):
     problems = {m: module_problem(m) for m in set(MODULE_RE.findall(doc.read_text()))}
     problems = {m: p for m, p in problems.items() if p}
     assert not problems, f"{doc_id(doc)} names modules that do not exist: {problems}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=doc_id)
+def test_modules_run_with_python_m_exist(doc: Path):
+    named = set(RUN_MODULE_RE.findall(doc.read_text()))
+    runnable = {m for m in named if ROOT.joinpath(*m.split(".")).with_suffix(".py").is_file()
+                or ROOT.joinpath(*m.split("."), "__main__.py").is_file()}
+    assert named == runnable, f"{doc_id(doc)} runs modules that cannot run: {sorted(named - runnable)}"
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=doc_id)
